@@ -1,0 +1,119 @@
+"""sart: short and right LLM reasoning.
+
+Serve reasoning requests with ``n`` parallel branches per request, stop once
+``m`` complete, prune low-reward branches with a process reward model, and
+schedule many requests under a branch budget (Algorithm 1 of the SART paper).
+
+``import sart`` loads only the pure core: no torch, no engine. Engines and
+PRMs load lazily by name (see ``sart.registry``).
+"""
+
+from sart.answers import extract_answer
+from sart.clock import Clock, VirtualClock, WallClock
+from sart.driver import SyncDriver, TimelineSample, run
+from sart.engines.base import BranchDelta, BranchSpec, Engine, EngineStats, StepOutput
+from sart.errors import (
+    ConfigError,
+    EngineError,
+    MissingDependencyError,
+    PRMError,
+    SartError,
+    SchedulerError,
+    UnknownComponentError,
+)
+from sart.policies import (
+    AllDone,
+    BestReward,
+    FirstM,
+    MajorityVote,
+    NoPrune,
+    Policy,
+    PruneRule,
+    Selector,
+    StopRule,
+    TwoPhasePrune,
+    WeightedVote,
+    sart,
+    sart_without_pruning,
+    self_consistency,
+    vanilla,
+)
+from sart.prm.base import PRM, ScoreItem
+from sart.registry import load_engine, load_prm, register_engine, register_prm
+from sart.request import Request
+from sart.results import BranchOutcome, RequestResult, Timings
+from sart.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from sart.state import RequestMeta
+from sart.types import (
+    Admission,
+    BranchId,
+    BranchStatus,
+    FinishReason,
+    Phase,
+    RequestStatus,
+    SamplingSettings,
+)
+from sart.views import BranchView, Limits, RequestView
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "PRM",
+    "Admission",
+    "AllDone",
+    "BestReward",
+    "BranchDelta",
+    "BranchId",
+    "BranchOutcome",
+    "BranchSpec",
+    "BranchStatus",
+    "BranchView",
+    "Clock",
+    "ConfigError",
+    "Engine",
+    "EngineError",
+    "EngineStats",
+    "FinishReason",
+    "FirstM",
+    "Limits",
+    "MajorityVote",
+    "MissingDependencyError",
+    "NoPrune",
+    "PRMError",
+    "Phase",
+    "Policy",
+    "PruneRule",
+    "Request",
+    "RequestMeta",
+    "RequestResult",
+    "RequestStatus",
+    "RequestView",
+    "SamplingSettings",
+    "SartError",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerStats",
+    "ScoreItem",
+    "Selector",
+    "StepOutput",
+    "StopRule",
+    "SyncDriver",
+    "TimelineSample",
+    "Timings",
+    "TwoPhasePrune",
+    "UnknownComponentError",
+    "VirtualClock",
+    "WallClock",
+    "WeightedVote",
+    "extract_answer",
+    "load_engine",
+    "load_prm",
+    "register_engine",
+    "register_prm",
+    "run",
+    "sart",
+    "sart_without_pruning",
+    "self_consistency",
+    "vanilla",
+]

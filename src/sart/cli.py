@@ -1,0 +1,88 @@
+"""The ``sart`` command line. Subcommands: ``quickstart``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from sart.driver import SyncDriver
+from sart.engines.fake import FakeEngine
+from sart.engines.scripts import random_scripts
+from sart.errors import SartError
+from sart.policies.recipes import sart as sart_policy
+from sart.prm.scripted import ScriptedPRM
+from sart.request import Request
+from sart.results import RequestResult
+from sart.types import BranchStatus, SamplingSettings
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    interval = args.interval
+    script = random_scripts(seed=args.seed, median_length=4 * interval, every=interval)
+    engine = FakeEngine(script)
+    prm = ScriptedPRM(script, every=interval)
+    policy = sart_policy(args.n, interval=interval)
+    sampling = SamplingSettings(max_tokens=args.max_tokens)
+    requests = [
+        Request(f"q{i}", f"question {i}", policy, sampling=sampling, arrival=float(i * interval))
+        for i in range(args.requests)
+    ]
+    driver = SyncDriver(engine, prm, batch_size=args.batch_size)
+    print(
+        f"SART {policy.name} on the fake engine: {args.requests} requests, "
+        f"batch budget B={args.batch_size} branches, T={interval} steps; time is in decode steps."
+    )
+    print(
+        f"{'request':<8} {'answer':<7} {'chosen':>6} {'done':>5} {'pruned':>6} {'stopped':>7} "
+        f"{'tokens':>7} {'queue':>6} {'e2e':>6}"
+    )
+    for result in driver.run(requests):
+        print(_row(result))
+    stats = driver.scheduler.statistics()
+    print(
+        f"decode steps: {stats.step}, peak live branches: {engine.peak_live}, "
+        f"PRM items scored: {prm.items_scored}"
+    )
+    return 0
+
+
+def _row(r: RequestResult) -> str:
+    stopped = sum(1 for b in r.branches if b.status is BranchStatus.STOPPED)
+    t = r.timings
+    chosen = r.chosen if r.chosen is not None else "-"
+    return (
+        f"{r.request_id:<8} {r.answer or '-':<7} {chosen:>6} "
+        f"{r.num_completed:>5} {r.num_pruned:>6} {stopped:>7} {r.generated_tokens:>7} "
+        f"{t.queueing:>6.0f} {t.end_to_end:>6.0f}"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sart", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    quick = sub.add_parser(
+        "quickstart",
+        help="serve a few requests with SART on the scripted fake engine and print the results",
+    )
+    quick.add_argument("--requests", type=int, default=6, help="number of requests (default 6)")
+    quick.add_argument("--n", type=int, default=8, help="branches per request (default 8)")
+    quick.add_argument("--batch-size", type=int, default=16, help="branch budget B (default 16)")
+    quick.add_argument("--interval", type=int, default=16, help="T, steps between checks")
+    quick.add_argument("--max-tokens", type=int, default=256, help="cap per branch")
+    quick.add_argument("--seed", type=int, default=0, help="scenario seed")
+    quick.set_defaults(func=_quickstart)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SartError as exc:
+        parser.exit(2, f"sart: error: {exc}\n")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The engine contract: what the driver asks of fake, sim, hf, vLLM and SGLang adapters.
+
+An engine holds prefixes (one per request, the prompt's KV cache) and branches
+(seeded continuations that share their request's prefix). The driver calls it
+only in this order of life for each request::
+
+    prefill(request_id, prompt, sampling)         once
+    start_branches(request_id, [BranchSpec...])   one or more times
+    step(max_steps, until_first_end)              advances every live branch
+    abort([branch ids])                           frees those branches' KV now
+    release_prefix(request_id)                    after all its branches ended
+
+Failures: raising ``EngineError(request_ids=...)`` says the call failed only
+for those requests and changed nothing else; the driver fails them and goes
+on. Any other exception fails every request the call involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import attrs
+
+from sart.clock import Clock
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+
+@attrs.frozen
+class BranchSpec:
+    """A branch to start: its index within the request and its sampling seed."""
+
+    index: int
+    seed: int
+
+
+@attrs.frozen
+class BranchDelta:
+    """What one branch did during one ``step`` call."""
+
+    new_tokens: int
+    """Tokens generated in this call."""
+    text: str
+    """Their text."""
+    finish: FinishReason | None = None
+    """Set if the branch ended in this call (its KV is then already freed)."""
+    end_offset: int | None = None
+    """1-based step within this call at which it ended."""
+
+
+@attrs.frozen
+class StepOutput:
+    """Result of one ``step`` call."""
+
+    steps: int
+    """Decode steps actually run (fewer than asked if the call ended early)."""
+    deltas: Mapping[BranchId, BranchDelta]
+    """Per live branch; a branch that made no progress may be absent."""
+
+
+@attrs.frozen
+class EngineStats:
+    """Resource use, sampled by the driver for the metrics timeline."""
+
+    live_branches: int
+    """Branches started and not yet ended or aborted."""
+    kv_tokens: int
+    """KV-cache tokens held: prefixes plus branch tokens (shared prefix counted once)."""
+    kv_capacity: int | None = None
+    """Total KV-cache tokens the engine can hold, if known."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A step-based engine adapter (see the module docstring for the call order)."""
+
+    def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        """Compute the prompt's KV cache; return the prompt length in tokens."""
+        ...
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        """Start these branches from the request's prefix. All start, or none (and it raises)."""
+        ...
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        """Decode every live branch for up to ``max_steps`` steps.
+
+        Returns early when every live branch has ended, or, with
+        ``until_first_end``, as soon as any branch ends.
+        """
+        ...
+
+    def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        """End these live branches now and free their KV cache."""
+        ...
+
+    def release_prefix(self, request_id: str) -> None:
+        """Free the request's prefix; every branch of it has ended by now."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+
+def engine_clock(engine: object) -> Clock | None:
+    """The engine's own (virtual) clock, if it keeps one."""
+    clock = getattr(engine, "clock", None)
+    return clock if isinstance(clock, Clock) else None

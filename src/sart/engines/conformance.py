@@ -1,0 +1,156 @@
+"""``check_engine``: the conformance suite every engine adapter must pass.
+
+Like Gymnasium's ``check_env``: call it from your adapter's tests with a
+factory that builds a fresh engine. It drives the engine through the contract
+in ``sart.engines.base`` and raises ``AssertionError`` with a message saying
+which rule broke.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from sart.engines.base import BranchSpec, Engine, StepOutput
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+
+def check_engine(
+    factory: Callable[[], Engine],
+    *,
+    prompts: Sequence[Prompt] = ("What is 2 + 2?", "Name a prime number larger than ten."),
+    max_tokens: int = 8,
+    num_branches: int = 3,
+) -> None:
+    """Check the engine contract on engines made by ``factory`` (called up to three times).
+
+    ``prompts`` must hold two prompts of different lengths, so that batching
+    across requests with different prefixes is exercised.
+    """
+    if len(prompts) < 2:
+        raise ValueError("check_engine needs two prompts")
+    if num_branches < 2:
+        raise ValueError("check_engine needs num_branches >= 2")
+    sampling = SamplingSettings(temperature=1.0, top_p=1.0, max_tokens=max_tokens, seed=1234)
+    texts = _check_lifecycle(factory(), prompts, sampling, num_branches)
+    again = _check_lifecycle(factory(), prompts, sampling, num_branches)
+    _require(texts == again, "same prompts and seeds must give the same text on a fresh engine")
+    _check_until_first_end(factory(), prompts[0], sampling, num_branches)
+
+
+def _require(ok: bool, rule: str) -> None:
+    if not ok:
+        raise AssertionError(f"engine contract: {rule}")
+
+
+def _check_step(
+    out: StepOutput,
+    max_steps: int,
+    live: set[BranchId],
+    max_tokens: int,
+    tokens: dict[BranchId, int],
+) -> set[BranchId]:
+    """Check one step's output against the live set; return the branches it ended."""
+    _require(isinstance(out, StepOutput), f"step() must return a StepOutput, got {out!r}")
+    _require(0 <= out.steps <= max_steps, f"step({max_steps}) ran {out.steps} steps")
+    ended: set[BranchId] = set()
+    for bid, delta in out.deltas.items():
+        _require(bid in live, f"step() reported branch {bid}, which is not live")
+        _require(
+            0 <= delta.new_tokens <= out.steps,
+            f"branch {bid} made {delta.new_tokens} tokens in {out.steps} steps",
+        )
+        tokens[bid] = tokens.get(bid, 0) + delta.new_tokens
+        _require(tokens[bid] <= max_tokens, f"branch {bid} exceeded max_tokens={max_tokens}")
+        if delta.finish is not None:
+            _require(
+                delta.end_offset is not None and 1 <= delta.end_offset <= out.steps,
+                f"branch {bid} ended with end_offset={delta.end_offset} in {out.steps} steps",
+            )
+            if delta.finish is FinishReason.LENGTH:
+                _require(
+                    tokens[bid] == max_tokens,
+                    f"branch {bid} truncated at {tokens[bid]} tokens, not max_tokens",
+                )
+            ended.add(bid)
+    still = live - ended
+    if still and not ended:
+        _require(
+            out.steps == max_steps,
+            f"step({max_steps}) returned after {out.steps} steps with no branch ended",
+        )
+    if not still:
+        last = max((d.end_offset or 0) for d in out.deltas.values()) if out.deltas else 0
+        _require(out.steps == last, "step() must return as soon as every branch has ended")
+    return ended
+
+
+def _check_lifecycle(
+    engine: Engine, prompts: Sequence[Prompt], sampling: SamplingSettings, k: int
+) -> dict[BranchId, str]:
+    base = engine.stats()
+    _require(base.live_branches == 0, "a fresh engine has no live branches")
+    rids = ["conf-a", "conf-b"]
+    for rid, prompt in zip(rids, prompts):
+        n = engine.prefill(rid, prompt, sampling)
+        _require(isinstance(n, int) and n >= 1, f"prefill must return the prompt length, got {n!r}")
+    engine.start_branches(rids[0], [BranchSpec(j, sampling.seed + j) for j in range(k)])
+    engine.start_branches(rids[1], [BranchSpec(j, sampling.seed + 100 + j) for j in range(k)])
+    live = {BranchId(r, j) for r in rids for j in range(k)}
+    _require(
+        engine.stats().live_branches == len(live),
+        f"stats().live_branches should be {len(live)} after starting them",
+    )
+    texts = {bid: "" for bid in live}
+    tokens: dict[BranchId, int] = {}
+
+    out = engine.step(1)
+    live -= _check_step(out, 1, live, sampling.max_tokens, tokens)
+    for bid, delta in out.deltas.items():
+        texts[bid] += delta.text
+    _require(engine.stats().kv_tokens > base.kv_tokens, "KV tokens must grow while decoding")
+
+    victim = BranchId(rids[0], 0)
+    if victim in live:
+        before = engine.stats().live_branches
+        engine.abort([victim])
+        live.discard(victim)
+        _require(engine.stats().live_branches == before - 1, "abort() must free the branch now")
+
+    for _ in range(sampling.max_tokens + 1):
+        if not live:
+            break
+        out = engine.step(3)
+        for bid, delta in out.deltas.items():
+            texts[bid] += delta.text
+        live -= _check_step(out, 3, live, sampling.max_tokens, tokens)
+    _require(not live, f"branches {sorted(live)} never ended within max_tokens")
+    _require(engine.stats().live_branches == 0, "ended branches must not stay live")
+    for rid in rids:
+        engine.release_prefix(rid)
+    end = engine.stats()
+    _require(
+        end.kv_tokens == base.kv_tokens,
+        f"KV tokens should return to {base.kv_tokens} after release, got {end.kv_tokens}",
+    )
+    texts.pop(victim, None)
+    return texts
+
+
+def _check_until_first_end(
+    engine: Engine, prompt: Prompt, sampling: SamplingSettings, k: int
+) -> None:
+    engine.prefill("conf-c", prompt, sampling)
+    engine.start_branches("conf-c", [BranchSpec(j, sampling.seed + j) for j in range(k)])
+    live = {BranchId("conf-c", j) for j in range(k)}
+    tokens: dict[BranchId, int] = {}
+    while live:
+        out = engine.step(sampling.max_tokens + 1, until_first_end=True)
+        ended = _check_step(out, sampling.max_tokens + 1, live, sampling.max_tokens, tokens)
+        _require(bool(ended), "step(until_first_end=True) must run until a branch ends")
+        _require(
+            all(out.deltas[b].end_offset == out.steps for b in ended),
+            "step(until_first_end=True) must return at the first end",
+        )
+        live -= ended
+    engine.release_prefix("conf-c")
+    _require(engine.stats().live_branches == 0, "no branch may stay live")

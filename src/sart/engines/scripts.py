@@ -1,0 +1,120 @@
+"""Branch scripts: what a fake branch generates and what a scripted PRM says about it.
+
+One ``BranchScript`` per branch describes both sides, so the same script can
+drive ``FakeEngine`` (length, text) and ``ScriptedPRM`` (rewards). The fields
+match the trace format of ``sart bench`` (length, answer, rewards,
+final_reward).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+
+import attrs
+
+from sart.errors import config_check
+from sart.types import BranchId
+
+#: Default reward when a script has none: 0.5 is not below the paper's alpha,
+#: so unscripted branches are never pruned in phase 1.
+NEUTRAL_REWARD = 0.5
+
+
+def _check_length(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    config_check(isinstance(value, int) and value >= 1, "length", value, ">= 1")
+
+
+def _check_rewards(_inst: object, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
+    for r in value:
+        # NaN is allowed on purpose: tests script it to check NaN handling.
+        config_check(math.isnan(r) or 0.0 <= r <= 1.0, "rewards", value, "in [0, 1] (or NaN)")
+
+
+@attrs.frozen
+class BranchScript:
+    """One scripted branch."""
+
+    length: int = attrs.field(default=16, validator=_check_length)
+    """Tokens until EOS. Beyond ``max_tokens`` the branch is truncated instead."""
+    answer: str = "42"
+    """The answer the default text ends with (as ``\\boxed{answer}``)."""
+    text: str | None = None
+    """Full response text, split evenly over ``length`` tokens; default: filler
+    words and ``\\boxed{answer}`` as the last token."""
+    rewards: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_check_rewards)
+    """PRM reward after ``(j+1) * every`` tokens, for ``j = 0, 1, ...`` (the last repeats)."""
+    final_reward: float | None = None
+    """PRM reward once completed; default: the last of ``rewards``, else 0.5."""
+
+    def tokens(self) -> list[str]:
+        """The ``length`` token texts this branch generates, in order."""
+        if self.text is None:
+            return ["step "] * (self.length - 1) + [f"\\boxed{{{self.answer}}}"]
+        cuts = [i * len(self.text) // self.length for i in range(self.length + 1)]
+        return [self.text[a:b] for a, b in itertools.pairwise(cuts)]
+
+    def reward_at(self, num_tokens: int, every: int, final: bool) -> float:
+        """The scripted reward after ``num_tokens`` tokens (``final``: once completed)."""
+        if final and self.final_reward is not None:
+            return self.final_reward
+        if not self.rewards:
+            return NEUTRAL_REWARD
+        if final:
+            return self.rewards[-1]
+        j = max(0, math.ceil(num_tokens / every) - 1)
+        return self.rewards[min(j, len(self.rewards) - 1)]
+
+
+#: A script gives each branch its behaviour.
+Script = Callable[[BranchId], BranchScript]
+ScriptLike = Script | Mapping[str, Sequence[BranchScript]] | None
+
+
+def as_script(script: ScriptLike, default: BranchScript | None = None) -> Script:
+    """Accept a callable, or a ``{request_id: [script per branch index]}`` mapping
+    (missing entries use ``default``), or ``None`` (``random_scripts(0)``)."""
+    if script is None:
+        return random_scripts(seed=0)
+    if callable(script):
+        return script
+    table = {rid: tuple(branches) for rid, branches in script.items()}
+    fallback = default if default is not None else BranchScript()
+
+    def lookup(branch: BranchId) -> BranchScript:
+        branches = table.get(branch.request_id, ())
+        return branches[branch.index] if branch.index < len(branches) else fallback
+
+    return lookup
+
+
+def random_scripts(
+    seed: int = 0,
+    *,
+    median_length: int = 64,
+    sigma: float = 0.8,
+    answers: Sequence[str] = ("42", "41", "43"),
+    p_correct: float = 0.6,
+    every: int = 16,
+) -> Script:
+    """Seeded pseudo-random scripts, stable per branch id: lognormal lengths (a
+    heavy tail, as reasoning lengths have), answers[0] with probability
+    ``p_correct`` else another answer, and reward trajectories that are higher,
+    on average, for branches with the first answer."""
+
+    def make(branch: BranchId) -> BranchScript:
+        rng = random.Random(zlib.crc32(f"{seed}/{branch.request_id}/{branch.index}".encode()))
+        length = max(1, round(median_length * math.exp(rng.gauss(0.0, sigma))))
+        correct = rng.random() < p_correct
+        answer = answers[0] if correct or len(answers) == 1 else rng.choice(answers[1:])
+        base = 0.7 if correct else 0.35
+        rewards = tuple(
+            min(1.0, max(0.0, base + rng.gauss(0.0, 0.15)))
+            for _ in range(max(1, math.ceil(length / every)))
+        )
+        return BranchScript(length=length, answer=answer, rewards=rewards)
+
+    return make

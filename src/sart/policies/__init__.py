@@ -1,0 +1,25 @@
+"""Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
+
+from sart.policies.base import Policy, PruneRule, Selector, StopRule
+from sart.policies.prune import NoPrune, TwoPhasePrune
+from sart.policies.recipes import sart, sart_without_pruning, self_consistency, vanilla
+from sart.policies.select import BestReward, MajorityVote, WeightedVote
+from sart.policies.stop import AllDone, FirstM
+
+__all__ = [
+    "AllDone",
+    "BestReward",
+    "FirstM",
+    "MajorityVote",
+    "NoPrune",
+    "Policy",
+    "PruneRule",
+    "Selector",
+    "StopRule",
+    "TwoPhasePrune",
+    "WeightedVote",
+    "sart",
+    "sart_without_pruning",
+    "self_consistency",
+    "vanilla",
+]

@@ -1,0 +1,153 @@
+"""The three policy parts (stop rule, prune rule, selector) and the ``Policy`` that holds them.
+
+Each part is a small class whose hooks have no-op defaults, in the manner of
+``trio.abc.Instrument``: override only what you need. The scheduler notices a
+prune rule that leaves ``choose`` as the default and skips scoring for it, so
+an unused hook costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import ClassVar
+
+import attrs
+
+from sart.answers import extract_answer
+from sart.errors import ConfigError, config_check
+from sart.views import BranchView, Limits, RequestView
+
+
+class StopRule:
+    """Decides when a request has enough completed branches to finish early.
+
+    The scheduler also finishes a request whenever no branch is running or
+    waiting, so the default (never stop early) waits for every branch.
+    """
+
+    def validate(self, n: int) -> None:
+        """Raise ``ConfigError`` if the rule cannot work with ``n`` branches."""
+
+    def should_stop(self, request: RequestView) -> bool:
+        return False
+
+
+class PruneRule:
+    """Decides which running branches to prune at a check.
+
+    Hooks, all optional:
+
+    - ``start(n)``: the limits when the request is prefilled (phase explore);
+    - ``enter_exploit(limits, first, n)``: new limits when the first branch completes;
+    - ``choose(request)``: indices of running branches to prune, most
+      prunable first. The scheduler never prunes more than
+      ``limits.max_num_pruned - num_pruned`` (nor ever all ``n``), taking
+      the first ones of this list.
+
+    Set ``needs_rewards = False`` on a rule that does not read ``reward``, and
+    the PRM will not be called for it.
+    """
+
+    needs_rewards: ClassVar[bool] = True
+
+    def validate(self, n: int) -> None:
+        """Raise ``ConfigError`` if the rule cannot work with ``n`` branches."""
+
+    def start(self, n: int) -> Limits:
+        return Limits(threshold=None, max_num_pruned=n - 1)
+
+    def enter_exploit(self, limits: Limits, first: BranchView, n: int) -> Limits:
+        return limits
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        return ()
+
+    @property
+    def active(self) -> bool:
+        """Whether this rule prunes anything at all (``choose`` is overridden)."""
+        return type(self).choose is not PruneRule.choose
+
+
+class Selector:
+    """Picks the final branch among the completed ones.
+
+    ``choose`` gets the completed branches and their extracted answers (same
+    order) and returns the index of the chosen branch.
+    """
+
+    needs_rewards: ClassVar[bool] = False
+
+    def choose(self, candidates: Sequence[BranchView], answers: Sequence[str]) -> int:
+        raise NotImplementedError
+
+
+def _check_n(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    config_check(isinstance(value, int) and value >= 1, "n", value, ">= 1")
+
+
+def _check_interval(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    config_check(isinstance(value, int) and value >= 1, "interval", value, ">= 1")
+
+
+def _instance_of(kind: type, field: str) -> Callable[[object, attrs.Attribute, object], None]:
+    def check(_inst: object, _attr: attrs.Attribute, value: object) -> None:
+        if not isinstance(value, kind):
+            raise ConfigError(f"{field}={value!r} must be a {kind.__name__}")
+
+    return check
+
+
+def _default_stop() -> StopRule:
+    from sart.policies.stop import AllDone
+
+    return AllDone()
+
+
+def _default_prune() -> PruneRule:
+    from sart.policies.prune import NoPrune
+
+    return NoPrune()
+
+
+def _default_select() -> Selector:
+    from sart.policies.select import BestReward
+
+    return BestReward()
+
+
+@attrs.frozen
+class Policy:
+    """How one request is served: ``n`` branches, a stop rule, a prune rule, a selector."""
+
+    n: int = attrs.field(validator=_check_n)
+    """Branches sampled per request."""
+    stop: StopRule = attrs.field(factory=_default_stop, validator=_instance_of(StopRule, "stop"))
+    """When to finish early (default: wait for every branch)."""
+    prune: PruneRule = attrs.field(
+        factory=_default_prune, validator=_instance_of(PruneRule, "prune")
+    )
+    """Which running branches to prune at each check (default: none)."""
+    select: Selector = attrs.field(
+        factory=_default_select, validator=_instance_of(Selector, "select")
+    )
+    """Which completed branch answers (default: highest PRM reward)."""
+    interval: int = attrs.field(default=400, validator=_check_interval)
+    """``T``: decode steps between checks (scoring, pruning, early stop)."""
+    extract: Callable[[str], str] = attrs.field(default=extract_answer)
+    """Turns a branch's text into its answer, for votes and results."""
+    name: str = "custom"
+    """Label used in reports."""
+
+    def __attrs_post_init__(self) -> None:
+        self.stop.validate(self.n)
+        self.prune.validate(self.n)
+
+    @property
+    def scores_running(self) -> bool:
+        """Whether running branches need PRM rewards at each check."""
+        return self.prune.active and self.prune.needs_rewards
+
+    @property
+    def scores_completed(self) -> bool:
+        """Whether completed branches need a PRM reward (threshold or selection)."""
+        return self.scores_running or (self.select.needs_rewards and self.n > 1)

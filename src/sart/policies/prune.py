@@ -1,0 +1,66 @@
+"""Prune rules: which running branches to drop at a check."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import attrs
+
+from sart.errors import config_check
+from sart.policies.base import PruneRule
+from sart.views import BranchView, Limits, RequestView
+
+
+@attrs.frozen
+class NoPrune(PruneRule):
+    """Never prune. The PRM is not called for running branches."""
+
+
+@attrs.frozen
+class TwoPhasePrune(PruneRule):
+    """The paper's two-phase dynamic pruning (section 3, Algorithm 1).
+
+    Phase 1 (explore): prune running branches whose reward is below ``alpha``,
+    at most ``beta`` of them. When the request's first branch completes
+    (several in one check: the earliest-ended, then the lowest index), phase 2
+    (exploit) begins: the threshold becomes that branch's reward and up to
+    ``n - 1`` branches may be pruned in total. Lowest rewards are pruned first.
+    """
+
+    alpha: float = attrs.field()
+    beta: int = attrs.field()
+
+    @alpha.validator
+    def _check_alpha(self, _attr: attrs.Attribute, value: float) -> None:
+        config_check(
+            isinstance(value, (int, float)) and 0.0 <= value <= 1.0, "alpha", value, "in [0, 1]"
+        )
+
+    @beta.validator
+    def _check_beta(self, _attr: attrs.Attribute, value: int) -> None:
+        config_check(isinstance(value, int) and value >= 0, "beta", value, ">= 0")
+
+    def validate(self, n: int) -> None:
+        config_check(self.beta < n, "beta", self.beta, f"< n={n}")
+
+    def start(self, n: int) -> Limits:
+        return Limits(threshold=float(self.alpha), max_num_pruned=self.beta)
+
+    def enter_exploit(self, limits: Limits, first: BranchView, n: int) -> Limits:
+        # A first completion that was never scored (cannot happen when the
+        # scheduler scores completions for this rule) keeps the old threshold.
+        threshold = first.reward if first.reward is not None else limits.threshold
+        return Limits(threshold=threshold, max_num_pruned=n - 1)
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        threshold = request.limits.threshold
+        if threshold is None:
+            return ()
+        low = [
+            b
+            for b in request.running
+            if b.reward is not None and not math.isnan(b.reward) and b.reward < threshold
+        ]
+        low.sort(key=lambda b: (b.reward, b.index))
+        return [b.index for b in low]

@@ -1,0 +1,74 @@
+"""Lazy registries of engines and PRMs: a name maps to ``"module:attribute"``.
+
+Nothing is imported until ``load_engine``/``load_prm`` is called, so optional
+backends (torch, vLLM, SGLang) cost nothing until used. Users register their
+own with ``register_engine("mine", "my_pkg.engine:MyEngine")`` or by passing
+the class itself.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from sart.errors import MissingDependencyError, UnknownComponentError
+
+# Built-ins. Names whose module does not exist yet are added by the issues
+# that build them (sim, hf, vllm, sglang), never listed before they work.
+_ENGINES: dict[str, Any] = {
+    "fake": "sart.engines.fake:FakeEngine",
+}
+_PRMS: dict[str, Any] = {
+    "scripted": "sart.prm.scripted:ScriptedPRM",
+}
+
+# Which extra provides a third-party module, for the error message.
+_EXTRAS = {"torch": "hf", "transformers": "hf", "vllm": "vllm", "sglang": "sglang"}
+
+
+def register_engine(name: str, target: str | type) -> None:
+    """Register an engine class, or its ``"module:Class"`` path, under ``name``."""
+    _ENGINES[name] = target
+
+
+def register_prm(name: str, target: str | type) -> None:
+    """Register a PRM class, or its ``"module:Class"`` path, under ``name``."""
+    _PRMS[name] = target
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def prm_names() -> list[str]:
+    return sorted(_PRMS)
+
+
+def load_engine(name: str) -> Any:
+    """The engine class registered as ``name`` (imported now)."""
+    return _load(_ENGINES, name, "engine")
+
+
+def load_prm(name: str) -> Any:
+    """The PRM class registered as ``name`` (imported now)."""
+    return _load(_PRMS, name, "prm")
+
+
+def _load(table: dict[str, Any], name: str, kind: str) -> Any:
+    try:
+        target = table[name]
+    except KeyError:
+        raise UnknownComponentError(
+            f"{kind}={name!r} must be one of {sorted(table)} (or register your own)"
+        ) from None
+    if not isinstance(target, str):
+        return target
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        extra = _EXTRAS.get(missing)
+        hint = f"; install it with: pip install 'sart[{extra}]'" if extra else ""
+        raise MissingDependencyError(f"{kind} {name!r} needs the module {missing!r}{hint}") from exc
+    return getattr(module, attr)

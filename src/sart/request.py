@@ -1,0 +1,62 @@
+"""``Request``: what a user submits."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from sart.errors import ConfigError, config_check
+from sart.policies.base import Policy
+from sart.types import Prompt, SamplingSettings, default_seed
+
+
+def _check_id(_inst: object, _attr: attrs.Attribute, value: str) -> None:
+    config_check(isinstance(value, str) and value != "", "id", value, "a non-empty str")
+
+
+def _check_prompt(_inst: object, _attr: attrs.Attribute, value: Prompt) -> None:
+    if isinstance(value, str):
+        return
+    if isinstance(value, tuple) and value and all(isinstance(t, int) for t in value):
+        return
+    raise ConfigError(f"prompt={value!r} must be a str or a non-empty tuple of token ids")
+
+
+def _to_prompt(value: object) -> object:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_policy(_inst: object, _attr: attrs.Attribute, value: Policy) -> None:
+    if not isinstance(value, Policy):
+        raise ConfigError(f"policy={value!r} must be a sart.Policy (e.g. sart.sart(8))")
+
+
+def _check_arrival(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(
+        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+        "arrival",
+        value,
+        "a finite number >= 0",
+    )
+
+
+@attrs.frozen
+class Request:
+    """One reasoning request: a prompt, the policy that serves it, how to sample."""
+
+    id: str = attrs.field(validator=_check_id)
+    """Unique among the requests of a run."""
+    prompt: Prompt = attrs.field(converter=_to_prompt, validator=_check_prompt)
+    """Text, or token ids (a list is converted to a tuple)."""
+    policy: Policy = attrs.field(validator=_check_policy)
+    """The strategy: ``sart.sart(8)``, ``sart.self_consistency(4)``, ``sart.vanilla()``..."""
+    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
+    """Sampling settings shared by all branches (each branch gets its own seed)."""
+    arrival: float = attrs.field(default=0.0, validator=_check_arrival)
+    """When the request arrives, in the clock's unit (seconds on the wall clock)."""
+
+    @property
+    def seed(self) -> int:
+        """The base seed: branch ``j`` samples with ``seed + j``."""
+        return self.sampling.seed if self.sampling.seed is not None else default_seed(self.id)

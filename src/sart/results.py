@@ -1,0 +1,84 @@
+"""What a run returns: one ``RequestResult`` per request, with per-branch outcomes."""
+
+from __future__ import annotations
+
+import attrs
+
+from sart.types import BranchStatus, Phase, RequestStatus
+
+
+@attrs.frozen
+class BranchOutcome:
+    """How one branch ended."""
+
+    index: int
+    status: BranchStatus
+    num_tokens: int
+    """Tokens generated before it ended."""
+    reward: float | None
+    """Last PRM reward it received, ``None`` if never scored."""
+    answer: str | None
+    """Extracted answer for completed branches, else ``None``."""
+    ended_in: Phase | None
+    """The request's phase when the branch ended (``None`` if it never started)."""
+
+
+@attrs.frozen
+class Timings:
+    """Per-request timestamps on the run's clock, and the latencies derived from them."""
+
+    arrival: float
+    scheduled: float | None
+    """When the request was prefilled (first scheduled); ``None`` if it never was."""
+    finished: float
+
+    @property
+    def queueing(self) -> float:
+        """Waiting before prefill."""
+        start = self.scheduled if self.scheduled is not None else self.finished
+        return start - self.arrival
+
+    @property
+    def inference(self) -> float:
+        """From prefill to the final answer."""
+        return self.finished - self.scheduled if self.scheduled is not None else 0.0
+
+    @property
+    def end_to_end(self) -> float:
+        return self.finished - self.arrival
+
+
+@attrs.frozen
+class RequestResult:
+    """The outcome of one request."""
+
+    request_id: str
+    status: RequestStatus
+    chosen: int | None
+    """Index of the selected branch; ``None`` if the request failed."""
+    text: str | None
+    """Full text of the selected branch."""
+    answer: str | None
+    """Answer extracted from ``text`` by the policy's ``extract``."""
+    branches: tuple[BranchOutcome, ...]
+    timings: Timings
+    reason: str | None = None
+    """Why the request failed (``None`` when it completed)."""
+    policy: str = ""
+    """The policy's name."""
+
+    @property
+    def ok(self) -> bool:
+        return self.status is RequestStatus.COMPLETED
+
+    @property
+    def num_completed(self) -> int:
+        return sum(1 for b in self.branches if b.status.is_completed)
+
+    @property
+    def num_pruned(self) -> int:
+        return sum(1 for b in self.branches if b.status is BranchStatus.PRUNED)
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(b.num_tokens for b in self.branches)

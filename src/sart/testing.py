@@ -1,0 +1,19 @@
+"""Test helpers that are public API: fakes and conformance checks.
+
+Use them to test your own policies (``FakeEngine`` + ``ScriptedPRM``) and your
+own engine adapters (``check_engine``), as ``trio.testing`` does for trio.
+"""
+
+from sart.engines.conformance import check_engine
+from sart.engines.fake import EngineMisuse, FakeEngine
+from sart.engines.scripts import BranchScript, random_scripts
+from sart.prm.scripted import ScriptedPRM
+
+__all__ = [
+    "BranchScript",
+    "EngineMisuse",
+    "FakeEngine",
+    "ScriptedPRM",
+    "check_engine",
+    "random_scripts",
+]

@@ -1,0 +1,126 @@
+"""Small value types shared by every layer: ids, status enums, sampling settings."""
+
+from __future__ import annotations
+
+import enum
+import math
+import zlib
+from typing import NamedTuple
+
+import attrs
+
+from sart.errors import config_check
+
+#: A prompt is text, or token ids when the caller has tokenised it already.
+Prompt = str | tuple[int, ...]
+
+
+class BranchId(NamedTuple):
+    """Identity of one branch: the request it belongs to and its index ``0..n-1``."""
+
+    request_id: str
+    index: int
+
+    def __str__(self) -> str:
+        # vLLM's convention for child requests of a parallel-sampling parent.
+        return f"{self.index}_{self.request_id}"
+
+
+class BranchStatus(enum.IntEnum):
+    """Lifecycle of a branch, ordered so that ``status > RUNNING`` means "ended".
+
+    ``FINISHED`` (the model stopped: EOS or a stop string) and ``TRUNCATED``
+    (the ``max_tokens`` cap) are kept apart, as Gymnasium keeps ``terminated``
+    and ``truncated`` apart; both count as *completed* responses.
+    """
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+    TRUNCATED = 3
+    PRUNED = 4
+    STOPPED = 5
+    FAILED = 6
+
+    @property
+    def is_ended(self) -> bool:
+        return self > BranchStatus.RUNNING
+
+    @property
+    def is_completed(self) -> bool:
+        """A completed branch produced a whole response (it can be selected)."""
+        return self in (BranchStatus.FINISHED, BranchStatus.TRUNCATED)
+
+
+class FinishReason(enum.Enum):
+    """Why an engine ended a branch by itself."""
+
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # reached max_tokens
+
+
+class Phase(enum.Enum):
+    """The two pruning phases of the paper (section 3): explore until the first completion."""
+
+    EXPLORE = "explore"
+    EXPLOIT = "exploit"
+
+
+class RequestStatus(enum.Enum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Admission(enum.Enum):
+    """When freed batch slots are refilled.
+
+    ``CHUNK`` is Algorithm 1: slots are refilled only between decode chunks of
+    ``T`` steps. ``TOKEN`` refills at the next decode step: a decode call
+    returns as soon as any branch ends.
+    """
+
+    CHUNK = "chunk"
+    TOKEN = "token"
+
+
+def default_seed(request_id: str) -> int:
+    """A stable per-request seed, so that branch ``j`` of two requests never shares
+    its random stream (``seed + j`` with one global seed would make it do so)."""
+    return zlib.crc32(request_id.encode("utf-8"))
+
+
+def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(math.isfinite(value) and value >= 0.0, "temperature", value, ">= 0")
+
+
+def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(0.0 < value <= 1.0, "top_p", value, "in (0, 1]")
+
+
+def _check_max_tokens(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    config_check(isinstance(value, int) and value >= 1, "max_tokens", value, ">= 1")
+
+
+def _check_seed(_inst: object, _attr: attrs.Attribute, value: int | None) -> None:
+    config_check(
+        value is None or (isinstance(value, int) and value >= 0),
+        "seed",
+        value,
+        "None or an int >= 0",
+    )
+
+
+@attrs.frozen
+class SamplingSettings:
+    """How each branch samples. Branch ``j`` of a request uses seed ``seed + j``."""
+
+    temperature: float = attrs.field(default=0.6, validator=_check_temperature)
+    """Sampling temperature; 0.6 is DeepSeek-R1's recommendation for reasoning."""
+    top_p: float = attrs.field(default=0.95, validator=_check_top_p)
+    """Nucleus sampling mass."""
+    max_tokens: int = attrs.field(default=16384, validator=_check_max_tokens)
+    """Cap on generated tokens per branch; reaching it ends the branch as ``TRUNCATED``."""
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    """Base seed; ``None`` derives a stable one from the request id."""
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Stop strings; generating one ends the branch as ``FINISHED``."""

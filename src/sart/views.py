@@ -1,0 +1,80 @@
+"""Read-only snapshots of a request and its branches, handed to policies.
+
+Policies decide from these views and return plain data; they never see the
+scheduler's mutable state, so a policy cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from sart.types import BranchStatus, Phase
+
+
+@attrs.frozen
+class Limits:
+    """The pruning limits of the paper's per-request record (Algorithm 1, line 24)."""
+
+    threshold: float | None
+    """Branches whose reward is below this may be pruned (``None``: no threshold)."""
+    max_num_pruned: int
+    """How many branches of the request may be pruned in total so far."""
+
+
+@attrs.frozen
+class BranchView:
+    """One branch as a policy sees it."""
+
+    index: int
+    status: BranchStatus
+    num_tokens: int
+    """Tokens generated so far."""
+    reward: float | None
+    """Latest PRM reward (aggregated over steps), ``None`` if never scored."""
+    text: str
+    """Generated text so far."""
+    end_step: int | None
+    """Scheduler decode step at which the branch ended (``None`` while live)."""
+
+    @property
+    def is_running(self) -> bool:
+        return self.status is BranchStatus.RUNNING
+
+    @property
+    def is_completed(self) -> bool:
+        return self.status.is_completed
+
+
+@attrs.frozen
+class RequestView:
+    """One request as a policy sees it, at a check after a decode chunk."""
+
+    request_id: str
+    n: int
+    phase: Phase
+    limits: Limits
+    num_completed: int
+    num_pruned: int
+    branches: tuple[BranchView, ...]
+    """All ``n`` branches, by index (waiting ones included)."""
+
+    @property
+    def running(self) -> tuple[BranchView, ...]:
+        return tuple(b for b in self.branches if b.status is BranchStatus.RUNNING)
+
+    @property
+    def completed(self) -> tuple[BranchView, ...]:
+        return tuple(b for b in self.branches if b.status.is_completed)
+
+    @property
+    def first_completed(self) -> BranchView | None:
+        """The earliest-ended completed branch; ties go to the lowest index."""
+        done = self.completed
+        if not done:
+            return None
+        return min(done, key=completion_order)
+
+
+def completion_order(branch: BranchView) -> tuple[int, int]:
+    """Sort key: earlier end first, then lower index."""
+    return (branch.end_step if branch.end_step is not None else 0, branch.index)

@@ -1,0 +1,229 @@
+"""Failure semantics of the synchronous driver: a fault fails only the requests it hits."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+import sart
+from sart.engines.base import BranchSpec, StepOutput
+from sart.testing import BranchScript, EngineMisuse, FakeEngine, ScriptedPRM
+from sart.types import BranchId, BranchStatus
+
+
+def scenario(n_requests: int = 3, n: int = 2, length: int = 30) -> dict:
+    return {
+        f"r{i}": [BranchScript(length=length + j, answer="1") for j in range(n)]
+        for i in range(n_requests)
+    }
+
+
+def requests(script: dict, policy: sart.Policy) -> list[sart.Request]:
+    return [sart.Request(rid, "p", policy) for rid in script]
+
+
+def assert_clean(engine: FakeEngine) -> None:
+    assert not engine.live_branches
+    assert not engine.prefixes
+
+
+def test_prefill_failure_fails_one_request() -> None:
+    script = scenario()
+    engine = FakeEngine(script, fail_prefill={"r1"})
+    results = sart.run(requests(script, sart.self_consistency(2)), engine, batch_size=8)
+    assert [r.ok for r in results] == [True, False, True]
+    assert "injected prefill failure" in (results[1].reason or "")
+    assert_clean(engine)
+
+
+def test_start_failure_releases_the_prefix() -> None:
+    script = scenario()
+    engine = FakeEngine(script, fail_start={"r0"})
+    results = sart.run(requests(script, sart.self_consistency(2)), engine, batch_size=8)
+    assert [r.ok for r in results] == [False, True, True]
+    assert ("release", "r0") in engine.log
+    assert_clean(engine)
+
+
+def test_decode_failure_aborts_that_request_and_the_rest_carry_on() -> None:
+    script = scenario()
+    engine = FakeEngine(script, fail_step={BranchId("r2", 1): 12})
+    prm = ScriptedPRM(script, every=10)
+    results = sart.run(requests(script, sart.sart(2, interval=10)), engine, prm, batch_size=8)
+    assert [r.ok for r in results] == [True, True, False]
+    failed = results[2]
+    assert "decode failed" in (failed.reason or "")
+    assert [b.status for b in failed.branches] == [BranchStatus.FAILED] * 2
+    assert [b.num_tokens for b in failed.branches] == [10, 10]  # the failing chunk ran nowhere
+    assert ("abort", (BranchId("r2", 0), BranchId("r2", 1))) in engine.log
+    assert prm.released.count("r2") == 1
+    assert_clean(engine)
+
+
+class UnattributedFault:
+    """Wraps a FakeEngine; its n-th step raises an error that names no request."""
+
+    def __init__(self, engine: FakeEngine, fail_at_call: int) -> None:
+        self.inner = engine
+        self.clock = engine.clock
+        self.calls = 0
+        self.fail_at_call = fail_at_call
+
+    def prefill(self, request_id: str, prompt: object, sampling: sart.SamplingSettings) -> int:
+        return self.inner.prefill(request_id, prompt, sampling)  # type: ignore[arg-type]
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        self.inner.start_branches(request_id, branches)
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        self.calls += 1
+        if self.calls == self.fail_at_call:
+            raise RuntimeError("CUDA error: device-side assert")
+        return self.inner.step(max_steps, until_first_end)
+
+    def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        self.inner.abort(branch_ids)
+
+    def release_prefix(self, request_id: str) -> None:
+        self.inner.release_prefix(request_id)
+
+    def stats(self) -> sart.EngineStats:
+        return self.inner.stats()
+
+
+def test_unattributed_decode_failure_fails_the_batch_and_later_requests_run() -> None:
+    script = scenario(n_requests=3, n=2)
+    engine = FakeEngine(script)
+    wrapped = UnattributedFault(engine, fail_at_call=1)
+    # B=4 holds r0 and r1; r2 is still queued when the first decode fails.
+    results = sart.run(requests(script, sart.self_consistency(2)), wrapped, batch_size=4)
+    assert [r.ok for r in results] == [False, False, True]
+    assert "CUDA error" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize("attribute", [True, False])
+def test_prm_failure_fails_only_the_request_at_fault(attribute: bool) -> None:
+    script = scenario(n_requests=3, n=3)
+    prm = ScriptedPRM(script, every=10, fail_on={BranchId("r1", 2)}, attribute_failures=attribute)
+    engine = FakeEngine(script)
+    results = sart.run(requests(script, sart.sart(3, interval=10)), engine, prm, batch_size=16)
+    assert [r.ok for r in results] == [True, False, True]
+    assert "PRM failed" in (results[1].reason or "")
+    assert "injected PRM failure" in (results[1].reason or "")
+    assert_clean(engine)
+
+
+def test_prm_returning_too_few_rewards_is_isolated() -> None:
+    class ShortPRM:
+        def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:
+            values = [0.7] * len(items)
+            return values[:-1] if any(i.branch.request_id == "r0" for i in items) else values
+
+    script = scenario(n_requests=2, n=2)
+    engine = FakeEngine(script)
+    results = sart.run(requests(script, sart.sart(2, interval=10)), engine, ShortPRM())
+    assert [r.ok for r in results] == [False, True]
+    assert "1 rewards for 2 items" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+def test_reward_out_of_range_fails_the_request() -> None:
+    script = scenario(n_requests=2, n=2)
+    prm = ScriptedPRM(script, every=10, nan_for={BranchId("r0", 0)})
+    engine = FakeEngine(script)
+    results = sart.run(requests(script, sart.sart(2, interval=10)), engine, prm)
+    assert [r.ok for r in results] == [False, True]
+    assert "rewards must be in [0, 1]" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+def test_policy_hook_error_fails_only_its_request() -> None:
+    class Broken(sart.PruneRule):
+        def choose(self, request: sart.RequestView) -> list[int]:
+            raise KeyError("oops")
+
+    script = scenario(n_requests=2, n=2)
+    engine = FakeEngine(script)
+    prm = ScriptedPRM(script, every=10)
+    bad = sart.Policy(n=2, prune=Broken(), interval=10)
+    reqs = [sart.Request("r0", "p", bad), sart.Request("r1", "p", sart.sart(2, interval=10))]
+    results = sart.run(reqs, engine, prm)
+    assert [r.ok for r in results] == [False, True]
+    assert "Broken.choose raised KeyError" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+def test_prune_rule_choosing_a_branch_that_is_not_running_is_reported() -> None:
+    class PrunesGhosts(sart.PruneRule):
+        needs_rewards = False
+
+        def choose(self, request: sart.RequestView) -> list[int]:
+            return [7]
+
+    script = scenario(n_requests=1, n=2)
+    (result,) = sart.run(
+        [
+            sart.Request(
+                "r0",
+                "p",
+                sart.Policy(n=2, prune=PrunesGhosts(), select=sart.MajorityVote(), interval=10),
+            )
+        ],
+        FakeEngine(script),
+    )
+    assert not result.ok
+    assert "chose 7, not a branch index" in (result.reason or "")
+
+
+def test_engine_misuse_is_not_swallowed() -> None:
+    class DoubleAbort(FakeEngine):
+        def abort(self, branch_ids: Sequence[BranchId]) -> None:
+            super().abort(branch_ids)
+            super().abort(branch_ids)
+
+    script = {"r0": [BranchScript(length=5), BranchScript(length=50)]}
+    with pytest.raises(EngineMisuse, match="not live"):
+        sart.run(
+            [sart.Request("r0", "p", sart.sart_without_pruning(2, m=1, interval=10))],
+            DoubleAbort(script),
+            ScriptedPRM(script),
+        )
+
+
+def test_arrivals_are_released_on_the_virtual_clock() -> None:
+    script = {"a": [BranchScript(length=4)], "b": [BranchScript(length=4)]}
+    reqs = [
+        sart.Request("a", "p", sart.vanilla()),
+        sart.Request("b", "p", sart.vanilla(), arrival=100.0),
+    ]
+    driver = sart.SyncDriver(FakeEngine(script), batch_size=4)
+    results = driver.run(reqs)
+    assert results[1].timings.scheduled == 100.0
+    assert results[1].timings.finished == 104.0
+    assert results[1].timings.queueing == 0.0
+    assert [s.running_branches for s in driver.timeline] == [0, 0]
+    assert [s.time for s in driver.timeline] == [4.0, 104.0]
+
+
+def test_results_come_back_in_submission_order_and_on_result_fires() -> None:
+    script = {"long": [BranchScript(length=40)], "short": [BranchScript(length=4)]}
+    seen: list[str] = []
+    driver = sart.SyncDriver(
+        FakeEngine(script), batch_size=4, on_result=lambda r: seen.append(r.request_id)
+    )
+    results = driver.run([sart.Request(r, "p", sart.vanilla(interval=5)) for r in script])
+    assert [r.request_id for r in results] == ["long", "short"]
+    assert seen == ["short", "long"]
+
+
+def test_timeline_tracks_running_branches_and_kv() -> None:
+    script = {"a": [BranchScript(length=10), BranchScript(length=20)]}
+    driver = sart.SyncDriver(FakeEngine(script), batch_size=4)
+    driver.run([sart.Request("a", "one two three", sart.self_consistency(2, interval=5))])
+    # Samples after each 5-step chunk: both run until 10, then one, until 20.
+    assert [s.running_branches for s in driver.timeline] == [2, 1, 1, 0]
+    # KV = 3 prompt tokens + tokens of live branches: 5+5; branch 0 ended at 10 and
+    # freed its 10, so 10; then 15; then nothing but the prefix until it is released.
+    assert [s.kv_tokens for s in driver.timeline] == [3 + 10, 3 + 10, 3 + 15, 3]

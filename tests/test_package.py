@@ -1,0 +1,45 @@
+"""The package surface: import cost, exported names, the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import sart
+import sart.testing
+from sart.cli import main
+
+
+def test_import_sart_loads_no_engine_or_torch() -> None:
+    code = (
+        "import sart, sart.testing, sys; "
+        "print(sorted(m for m in ('torch', 'transformers', 'vllm', 'sglang', 'numpy') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_exported_names_exist_and_are_unique() -> None:
+    for module in (sart, sart.testing):
+        assert len(set(module.__all__)) == len(module.__all__)
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_quickstart_prints_one_row_per_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["quickstart", "--requests", "3", "--n", "4"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if line.startswith("q")]
+    assert [r.split()[0] for r in rows] == ["q0", "q1", "q2"]
+    assert all(r.split()[1] in {"42", "41", "43"} for r in rows)
+    assert lines[-1].startswith("decode steps:")
+
+
+def test_cli_reports_bad_settings_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["quickstart", "--n", "0"])
+    assert info.value.code == 2
+    assert "sart: error: n=0 must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,30 @@
+"""The README's promises: its example prints what it says, its commands are the CI's."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_example_prints_what_its_comment_says() -> None:
+    (block,) = re.findall(r"```python\n(.*?)```", README, re.S)
+    expected = [line[2:] for line in block.splitlines() if line.startswith("# ")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {})
+    assert out.getvalue().splitlines() == expected
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    first_block = README.split("```bash\n", 1)[1].split("```", 1)[0]
+    test_line = next(line for line in first_block.splitlines() if "'.[dev]'" in line)
+    command = test_line.rsplit("&&", 1)[1].strip()
+    assert command == "python -m pytest"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(rf"^{re.escape(command)}$", ci, re.M)
+    assert "sart quickstart" in first_block

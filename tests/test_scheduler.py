@@ -1,0 +1,386 @@
+"""Hand-computed checks of Algorithm 1 on small scripted scenarios.
+
+Time is in decode steps (FakeEngine step_cost=1, prefill free), so every
+expected number below can be worked out on paper; the comments do so.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import sart
+from sart.commands import (
+    Abort,
+    Decode,
+    Decoded,
+    Done,
+    Failed,
+    Finish,
+    Prefill,
+    Prefilled,
+    ReleasePrefix,
+    Score,
+    Scored,
+    Skipped,
+    StartBranches,
+    Started,
+)
+from sart.engines.base import BranchDelta, StepOutput
+from sart.testing import BranchScript, FakeEngine, ScriptedPRM
+from sart.types import BranchId, BranchStatus, FinishReason, Phase
+
+S = BranchStatus
+
+
+def statuses(result: sart.RequestResult) -> list[BranchStatus]:
+    return [b.status for b in result.branches]
+
+
+def test_two_phase_example_in_the_spirit_of_figure_4() -> None:
+    # T=10, n=4, m=2, alpha=0.5, beta=2. Rewards r[j] hold after (j+1)*10 tokens.
+    script = {
+        "q": [
+            BranchScript(length=25, answer="4", rewards=(0.6, 0.7, 0.8)),  # finishes at 25
+            BranchScript(length=100, answer="5", rewards=(0.3, 0.4)),  # low from the start
+            BranchScript(length=60, answer="5", rewards=(0.55, 0.6, 0.65, 0.7)),
+            BranchScript(length=40, answer="4", rewards=(0.7, 0.9, 0.85, 0.9)),  # ends at 40
+        ]
+    }
+    engine = FakeEngine(script)
+    prm = ScriptedPRM(script, every=10)
+    driver = sart.SyncDriver(engine, prm, batch_size=8)
+    driver.submit(sart.Request("q", "2+2?", sart.sart(4, m=2, alpha=0.5, beta=2, interval=10)))
+
+    def run_until_step(step: int) -> None:
+        while driver.scheduler.statistics().step < step:
+            assert driver.step()
+        while driver.scheduler._outbox or driver.scheduler._inflight:  # finish the check
+            driver.step()
+
+    # Check at step 10 (explore): rewards 0.6, 0.3, 0.55, 0.7 -> only branch 1 < alpha.
+    run_until_step(10)
+    meta = driver.scheduler.meta("q")
+    assert (meta.phase, meta.threshold, meta.max_num_pruned) == (Phase.EXPLORE, 0.5, 2)
+    assert meta.num_pruned == 1
+    assert BranchId("q", 1) not in engine.live_branches
+    # Step 20: 0.7, 0.6, 0.9: nothing below 0.5. Step 30: branch 0 finished at 25 with
+    # final reward 0.8 -> exploit, threshold 0.8, up to n-1=3 pruned; branch 2 (0.65) goes.
+    run_until_step(30)
+    meta = driver.scheduler.meta("q")
+    assert (meta.phase, meta.threshold, meta.max_num_pruned) == (Phase.EXPLOIT, 0.8, 3)
+    assert (meta.num_completed, meta.num_pruned) == (1, 2)
+    assert engine.live_branches == {BranchId("q", 3)}
+    # Branch 3 ends at 40: two completed = m, the request finishes at 40.
+    while driver.step():
+        pass
+    (result,) = driver.results
+    assert statuses(result) == [S.FINISHED, S.PRUNED, S.PRUNED, S.FINISHED]
+    assert [b.ended_in for b in result.branches] == [
+        Phase.EXPLORE,
+        Phase.EXPLORE,
+        Phase.EXPLOIT,
+        Phase.EXPLOIT,
+    ]
+    assert [b.num_tokens for b in result.branches] == [25, 10, 30, 40]
+    assert result.chosen == 3  # final rewards 0.8 vs 0.9: best reward wins
+    assert result.answer == "4"
+    assert result.timings.finished == 40.0
+    assert not engine.prefixes
+
+
+def test_threshold_comes_from_earliest_completion_then_lowest_index() -> None:
+    # Branches 1 and 2 both finish in the first chunk: 2 at step 3, 1 at step 5. The
+    # threshold must be branch 2's final reward (0.2), so branch 0 (0.3) survives.
+    script = {
+        "q": [
+            BranchScript(length=50, rewards=(0.3,)),
+            BranchScript(length=5, final_reward=0.9),
+            BranchScript(length=3, final_reward=0.2),
+            BranchScript(length=50, rewards=(0.1,)),
+        ]
+    }
+    engine = FakeEngine(script)
+    results = sart.run(
+        [sart.Request("q", "p", sart.sart(4, m=3, alpha=0.0, beta=0, interval=10))],
+        engine,
+        ScriptedPRM(script, every=10),
+    )
+    (result,) = results
+    assert statuses(result)[3] is S.PRUNED  # 0.1 < 0.2
+    assert statuses(result)[0] is S.FINISHED  # 0.3 >= 0.2, kept; finishes at 50
+    assert result.num_pruned == 1
+
+
+def test_same_step_completions_tie_break_by_lowest_index() -> None:
+    script = {
+        "q": [
+            BranchScript(length=40, rewards=(0.5,)),
+            BranchScript(length=4, final_reward=0.45),
+            BranchScript(length=4, final_reward=0.9),
+        ]
+    }
+    driver = sart.SyncDriver(FakeEngine(script), ScriptedPRM(script, every=10), batch_size=4)
+    driver.submit(sart.Request("q", "p", sart.sart(3, m=3, alpha=0.0, beta=0, interval=10)))
+    while driver.scheduler.statistics().step < 10:
+        driver.step()
+    while driver.scheduler._outbox or driver.scheduler._inflight:
+        driver.step()
+    # Both ended at step 4; branch 1 has the lower index, so threshold = 0.45, and
+    # branch 0 (0.5) is not pruned.
+    assert driver.scheduler.meta("q").threshold == 0.45
+    assert driver.scheduler.meta("q").num_pruned == 0
+
+
+def test_phase_one_prunes_at_most_beta_lowest_first() -> None:
+    rewards = [0.4, 0.1, 0.3, 0.2, 0.45, 0.9]
+    script = {"q": [BranchScript(length=100, rewards=(r,)) for r in rewards]}
+    driver = sart.SyncDriver(FakeEngine(script), ScriptedPRM(script, every=10), batch_size=8)
+    driver.submit(sart.Request("q", "p", sart.sart(6, m=3, alpha=0.5, beta=3, interval=10)))
+    while driver.scheduler.statistics().step < 10:
+        driver.step()
+    while driver.scheduler._outbox or driver.scheduler._inflight:
+        driver.step()
+    live = {b.index for b in driver.engine.live_branches}
+    assert live == {0, 4, 5}  # 0.1, 0.2, 0.3 pruned; 0.4 and 0.45 survive the beta cap
+    while driver.step():  # nothing more is pruned in phase 1, ever
+        pass
+    assert driver.results[0].num_pruned == 3
+
+
+def test_never_prunes_every_branch() -> None:
+    # All rewards are below alpha and beta = n-1: one branch must survive and answer.
+    script = {"q": [BranchScript(length=30, answer=str(j), rewards=(0.1,)) for j in range(3)]}
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.sart(3, m=1, alpha=0.5, beta=2, interval=10))],
+        FakeEngine(script),
+        ScriptedPRM(script, every=10),
+    )
+    assert result.ok
+    assert result.num_pruned == 2
+    assert result.num_completed == 1
+    assert result.answer == "2"  # equal rewards are pruned lowest index first: 0, 1
+
+
+def test_early_stop_after_m_stops_the_rest_and_releases_everything() -> None:
+    lengths = [10, 20, 30, 400]
+    script = {"q": [BranchScript(length=n, answer="7") for n in lengths]}
+    engine = FakeEngine(script)
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.sart_without_pruning(4, m=2, interval=10))],
+        engine,
+        ScriptedPRM(script, every=10),
+    )
+    # Branch 1 finishes at step 20 = a check: m=2 reached, 2 and 3 are stopped then.
+    assert statuses(result) == [S.FINISHED, S.FINISHED, S.STOPPED, S.STOPPED]
+    assert [b.num_tokens for b in result.branches] == [10, 20, 20, 20]
+    assert result.timings.end_to_end == 20.0
+    assert ("abort", (BranchId("q", 2), BranchId("q", 3))) in engine.log
+    assert engine.log[-1] == ("release", "q")
+    assert not engine.live_branches and not engine.prefixes
+
+
+def test_self_consistency_waits_for_all_and_votes() -> None:
+    script = {
+        "q": [
+            BranchScript(length=5, answer="A"),
+            BranchScript(length=50, answer="B"),
+            BranchScript(length=9, answer="B"),
+        ]
+    }
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.self_consistency(3, interval=10))], FakeEngine(script)
+    )
+    assert statuses(result) == [S.FINISHED] * 3
+    assert result.answer == "B"
+    assert result.chosen == 2  # the first B to complete
+    assert result.timings.finished == 50.0
+
+
+def test_truncated_branches_count_as_completed() -> None:
+    script = {"q": [BranchScript(length=100, answer="9")]}
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.vanilla(), sampling=sart.SamplingSettings(max_tokens=12))],
+        FakeEngine(script),
+    )
+    assert statuses(result) == [S.TRUNCATED]
+    assert result.branches[0].num_tokens == 12
+    assert result.ok and result.chosen == 0
+
+
+def test_eos_at_exactly_max_tokens_is_finished_not_truncated() -> None:
+    script = {"q": [BranchScript(length=12)]}
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.vanilla(), sampling=sart.SamplingSettings(max_tokens=12))],
+        FakeEngine(script),
+    )
+    assert statuses(result) == [S.FINISHED]
+
+
+def test_admission_fills_from_branch_queue_before_prefilling() -> None:
+    # B=3; three requests of n=2. Commands are checked one batch at a time.
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=3))
+    policy = sart.self_consistency(2, interval=5)
+    for rid in ("a", "b", "c"):
+        sched.submit(sart.Request(rid, "p", policy, sampling=sart.SamplingSettings(seed=10)))
+    cmds = sched.next_commands(0.0)
+    assert [type(c) for c in cmds] == [Prefill, StartBranches, Prefill, StartBranches]
+    assert [s.index for s in cmds[1].branches] == [0, 1]
+    assert [(s.index, s.seed) for s in cmds[3].branches] == [(0, 10)]  # b1 waits in the queue
+    sched.handle([Prefilled(3), Started(), Prefilled(3), Started()], 0.0)
+    (decode,) = sched.next_commands(0.0)
+    assert decode == Decode(max_steps=5)
+    # a's two branches finish; b0 keeps going.
+    sched.handle(
+        [
+            Decoded(
+                StepOutput(
+                    steps=5,
+                    deltas={
+                        BranchId("a", 0): BranchDelta(3, "x", FinishReason.STOP, 3),
+                        BranchId("a", 1): BranchDelta(5, "y", FinishReason.STOP, 5),
+                        BranchId("b", 0): BranchDelta(5, "zzzzz"),
+                    },
+                )
+            )
+        ],
+        5.0,
+    )
+    cleanup = sched.next_commands(5.0)
+    assert [type(c) for c in cleanup] == [ReleasePrefix, Finish]
+    sched.handle([Done(), Done()], 5.0)
+    # Two free slots: b1 (queued) first, then prefill c and start one of its branches.
+    cmds = sched.next_commands(5.0)
+    assert [type(c) for c in cmds] == [StartBranches, Prefill, StartBranches]
+    assert cmds[0].request_id == "b" and [s.index for s in cmds[0].branches] == [1]
+    assert cmds[1].request.id == "c" and [s.index for s in cmds[2].branches] == [0]
+    assert sched.statistics().queued_requests == 0
+
+
+def test_scheduler_refuses_out_of_protocol_calls() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=2))
+    with pytest.raises(sart.SchedulerError):
+        sched.handle([], 0.0)
+    sched.submit(sart.Request("a", "p", sart.vanilla()))
+    cmds = sched.next_commands(0.0)
+    with pytest.raises(sart.SchedulerError):
+        sched.next_commands(0.0)
+    with pytest.raises(sart.SchedulerError):
+        sched.handle([Prefilled(1)], 0.0)  # two commands, one event
+    assert len(cmds) == 2
+
+
+def test_engine_reporting_an_unknown_branch_is_a_scheduler_error() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=2))
+    sched.submit(sart.Request("a", "p", sart.vanilla()))
+    sched.next_commands(0.0)
+    sched.handle([Prefilled(1), Started()], 0.0)
+    sched.next_commands(0.0)
+    with pytest.raises(sart.SchedulerError, match="not running"):
+        sched.handle([Decoded(StepOutput(1, {BranchId("zz", 0): BranchDelta(1, "")}))], 1.0)
+
+
+def test_prefill_failure_skips_its_start_and_fails_only_that_request() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=4))
+    sched.submit(sart.Request("a", "p", sart.self_consistency(2)))
+    sched.submit(sart.Request("b", "p", sart.self_consistency(2)))
+    sched.next_commands(0.0)
+    sched.handle([Failed("boom"), Skipped(), Prefilled(1), Started()], 0.0)
+    (finish,) = sched.next_commands(0.0)  # no prefix to release, no branch to abort
+    assert isinstance(finish, Finish)
+    assert finish.result.status is sart.RequestStatus.FAILED
+    assert "prefill failed: boom" in (finish.result.reason or "")
+    assert all(b.status is S.FAILED for b in finish.result.branches)
+    sched.handle([Done()], 0.0)
+    assert sched.statistics().running_branches == 2
+
+
+def test_chunked_admission_waits_for_the_chunk_token_admission_does_not() -> None:
+    script = {
+        "r1": [BranchScript(length=5)],
+        "r2": [BranchScript(length=50)],
+        "r3": [BranchScript(length=5)],
+    }
+
+    def finish_of_r3(admission: sart.Admission) -> float:
+        requests = [sart.Request(r, "p", sart.vanilla(interval=100)) for r in script]
+        results = sart.run(requests, FakeEngine(script), batch_size=2, admission=admission)
+        return results[2].timings.finished
+
+    # Chunked: r3 waits until the chunk ends when r2 ends at 50, then needs 5 more.
+    assert finish_of_r3(sart.Admission.CHUNK) == 55.0
+    # Token-level: r1's slot is refilled at step 5, r3 ends at 10.
+    assert finish_of_r3(sart.Admission.TOKEN) == 10.0
+
+
+def test_token_admission_still_prunes_only_every_interval() -> None:
+    script = {
+        "q": [BranchScript(length=3, final_reward=0.9)]
+        + [BranchScript(length=100, rewards=(0.8, 0.1)) for _ in range(3)]
+    }
+    prm = ScriptedPRM(script, every=10)
+    driver = sart.SyncDriver(FakeEngine(script), prm, batch_size=4, admission=sart.Admission.TOKEN)
+    driver.submit(sart.Request("q", "p", sart.sart(4, m=1, interval=10)))
+    while driver.step():
+        pass
+    (result,) = driver.results
+    # Branch 0 finishes at step 3 and m=1: the request ends right then, without
+    # waiting for the check at step 10, and nothing was pruned.
+    assert result.timings.finished == 3.0
+    assert statuses(result) == [S.FINISHED, S.STOPPED, S.STOPPED, S.STOPPED]
+
+
+def test_mixed_intervals_decode_until_the_next_due_check() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=4))
+    sched.submit(sart.Request("a", "p", sart.self_consistency(1, interval=7)))
+    sched.submit(sart.Request("b", "p", sart.self_consistency(1, interval=3)))
+    sched.next_commands(0.0)
+    sched.handle([Prefilled(1), Started(), Prefilled(1), Started()], 0.0)
+    assert sched.next_commands(0.0) == [Decode(max_steps=3)]
+    sched.handle([Decoded(StepOutput(3, {}))], 3.0)
+    assert sched.next_commands(3.0) == [Decode(max_steps=3)]
+    sched.handle([Decoded(StepOutput(3, {}))], 6.0)
+    assert sched.next_commands(6.0) == [Decode(max_steps=1)]  # a is due at 7
+
+
+def test_vanilla_needs_no_prm_but_sart_does() -> None:
+    engine = FakeEngine({"a": [BranchScript(length=3)]})
+    assert sart.run([sart.Request("a", "p", sart.vanilla())], engine)[0].ok
+    with pytest.raises(sart.ConfigError, match="needs PRM rewards"):
+        sart.SyncDriver(FakeEngine(), batch_size=4).submit(sart.Request("b", "p", sart.sart(4)))
+
+
+def test_duplicate_request_ids_in_flight_are_refused() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=2))
+    sched.submit(sart.Request("a", "p", sart.vanilla()))
+    with pytest.raises(sart.ConfigError, match="id='a' must be unique"):
+        sched.submit(sart.Request("a", "q", sart.vanilla()))
+
+
+def test_score_items_cover_completions_and_due_running_branches() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=4))
+    sched.submit(sart.Request("a", "the prompt", sart.sart(3, interval=4)))
+    sched.next_commands(0.0)
+    sched.handle([Prefilled(2), Started()], 0.0)
+    sched.next_commands(0.0)
+    deltas = {
+        BranchId("a", 0): BranchDelta(2, "ab", FinishReason.STOP, 2),
+        BranchId("a", 1): BranchDelta(4, "abcd"),
+        BranchId("a", 2): BranchDelta(4, "wxyz"),
+    }
+    sched.handle([Decoded(StepOutput(4, deltas))], 4.0)
+    (score,) = sched.next_commands(4.0)
+    assert isinstance(score, Score)
+    assert [(i.branch.index, i.text, i.num_tokens, i.final) for i in score.items] == [
+        (0, "ab", 2, True),
+        (1, "abcd", 4, False),
+        (2, "wxyz", 4, False),
+    ]
+    assert score.items[0].prompt == "the prompt"
+    # A NaN fails the request with a reason naming the branch.
+    sched.handle(
+        [Scored({BranchId("a", 0): 0.9, BranchId("a", 1): float("nan"), BranchId("a", 2): 1.0})],
+        4.0,
+    )
+    cmds = sched.next_commands(4.0)
+    assert [type(c) for c in cmds] == [Abort, ReleasePrefix, Finish]
+    assert "nan" in (cmds[-1].result.reason or "")

@@ -1,0 +1,61 @@
+"""Value types: ids, ordered statuses, sampling settings, requests, results."""
+
+from __future__ import annotations
+
+import pytest
+
+import sart
+from sart.types import BranchId, BranchStatus, default_seed
+
+
+def test_branch_status_is_ordered_and_past_running_means_ended() -> None:
+    order = ["WAITING", "RUNNING", "FINISHED", "TRUNCATED", "PRUNED", "STOPPED", "FAILED"]
+    assert [s.name for s in sorted(BranchStatus)] == order
+    assert [s.is_ended for s in BranchStatus] == [False, False] + [True] * 5
+    assert {s for s in BranchStatus if s.is_completed} == {
+        BranchStatus.FINISHED,
+        BranchStatus.TRUNCATED,
+    }
+
+
+def test_branch_id_prints_like_vllm_child_requests() -> None:
+    assert str(BranchId("req-7", 3)) == "3_req-7"
+
+
+def test_seeds_differ_per_request_and_per_branch() -> None:
+    a = sart.Request("a", "p", sart.vanilla())
+    b = sart.Request("b", "p", sart.vanilla())
+    assert a.seed != b.seed
+    assert a.seed == default_seed("a")
+    fixed = sart.Request("c", "p", sart.vanilla(), sampling=sart.SamplingSettings(seed=5))
+    assert fixed.seed == 5
+
+
+def test_request_converts_token_lists() -> None:
+    assert sart.Request("a", [1, 2, 3], sart.vanilla()).prompt == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: sart.SamplingSettings(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+        (lambda: sart.SamplingSettings(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (lambda: sart.SamplingSettings(max_tokens=0), "max_tokens=0 must be >= 1"),
+        (lambda: sart.SamplingSettings(seed=-3), "seed=-3 must be None or an int >= 0"),
+        (lambda: sart.Request("", "p", sart.vanilla()), "id='' must be a non-empty str"),
+        (lambda: sart.Request("a", [], sart.vanilla()), "must be a str or a non-empty tuple"),
+        (lambda: sart.Request("a", "p", "sart"), "policy='sart' must be a sart.Policy"),
+        (lambda: sart.Request("a", "p", sart.vanilla(), arrival=-1), "arrival=-1 must be"),
+    ],
+)
+def test_bad_values_raise_config_error(make, message: str) -> None:
+    with pytest.raises(sart.ConfigError, match=None) as info:
+        make()
+    assert message in str(info.value)
+
+
+def test_timings_derive_latencies() -> None:
+    t = sart.Timings(arrival=1.0, scheduled=3.0, finished=10.0)
+    assert (t.queueing, t.inference, t.end_to_end) == (2.0, 7.0, 9.0)
+    never = sart.Timings(arrival=1.0, scheduled=None, finished=4.0)
+    assert (never.queueing, never.inference) == (3.0, 0.0)
