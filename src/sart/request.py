@@ -53,7 +53,7 @@ class Request:
     """The strategy: ``sart.sart(8)``, ``sart.self_consistency(4)``, ``sart.vanilla()``..."""
     sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
     """Sampling settings shared by all branches (each branch gets its own seed)."""
-    arrival: float = attrs.field(default=0.0, validator=_check_arrival)
+    arrival: float = attrs.field(default=0.0, converter=float, validator=_check_arrival)
     """When the request arrives, in the clock's unit (seconds on the wall clock)."""
 
     @property

@@ -55,6 +55,7 @@ from sart.request import Request
 from sart.results import RequestResult
 from sart.state import BranchState, RequestMeta, RequestState
 from sart.types import Admission, BranchId, BranchStatus, FinishReason, Phase, RequestStatus
+from sart.views import RequestView
 
 T = TypeVar("T")
 
@@ -356,21 +357,24 @@ class Scheduler:
                 first = min(completed, key=lambda b: (b.end_step, b.index))
                 req.limits = self._call(prune.enter_exploit, req.limits, first.view(), req.n)
         req.num_completed += len(completed)
+        view = None
         if due:
             req.steps_since_check = 0
             if prune.active and req.running:
-                self._prune(req)
+                view = self._prune(req)
         if not req.running and not req.has_waiting():
             self._finalise(req, now)
-        elif req.num_completed and self._call(req.policy.stop.should_stop, req.view()):
+        elif req.num_completed and self._call(req.policy.stop.should_stop, view or req.view()):
             # Stop rules are consulted only once a branch has completed, so a
             # finished request always has an answer.
             self._finalise(req, now)
 
-    def _prune(self, req: RequestState) -> None:
+    def _prune(self, req: RequestState) -> RequestView:
+        """Apply the prune rule; return the request's view after pruning."""
         rule = req.policy.prune
+        view = req.view()
         chosen = self._call(
-            lambda view: list(rule.choose(view)), req.view(), name=f"{type(rule).__name__}.choose"
+            lambda v: list(rule.choose(v)), view, name=f"{type(rule).__name__}.choose"
         )
         budget = min(req.limits.max_num_pruned, req.n - 1) - req.num_pruned
         victims: list[BranchState] = []
@@ -385,9 +389,11 @@ class Scheduler:
             victims.append(branch)
         for branch in victims:
             self._end_running(branch, req, BranchStatus.PRUNED)
+        if not victims:
+            return view
         req.num_pruned += len(victims)
-        if victims:
-            self._outbox.append(Abort(tuple(b.id for b in victims)))
+        self._outbox.append(Abort(tuple(b.id for b in victims)))
+        return req.view()
 
     def _finalise(self, req: RequestState, now: float) -> None:
         candidates = [b for b in req.branches if b.status.is_completed]

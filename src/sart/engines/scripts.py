@@ -8,6 +8,7 @@ final_reward).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -105,6 +106,8 @@ def random_scripts(
     ``p_correct`` else another answer, and reward trajectories that are higher,
     on average, for branches with the first answer."""
 
+    # Cached: the engine and the PRM both look a branch up, the PRM at every check.
+    @functools.lru_cache(maxsize=1 << 16)
     def make(branch: BranchId) -> BranchScript:
         rng = random.Random(zlib.crc32(f"{seed}/{branch.request_id}/{branch.index}".encode()))
         length = max(1, round(median_length * math.exp(rng.gauss(0.0, sigma))))
