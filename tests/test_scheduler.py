@@ -384,3 +384,54 @@ def test_score_items_cover_completions_and_due_running_branches() -> None:
     cmds = sched.next_commands(4.0)
     assert [type(c) for c in cmds] == [Abort, ReleasePrefix, Finish]
     assert "nan" in (cmds[-1].result.reason or "")
+
+
+class PruneWorst(sart.PruneRule):
+    def choose(self, request: sart.RequestView) -> list[int]:
+        return [min(request.running, key=lambda b: b.reward or 0.0).index]
+
+
+def test_running_branches_are_not_scored_once_the_prune_budget_is_spent() -> None:
+    script = {
+        "q": [BranchScript(length=40, rewards=(0.9,)), BranchScript(length=40, rewards=(0.1,))]
+    }
+    prm = ScriptedPRM(script, every=8)
+    policy = sart.Policy(n=2, stop=sart.FirstM(1), prune=PruneWorst(), interval=8)
+    (result,) = sart.run([sart.Request("q", "p", policy)], FakeEngine(script), prm)
+    # Step 8: both scored, branch 1 pruned; the budget (n-1 = 1) is spent, so only
+    # the final score of branch 0 follows.
+    assert statuses(result) == [S.FINISHED, S.PRUNED]
+    assert prm.items_scored == 3
+    assert result.prm_items == 3
+
+
+def test_beta_zero_scores_only_completions_until_exploit() -> None:
+    script = {
+        "q": [BranchScript(length=20, final_reward=0.9)]
+        + [BranchScript(length=80, rewards=(0.1,)) for _ in range(2)]
+    }
+    prm = ScriptedPRM(script, every=10)
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.sart(3, m=2, alpha=0.5, beta=0, interval=10))],
+        FakeEngine(script),
+        prm,
+    )
+    # Check at 10: explore with beta=0 cannot prune, so nothing is scored. At 20
+    # branch 0 completes: the phase may change, so it (final) and the two running
+    # branches are scored; exploit sets threshold 0.9 and both 0.1 branches go.
+    assert statuses(result) == [S.FINISHED, S.PRUNED, S.PRUNED]
+    assert prm.items_scored == 3
+
+
+def test_bad_prune_choices_fail_even_beyond_the_budget() -> None:
+    class ThenGhost(sart.PruneRule):
+        def choose(self, request: sart.RequestView) -> list[int]:
+            return [b.index for b in request.running] + [99]
+
+    script = {"q": [BranchScript(length=40, rewards=(0.5,))] * 2}
+    policy = sart.Policy(n=2, prune=ThenGhost(), interval=8)
+    (result,) = sart.run(
+        [sart.Request("q", "p", policy)], FakeEngine(script), ScriptedPRM(script, every=8)
+    )
+    assert not result.ok
+    assert "chose 99, not a branch index" in (result.reason or "")

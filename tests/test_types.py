@@ -45,7 +45,7 @@ def test_request_converts_token_lists() -> None:
         (lambda: sart.Request("", "p", sart.vanilla()), "id='' must be a non-empty str"),
         (lambda: sart.Request("a", [], sart.vanilla()), "must be a str or a non-empty tuple"),
         (lambda: sart.Request("a", "p", "sart"), "policy='sart' must be a sart.Policy"),
-        (lambda: sart.Request("a", "p", sart.vanilla(), arrival=-1), "arrival=-1 must be"),
+        (lambda: sart.Request("a", "p", sart.vanilla(), arrival=-1), "arrival=-1.0 must be"),
     ],
 )
 def test_bad_values_raise_config_error(make, message: str) -> None:

@@ -66,6 +66,8 @@ class RequestResult:
     """Why the request failed (``None`` when it completed)."""
     policy: str = ""
     """The policy's name."""
+    prm_items: int = 0
+    """Branch scorings requested from the PRM for this request."""
 
     @property
     def ok(self) -> bool:

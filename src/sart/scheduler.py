@@ -305,8 +305,9 @@ class Scheduler:
         branches: list[BranchState] = []
         if policy.scores_completed:
             branches.extend(b for b in req.newly_ended if b.status.is_completed)
-        if due and policy.scores_running:
+        if due and policy.scores_running and self._may_prune(req):
             branches.extend(b for b in req.branches if b.status is BranchStatus.RUNNING)
+        req.prm_items += len(branches)
         return [
             ScoreItem(
                 branch=b.id,
@@ -317,6 +318,14 @@ class Scheduler:
             )
             for b in branches
         ]
+
+    @staticmethod
+    def _may_prune(req: RequestState) -> bool:
+        """Whether this check could prune: the budget is not spent, or the phase is
+        about to change (a first completion), which may raise it."""
+        if req.phase is Phase.EXPLORE and any(b.status.is_completed for b in req.newly_ended):
+            return True
+        return min(req.limits.max_num_pruned, req.n - 1) > req.num_pruned
 
     def _on_score(self, event: Event, now: float) -> None:
         if not isinstance(event, Scored):
@@ -353,14 +362,13 @@ class Scheduler:
         prune = req.policy.prune
         if completed and req.phase is Phase.EXPLORE:
             req.phase = Phase.EXPLOIT
-            if prune.active:
-                first = min(completed, key=lambda b: (b.end_step, b.index))
-                req.limits = self._call(prune.enter_exploit, req.limits, first.view(), req.n)
+            first = min(completed, key=lambda b: (b.end_step, b.index))
+            req.limits = self._call(prune.enter_exploit, req.limits, first.view(), req.n)
         req.num_completed += len(completed)
         view = None
         if due:
             req.steps_since_check = 0
-            if prune.active and req.running:
+            if prune.active and req.running and self._may_prune(req):
                 view = self._prune(req)
         if not req.running and not req.has_waiting():
             self._finalise(req, now)
@@ -377,16 +385,17 @@ class Scheduler:
             lambda v: list(rule.choose(v)), view, name=f"{type(rule).__name__}.choose"
         )
         budget = min(req.limits.max_num_pruned, req.n - 1) - req.num_pruned
+        # Every choice is checked, not only those within the budget, so a bad rule
+        # fails the same way whatever the budget.
         victims: list[BranchState] = []
         for index in chosen:
-            if len(victims) >= budget:
-                break
             if not isinstance(index, int) or not 0 <= index < req.n:
                 raise _PolicyFailure(f"prune rule chose {index!r}, not a branch index")
             branch = req.branches[index]
             if branch.status is not BranchStatus.RUNNING or branch in victims:
                 raise _PolicyFailure(f"prune rule chose branch {index}, which is not running")
             victims.append(branch)
+        del victims[max(budget, 0) :]
         for branch in victims:
             self._end_running(branch, req, BranchStatus.PRUNED)
         if not victims:
@@ -428,6 +437,7 @@ class Scheduler:
             branches=tuple(b.outcome(answer_of.get(b.index)) for b in req.branches),
             timings=req.timings(now),
             policy=policy.name,
+            prm_items=req.prm_items,
         )
         self._close(req, result, now)
 
@@ -453,6 +463,7 @@ class Scheduler:
             timings=req.timings(now),
             reason=reason,
             policy=req.policy.name,
+            prm_items=req.prm_items,
         )
         self._close(req, result, now)
 

@@ -101,6 +101,7 @@ class RequestState:
         "phase",
         "policy",
         "prefilled",
+        "prm_items",
         "request",
         "running",
         "scheduled_at",
@@ -119,6 +120,7 @@ class RequestState:
         self.num_pruned = 0
         self.running = 0
         self.steps_since_check = 0
+        self.prm_items = 0
         self.prefilled = False
         self.ended = False
         self.scheduled_at: float | None = None

@@ -16,9 +16,12 @@ class Limits:
     """The pruning limits of the paper's per-request record (Algorithm 1, line 24)."""
 
     threshold: float | None
-    """Branches whose reward is below this may be pruned (``None``: no threshold)."""
+    """Branches whose reward is below this may be pruned (``None``: no threshold).
+    Advisory: the prune rule's ``choose`` reads it; the scheduler does not."""
     max_num_pruned: int
-    """How many branches of the request may be pruned in total so far."""
+    """How many branches of the request may be pruned in total. Enforced by the
+    scheduler (never more than ``n - 1``); once spent, running branches are no
+    longer scored for pruning."""
 
 
 @attrs.frozen

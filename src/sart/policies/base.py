@@ -21,8 +21,10 @@ from sart.views import BranchView, Limits, RequestView
 class StopRule:
     """Decides when a request has enough completed branches to finish early.
 
-    The scheduler also finishes a request whenever no branch is running or
-    waiting, so the default (never stop early) waits for every branch.
+    ``should_stop`` is consulted at each check once at least one branch has
+    completed (so a finished request always has an answer). The scheduler also
+    finishes a request whenever no branch is running or waiting, so the
+    default (never stop early) waits for every branch.
     """
 
     def validate(self, n: int) -> None:
@@ -45,7 +47,8 @@ class PruneRule:
       the first ones of this list.
 
     Set ``needs_rewards = False`` on a rule that does not read ``reward``, and
-    the PRM will not be called for it.
+    the PRM will not be called for it. Running branches are scored only at
+    checks where pruning is possible (the budget is not spent).
     """
 
     needs_rewards: ClassVar[bool] = True
