@@ -36,7 +36,7 @@ class _Prefix:
 
 @attrs.define
 class _Live:
-    tokens: list[str]
+    script: BranchScript
     end: int  # position at which the branch ends (EOS or max_tokens)
     reason: FinishReason
     pos: int = 0
@@ -92,7 +92,7 @@ class FakeEngine:
         tokens = max(1, len(prompt.split()) if isinstance(prompt, str) else len(prompt))
         self._prefixes[request_id] = _Prefix(tokens=tokens, sampling=sampling)
         self._kv_tokens += tokens
-        self.clock.advance(self.prefill_cost)
+        self.clock.advance(self._prefill_time(tokens))
         return tokens
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
@@ -116,11 +116,11 @@ class FakeEngine:
         max_tokens = prefix.sampling.max_tokens
         for index in indices:
             bid = BranchId(request_id, index)
-            tokens = self.script(bid).tokens()
-            if len(tokens) <= max_tokens:
-                live = _Live(tokens=tokens, end=len(tokens), reason=FinishReason.STOP)
+            script = self.script(bid)
+            if script.length <= max_tokens:
+                live = _Live(script=script, end=script.length, reason=FinishReason.STOP)
             else:
-                live = _Live(tokens=tokens, end=max_tokens, reason=FinishReason.LENGTH)
+                live = _Live(script=script, end=max_tokens, reason=FinishReason.LENGTH)
             self._live[bid] = live
             prefix.started.add(index)
             prefix.live.add(index)
@@ -140,10 +140,11 @@ class FakeEngine:
                 raise EngineError(
                     f"injected decode failure at token {k} of branch {bid}", [bid.request_id]
                 )
+        cost = self._decode_time(horizon)  # priced before the branches move
         deltas: dict[BranchId, BranchDelta] = {}
         for bid, live in list(self._live.items()):
             n = min(horizon, live.end - live.pos)
-            text = "".join(live.tokens[live.pos : live.pos + n])
+            text = live.script.text_span(live.pos, live.pos + n)
             live.pos += n
             self._kv_tokens += n
             if live.pos == live.end:
@@ -152,7 +153,7 @@ class FakeEngine:
             else:
                 deltas[bid] = BranchDelta(new_tokens=n, text=text)
         self.steps += horizon
-        self.clock.advance(horizon * self.step_cost)
+        self.clock.advance(cost)
         return StepOutput(steps=horizon, deltas=deltas)
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
@@ -178,7 +179,24 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(live_branches=len(self._live), kv_tokens=self._kv_tokens)
 
+    # ----------------------------------------------------- cost (overridable)
+
+    def _prefill_time(self, prompt_tokens: int) -> float:
+        return self.prefill_cost
+
+    def _decode_time(self, steps: int) -> float:
+        """Time for the live branches to decode ``steps`` steps (each stops at its end)."""
+        return steps * self.step_cost
+
     # -------------------------------------------------------------- helpers
+
+    def usage(self, request_id: str) -> tuple[int, int]:
+        """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
+        prefix = self._prefixes.get(request_id)
+        if prefix is None:
+            return (0, 0)
+        live = [self._live[BranchId(request_id, j)] for j in prefix.live]
+        return (len(live), prefix.tokens + sum(b.pos for b in live))
 
     @property
     def prefixes(self) -> frozenset[str]:

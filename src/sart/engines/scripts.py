@@ -9,7 +9,6 @@ final_reward).
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import random
 import zlib
@@ -44,19 +43,31 @@ class BranchScript:
     answer: str = "42"
     """The answer the default text ends with (as ``\\boxed{answer}``)."""
     text: str | None = None
-    """Full response text, split evenly over ``length`` tokens; default: filler
-    words and ``\\boxed{answer}`` as the last token."""
+    """Full response text, split evenly over ``length`` tokens; default: ``filler``
+    repeated, then ``\\boxed{answer}`` as the last token."""
     rewards: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_check_rewards)
     """PRM reward after ``(j+1) * every`` tokens, for ``j = 0, 1, ...`` (the last repeats)."""
     final_reward: float | None = None
     """PRM reward once completed; default: the last of ``rewards``, else 0.5."""
+    filler: str = "step "
+    """Text of each token before the last when ``text`` is None (simulated
+    workloads use ``""`` so that long branches cost no memory)."""
+
+    def text_span(self, start: int, end: int) -> str:
+        """Text of tokens ``start .. end-1`` (0-based), computed without
+        materialising the tokens, so a 30k-token branch costs nothing."""
+        end = min(end, self.length)
+        if start >= end:
+            return ""
+        if self.text is not None:
+            size = len(self.text)
+            return self.text[start * size // self.length : end * size // self.length]
+        fill = self.filler * (min(end, self.length - 1) - start) if self.filler else ""
+        return fill + f"\\boxed{{{self.answer}}}" if end == self.length else fill
 
     def tokens(self) -> list[str]:
-        """The ``length`` token texts this branch generates, in order."""
-        if self.text is None:
-            return ["step "] * (self.length - 1) + [f"\\boxed{{{self.answer}}}"]
-        cuts = [i * len(self.text) // self.length for i in range(self.length + 1)]
-        return [self.text[a:b] for a, b in itertools.pairwise(cuts)]
+        """The ``length`` token texts, in order (materialised: for tests and small scripts)."""
+        return [self.text_span(i, i + 1) for i in range(self.length)]
 
     def reward_at(self, num_tokens: int, every: int, final: bool) -> float:
         """The scripted reward after ``num_tokens`` tokens (``final``: once completed)."""

@@ -1,0 +1,179 @@
+"""The experiment runner: every method on the same trace, engine model and scheduler.
+
+For each rate, one trace is generated (or loaded) with as many branches per
+request as the largest ``n``; a method with ``n`` branches uses the first
+``n`` of them. So Vanilla, Self-Consistency, SART without pruning and SART
+see the same requests, arrival times and branches (common random numbers):
+differences between them come from the method, not from sampling luck.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from sart.bench.traces import Trace
+from sart.bench.workloads import workload
+from sart.driver import SyncDriver, TimelineSample
+from sart.engines.costs import cost_model
+from sart.engines.sim import SimEngine
+from sart.errors import ConfigError, config_check
+from sart.metrics import RunSummary
+from sart.policies.base import Policy
+from sart.policies.recipes import sart, sart_without_pruning, self_consistency, vanilla
+from sart.prm.scripted import ScriptedPRM
+from sart.request import Request
+from sart.results import RequestResult
+from sart.types import Admission, SamplingSettings
+
+#: Method name -> policy for ``n`` branches and interval ``T``.
+METHODS: dict[str, Callable[[int, int], Policy]] = {
+    "vanilla": lambda n, t: vanilla(interval=t),
+    "sc": lambda n, t: self_consistency(n, interval=t),
+    "sart-no-prune": lambda n, t: sart_without_pruning(n, interval=t),
+    "sart": lambda n, t: sart(n, interval=t),
+}
+LABELS = {
+    "vanilla": "Vanilla",
+    "sc": "Self-Consistency",
+    "sart-no-prune": "SART (w/o pruning)",
+    "sart": "SART",
+}
+
+
+def _tuple(value: Sequence) -> tuple:
+    return tuple(value)
+
+
+@attrs.frozen
+class BenchConfig:
+    """One benchmark: methods x N values x rates on one workload and one engine model."""
+
+    workload: str = "gaokao"
+    cost: str = "h100-14b"
+    methods: tuple[str, ...] = attrs.field(
+        default=("vanilla", "sc", "sart-no-prune", "sart"), converter=_tuple
+    )
+    ns: tuple[int, ...] = attrs.field(default=(2, 4, 8), converter=_tuple)
+    rates: tuple[float, ...] = attrs.field(default=(1.0, 4.0), converter=_tuple)
+    num_requests: int = 100
+    batch_size: int = 64
+    interval: int = 400
+    seed: int = 0
+    admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
+    trace: str | None = None
+    """Replay this JSONL trace instead of generating one per rate."""
+
+    def __attrs_post_init__(self) -> None:
+        for m in self.methods:
+            if m not in METHODS:
+                raise ConfigError(f"method={m!r} must be one of {sorted(METHODS)}")
+        config_check(bool(self.methods), "methods", self.methods, "non-empty")
+        config_check(bool(self.ns) and min(self.ns) >= 1, "ns", self.ns, "non-empty, each >= 1")
+        config_check(
+            bool(self.rates) and min(self.rates) > 0, "rates", self.rates, "non-empty, each > 0"
+        )
+        config_check(self.num_requests >= 1, "num_requests", self.num_requests, ">= 1")
+        config_check(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
+        config_check(self.interval >= 1, "interval", self.interval, ">= 1")
+        workload(self.workload)
+        cost_model(self.cost)
+
+
+@attrs.frozen
+class RunRecord:
+    """One method at one ``n`` and one rate."""
+
+    method: str
+    n: int
+    rate: float | None
+    """Arrival rate (``None`` for a replayed trace)."""
+    summary: RunSummary
+    results: tuple[RequestResult, ...]
+    timeline: tuple[TimelineSample, ...]
+    request_usage: dict[str, tuple[tuple[float, int, int], ...]]
+    """Per request: ``(time, live branches, KV tokens)`` after each decode call."""
+    kv_capacity: int | None
+
+
+def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
+    """The trace of each rate (one replayed trace when ``config.trace`` is set)."""
+    if config.trace is not None:
+        return [(None, Trace.load(config.trace))]
+    model = workload(config.workload)
+    width = max(config.ns)
+    return [
+        (rate, model.generate(config.num_requests, rate, width, config.interval, config.seed))
+        for rate in config.rates
+    ]
+
+
+def run_method(
+    trace: Trace, method: str, n: int, config: BenchConfig, rate: float | None = None
+) -> RunRecord:
+    """Serve ``trace`` with one method on a fresh simulated engine."""
+    if n > trace.width:
+        raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
+    policy = METHODS[method](n, config.interval)
+    script = trace.script()
+    engine = SimEngine(script, cost=config.cost)
+    prm = ScriptedPRM(script, every=trace.interval or config.interval)
+    driver = SyncDriver(engine, prm, batch_size=config.batch_size, admission=config.admission)
+    max_tokens = workload(config.workload).max_tokens if config.trace is None else None
+    for r in trace:
+        sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
+        driver.submit(
+            Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
+        )
+    usage: dict[str, list[tuple[float, int, int]]] = {}
+    steps = engine.steps
+    while driver.step():
+        if engine.steps != steps:
+            steps = engine.steps
+            now = engine.clock.now()
+            for rid in engine.prefixes:
+                live, kv = engine.usage(rid)
+                usage.setdefault(rid, []).append((now, live, kv))
+    by_id = {res.request_id: res for res in driver.results}
+    results = tuple(by_id[r.id] for r in trace)
+    return RunRecord(
+        method=method,
+        n=1 if method == "vanilla" else n,
+        rate=rate,
+        summary=RunSummary.of(results, driver.timeline, trace.gold()),
+        results=results,
+        timeline=tuple(driver.timeline),
+        request_usage={rid: tuple(v) for rid, v in usage.items()},
+        kv_capacity=engine.cost.kv_capacity_tokens,
+    )
+
+
+def _trace_max_tokens(trace: Trace) -> int:
+    # A replayed trace carries no max_tokens: branches end where the trace says.
+    return max(b.length for r in trace for b in r.branches)
+
+
+def plan(config: BenchConfig) -> list[tuple[str, int]]:
+    """(method, n) pairs to run per rate; Vanilla runs once (n = 1)."""
+    pairs: list[tuple[str, int]] = []
+    for method in config.methods:
+        if method == "vanilla":
+            pairs.append((method, 1))
+        else:
+            pairs.extend((method, n) for n in config.ns)
+    return pairs
+
+
+def run_bench(
+    config: BenchConfig, on_run: Callable[[RunRecord], None] | None = None
+) -> list[RunRecord]:
+    """Every (method, n) on every rate's trace."""
+    records = []
+    for rate, trace in traces(config):
+        for method, n in plan(config):
+            record = run_method(trace, method, n, config, rate)
+            records.append(record)
+            if on_run is not None:
+                on_run(record)
+    return records

@@ -1,0 +1,207 @@
+"""Generative workloads: Poisson arrivals and branches that behave like reasoning traces.
+
+The model encodes the paper's observations and states its assumptions.
+
+From the paper (section 3, Figure 2): reasoning responses run to thousands
+of tokens and, for the *same* request, vary several-fold in length; whether a
+response is correct is essentially independent of its length (Observation 1).
+From its setup (section 5.1): arrival rates of 1 and 4 requests/s.
+
+Assumptions (ours, not the paper's; none was tuned to reproduce its numbers):
+
+- each request has a difficulty: its per-branch probability of a correct
+  answer ``p`` is drawn from Beta with mean ``accuracy``; harder requests
+  think longer (their log median length grows with ``accuracy - p``);
+- a branch's length is lognormal around its request's median, capped at
+  ``max_tokens`` (the branch is then truncated), independent of correctness;
+- a wrong branch picks one of ``wrong_answers`` wrong values with
+  request-specific Dirichlet weights, so wrong answers cluster but are spread
+  enough that majority voting helps;
+- the PRM is informative but noisy: a branch has a latent logit quality,
+  higher by ``prm_separation`` for correct branches, plus a persistent
+  per-branch offset; the reward after ``t`` tokens is
+  ``sigmoid(bias + w(t) (quality - bias) + noise)`` with
+  ``w(t) = 1 - exp(-t / prm_warmup)``, so early rewards say little; the final
+  reward is ``sigmoid(quality + noise / 2)``. The presets give a PRM of
+  moderate quality: its final reward ranks a correct branch above a wrong one
+  with probability (AUROC) about 0.75 (gaokao) and 0.73 (gpqa), measured on
+  3,200 generated branches each.
+
+The presets' lengths (medians 3,500 and 6,000 tokens, several-fold spread)
+follow the paper's Figure 2; accuracies (0.7 and 0.55 per branch) are
+assumptions in the range reported for DeepSeek-R1-Distill models on such
+benchmarks, not numbers from the paper.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import attrs
+
+from sart.bench.traces import Trace, TraceRequest
+from sart.engines.scripts import BranchScript
+from sart.errors import UnknownComponentError, config_check
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@attrs.frozen
+class WorkloadModel:
+    """Parameters of the generative workload (see the module docstring)."""
+
+    name: str
+    median_length: float
+    """Median response length (tokens) of a request of average difficulty
+    (``p = accuracy``)."""
+    request_sigma: float
+    """Lognormal spread of request medians (across requests)."""
+    branch_sigma: float
+    """Lognormal spread of branch lengths within one request."""
+    difficulty_length: float
+    """Log-length added per unit of ``accuracy - p`` (harder requests think longer)."""
+    max_tokens: int
+    accuracy: float
+    """Mean probability that a branch is correct."""
+    accuracy_concentration: float
+    """Beta concentration of per-request ``p`` (small: requests are easy or hard)."""
+    wrong_answers: int
+    wrong_concentration: float
+    """Dirichlet concentration over wrong answers (small: they cluster)."""
+    prompt_tokens: int
+    prm_bias: float
+    prm_separation: float
+    prm_branch_noise: float
+    prm_noise: float
+    prm_warmup: float
+    """Tokens over which PRM rewards become informative."""
+    answers: tuple[str, ...] = ()
+    """Answer labels (multiple choice); empty: numbers as strings."""
+
+    def generate(
+        self, num_requests: int, rate: float, n: int, interval: int, seed: int = 0
+    ) -> Trace:
+        """``num_requests`` requests with Poisson arrivals at ``rate`` per second, ``n``
+        branches each, rewards recorded every ``interval`` tokens."""
+        config_check(num_requests >= 1, "num_requests", num_requests, ">= 1")
+        config_check(rate > 0, "rate", rate, "> 0")
+        config_check(n >= 1, "n", n, ">= 1")
+        config_check(interval >= 1, "interval", interval, ">= 1")
+        rng = random.Random(f"{self.name}/{seed}/{rate}")
+        arrival = 0.0
+        requests = []
+        for i in range(num_requests):
+            arrival += rng.expovariate(rate)
+            requests.append(self._request(rng, f"r{i}", arrival, n, interval))
+        return Trace.of(requests)
+
+    def _request(
+        self, rng: random.Random, rid: str, arrival: float, n: int, interval: int
+    ) -> TraceRequest:
+        k = self.accuracy_concentration
+        p = rng.betavariate(self.accuracy * k, (1.0 - self.accuracy) * k)
+        median = self.median_length * math.exp(
+            rng.gauss(0.0, self.request_sigma) + self.difficulty_length * (self.accuracy - p)
+        )
+        labels = self._labels(rng)
+        gold, wrong = labels[0], labels[1:]
+        weights = [rng.gammavariate(self.wrong_concentration, 1.0) for _ in wrong]
+        branches = []
+        for _ in range(n):
+            correct = rng.random() < p
+            answer = gold if correct else rng.choices(wrong, weights)[0]
+            length = max(1, round(median * math.exp(rng.gauss(0.0, self.branch_sigma))))
+            quality = (
+                self.prm_bias
+                + (0.5 if correct else -0.5) * self.prm_separation
+                + rng.gauss(0.0, self.prm_branch_noise)
+            )
+            checks = math.ceil(min(length, self.max_tokens) / interval)
+            rewards = tuple(
+                _sigmoid(
+                    self.prm_bias
+                    + (1.0 - math.exp(-(j + 1) * interval / self.prm_warmup))
+                    * (quality - self.prm_bias)
+                    + rng.gauss(0.0, self.prm_noise)
+                )
+                for j in range(checks)
+            )
+            final = _sigmoid(quality + rng.gauss(0.0, self.prm_noise / 2))
+            branches.append(
+                BranchScript(
+                    length=length, answer=answer, rewards=rewards, final_reward=final, filler=""
+                )
+            )
+        return TraceRequest(
+            id=rid,
+            arrival=round(arrival, 6),
+            answer=gold,
+            branches=tuple(branches),
+            prompt_tokens=self.prompt_tokens,
+            interval=interval,
+        )
+
+    def _labels(self, rng: random.Random) -> list[str]:
+        """Gold answer first, then the wrong ones."""
+        if self.answers:
+            labels = list(self.answers)
+            rng.shuffle(labels)
+            return labels[: self.wrong_answers + 1]
+        values = rng.sample(range(1, 1000), self.wrong_answers + 1)
+        return [str(v) for v in values]
+
+
+#: GAOKAO-like: open-ended math/science answers, responses of a few thousand tokens.
+GAOKAO = WorkloadModel(
+    name="gaokao",
+    median_length=3500,
+    request_sigma=0.35,
+    branch_sigma=0.55,
+    difficulty_length=0.6,
+    max_tokens=16384,
+    accuracy=0.7,
+    accuracy_concentration=2.0,
+    wrong_answers=6,
+    wrong_concentration=0.5,
+    prompt_tokens=300,
+    prm_bias=0.4,
+    prm_separation=1.0,
+    prm_branch_noise=1.0,
+    prm_noise=0.6,
+    prm_warmup=2000,
+)
+
+#: GPQA-like: four-choice science questions, longer reasoning, lower accuracy.
+GPQA = WorkloadModel(
+    name="gpqa",
+    median_length=6000,
+    request_sigma=0.3,
+    branch_sigma=0.5,
+    difficulty_length=0.5,
+    max_tokens=16384,
+    accuracy=0.55,
+    accuracy_concentration=2.0,
+    wrong_answers=3,
+    wrong_concentration=1.0,
+    prompt_tokens=450,
+    prm_bias=0.2,
+    prm_separation=1.0,
+    prm_branch_noise=1.0,
+    prm_noise=0.7,
+    prm_warmup=3000,
+    answers=("A", "B", "C", "D"),
+)
+
+WORKLOADS: dict[str, WorkloadModel] = {"gaokao": GAOKAO, "gpqa": GPQA}
+
+
+def workload(name: str) -> WorkloadModel:
+    try:
+        return WORKLOADS[name]
+    except KeyError:
+        raise UnknownComponentError(
+            f"workload {name!r} must be one of {sorted(WORKLOADS)}"
+        ) from None
