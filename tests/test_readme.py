@@ -27,4 +27,4 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert command == "python -m pytest"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(rf"^{re.escape(command)}$", ci, re.M)
-    assert "sart quickstart" in first_block
+    assert "sart bench" in first_block

@@ -1,4 +1,4 @@
-"""The ``sart`` command line. Subcommands: ``quickstart``."""
+"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from sart.bench.command import add_bench_parser, add_trace_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
@@ -61,6 +62,8 @@ def _row(r: RequestResult) -> str:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sart", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    add_bench_parser(sub)
+    add_trace_parser(sub)
     quick = sub.add_parser(
         "quickstart",
         help="serve a few requests with SART on the scripted fake engine and print the results",

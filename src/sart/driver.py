@@ -35,7 +35,7 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import Engine, engine_clock
+from sart.engines.base import Engine, engine_clock, supports_fork
 from sart.errors import ConfigError, EngineError, PRMError
 from sart.prm.base import PRM, ScoreItem
 from sart.request import Request
@@ -89,6 +89,11 @@ class SyncDriver:
             raise ConfigError(
                 f"prm=None but request {request.id!r} uses policy {policy.name!r}, which needs "
                 "PRM rewards; pass a PRM to the driver"
+            )
+        if policy.prune.forks and not supports_fork(self.engine):
+            raise ConfigError(
+                f"request {request.id!r} uses policy {policy.name!r}, which forks branches; "
+                f"{type(self.engine).__name__} does not support forking"
             )
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
 

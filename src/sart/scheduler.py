@@ -325,7 +325,7 @@ class Scheduler:
         about to change (a first completion), which may raise it."""
         if req.phase is Phase.EXPLORE and any(b.status.is_completed for b in req.newly_ended):
             return True
-        return min(req.limits.max_num_pruned, req.n - 1) > req.num_pruned
+        return min(req.limits.max_num_pruned, len(req.branches) - 1) > req.num_pruned
 
     def _on_score(self, event: Event, now: float) -> None:
         if not isinstance(event, Scored):
@@ -384,12 +384,12 @@ class Scheduler:
         chosen = self._call(
             lambda v: list(rule.choose(v)), view, name=f"{type(rule).__name__}.choose"
         )
-        budget = min(req.limits.max_num_pruned, req.n - 1) - req.num_pruned
+        budget = min(req.limits.max_num_pruned, len(req.branches) - 1) - req.num_pruned
         # Every choice is checked, not only those within the budget, so a bad rule
         # fails the same way whatever the budget.
         victims: list[BranchState] = []
         for index in chosen:
-            if not isinstance(index, int) or not 0 <= index < req.n:
+            if not isinstance(index, int) or not 0 <= index < len(req.branches):
                 raise _PolicyFailure(f"prune rule chose {index!r}, not a branch index")
             branch = req.branches[index]
             if branch.status is not BranchStatus.RUNNING or branch in victims:
@@ -398,11 +398,46 @@ class Scheduler:
         del victims[max(budget, 0) :]
         for branch in victims:
             self._end_running(branch, req, BranchStatus.PRUNED)
-        if not victims:
-            return view
-        req.num_pruned += len(victims)
-        self._outbox.append(Abort(tuple(b.id for b in victims)))
-        return req.view()
+        if victims:
+            req.num_pruned += len(victims)
+            self._outbox.append(Abort(tuple(b.id for b in victims)))
+            if rule.forks:
+                self._fork(req, view, len(victims))
+        return req.view() if victims else view
+
+    def _fork(self, req: RequestState, view: RequestView, slots: int) -> None:
+        """Start the children the rule asks for, in the ``slots`` its prunes just freed
+        (so a fork never takes a batch slot from another request)."""
+        rule = req.policy.prune
+        wanted = self._call(lambda v: dict(rule.fork(v)), view, name=f"{type(rule).__name__}.fork")
+        children: list[BranchState] = []
+        specs: list[BranchSpec] = []
+        for index, count in sorted(wanted.items()):
+            if not isinstance(index, int) or not 0 <= index < len(req.branches):
+                raise _PolicyFailure(f"fork rule chose {index!r}, not a branch index")
+            parent = req.branches[index]
+            if parent.status is not BranchStatus.RUNNING:
+                raise _PolicyFailure(f"fork rule chose branch {index}, which is not running")
+            if not isinstance(count, int) or count < 0:
+                raise _PolicyFailure(f"fork rule asked for {count!r} children of branch {index}")
+            for _ in range(count):
+                child = BranchState(
+                    BranchId(req.id, len(req.branches)), req.request.seed + len(req.branches)
+                )
+                # The child starts where its parent is: same tokens, same last reward.
+                child.num_tokens = parent.num_tokens
+                child.chunks = [parent.text] if parent.num_tokens else []
+                child.reward = parent.reward
+                req.branches.append(child)
+                children.append(child)
+                specs.append(BranchSpec(index=child.index, seed=child.seed, parent=index))
+        if len(children) > slots:
+            raise _PolicyFailure(
+                f"fork rule asked for {len(children)} new branches; pruning freed {slots} slots"
+            )
+        if children:
+            self._reserved.update(c.id for c in children)
+            self._outbox.append(StartBranches(request_id=req.id, branches=tuple(specs)))
 
     def _finalise(self, req: RequestState, now: float) -> None:
         candidates = [b for b in req.branches if b.status.is_completed]

@@ -6,13 +6,14 @@ own engine adapters (``check_engine``), as ``trio.testing`` does for trio.
 
 from sart.engines.conformance import check_engine
 from sart.engines.fake import EngineMisuse, FakeEngine
-from sart.engines.scripts import BranchScript, random_scripts
+from sart.engines.scripts import BranchScript, ScriptTable, random_scripts
 from sart.prm.scripted import ScriptedPRM
 
 __all__ = [
     "BranchScript",
     "EngineMisuse",
     "FakeEngine",
+    "ScriptTable",
     "ScriptedPRM",
     "check_engine",
     "random_scripts",

@@ -21,7 +21,7 @@ from sart.engines.sim import SimEngine
 from sart.errors import ConfigError, config_check
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
-from sart.policies.recipes import sart, sart_without_pruning, self_consistency, vanilla
+from sart.policies.recipes import rebase, sart, sart_without_pruning, self_consistency, vanilla
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
@@ -32,11 +32,20 @@ METHODS: dict[str, Callable[[int, int], Policy]] = {
     "vanilla": lambda n, t: vanilla(interval=t),
     "sc": lambda n, t: self_consistency(n, interval=t),
     "sart-no-prune": lambda n, t: sart_without_pruning(n, interval=t),
+    "rebase": lambda n, t: rebase(n, interval=t),
     "sart": lambda n, t: sart(n, interval=t),
+}
+SHORT_LABELS = {
+    "vanilla": "Vanilla",
+    "sc": "SC",
+    "rebase": "Rebase",
+    "sart-no-prune": "SART-noprune",
+    "sart": "SART",
 }
 LABELS = {
     "vanilla": "Vanilla",
     "sc": "Self-Consistency",
+    "rebase": "Rebase",
     "sart-no-prune": "SART (w/o pruning)",
     "sart": "SART",
 }
@@ -53,7 +62,7 @@ class BenchConfig:
     workload: str = "gaokao"
     cost: str = "h100-14b"
     methods: tuple[str, ...] = attrs.field(
-        default=("vanilla", "sc", "sart-no-prune", "sart"), converter=_tuple
+        default=("vanilla", "sc", "rebase", "sart-no-prune", "sart"), converter=_tuple
     )
     ns: tuple[int, ...] = attrs.field(default=(2, 4, 8), converter=_tuple)
     rates: tuple[float, ...] = attrs.field(default=(1.0, 4.0), converter=_tuple)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import attrs
 
-from sart.engines.scripts import BranchScript, Script
+from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
 from sart.types import BranchId
 
@@ -123,14 +124,10 @@ class Trace:
         values = {r.interval for r in self.requests}
         return values.pop() if len(values) == 1 else None
 
-    def script(self) -> Script:
-        """Branch behaviour for ``SimEngine``/``FakeEngine`` and ``ScriptedPRM``."""
-        table = {r.id: r.branches for r in self.requests}
-
-        def lookup(branch: BranchId) -> BranchScript:
-            return table[branch.request_id][branch.index]
-
-        return lookup
+    def script(self, keep: float = 0.7) -> TraceScript:
+        """Branch behaviour for ``SimEngine``/``FakeEngine`` and ``ScriptedPRM``
+        (share one between the engine and the PRM: forks are recorded in it)."""
+        return TraceScript(self, keep)
 
     def gold(self) -> dict[str, str]:
         return {r.id: r.answer for r in self.requests}
@@ -143,7 +140,11 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         requests = []
-        with open(path, encoding="utf-8") as f:
+        try:
+            f = open(path, encoding="utf-8")  # closed by the with below
+        except OSError as exc:
+            raise ConfigError(f"trace={str(path)!r}: {exc.strerror}") from exc
+        with f:
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue
@@ -164,6 +165,44 @@ class Trace:
         if len(set(ids)) != len(ids):
             raise ConfigError(f"{where}: request ids must be unique")
         return cls(requests)
+
+
+class TraceScript:
+    """Looks branches up in a trace, and draws continuations for forked branches.
+
+    A fork of branch ``p`` at ``position`` tokens (Rebase) continues like
+    another branch of the same request that was still running at that length:
+    with probability ``keep`` one that has ``p``'s answer (a continuation
+    mostly keeps its direction), else any; if no branch ran that long, the
+    longest. The child takes that branch's answer, its remaining length and
+    its rewards by token count. The draw is seeded by the child's id, so a
+    replay is deterministic.
+    """
+
+    def __init__(self, trace: Trace, keep: float = 0.7) -> None:
+        self._table = {r.id: r.branches for r in trace.requests}
+        self._keep = keep
+        self._forks: dict[BranchId, BranchScript] = {}
+
+    def __call__(self, branch: BranchId) -> BranchScript:
+        forked = self._forks.get(branch)
+        if forked is not None:
+            return forked
+        return self._table[branch.request_id][branch.index]
+
+    def fork(self, child: BranchId, parent: BranchId, position: int) -> BranchScript:
+        branches = self._table[child.request_id]
+        parent_answer = self(parent).answer
+        rng = random.Random(f"{child.request_id}/{child.index}/{position}")
+        alive = [b for b in branches if b.length > position] or [
+            max(branches, key=lambda b: b.length)
+        ]
+        same = [b for b in alive if b.answer == parent_answer]
+        pool = same if same and rng.random() < self._keep else alive
+        source = pool[rng.randrange(len(pool))]
+        script = attrs.evolve(source, length=max(source.length, position + 1))
+        self._forks[child] = script
+        return script
 
 
 def replay_requests(trace: Trace | Sequence[TraceRequest]) -> list[TraceRequest]:

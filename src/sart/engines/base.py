@@ -10,6 +10,11 @@ only in this order of life for each request::
     abort([branch ids])                           frees those branches' KV now
     release_prefix(request_id)                    after all its branches ended
 
+Forking a partial branch (Rebase needs it) is optional: an engine that sets
+``supports_fork = True`` accepts ``BranchSpec(parent=j)`` in
+``start_branches``. On vLLM/SGLang a fork is a new request whose prompt is
+prompt + the parent's tokens, served from the prefix cache.
+
 Failures: raising ``EngineError(request_ids=...)`` says the call failed only
 for those requests and changed nothing else; the driver fails them and goes
 on. Any other exception fails every request the call involved.
@@ -32,6 +37,10 @@ class BranchSpec:
 
     index: int
     seed: int
+    parent: int | None = None
+    """Fork: start from this live branch's current state (its generated tokens
+    and their KV) instead of from the bare prefix. Only engines with
+    ``supports_fork = True`` accept it."""
 
 
 @attrs.frozen
@@ -79,7 +88,8 @@ class Engine(Protocol):
         ...
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
-        """Start these branches from the request's prefix. All start, or none (and it raises)."""
+        """Start these branches from the request's prefix (or fork them from a live
+        parent branch). All start, or none (and it raises)."""
         ...
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
@@ -99,6 +109,11 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+def supports_fork(engine: object) -> bool:
+    """Whether the engine can start a branch from a live branch's state."""
+    return bool(getattr(engine, "supports_fork", False))
 
 
 def engine_clock(engine: object) -> Clock | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sart.engines.base import BranchSpec, Engine, StepOutput
+from sart.engines.base import BranchSpec, Engine, StepOutput, supports_fork
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 
@@ -35,6 +35,9 @@ def check_engine(
     again = _check_lifecycle(factory(), prompts, sampling, num_branches)
     _require(texts == again, "same prompts and seeds must give the same text on a fresh engine")
     _check_until_first_end(factory(), prompts[0], sampling, num_branches)
+    engine = factory()
+    if supports_fork(engine):
+        _check_fork(engine, prompts[0], sampling)
 
 
 def _require(ok: bool, rule: str) -> None:
@@ -154,3 +157,33 @@ def _check_until_first_end(
         live -= ended
     engine.release_prefix("conf-c")
     _require(engine.stats().live_branches == 0, "no branch may stay live")
+
+
+def _check_fork(engine: Engine, prompt: Prompt, sampling: SamplingSettings) -> None:
+    """A fork starts from its live parent's tokens and then runs on its own."""
+    sampling = SamplingSettings(
+        temperature=1.0, top_p=1.0, seed=7, max_tokens=max(sampling.max_tokens, 8)
+    )
+    engine.prefill("conf-f", prompt, sampling)
+    engine.start_branches("conf-f", [BranchSpec(0, 7)])
+    parent = BranchId("conf-f", 0)
+    tokens: dict[BranchId, int] = {}
+    out = engine.step(1)
+    ended = _check_step(out, 1, {parent}, sampling.max_tokens, tokens)
+    if ended:  # the parent ended at once: nothing left to fork from
+        engine.release_prefix("conf-f")
+        return
+    before = engine.stats()
+    engine.start_branches("conf-f", [BranchSpec(1, 8, parent=0)])
+    child = BranchId("conf-f", 1)
+    after = engine.stats()
+    _require(after.live_branches == before.live_branches + 1, "a fork adds one live branch")
+    tokens[child] = tokens[parent]  # the child owns its parent's tokens so far
+    live = {parent, child}
+    for _ in range(sampling.max_tokens + 1):
+        if not live:
+            break
+        live -= _check_step(engine.step(2), 2, live, sampling.max_tokens, tokens)
+    _require(not live, "forked branches must end within max_tokens")
+    engine.release_prefix("conf-f")
+    _require(engine.stats().live_branches == 0, "no branch may stay live after a fork")

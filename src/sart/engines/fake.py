@@ -45,6 +45,10 @@ class _Live:
 class FakeEngine:
     """A scripted engine with a virtual clock. See the module docstring.
 
+    It supports forking (``BranchSpec(parent=j)``): the child continues from
+    the parent's position with the script's ``fork(child, parent, position)``
+    if the script has one, else with the parent's own script.
+
     Failure injection (each raises ``EngineError`` naming the request, before
     changing any state):
 
@@ -53,6 +57,8 @@ class FakeEngine:
     - ``fail_step``: ``{branch_id: k}``: the step call in which that branch
       would generate its ``k``-th token fails.
     """
+
+    supports_fork = True
 
     def __init__(
         self,
@@ -111,17 +117,23 @@ class FakeEngine:
                 f"starting {len(indices)} branches would exceed max_branches={self.max_branches} "
                 f"({len(self._live)} live)"
             )
+        parents = {b.index: self._parent(request_id, b.parent) for b in branches}
         if request_id in self.fail_start:
             raise EngineError(f"injected start failure for {request_id!r}", [request_id])
         max_tokens = prefix.sampling.max_tokens
         for index in indices:
             bid = BranchId(request_id, index)
-            script = self.script(bid)
-            if script.length <= max_tokens:
-                live = _Live(script=script, end=script.length, reason=FinishReason.STOP)
+            parent = parents[index]
+            if parent is None:
+                script, pos = self.script(bid), 0
             else:
-                live = _Live(script=script, end=max_tokens, reason=FinishReason.LENGTH)
+                script, pos = self._fork_script(bid, parent), self._live[parent].pos
+            if script.length <= max_tokens:
+                live = _Live(script=script, end=script.length, reason=FinishReason.STOP, pos=pos)
+            else:
+                live = _Live(script=script, end=max_tokens, reason=FinishReason.LENGTH, pos=pos)
             self._live[bid] = live
+            self._kv_tokens += pos  # a fork copies its parent's tokens (copy-on-fork)
             prefix.started.add(index)
             prefix.live.add(index)
         self.peak_live = max(self.peak_live, len(self._live))
@@ -178,6 +190,23 @@ class FakeEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(live_branches=len(self._live), kv_tokens=self._kv_tokens)
+
+    def _parent(self, request_id: str, parent: int | None) -> BranchId | None:
+        if parent is None:
+            return None
+        pid = BranchId(request_id, parent)
+        if pid not in self._live:
+            raise EngineMisuse(f"fork from branch {pid}, which is not live")
+        return pid
+
+    def _fork_script(self, child: BranchId, parent: BranchId) -> BranchScript:
+        """The child's behaviour: the script's ``fork`` if it has one (traces
+        draw a continuation from another branch), else the parent's own script."""
+        fork = getattr(self.script, "fork", None)
+        live = self._live[parent]
+        if fork is None:
+            return live.script
+        return fork(child, parent, live.pos)
 
     # ----------------------------------------------------- cost (overridable)
 

@@ -86,21 +86,44 @@ Script = Callable[[BranchId], BranchScript]
 ScriptLike = Script | Mapping[str, Sequence[BranchScript]] | None
 
 
+class ScriptTable:
+    """A ``{request_id: [script per branch index]}`` table as a script; missing
+    entries use ``default``.
+
+    Forks (``FakeEngine`` calls ``fork``) are recorded: the child continues with
+    its parent's script. Give the *same* table to the engine and to
+    ``ScriptedPRM`` when a policy forks (Rebase), so that the PRM sees the
+    children the engine made.
+    """
+
+    def __init__(
+        self, table: Mapping[str, Sequence[BranchScript]], default: BranchScript | None = None
+    ) -> None:
+        self._table = {rid: tuple(branches) for rid, branches in table.items()}
+        self._default = default if default is not None else BranchScript()
+        self._forks: dict[BranchId, BranchScript] = {}
+
+    def __call__(self, branch: BranchId) -> BranchScript:
+        forked = self._forks.get(branch)
+        if forked is not None:
+            return forked
+        branches = self._table.get(branch.request_id, ())
+        return branches[branch.index] if branch.index < len(branches) else self._default
+
+    def fork(self, child: BranchId, parent: BranchId, position: int) -> BranchScript:
+        script = self._forks[child] = self(parent)
+        return script
+
+
 def as_script(script: ScriptLike, default: BranchScript | None = None) -> Script:
-    """Accept a callable, or a ``{request_id: [script per branch index]}`` mapping
-    (missing entries use ``default``), or ``None`` (``random_scripts(0)``)."""
+    """Accept a callable (a ``ScriptTable``, a trace's script...), or a
+    ``{request_id: [script per branch index]}`` mapping (made a ``ScriptTable``
+    with ``default`` for missing entries), or ``None`` (``random_scripts(0)``)."""
     if script is None:
         return random_scripts(seed=0)
     if callable(script):
         return script
-    table = {rid: tuple(branches) for rid, branches in script.items()}
-    fallback = default if default is not None else BranchScript()
-
-    def lookup(branch: BranchId) -> BranchScript:
-        branches = table.get(branch.request_id, ())
-        return branches[branch.index] if branch.index < len(branches) else fallback
-
-    return lookup
+    return ScriptTable(script, default)
 
 
 def random_scripts(

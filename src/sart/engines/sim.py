@@ -32,15 +32,25 @@ class SimEngine(FakeEngine):
         return self.cost.prefill_time(prompt_tokens)
 
     def _decode_time(self, steps: int) -> float:
-        contexts, active = [], []
+        contexts, active, positions = [], [], []
         for bid, live in self._live.items():
             contexts.append(self._prefixes[bid.request_id].tokens + live.pos)
             active.append(min(steps, live.end - live.pos))
-        # The KV peak is reached just before the first branch of the chunk ends.
-        self.peak_kv_tokens = max(
-            self.peak_kv_tokens, self._kv_tokens + len(active) * min(active, default=0)
-        )
+            positions.append(live.pos)
+        self._track_peak(active, positions)
         return self.cost.decode_time(contexts, active)
+
+    def _track_peak(self, active: list[int], positions: list[int]) -> None:
+        """KV in use peaks at the end of a step ``e`` at which some branch ends (just
+        before it is freed): the prefixes plus, for every branch still live at
+        ``e``, its position + ``e``. Checked at every such ``e`` with running sums."""
+        prefixes = self._kv_tokens - sum(positions)
+        order = sorted(range(len(active)), key=active.__getitem__)
+        live, pos_sum = len(order), sum(positions)
+        for i in order:  # ascending end steps; the branches before i have ended
+            self.peak_kv_tokens = max(self.peak_kv_tokens, prefixes + pos_sum + live * active[i])
+            live -= 1
+            pos_sum -= positions[i]
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -2,7 +2,14 @@
 
 from sart.policies.base import Policy, PruneRule, Selector, StopRule
 from sart.policies.prune import NoPrune, TwoPhasePrune
-from sart.policies.recipes import sart, sart_without_pruning, self_consistency, vanilla
+from sart.policies.rebase import RewardBalance
+from sart.policies.recipes import (
+    rebase,
+    sart,
+    sart_without_pruning,
+    self_consistency,
+    vanilla,
+)
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 
@@ -14,10 +21,12 @@ __all__ = [
     "NoPrune",
     "Policy",
     "PruneRule",
+    "RewardBalance",
     "Selector",
     "StopRule",
     "TwoPhasePrune",
     "WeightedVote",
+    "rebase",
     "sart",
     "sart_without_pruning",
     "self_consistency",

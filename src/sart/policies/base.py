@@ -8,7 +8,7 @@ an unused hook costs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import ClassVar
 
 import attrs
@@ -43,8 +43,10 @@ class PruneRule:
     - ``enter_exploit(limits, first, n)``: new limits when the first branch completes;
     - ``choose(request)``: indices of running branches to prune, most
       prunable first. The scheduler never prunes more than
-      ``limits.max_num_pruned - num_pruned`` (nor ever all ``n``), taking
-      the first ones of this list.
+      ``limits.max_num_pruned - num_pruned`` (nor ever every branch), taking
+      the first ones of this list;
+    - ``fork(request)``: children to start from running branches, in the
+      slots just freed by pruning (tree search such as Rebase).
 
     Set ``needs_rewards = False`` on a rule that does not read ``reward``, and
     the PRM will not be called for it. Running branches are scored only at
@@ -65,10 +67,21 @@ class PruneRule:
     def choose(self, request: RequestView) -> Iterable[int]:
         return ()
 
+    def fork(self, request: RequestView) -> Mapping[int, int]:
+        """``{running branch index: number of children}`` to fork at a check, in the
+        slots this check's prunes freed (Rebase uses it). Called with the same
+        view as ``choose``, and only when ``choose`` pruned something."""
+        return {}
+
     @property
     def active(self) -> bool:
         """Whether this rule prunes anything at all (``choose`` is overridden)."""
         return type(self).choose is not PruneRule.choose
+
+    @property
+    def forks(self) -> bool:
+        """Whether this rule forks branches (``fork`` is overridden)."""
+        return type(self).fork is not PruneRule.fork
 
 
 class Selector:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from sart.errors import config_check
 from sart.policies.base import Policy
 from sart.policies.prune import NoPrune, TwoPhasePrune
-from sart.policies.select import BestReward, MajorityVote
+from sart.policies.rebase import RewardBalance
+from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 
 
@@ -68,4 +69,17 @@ def sart_without_pruning(n: int, m: int | None = None, interval: int = 400) -> P
         select=BestReward(),
         interval=interval,
         name=f"sart-no-prune(n={n},m={m})",
+    )
+
+
+def rebase(n: int, temperature: float = 0.2, interval: int = 400) -> Policy:
+    """Rebase (Wu et al., 2024): reward-balanced tree search keeping at most ``n``
+    leaves, answering by reward-weighted vote. See ``sart.policies.rebase``."""
+    return Policy(
+        n=n,
+        stop=AllDone(),
+        prune=RewardBalance(temperature=temperature),
+        select=WeightedVote(),
+        interval=interval,
+        name=f"rebase(n={n})",
     )

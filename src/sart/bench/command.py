@@ -1,0 +1,184 @@
+"""The ``sart bench`` and ``sart trace record`` commands (argument parsing and output)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, run_method, traces
+from sart.bench.workloads import WORKLOADS, workload
+from sart.engines.costs import PRESETS
+from sart.errors import MissingDependencyError
+from sart.types import Admission
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="compare Vanilla, Self-Consistency, Rebase, SART w/o pruning and SART "
+        "on a simulated serving workload",
+        description="Serve a workload with every method on the same scheduler and a "
+        "simulated accelerator; print a table and write results.json and plots.",
+    )
+    p.add_argument("--engine", choices=["sim"], default="sim", help="engine (today: the simulator)")
+    p.add_argument(
+        "--model",
+        choices=sorted(PRESETS),
+        default="h100-14b",
+        help="accelerator/model cost preset (default h100-14b; 'steps': 1 per step)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="gaokao",
+        help="generative workload preset (default gaokao)",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sorted(METHODS),
+        default=list(BenchConfig().methods),
+        help="methods to compare",
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        nargs="+",
+        default=[2, 4, 8],
+        dest="ns",
+        help="branches per request to sweep (default 2 4 8)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        default=[1.0, 4.0],
+        dest="rates",
+        help="arrival rates in requests/s (default 1 4)",
+    )
+    p.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
+    p.add_argument("--batch-size", type=int, default=64, help="branch budget B (default 64)")
+    p.add_argument("--interval", type=int, default=400, help="T, decode steps between checks")
+    p.add_argument(
+        "--admission",
+        choices=[a.value for a in Admission],
+        default="chunk",
+        help="refill freed slots between chunks (Algorithm 1) or at the next step",
+    )
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--trace", help="replay this JSONL trace instead of generating a workload")
+    p.add_argument("--out", default="sart-bench", help="output directory (default sart-bench)")
+    p.add_argument(
+        "--json", action="store_true", help="print the summary JSON to stdout instead of the table"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run_bench_command)
+
+
+def add_trace_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="work with JSONL traces")
+    tsub = p.add_subparsers(dest="trace_command", required=True)
+    rec = tsub.add_parser(
+        "record",
+        help="record a trace of the generative workload (real engines will record here too)",
+    )
+    rec.add_argument("output", help="JSONL file to write")
+    rec.add_argument("--workload", choices=sorted(WORKLOADS), default="gaokao")
+    rec.add_argument("--requests", type=int, default=200)
+    rec.add_argument("--rate", type=float, default=1.0)
+    rec.add_argument("--n", type=int, default=8, help="branches recorded per request")
+    rec.add_argument("--interval", type=int, default=400, help="T the rewards are recorded at")
+    rec.add_argument("--seed", type=int, default=0)
+    rec.set_defaults(func=record_trace_command)
+
+
+def record_trace_command(args: argparse.Namespace) -> int:
+    trace = workload(args.workload).generate(
+        args.requests, args.rate, args.n, args.interval, args.seed
+    )
+    trace.dump(args.output)
+    print(f"wrote {len(trace)} requests x {args.n} branches to {args.output}")
+    return 0
+
+
+def _config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        workload=args.workload,
+        cost=args.model,
+        methods=tuple(dict.fromkeys(args.methods)),
+        ns=tuple(sorted(set(args.ns))),
+        rates=tuple(dict.fromkeys(args.rates)),
+        num_requests=args.requests,
+        batch_size=args.batch_size,
+        interval=args.interval,
+        seed=args.seed,
+        admission=Admission(args.admission),
+        trace=args.trace,
+    )
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    config = _config(args)
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "sart bench needs rich and matplotlib; install them with: pip install 'sart[bench]'"
+        ) from exc
+    from sart.bench.report import bench_json, render
+
+    # A pipe or CI log gets a table wide enough not to wrap (rich assumes 80).
+    console = Console(stderr=args.json, width=None if Console().is_terminal else 110)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    workloads = traces(config)
+    pairs = plan(config)
+    records: list[RunRecord] = []
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        task = progress.add_task("simulating", total=len(workloads) * len(pairs))
+        for rate, trace in workloads:
+            for method, n in pairs:
+                where = "trace" if rate is None else f"{rate:g} req/s"
+                progress.update(task, description=f"{method} N={n} @ {where}")
+                records.append(run_method(trace, method, n, config, rate))
+                progress.advance(task)
+    wall = time.perf_counter() - started
+    gold = {rate: trace.gold() for rate, trace in workloads}
+    document = bench_json(config, records, gold, wall)
+    (out / "results.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
+    plots = []
+    if not args.no_plots:
+        from sart.bench.plots import write_plots
+
+        plots = write_plots(config, records, out)
+    if args.json:
+        print(
+            json.dumps(
+                {k: v for k, v in document.items() if k != "runs"}
+                | {
+                    "runs": [
+                        {k: v for k, v in run.items() if k not in ("requests", "timeline")}
+                        for run in document["runs"]
+                    ]
+                },
+                indent=1,
+            )
+        )
+    else:
+        render(config, records, console)
+        console.print(
+            f"simulated {len(records)} runs in {wall:.1f} s; wrote "
+            + ", ".join(str(p) for p in [out / "results.json", *plots])
+        )
+    return 0

@@ -1,0 +1,149 @@
+"""Reports of a benchmark: the JSON document, the headline ratios, and the rich table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from sart.bench.runner import LABELS, SHORT_LABELS, BenchConfig, RunRecord
+from sart.metrics import Distribution, RunSummary, request_record
+
+SCHEMA = "sart.bench/1"
+
+
+def _dist(d: Distribution) -> dict[str, float]:
+    return attrs.asdict(d)
+
+
+def summary_json(s: RunSummary) -> dict[str, Any]:
+    out = attrs.asdict(s, recurse=False)
+    for key in ("e2e", "queueing", "inference"):
+        out[key] = _dist(getattr(s, key))
+    return out
+
+
+def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str, Any]:
+    gold = gold or {}
+    return {
+        "method": record.method,
+        "label": LABELS[record.method],
+        "n": record.n,
+        "rate": record.rate,
+        "kv_capacity": record.kv_capacity,
+        "summary": summary_json(record.summary),
+        "requests": [request_record(r, gold.get(r.request_id)) for r in record.results],
+        "timeline": [[s.time, s.running_branches, s.kv_tokens] for s in record.timeline],
+    }
+
+
+def bench_json(
+    config: BenchConfig,
+    records: Sequence[RunRecord],
+    gold: dict[float | None, dict[str, str]],
+    wall_seconds: float,
+) -> dict[str, Any]:
+    """The whole benchmark as one JSON document (``results.json``)."""
+    cfg = attrs.asdict(config)
+    cfg["admission"] = config.admission.value
+    return {
+        "schema": SCHEMA,
+        "config": cfg,
+        "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
+        "time_unit": "decode steps" if config.cost == "steps" else "seconds (simulated)",
+        "wall_seconds": wall_seconds,
+        "ratios_p97": ratios(records),
+        "runs": [run_json(r, gold.get(r.rate)) for r in records],
+    }
+
+
+def ratios(records: Sequence[RunRecord], field: str = "p97") -> list[dict[str, Any]]:
+    """For every rate and ``n``: SC / SART and Vanilla / SART of the E2E percentile."""
+    index = {(r.rate, r.method, r.n): getattr(r.summary.e2e, field) for r in records}
+    out = []
+    for (rate, method, n), value in index.items():
+        if method != "sart" or not value:
+            continue
+        row: dict[str, Any] = {"rate": rate, "n": n}
+        sc = index.get((rate, "sc", n))
+        vanilla = index.get((rate, "vanilla", 1))
+        row["sc_over_sart"] = sc / value if sc is not None else None
+        row["vanilla_over_sart"] = vanilla / value if vanilla is not None else None
+        out.append(row)
+    return out
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if digits and abs(x) >= 100:  # long latencies: the decimals are noise
+        digits = 0
+    return f"{x:,.{digits}f}"
+
+
+def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> None:
+    """Print the results table and the P97 ratios with rich."""
+    from rich import box
+    from rich.table import Table
+
+    unit = "steps" if config.cost == "steps" else "s"
+    table = Table(
+        title=f"sart bench: {config.workload} workload on {config.cost}, "
+        f"B={config.batch_size}, T={config.interval}; E2E latency percentiles in {unit}",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in (
+        "rate",
+        "method",
+        "N",
+        "acc %",
+        "P50",
+        "P90",
+        "P97",
+        "P99",
+        f"queue {unit}",
+        "tokens/req",
+        "peak KV",
+    ):
+        table.add_column(name, justify="left" if name == "method" else "right")
+    for r in records:
+        s = r.summary
+        peak = _fmt(s.peak_kv_tokens, 0)
+        if r.kv_capacity and s.peak_kv_tokens > r.kv_capacity:
+            peak = f"[red]{peak}![/red]"
+        table.add_row(
+            "trace" if r.rate is None else _fmt(r.rate, 0),
+            SHORT_LABELS[r.method],
+            str(r.n),
+            _fmt(None if s.accuracy is None else 100 * s.accuracy),
+            _fmt(s.e2e.p50),
+            _fmt(s.e2e.p90),
+            _fmt(s.e2e.p97),
+            _fmt(s.e2e.p99),
+            _fmt(s.queueing.mean),
+            _fmt(s.tokens_per_request, 0),
+            peak,
+        )
+    console.print(table)
+    rows = ratios(records)
+    if rows:
+        ratio_table = Table(
+            title="P97 E2E latency ratios (above 1: SART is faster)", box=box.SIMPLE_HEAD
+        )
+        for name in ("rate", "N", "SC / SART", "Vanilla / SART"):
+            ratio_table.add_column(name, justify="right")
+        for row in rows:
+            ratio_table.add_row(
+                "trace" if row["rate"] is None else _fmt(row["rate"], 0),
+                str(row["n"]),
+                _fmt(row["sc_over_sart"], 2),
+                _fmt(row["vanilla_over_sart"], 2),
+            )
+        console.print(ratio_table)
+    if any(r.kv_capacity and r.summary.peak_kv_tokens > r.kv_capacity for r in records):
+        console.print(
+            "[red]![/red] peak KV above the model's KV capacity: on a real engine "
+            "those runs would preempt; lower --batch-size."
+        )

@@ -1,0 +1,84 @@
+"""Rebase (REward BAlanced SEarch, Wu et al. 2024) mapped onto SART's scheduler.
+
+Rebase grows a tree of partial solutions under a width budget of ``N``
+leaves: each round the PRM scores every leaf, and the budget left
+(``N`` minus completed solutions) is shared among the leaves in proportion to
+``softmax(reward / temperature)``; a leaf that gets ``k`` expands into ``k``
+children, one that gets 0 is dropped. The answer is the reward-weighted
+majority vote over completed solutions.
+
+Mapping onto the step/chunk model:
+
+- a tree *step* is one check interval of ``T`` tokens: the scheduler scores
+  and acts only at checks, so that is where the tree can branch;
+- the leaves are the request's running branches; the ``n`` root branches are
+  admitted like any request's (sharing the prompt's KV);
+- at each check the running leaves' count ``W`` is re-shared: 0 -> the leaf
+  is pruned (its KV freed at once), ``k >= 2`` -> it is forked into ``k - 1``
+  new branches that continue from its tokens with their own seeds (copy of
+  its KV; on vLLM/SGLang a new request over prompt + partial, served from the
+  prefix cache). The shares sum to ``W``, so the forks exactly fill the slots
+  the prunes freed: the branch budget ``B`` is never exceeded and no other
+  request loses a slot. A completed leaf is not replaced, so the budget
+  shrinks with every solution, as in Rebase;
+- leaves are re-shared only when every one of them has been scored this check.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+
+import attrs
+
+from sart.errors import config_check
+from sart.policies.base import PruneRule
+from sart.views import BranchView, Limits, RequestView
+
+
+def allocate(leaves: Sequence[BranchView], temperature: float) -> dict[int, int]:
+    """Share ``len(leaves)`` slots by ``softmax(reward / temperature)``, largest
+    remainders first (ties: higher reward, then lower index). ``{}`` if a leaf
+    has no reward yet."""
+    if not leaves or any(b.reward is None for b in leaves):
+        return {}
+    rewards = [b.reward for b in leaves]
+    top = max(rewards)  # type: ignore[type-var]
+    weights = [math.exp((r - top) / temperature) for r in rewards]  # type: ignore[operator]
+    total = sum(weights)
+    quotas = [len(leaves) * w / total for w in weights]
+    shares = {b.index: math.floor(q) for b, q in zip(leaves, quotas)}
+    left = len(leaves) - sum(shares.values())
+    order = sorted(
+        zip(leaves, quotas), key=lambda p: (-(p[1] - math.floor(p[1])), -p[0].reward, p[0].index)
+    )
+    for leaf, _ in order[:left]:
+        shares[leaf.index] += 1
+    return shares
+
+
+def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(value > 0, "temperature", value, "> 0")
+
+
+@attrs.frozen
+class RewardBalance(PruneRule):
+    """Rebase's reward-balanced re-sharing of the running leaves (module docstring)."""
+
+    temperature: float = attrs.field(default=0.2, validator=_check_temperature)
+    """Softmax temperature over rewards in [0, 1]: lower concentrates on the best leaves."""
+
+    def start(self, n: int) -> Limits:
+        # Prunes are replaced by forks, so the paper's cap on prunes does not apply;
+        # the scheduler still never prunes every branch.
+        return Limits(threshold=None, max_num_pruned=sys.maxsize)
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        shares = allocate(request.running, self.temperature)
+        dropped = [b for b in request.running if shares.get(b.index, 1) == 0]
+        return [b.index for b in sorted(dropped, key=lambda b: (b.reward, b.index))]
+
+    def fork(self, request: RequestView) -> Mapping[int, int]:
+        shares = allocate(request.running, self.temperature)
+        return {index: k - 1 for index, k in shares.items() if k >= 2}
