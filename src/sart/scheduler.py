@@ -289,6 +289,11 @@ class Scheduler:
                 del self._running[bid]
                 req.running -= 1
                 req.newly_ended.append(branch)
+        if not self._running and self.config.admission is Admission.CHUNK:
+            # Every branch ended before T steps: Algorithm 1 checks every request
+            # after each Decode call, and the next Decode runs a full T steps.
+            for req in self._active.values():
+                req.steps_since_check = 0
         self._checks = [
             (req, req.steps_since_check >= req.policy.interval)
             for req in self._active.values()

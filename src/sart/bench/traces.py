@@ -161,9 +161,11 @@ class Trace:
         requests = tuple(requests)
         if not requests:
             raise ConfigError(f"{where}: the trace has no requests")
-        ids = [r.id for r in requests]
-        if len(set(ids)) != len(ids):
-            raise ConfigError(f"{where}: request ids must be unique")
+        seen: set[str] = set()
+        for number, r in enumerate(requests, 1):
+            if r.id in seen:
+                raise ConfigError(f"{where}: request {number} repeats the id {r.id!r}")
+            seen.add(r.id)
         return cls(requests)
 
 

@@ -90,17 +90,22 @@ class WorkloadModel:
         config_check(rate > 0, "rate", rate, "> 0")
         config_check(n >= 1, "n", n, ">= 1")
         config_check(interval >= 1, "interval", interval, ">= 1")
-        rng = random.Random(f"{self.name}/{seed}/{rate}")
+        # Separate random streams for arrivals, each request and each branch, so
+        # that changing n or T changes nothing else: branch j of request i is the
+        # same whatever the other settings (common random numbers across sweeps).
+        arrivals = random.Random(f"{self.name}/{seed}/{rate}/arrivals")
         arrival = 0.0
         requests = []
         for i in range(num_requests):
-            arrival += rng.expovariate(rate)
-            requests.append(self._request(rng, f"r{i}", arrival, n, interval))
+            arrival += arrivals.expovariate(rate)
+            stream = f"{self.name}/{seed}/{rate}/{i}"
+            requests.append(self._request(stream, f"r{i}", arrival, n, interval))
         return Trace.of(requests)
 
     def _request(
-        self, rng: random.Random, rid: str, arrival: float, n: int, interval: int
+        self, stream: str, rid: str, arrival: float, n: int, interval: int
     ) -> TraceRequest:
+        rng = random.Random(stream)
         k = self.accuracy_concentration
         p = rng.betavariate(self.accuracy * k, (1.0 - self.accuracy) * k)
         median = self.median_length * math.exp(
@@ -110,7 +115,8 @@ class WorkloadModel:
         gold, wrong = labels[0], labels[1:]
         weights = [rng.gammavariate(self.wrong_concentration, 1.0) for _ in wrong]
         branches = []
-        for _ in range(n):
+        for index in range(n):
+            rng = random.Random(f"{stream}/{index}")
             correct = rng.random() < p
             answer = gold if correct else rng.choices(wrong, weights)[0]
             length = max(1, round(median * math.exp(rng.gauss(0.0, self.branch_sigma))))

@@ -5,9 +5,9 @@ The model is a roofline, stated so that every number can be checked:
 - **Decode step** = ``step_overhead`` + max(memory time, compute time), where
   memory time = (weight bytes + KV bytes read) / (bandwidth x ``bandwidth_efficiency``)
   and compute time = 2 x params x live branches / (peak FLOP/s x ``flops_efficiency``).
-  Every live branch's attention reads its whole context (prompt + generated)
-  each step: paged attention reads the shared prefix blocks once *per
-  branch*, although they are *stored* once.
+  Every live branch's attention reads its whole context (prompt + generated,
+  including the token being decoded) each step: paged attention reads the
+  shared prefix blocks once *per branch*, although they are *stored* once.
 - **Prefill** = ``step_overhead`` + 2 x params x prompt tokens
   / (peak FLOP/s x ``flops_efficiency``).
 - **KV capacity** (tokens) = (HBM x ``memory_utilization`` - weights) / KV bytes per token,

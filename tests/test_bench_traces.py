@@ -1,0 +1,262 @@
+"""JSONL traces (``sart.bench.traces``): the line format, round trips, and errors.
+
+A trace line is one request; a malformed line must be refused with a
+``ConfigError`` naming ``file:line``, so a user can find it in a file of
+thousands of lines.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sart.bench.traces import DEFAULT_PROMPT_TOKENS, Trace, TraceRequest, replay_requests
+from sart.bench.workloads import workload
+from sart.engines.scripts import BranchScript
+from sart.errors import ConfigError
+from sart.types import BranchId
+
+#: The example of the module docstring, with its "..." removed.
+DOC_EXAMPLE = (
+    '{"id": "r0", "arrival": 12.5, "answer": "A", "prompt_tokens": 310, "interval": 400,'
+    ' "branches": [{"length": 3120, "answer": "A", "rewards": [0.61, 0.58],'
+    ' "final_reward": 0.66}]}'
+)
+
+GOOD_LINE = {"id": "ok", "arrival": 0, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}
+
+
+def branch(length: int, answer: str, *rewards: float, final: float | None = None) -> BranchScript:
+    """A branch as a loaded trace holds it (no filler text)."""
+    return BranchScript(
+        length=length, answer=answer, rewards=rewards, final_reward=final, filler=""
+    )
+
+
+def write_lines(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def small_trace() -> Trace:
+    """Rewards with at most 4 decimals, so a dump/load round trip is exact."""
+    return Trace.of(
+        [
+            TraceRequest(
+                id="a",
+                arrival=0.0,
+                answer="7",
+                branches=(branch(12, "7", 0.25, 0.5, final=0.9), branch(30, "8", 0.1234)),
+                prompt_tokens=40,
+                interval=10,
+            ),
+            TraceRequest(
+                id="b",
+                arrival=2.5,
+                answer="3",
+                branches=(branch(5, "3"), branch(8, "3", 1.0, final=0.0), branch(9, "4")),
+            ),
+        ]
+    )
+
+
+# ------------------------------------------------------------------ round trips
+
+
+def test_generated_trace_round_trips(tmp_path: Path) -> None:
+    trace = workload("gaokao").generate(5, 2.0, 4, 400, seed=3)
+    path = tmp_path / "t.jsonl"
+    trace.dump(path)
+    loaded = Trace.load(path)
+    assert len(loaded) == len(trace) == 5
+    for old, new in zip(trace, loaded):
+        assert (new.id, new.arrival, new.answer) == (old.id, old.arrival, old.answer)
+        assert (new.prompt_tokens, new.interval) == (old.prompt_tokens, old.interval)
+        assert [(b.length, b.answer) for b in new.branches] == [
+            (b.length, b.answer) for b in old.branches
+        ]
+        for a, b in zip(old.branches, new.branches):
+            assert len(b.rewards) == len(a.rewards) > 0
+            assert b.rewards == pytest.approx(a.rewards, abs=5e-5)
+            assert b.final_reward == pytest.approx(a.final_reward, abs=5e-5)
+
+
+def test_four_decimal_rewards_round_trip_exactly(tmp_path: Path) -> None:
+    trace = small_trace()
+    path = tmp_path / "t.jsonl"
+    trace.dump(path)
+    assert Trace.load(path) == trace
+    # Dumping what was loaded gives the same file.
+    again = tmp_path / "again.jsonl"
+    Trace.load(path).dump(again)
+    assert again.read_text() == path.read_text()
+
+
+def test_rewards_are_rounded_to_four_decimals_on_dump(tmp_path: Path) -> None:
+    trace = Trace.of([TraceRequest("a", 0.0, "1", (branch(4, "1", 0.123456, final=0.987654),))])
+    path = tmp_path / "t.jsonl"
+    trace.dump(path)
+    (line,) = path.read_text().splitlines()
+    data = json.loads(line)
+    assert data["branches"][0]["rewards"] == [0.1235]
+    assert data["branches"][0]["final_reward"] == 0.9877
+
+
+# ------------------------------------------------------------------ line format
+
+
+def test_dumped_lines_have_the_documented_keys(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    small_trace().dump(path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    first, second = (json.loads(line) for line in lines)
+    assert list(first) == ["id", "arrival", "answer", "prompt_tokens", "interval", "branches"]
+    assert first["branches"][0] == {
+        "length": 12,
+        "answer": "7",
+        "rewards": [0.25, 0.5],
+        "final_reward": 0.9,
+    }
+    # Optional keys are left out when unset.
+    assert "interval" not in second
+    assert second["prompt_tokens"] == DEFAULT_PROMPT_TOKENS
+    assert second["branches"][0] == {"length": 5, "answer": "3", "rewards": []}
+
+
+def test_the_documented_example_loads(tmp_path: Path) -> None:
+    loaded = Trace.load(write_lines(tmp_path / "doc.jsonl", [DOC_EXAMPLE]))
+    (request,) = loaded
+    assert request == TraceRequest(
+        id="r0",
+        arrival=12.5,
+        answer="A",
+        branches=(branch(3120, "A", 0.61, 0.58, final=0.66),),
+        prompt_tokens=310,
+        interval=400,
+    )
+
+
+def test_optional_keys_have_defaults() -> None:
+    request = TraceRequest.from_json(
+        {"id": 7, "arrival": 1, "answer": 4, "branches": [{"length": 3, "answer": 4}]}
+    )
+    assert (request.id, request.arrival, request.answer) == ("7", 1.0, "4")
+    assert request.prompt_tokens == DEFAULT_PROMPT_TOKENS
+    assert request.interval is None
+    assert request.branches == (branch(3, "4"),)
+
+
+def test_blank_lines_are_skipped(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), "", "   "])
+    assert [r.id for r in Trace.load(path)] == ["ok"]
+
+
+# ------------------------------------------------------------------ errors
+
+BAD_LINES = {
+    "bad JSON": ("{not json", "not JSON"),
+    "missing key": ('{"id": "x", "arrival": 0, "answer": "1"}', "branches"),
+    "missing branch key": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"answer": "1"}]}',
+        "length",
+    ),
+    "no branches": ('{"id": "x", "arrival": 0, "answer": "1", "branches": []}', "no branches"),
+    "negative arrival": (
+        '{"id": "x", "arrival": -1, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
+        "arrival=-1.0",
+    ),
+    "infinite arrival": (
+        '{"id": "x", "arrival": 1e999, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
+        "arrival",
+    ),
+    "bad length": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": 0, "answer": "1"}]}',
+        "length",
+    ),
+    "bad reward": (
+        '{"id": "x", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 3, "answer": "1", "rewards": [1.5]}]}',
+        "rewards",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_malformed_line_names_file_and_line(tmp_path: Path, case: str) -> None:
+    text, words = BAD_LINES[case]
+    # Line 1 is fine, line 2 is blank (still counted), line 3 is the bad one.
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), "", text])
+    with pytest.raises(ConfigError) as info:
+        Trace.load(path)
+    message = str(info.value)
+    assert f"{path}:3" in message
+    assert words in message
+
+
+def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), json.dumps(GOOD_LINE)])
+    with pytest.raises(ConfigError, match="request 2 repeats the id 'ok'") as info:
+        Trace.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_empty_file_is_refused(tmp_path: Path) -> None:
+    path = write_lines(tmp_path / "t.jsonl", [""])
+    with pytest.raises(ConfigError, match="no requests") as info:
+        Trace.load(path)
+    assert str(path) in str(info.value)
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    path = tmp_path / "absent.jsonl"
+    with pytest.raises(ConfigError, match=r"absent\.jsonl"):
+        Trace.load(path)
+
+
+def test_of_refuses_empty_and_duplicates() -> None:
+    with pytest.raises(ConfigError, match="no requests"):
+        Trace.of([])
+    request = TraceRequest("a", 0.0, "1", (branch(3, "1"),))
+    with pytest.raises(ConfigError, match="request 2 repeats the id 'a'"):
+        Trace.of([request, request])
+
+
+# ------------------------------------------------------------------ trace queries
+
+
+def test_width_is_the_fewest_branches_of_any_request() -> None:
+    assert small_trace().width == 2
+    one = Trace.of([TraceRequest("a", 0.0, "1", (branch(3, "1"),) * 5)])
+    assert one.width == 5
+
+
+def test_interval_is_set_only_when_every_request_agrees() -> None:
+    assert small_trace().interval is None  # 10 and None
+    same = Trace.of(
+        [TraceRequest(rid, 0.0, "1", (branch(3, "1"),), interval=16) for rid in ("a", "b")]
+    )
+    assert same.interval == 16
+    mixed = Trace.of(
+        [
+            TraceRequest("a", 0.0, "1", (branch(3, "1"),), interval=16),
+            TraceRequest("b", 0.0, "1", (branch(3, "1"),), interval=32),
+        ]
+    )
+    assert mixed.interval is None
+    unset = Trace.of([TraceRequest("a", 0.0, "1", (branch(3, "1"),))])
+    assert unset.interval is None
+
+
+def test_script_gold_and_replay_order() -> None:
+    trace = small_trace()
+    script = trace.script()
+    assert script(BranchId("a", 1)) == branch(30, "8", 0.1234)
+    assert script(BranchId("b", 2)) == branch(9, "4")
+    assert trace.gold() == {"a": "7", "b": "3"}
+    late = TraceRequest("late", 9.0, "1", (branch(3, "1"),))
+    tie = TraceRequest("tie", 0.0, "1", (branch(3, "1"),))
+    ordered = replay_requests(Trace.of([late, *trace, tie]))
+    assert [r.id for r in ordered] == ["a", "tie", "b", "late"]  # stable for equal arrivals
