@@ -100,3 +100,16 @@ def test_bad_flags_are_usage_errors(
         main([*argv, "--out", str(tmp_path)])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_default_branch_budget_fits_the_kv_cache(tmp_path: Path) -> None:
+    from sart.engines.costs import PRESETS
+
+    doc = bench(tmp_path, "--no-plots", "--methods", "sart")
+    # h100-14b KV capacity / (gaokao prompt 300 + 1.25 x median length 3500)
+    expected = PRESETS["h100-14b"].kv_capacity_tokens // (300 + 1.25 * 3500)
+    assert {r["batch_size"] for r in doc["runs"]} == {int(expected)} == {46}
+    doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--model", "steps")
+    assert {r["batch_size"] for r in doc["runs"]} == {64}  # no KV capacity: the default
+    doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--batch-size", "7")
+    assert {r["batch_size"] for r in doc["runs"]} == {7}

@@ -59,7 +59,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="arrival rates in requests/s (default 1 4)",
     )
     p.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
-    p.add_argument("--batch-size", type=int, default=64, help="branch budget B (default 64)")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="branch budget B (default: sized to the model's KV capacity)",
+    )
     p.add_argument("--interval", type=int, default=400, help="T, decode steps between checks")
     p.add_argument(
         "--admission",

@@ -33,6 +33,7 @@ def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str,
         "n": record.n,
         "rate": record.rate,
         "kv_capacity": record.kv_capacity,
+        "batch_size": record.batch_size,
         "summary": summary_json(record.summary),
         "requests": [request_record(r, gold.get(r.request_id)) for r in record.results],
         "timeline": [[s.time, s.running_branches, s.kv_tokens] for s in record.timeline],
@@ -83,6 +84,10 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _batch_sizes(records: Sequence[RunRecord]) -> str:
+    return "/".join(str(b) for b in dict.fromkeys(r.batch_size for r in records))
+
+
 def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> None:
     """Print the results table and the P97 ratios with rich."""
     from rich import box
@@ -91,7 +96,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     unit = "steps" if config.cost == "steps" else "s"
     table = Table(
         title=f"sart bench: {config.workload} workload on {config.cost}, "
-        f"B={config.batch_size}, T={config.interval}; E2E latency percentiles in {unit}",
+        f"B={_batch_sizes(records)}, T={config.interval}; E2E latency percentiles in {unit}",
         box=box.SIMPLE_HEAD,
     )
     for name in (

@@ -67,7 +67,8 @@ class BenchConfig:
     ns: tuple[int, ...] = attrs.field(default=(2, 4, 8), converter=_tuple)
     rates: tuple[float, ...] = attrs.field(default=(1.0, 4.0), converter=_tuple)
     num_requests: int = 100
-    batch_size: int = 64
+    batch_size: int | None = None
+    """``B``; ``None`` sizes it to the model's KV capacity (``auto_batch_size``)."""
     interval: int = 400
     seed: int = 0
     admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
@@ -84,7 +85,12 @@ class BenchConfig:
             bool(self.rates) and min(self.rates) > 0, "rates", self.rates, "non-empty, each > 0"
         )
         config_check(self.num_requests >= 1, "num_requests", self.num_requests, ">= 1")
-        config_check(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
+        config_check(
+            self.batch_size is None or self.batch_size >= 1,
+            "batch_size",
+            self.batch_size,
+            "None (auto) or >= 1",
+        )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
         workload(self.workload)
         cost_model(self.cost)
@@ -104,6 +110,8 @@ class RunRecord:
     request_usage: dict[str, tuple[tuple[float, int, int], ...]]
     """Per request: ``(time, live branches, KV tokens)`` after each decode call."""
     kv_capacity: int | None
+    batch_size: int
+    """The branch budget ``B`` the run used."""
 
 
 def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
@@ -128,7 +136,8 @@ def run_method(
     script = trace.script()
     engine = SimEngine(script, cost=config.cost)
     prm = ScriptedPRM(script, every=trace.interval or config.interval)
-    driver = SyncDriver(engine, prm, batch_size=config.batch_size, admission=config.admission)
+    batch_size = config.batch_size or auto_batch_size(config, trace)
+    driver = SyncDriver(engine, prm, batch_size=batch_size, admission=config.admission)
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
     for r in trace:
         sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
@@ -155,7 +164,30 @@ def run_method(
         timeline=tuple(driver.timeline),
         request_usage={rid: tuple(v) for rid, v in usage.items()},
         kv_capacity=engine.cost.kv_capacity_tokens,
+        batch_size=batch_size,
     )
+
+
+#: Without a KV capacity (the ``steps`` model) the branch budget defaults to this.
+DEFAULT_BATCH_SIZE = 64
+
+
+def auto_batch_size(config: BenchConfig, trace: Trace) -> int:
+    """The branch budget ``B`` that fits a typical batch in the KV cache: capacity
+    divided by (prompt + 1.25 x the median branch length, from the workload
+    preset, or from the trace when replaying one). Long branches can still push
+    a run past capacity; the report flags it."""
+    capacity = cost_model(config.cost).kv_capacity_tokens
+    if capacity is None:
+        return DEFAULT_BATCH_SIZE
+    if config.trace is None:  # the workload's own numbers: one B for every rate
+        model = workload(config.workload)
+        prompt, median = float(model.prompt_tokens), model.median_length
+    else:
+        lengths = sorted(b.length for r in trace for b in r.branches)
+        prompt = sum(r.prompt_tokens for r in trace) / len(trace)
+        median = lengths[len(lengths) // 2]
+    return max(1, int(capacity // (prompt + 1.25 * median)))
 
 
 def _trace_max_tokens(trace: Trace) -> int:
