@@ -36,6 +36,14 @@ def statuses(result: sart.RequestResult) -> list[BranchStatus]:
     return [b.status for b in result.branches]
 
 
+def run_until_step(driver: sart.SyncDriver, step: int) -> None:
+    """Drive until ``step`` decode steps have run and the check after them is done."""
+    while driver.scheduler.statistics().step < step:
+        assert driver.step()
+    while driver.scheduler._outbox or driver.scheduler._inflight:
+        driver.step()
+
+
 def test_two_phase_example_in_the_spirit_of_figure_4() -> None:
     # T=10, n=4, m=2, alpha=0.5, beta=2. Rewards r[j] hold after (j+1)*10 tokens.
     script = {
@@ -51,21 +59,15 @@ def test_two_phase_example_in_the_spirit_of_figure_4() -> None:
     driver = sart.SyncDriver(engine, prm, batch_size=8)
     driver.submit(sart.Request("q", "2+2?", sart.sart(4, m=2, alpha=0.5, beta=2, interval=10)))
 
-    def run_until_step(step: int) -> None:
-        while driver.scheduler.statistics().step < step:
-            assert driver.step()
-        while driver.scheduler._outbox or driver.scheduler._inflight:  # finish the check
-            driver.step()
-
     # Check at step 10 (explore): rewards 0.6, 0.3, 0.55, 0.7 -> only branch 1 < alpha.
-    run_until_step(10)
+    run_until_step(driver, 10)
     meta = driver.scheduler.meta("q")
     assert (meta.phase, meta.threshold, meta.max_num_pruned) == (Phase.EXPLORE, 0.5, 2)
     assert meta.num_pruned == 1
     assert BranchId("q", 1) not in engine.live_branches
     # Step 20: 0.7, 0.6, 0.9: nothing below 0.5. Step 30: branch 0 finished at 25 with
     # final reward 0.8 -> exploit, threshold 0.8, up to n-1=3 pruned; branch 2 (0.65) goes.
-    run_until_step(30)
+    run_until_step(driver, 30)
     meta = driver.scheduler.meta("q")
     assert (meta.phase, meta.threshold, meta.max_num_pruned) == (Phase.EXPLOIT, 0.8, 3)
     assert (meta.num_completed, meta.num_pruned) == (1, 2)
@@ -121,10 +123,7 @@ def test_same_step_completions_tie_break_by_lowest_index() -> None:
     }
     driver = sart.SyncDriver(FakeEngine(script), ScriptedPRM(script, every=10), batch_size=4)
     driver.submit(sart.Request("q", "p", sart.sart(3, m=3, alpha=0.0, beta=0, interval=10)))
-    while driver.scheduler.statistics().step < 10:
-        driver.step()
-    while driver.scheduler._outbox or driver.scheduler._inflight:
-        driver.step()
+    run_until_step(driver, 10)
     # Both ended at step 4; branch 1 has the lower index, so threshold = 0.45, and
     # branch 0 (0.5) is not pruned.
     assert driver.scheduler.meta("q").threshold == 0.45
@@ -136,10 +135,7 @@ def test_phase_one_prunes_at_most_beta_lowest_first() -> None:
     script = {"q": [BranchScript(length=100, rewards=(r,)) for r in rewards]}
     driver = sart.SyncDriver(FakeEngine(script), ScriptedPRM(script, every=10), batch_size=8)
     driver.submit(sart.Request("q", "p", sart.sart(6, m=3, alpha=0.5, beta=3, interval=10)))
-    while driver.scheduler.statistics().step < 10:
-        driver.step()
-    while driver.scheduler._outbox or driver.scheduler._inflight:
-        driver.step()
+    run_until_step(driver, 10)
     live = {b.index for b in driver.engine.live_branches}
     assert live == {0, 4, 5}  # 0.1, 0.2, 0.3 pruned; 0.4 and 0.45 survive the beta cap
     while driver.step():  # nothing more is pruned in phase 1, ever

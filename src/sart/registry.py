@@ -9,9 +9,12 @@ the class itself.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, TypeVar
 
 from sart.errors import MissingDependencyError, UnknownComponentError
+
+T = TypeVar("T")
 
 # Built-ins. Names whose module does not exist yet are added by the issues
 # that build them (sim, hf, vllm, sglang), never listed before they work.
@@ -52,6 +55,14 @@ def load_engine(name: str) -> Any:
 def load_prm(name: str) -> Any:
     """The PRM class registered as ``name`` (imported now)."""
     return _load(_PRMS, name, "prm")
+
+
+def preset(table: Mapping[str, T], name: str, kind: str) -> T:
+    """``table[name]``, or ``UnknownComponentError`` naming ``kind`` and the choices."""
+    try:
+        return table[name]
+    except KeyError:
+        raise UnknownComponentError(f"{kind} {name!r} must be one of {sorted(table)}") from None
 
 
 def _load(table: dict[str, Any], name: str, kind: str) -> Any:

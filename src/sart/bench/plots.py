@@ -37,6 +37,13 @@ def write_plots(config: BenchConfig, records: Sequence[RunRecord], out: Path) ->
     return [p for p in paths if p is not None]
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)  # figures are not freed otherwise: a long sweep would leak them
+    return path
+
+
 def _unit(config: BenchConfig) -> str:
     return "decode steps" if config.cost == "steps" else "s"
 
@@ -81,10 +88,7 @@ def _latency_accuracy(
             title=f"Accuracy, {title}", xlabel="N", ylabel="accuracy (%)", xticks=list(config.ns)
         )
         lat_ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _pick(
@@ -134,10 +138,7 @@ def _resources(
     axes[1][1].set(xlabel=f"time ({unit})", ylabel="KV tokens")
     for ax in axes.flat:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def _distributions(
@@ -164,7 +165,4 @@ def _distributions(
     )
     len_ax.legend(fontsize=8)
     queue_ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

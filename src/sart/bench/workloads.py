@@ -42,7 +42,8 @@ import attrs
 
 from sart.bench.traces import Trace, TraceRequest
 from sart.engines.scripts import BranchScript
-from sart.errors import UnknownComponentError, config_check
+from sart.errors import config_check
+from sart.registry import preset
 
 
 def _sigmoid(x: float) -> float:
@@ -205,9 +206,5 @@ WORKLOADS: dict[str, WorkloadModel] = {"gaokao": GAOKAO, "gpqa": GPQA}
 
 
 def workload(name: str) -> WorkloadModel:
-    try:
-        return WORKLOADS[name]
-    except KeyError:
-        raise UnknownComponentError(
-            f"workload {name!r} must be one of {sorted(WORKLOADS)}"
-        ) from None
+    """A workload preset by name."""
+    return preset(WORKLOADS, name, "workload")

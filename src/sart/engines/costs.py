@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import attrs
 
-from sart.errors import UnknownComponentError, config_check
+from sart.errors import config_check
+from sart.registry import preset
 
 
 @attrs.frozen
@@ -185,11 +186,4 @@ PRESETS: dict[str, CostModel] = {
 
 def cost_model(name: str | CostModel) -> CostModel:
     """A preset by name (or a ``CostModel`` passed through)."""
-    if isinstance(name, CostModel):
-        return name
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise UnknownComponentError(
-            f"cost model {name!r} must be one of {sorted(PRESETS)}"
-        ) from None
+    return name if isinstance(name, CostModel) else preset(PRESETS, name, "cost model")
