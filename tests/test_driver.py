@@ -227,3 +227,50 @@ def test_timeline_tracks_running_branches_and_kv() -> None:
     # KV = 3 prompt tokens + tokens of live branches: 5+5; branch 0 ended at 10 and
     # freed its 10, so 10; then 15; then nothing but the prefix until it is released.
     assert [s.kv_tokens for s in driver.timeline] == [3 + 10, 3 + 10, 3 + 15, 3]
+
+
+def test_a_start_hook_that_raises_fails_its_request_before_the_engine_is_touched() -> None:
+    class BadStart(sart.PruneRule):
+        def start(self, n: int) -> sart.Limits:
+            raise RuntimeError("boom")
+
+    script = scenario(n_requests=2, n=2)
+    engine = FakeEngine(script)
+    bad = sart.Policy(n=2, prune=BadStart(), select=sart.MajorityVote())
+    reqs = [sart.Request("r0", "p", bad), sart.Request("r1", "p", sart.self_consistency(2))]
+    results = sart.run(reqs, engine, batch_size=2)
+    assert [r.ok for r in results] == [False, True]
+    assert "BadStart.start raised RuntimeError('boom')" in (results[0].reason or "")
+    assert ("prefill", "r0") not in engine.log
+    assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        sart.Limits(threshold="high", max_num_pruned=1),
+        sart.Limits(threshold=0.5, max_num_pruned=-1),
+    ],
+)
+def test_unusable_limits_fail_only_their_request(value: object) -> None:
+    class BadLimits(sart.TwoPhasePrune):
+        def start(self, n: int) -> sart.Limits:
+            return value  # type: ignore[return-value]
+
+    script = scenario(n_requests=2, n=2)
+    bad = sart.Policy(n=2, prune=BadLimits(alpha=0.5, beta=1), interval=2)
+    reqs = [sart.Request("r0", "p", bad), sart.Request("r1", "p", sart.sart(2, interval=2))]
+    engine = FakeEngine(script)
+    results = sart.run(reqs, engine, ScriptedPRM(script, every=2))
+    assert [r.ok for r in results] == [False, True]
+    assert "start returned" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+def test_extract_returning_a_non_string_fails_the_request() -> None:
+    script = scenario(n_requests=1, n=2)
+    policy = sart.Policy(n=2, select=sart.MajorityVote(), extract=lambda text: 42)
+    (result,) = sart.run([sart.Request("r0", "p", policy)], FakeEngine(script))
+    assert not result.ok
+    assert "answers must be str" in (result.reason or "")

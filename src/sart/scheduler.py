@@ -55,7 +55,7 @@ from sart.request import Request
 from sart.results import RequestResult
 from sart.state import BranchState, RequestMeta, RequestState
 from sart.types import Admission, BranchId, BranchStatus, FinishReason, Phase, RequestStatus
-from sart.views import RequestView
+from sart.views import Limits, RequestView
 
 T = TypeVar("T")
 
@@ -172,6 +172,11 @@ class Scheduler:
         while free > 0 and self._request_queue:
             req = self._request_queue.popleft()
             req.scheduled_at = now
+            try:  # before the engine holds anything for it, so failing costs nothing
+                req.limits = self._limits(self._call(req.policy.prune.start, req.n), "start")
+            except _PolicyFailure as exc:
+                self._fail(req, str(exc), now)
+                continue
             self._active[req.id] = req
             cmds.append(Prefill(req.request))
             take = req.branches[: min(req.n, free)]
@@ -223,11 +228,6 @@ class Scheduler:
         req = self._active[cmd.request.id]
         if isinstance(event, Prefilled):
             req.prefilled = True
-            try:
-                req.limits = self._call(req.policy.prune.start, req.n)
-            except _PolicyFailure as exc:
-                self._fail(req, str(exc), now)
-                return
             self._branch_queue.extend(b for b in req.branches if b.id not in self._reserved)
         elif isinstance(event, Failed):
             self._fail(req, f"prefill failed: {event.reason}", now)
@@ -368,7 +368,9 @@ class Scheduler:
         if completed and req.phase is Phase.EXPLORE:
             req.phase = Phase.EXPLOIT
             first = min(completed, key=lambda b: (b.end_step, b.index))
-            req.limits = self._call(prune.enter_exploit, req.limits, first.view(), req.n)
+            req.limits = self._limits(
+                self._call(prune.enter_exploit, req.limits, first.view(), req.n), "enter_exploit"
+            )
         req.num_completed += len(completed)
         view = None
         if due:
@@ -450,6 +452,8 @@ class Scheduler:
             raise _PolicyFailure("no branch completed")
         policy = req.policy
         answers = [self._call(policy.extract, b.text) for b in candidates]
+        if not all(isinstance(a, str) for a in answers):
+            raise _PolicyFailure(f"extract returned {answers!r}; answers must be str")
         if len(candidates) == 1:
             chosen = candidates[0]
         else:
@@ -524,6 +528,19 @@ class Scheduler:
         del self._pending[req.id]
         self._active.pop(req.id, None)
         self._finished += 1
+
+    @staticmethod
+    def _limits(value: object, hook: str) -> Limits:
+        """A hook's ``Limits``, checked, so a bad value fails its request, not the run."""
+        ok = (
+            isinstance(value, Limits)
+            and isinstance(value.max_num_pruned, int)
+            and value.max_num_pruned >= 0
+            and (value.threshold is None or isinstance(value.threshold, (int, float)))
+        )
+        if not ok:
+            raise _PolicyFailure(f"prune rule's {hook} returned {value!r}, not valid Limits")
+        return value  # type: ignore[return-value]
 
     @staticmethod
     def _call(fn: Callable[..., T], *args: object, name: str | None = None) -> T:

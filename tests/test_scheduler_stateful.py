@@ -1,0 +1,202 @@
+"""Stateful test: a ``SyncDriver`` driven one ``step()`` at a time, with faults injected live.
+
+Rules submit requests that have already arrived, step the driver, and inject
+faults into requests that are running (a failing ``start_branches``, a decode
+failure at a live branch's next token, a raising or NaN-returning PRM).
+Invariants, checked after every rule: the engine never holds more than ``B``
+branches; every live branch belongs to an unfinished request; a finished
+request holds no prefix; the scheduler never counts more running branches
+than the engine holds, and when it counts fewer (it has pruned, stopped or
+failed branches), the very next step carries out just that cleanup;
+results are unique. Draining (a rule, and the teardown) runs to the end and
+checks every request ended exactly once, and only faulted ones failed.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import sart
+from sart import BranchId, RequestResult, RequestStatus
+from sart.testing import BranchScript, FakeEngine, ScriptedPRM
+from strategies import (
+    MAX_BATCH,
+    PRM_FAIL,
+    PRM_NAN,
+    START,
+    STEP,
+    RequestParts,
+    examples,
+    intervals,
+    request_parts,
+)
+
+#: Far more driver steps than any drawn run needs; more means the scheduler livelocked.
+MAX_DRAIN_STEPS = 20_000
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scripts: dict[str, tuple[BranchScript, ...]] = {}
+        self.submitted: list[str] = []
+        self.results: list[RequestResult] = []
+        self.faulted: set[str] = set()
+        self.started_at: dict[BranchId, int] = {}  # engine.steps when a branch went live
+        self.ready = False
+
+    # ------------------------------------------------------------ helpers
+
+    def _script(self, branch: BranchId) -> BranchScript:
+        return self.scripts[branch.request_id][branch.index]
+
+    def _deliver(self, result: RequestResult) -> None:
+        rid = result.request_id
+        assert not [b for b in self.engine.live_branches if b.request_id == rid]
+        assert rid not in self.engine.prefixes
+        self.results.append(result)
+
+    def _lag(self) -> int:
+        """Branches the scheduler has ended that the engine still holds."""
+        running = self.driver.scheduler.statistics().running_branches
+        return len(self.engine.live_branches) - running
+
+    def _step_once(self) -> bool:
+        lag, seen = self._lag(), len(self.engine.log)
+        more = self.driver.step()
+        for branch in self.engine.live_branches - self.started_at.keys():
+            self.started_at[branch] = self.engine.steps
+        if lag:
+            event("cleanup step after the scheduler ended live branches")
+            # The scheduler ended branches in the last step; this step only frees them.
+            ops = {entry[0] for entry in self.engine.log[seen:]}
+            assert "abort" in ops
+            assert ops <= {"abort", "release"}
+            assert self._lag() == 0
+        # Rules may step many times; hold the invariants at every step, not only after the rule.
+        self.within_batch_budget()
+        self.live_branches_belong_to_unfinished_requests()
+        self.finished_requests_hold_no_prefix()
+        self.scheduler_running_within_engine_live()
+        self.results_are_unique()
+        return more
+
+    # ------------------------------------------------------------ rules
+
+    @initialize(
+        batch_size=st.integers(1, MAX_BATCH),
+        admission=st.sampled_from(sart.Admission),
+        every=intervals,
+        attribute_failures=st.booleans(),
+    )
+    def setup(
+        self, batch_size: int, admission: sart.Admission, every: int, attribute_failures: bool
+    ) -> None:
+        self.batch_size = batch_size
+        self.engine = FakeEngine(self._script, max_branches=batch_size)
+        self.prm = ScriptedPRM(self._script, every=every, attribute_failures=attribute_failures)
+        self.driver = sart.SyncDriver(
+            self.engine,
+            self.prm,
+            batch_size=batch_size,
+            admission=admission,
+            on_result=self._deliver,
+        )
+        self.ready = True
+
+    @rule(parts=intervals.flatmap(request_parts), lateness=st.floats(0.0, 1.0))
+    def submit(self, parts: RequestParts, lateness: float) -> None:
+        rid = f"r{len(self.submitted)}"
+        arrival = self.engine.clock.now() * (1.0 - lateness)  # already arrived
+        self.scripts[rid] = parts.scripts
+        self.driver.submit(sart.Request(rid, "p", parts.policy, parts.sampling, arrival))
+        self.submitted.append(rid)
+
+    @rule(times=st.integers(1, 6))
+    def step(self, times: int) -> None:
+        for _ in range(times):
+            if not self._step_once():
+                break
+
+    @precondition(lambda self: bool(self.engine.live_branches))
+    @rule(data=st.data(), kind=st.sampled_from((START, STEP, PRM_FAIL, PRM_NAN)))
+    def inject_fault(self, data: st.DataObject, kind: str) -> None:
+        branch = data.draw(st.sampled_from(sorted(self.engine.live_branches)), label="branch")
+        if kind == START:
+            self.engine.fail_start.add(branch.request_id)
+        elif kind == STEP:
+            tokens = self.engine.steps - self.started_at[branch]
+            self.engine.fail_step[branch] = tokens + 1  # fails at its next decode
+        elif kind == PRM_FAIL:
+            self.prm.fail_on.add(branch)
+        else:
+            self.prm.nan_for.add(branch)
+        self.faulted.add(branch.request_id)
+        event(f"fault injected: {kind}")
+
+    @precondition(lambda self: bool(self.submitted))
+    @rule()
+    def drain(self) -> None:
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self._step_once():
+                break
+        else:
+            raise AssertionError(f"still busy after {MAX_DRAIN_STEPS} steps")
+        ids = [r.request_id for r in self.results]
+        assert sorted(ids) == sorted(self.submitted)
+        for result in self.results:
+            event(f"request {result.status.value}")
+            if result.status is RequestStatus.FAILED:
+                assert result.request_id in self.faulted, result.reason
+            else:
+                assert result.status is RequestStatus.COMPLETED
+        assert self.engine.live_branches == frozenset()
+        assert self.engine.prefixes == frozenset()
+        assert self.driver.scheduler.statistics().running_branches == 0
+
+    def teardown(self) -> None:
+        if self.ready and self.submitted:
+            self.drain()
+
+    # ------------------------------------------------------------ invariants
+
+    @invariant()
+    def within_batch_budget(self) -> None:
+        assert len(self.engine.live_branches) <= self.batch_size
+        assert self.engine.peak_live <= self.batch_size
+
+    @invariant()
+    def live_branches_belong_to_unfinished_requests(self) -> None:
+        finished = {r.request_id for r in self.results}
+        for branch in self.engine.live_branches:
+            assert branch.request_id in self.submitted
+            assert branch.request_id not in finished
+
+    @invariant()
+    def finished_requests_hold_no_prefix(self) -> None:
+        for result in self.results:
+            assert result.request_id not in self.engine.prefixes
+
+    @invariant()
+    def scheduler_running_within_engine_live(self) -> None:
+        assert self._lag() >= 0
+
+    @invariant()
+    def results_are_unique(self) -> None:
+        ids = [r.request_id for r in self.results]
+        assert len(ids) == len(set(ids))
+        assert ids == [r.request_id for r in self.driver.results]
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=examples(200), stateful_step_count=30)
+test_scheduler_machine = SchedulerMachine.TestCase
