@@ -11,11 +11,12 @@ from sart.testing import FakeEngine, ScriptedPRM
 
 def test_builtins_load_by_name() -> None:
     assert sart.load_engine("fake") is FakeEngine
+    assert sart.load_engine("sim").__name__ == "SimEngine"
     assert sart.load_prm("scripted") is ScriptedPRM
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(sart.UnknownComponentError, match=r"engine='nope' must be one of \['fake'"):
+    with pytest.raises(sart.UnknownComponentError, match=r"engine='nope' must be one of \['fake', 'sim'\]"):
         sart.load_engine("nope")
 
 
