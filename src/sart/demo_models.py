@@ -1,0 +1,112 @@
+"""Tiny, randomly initialised models to try the real (transformers) path with no downloads.
+
+``build_demo_models(dir)`` writes three model directories that load with the
+standard ``from_pretrained`` code, exactly like a hub checkpoint would:
+
+- ``policy/``: a Llama-architecture causal LM (2 layers, hidden 64);
+- ``qwen-prm/``: a token-classification model with 2 labels and the
+  ``<extra_0>`` step separator: the output shape and input format of
+  Qwen2.5-Math-PRM;
+- ``shepherd-prm/``: a causal LM whose vocabulary has the Math-Shepherd step
+  tag ``ки`` and the ``+``/``-`` rating tokens.
+
+They share a byte-level BPE tokenizer trained here on synthetic arithmetic
+reasoning text, with a Qwen-style chat template. The weights are random: the
+models exercise every code path (shapes, formats, caches, masks) but their
+text and rewards mean nothing. Model type ``llama`` is deliberate: with
+``qwen2``, transformers substitutes its own Qwen2 tokenizer class for a custom
+tokenizer directory.
+
+Needs the ``[hf]`` extra (torch, transformers, tokenizers).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+STEP_SEPARATOR = "<extra_0>"
+SHEPHERD_TAG = "ки"
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", STEP_SEPARATOR]
+
+
+def _corpus() -> list[str]:
+    lines = []
+    for a in range(40):
+        for b in range(25):
+            lines.append(
+                f"Step 1: add {a} and {b}. {a} + {b} = {a + b}.\n\n"
+                f"Step 2: check it: {a + b} - {b} = {a}. {SHEPHERD_TAG} +\n\n"
+                f"So the answer is \\boxed{{{a + b}}}. {SHEPHERD_TAG} -"
+            )
+    return lines
+
+
+def build_tokenizer(vocab_size: int = 512) -> Any:
+    """A byte-level BPE tokenizer with the chat template and special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+    )
+    fast.add_tokens([SHEPHERD_TAG])  # one token, as in Math-Shepherd's own vocabulary
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(tokenizer: Any, **overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    settings: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def build_demo_models(directory: str | Path, seed: int = 0) -> dict[str, Path]:
+    """Write ``policy/``, ``qwen-prm/`` and ``shepherd-prm/`` under ``directory``;
+    return their paths by name. Deterministic for a given ``seed``."""
+    import torch
+    from transformers import LlamaForCausalLM, LlamaForTokenClassification
+
+    root = Path(directory)
+    tokenizer = build_tokenizer()
+    paths = {name: root / name for name in ("policy", "qwen-prm", "shepherd-prm")}
+    torch.manual_seed(seed)
+    builders = {
+        "policy": lambda: LlamaForCausalLM(_config(tokenizer)),
+        "qwen-prm": lambda: LlamaForTokenClassification(_config(tokenizer, num_labels=2)),
+        "shepherd-prm": lambda: LlamaForCausalLM(_config(tokenizer)),
+    }
+    for name, build in builders.items():
+        model = build()
+        model.save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return paths
