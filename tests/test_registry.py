@@ -16,7 +16,7 @@ def test_builtins_load_by_name() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(sart.UnknownComponentError, match=r"engine='nope' must be one of \['fake', 'sim'\]"):
+    with pytest.raises(sart.UnknownComponentError, match=r"engine='nope' must be one of \['fake', 'hf', 'sim'\]"):
         sart.load_engine("nope")
 
 

@@ -17,10 +17,11 @@ from sart.errors import MissingDependencyError, UnknownComponentError
 T = TypeVar("T")
 
 # Built-ins. Names whose module does not exist yet are added by the issues
-# that build them (hf, vllm, sglang), never listed before they work.
+# that build them (vllm, sglang), never listed before they work.
 _ENGINES: dict[str, Any] = {
     "fake": "sart.engines.fake:FakeEngine",
     "sim": "sart.engines.sim:SimEngine",
+    "hf": "sart.engines.hf:HFEngine",
 }
 _PRMS: dict[str, Any] = {
     "scripted": "sart.prm.scripted:ScriptedPRM",

@@ -55,6 +55,8 @@ class BranchDelta:
     """Set if the branch ended in this call (its KV is then already freed)."""
     end_offset: int | None = None
     """1-based step within this call at which it ended."""
+    token_ids: tuple[int, ...] = ()
+    """The new tokens' ids, for engines that have them (empty otherwise)."""
 
 
 @attrs.frozen

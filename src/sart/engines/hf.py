@@ -1,0 +1,347 @@
+"""``HFEngine``: the transformers reference engine (CPU or CUDA), with real prefix-KV sharing.
+
+What is shared and what is copied: a request's prompt is prefilled once and
+its KV cache (one tensor pair per layer) is held by the request; every
+branch holds only the KV of the tokens it generated itself and attends to the
+prefix tensors, which are never copied or written. A fork (``BranchSpec(parent=j)``)
+shares its parent's generated-token tensors as they are at the fork (tensors
+are never modified in place, so sharing is safe) and diverges from there.
+
+Decoding is batched across the live branches of *all* requests, whatever
+their prompt and generated lengths: each step the branches' caches are
+left-padded into one batch with an attention mask, and explicit position
+ids keep RoPE positions right. That repacking costs a copy of the live KV per
+step: this engine is the readable reference that CI runs on tiny models, not
+a fast server (use vLLM or SGLang for that).
+
+Sampling is per branch with its own ``torch.Generator`` seeded by the branch
+seed, so results are reproducible; ``temperature == 0`` is greedy and gives
+exactly ``model.generate(do_sample=False)``'s tokens. The EOS token (or a stop
+string) ends a branch as ``FINISHED`` and counts as a generated token, as in
+vLLM; reaching ``max_tokens`` ends it as ``TRUNCATED``. Stop strings are cut
+from the text. Aborting a branch drops its tensors at once.
+
+Prompts: token ids are used as they are; text is tokenized as is, or, with
+``chat=True``, wrapped as one user message with the tokenizer's chat template
+and a generation prompt (what reasoning models expect).
+
+Needs the ``[hf]`` extra: torch and transformers (4.46+ and 5.x).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    from sart.errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "the transformers engine needs torch and transformers: pip install 'sart[hf]'"
+    ) from exc
+
+from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.errors import EngineError
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+KV = list[tuple["torch.Tensor", "torch.Tensor"]]
+
+
+class _Prefix:
+    __slots__ = ("kv", "length", "live", "logits", "sampling", "started")
+
+    def __init__(
+        self, kv: KV, logits: torch.Tensor, length: int, sampling: SamplingSettings
+    ) -> None:
+        self.kv = kv
+        self.logits = logits
+        self.length = length
+        self.sampling = sampling
+        self.started: set[int] = set()
+        self.live: set[int] = set()
+
+
+class _Branch:
+    __slots__ = ("generator", "kv", "logits", "prefix", "text", "tokens")
+
+    def __init__(
+        self,
+        prefix: _Prefix,
+        kv: KV | None,
+        logits: torch.Tensor,
+        tokens: list[int],
+        text: str,
+        generator: torch.Generator,
+    ) -> None:
+        self.prefix = prefix
+        self.kv = kv  # the branch's own generated-token KV, per layer; None before any
+        self.logits = logits  # next-token logits
+        self.tokens = tokens
+        self.text = text
+        self.generator = generator
+
+    @property
+    def length(self) -> int:
+        """Tokens in this branch's KV (prefix + generated and already forwarded)."""
+        own = self.kv[0][0].shape[2] if self.kv else 0
+        return self.prefix.length + own
+
+
+class HFEngine:
+    """A step-based engine over a transformers causal LM (see the module docstring)."""
+
+    supports_fork = True
+
+    def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.device = next(model.parameters()).device
+        eos = model.generation_config.eos_token_id
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos])
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache (argument and output).
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._prefixes: dict[str, _Prefix] = {}
+        self._branches: dict[BranchId, _Branch] = {}
+        self.forward_seconds = 0.0
+        """Time spent inside the model's forward (for overhead measurements)."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        device: str = "cpu",
+        dtype: Any = "auto",
+        chat: bool = False,
+        **model_kwargs: Any,
+    ) -> HFEngine:
+        """Load a causal LM and its tokenizer from a local path or the hub."""
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        return cls(model.to(device), tokenizer, chat=chat)
+
+    # ------------------------------------------------------------- contract
+
+    def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        ids = self._prompt_ids(prompt)
+        with torch.inference_mode():
+            out = self._forward(torch.tensor([ids], device=self.device))
+        kv = self._pairs(self._out_cache(out))
+        self._prefixes[request_id] = _Prefix(kv, out.logits[0, -1].float(), len(ids), sampling)
+        return len(ids)
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        prefix = self._prefixes.get(request_id)
+        if prefix is None:
+            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
+        new: dict[BranchId, _Branch] = {}
+        for spec in branches:
+            bid = BranchId(request_id, spec.index)
+            if spec.index in prefix.started or bid in new:
+                raise EngineError(f"branch {bid} started twice", [request_id])
+            generator = torch.Generator(device=self.device).manual_seed(spec.seed)
+            if spec.parent is None:
+                new[bid] = _Branch(prefix, None, prefix.logits, [], "", generator)
+                continue
+            parent = self._branches.get(BranchId(request_id, spec.parent))
+            if parent is None:
+                raise EngineError(f"fork of branch {spec.parent}, which is not live", [request_id])
+            new[bid] = _Branch(
+                prefix, parent.kv, parent.logits, list(parent.tokens), parent.text, generator
+            )
+        for bid, branch in new.items():  # all or nothing
+            self._branches[bid] = branch
+            prefix.started.add(bid.index)
+            prefix.live.add(bid.index)
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        tokens: dict[BranchId, list[int]] = {}
+        texts: dict[BranchId, list[str]] = {}
+        ends: dict[BranchId, tuple[FinishReason, int]] = {}
+        steps = 0
+        while steps < max_steps and self._branches:
+            steps += 1
+            ended = self._decode_one(steps, tokens, texts, ends)
+            if ended and until_first_end:
+                break
+        deltas = {
+            bid: BranchDelta(
+                new_tokens=len(ids),
+                text="".join(texts.get(bid, ())),
+                finish=ends[bid][0] if bid in ends else None,
+                end_offset=ends[bid][1] if bid in ends else None,
+                token_ids=tuple(ids),
+            )
+            for bid, ids in tokens.items()
+        }
+        return StepOutput(steps=steps, deltas=deltas)
+
+    def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        for bid in branch_ids:
+            if bid not in self._branches:
+                raise EngineError(f"abort of branch {bid}, which is not live", [bid.request_id])
+        for bid in branch_ids:
+            self._drop(bid)
+
+    def release_prefix(self, request_id: str) -> None:
+        prefix = self._prefixes.pop(request_id, None)
+        if prefix is None:
+            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
+        for index in list(prefix.live):
+            self._drop(BranchId(request_id, index))
+
+    def stats(self) -> EngineStats:
+        kv = sum(p.length for p in self._prefixes.values())
+        kv += sum(b.length - b.prefix.length for b in self._branches.values())
+        return EngineStats(live_branches=len(self._branches), kv_tokens=kv)
+
+    # ------------------------------------------------------------ decoding
+
+    def _decode_one(
+        self,
+        step: int,
+        tokens: dict[BranchId, list[int]],
+        texts: dict[BranchId, list[str]],
+        ends: dict[BranchId, tuple[FinishReason, int]],
+    ) -> bool:
+        """Sample one token for every live branch, then forward the ones still live."""
+        going: list[tuple[BranchId, _Branch, int]] = []
+        ended = False
+        for bid, branch in list(self._branches.items()):
+            token = self._sample(branch)
+            branch.tokens.append(token)
+            tokens.setdefault(bid, []).append(token)
+            finish, delta = self._advance_text(branch, token)
+            texts.setdefault(bid, []).append(delta)
+            if finish is None and len(branch.tokens) >= branch.prefix.sampling.max_tokens:
+                finish = FinishReason.LENGTH
+            if finish is not None:
+                ends[bid] = (finish, step)
+                self._drop(bid)
+                ended = True
+            else:
+                going.append((bid, branch, token))
+        if going:
+            self._forward_batch(going)
+        return ended
+
+    def _sample(self, branch: _Branch) -> int:
+        sampling = branch.prefix.sampling
+        logits = branch.logits
+        if sampling.temperature == 0.0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.top_p < 1.0:
+            ordered, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix of tokens whose mass reaches top_p.
+            drop = torch.cumsum(ordered, dim=-1) - ordered > sampling.top_p
+            ordered = ordered.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter(0, order, ordered)
+        return int(torch.multinomial(probs, 1, generator=branch.generator))
+
+    def _advance_text(self, branch: _Branch, token: int) -> tuple[FinishReason | None, str]:
+        if token in self.eos_ids:
+            return FinishReason.STOP, ""
+        text = self.tokenizer.decode(branch.tokens, skip_special_tokens=True)
+        delta = text[len(branch.text) :] if text.startswith(branch.text) else text
+        stops = branch.prefix.sampling.stop
+        if stops:
+            # Search only where a new stop string could start.
+            start = max(0, len(branch.text) - max(len(s) for s in stops))
+            hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
+            if hits:
+                cut = min(hits)
+                delta = text[len(branch.text) : cut] if cut >= len(branch.text) else ""
+                branch.text = text[:cut]
+                return FinishReason.STOP, delta
+        branch.text = text
+        return None, delta
+
+    def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
+        lengths = [b.length for _, b, _ in going]
+        width = max(lengths)
+        layers = len(going[0][1].prefix.kv)
+        pairs: KV = []
+        for layer in range(layers):
+            k0, v0 = going[0][1].prefix.kv[layer]
+            keys = k0.new_zeros((len(going), k0.shape[1], width, k0.shape[3]))
+            values = v0.new_zeros((len(going), v0.shape[1], width, v0.shape[3]))
+            for row, (_, branch, _) in enumerate(going):
+                pk, pv = branch.prefix.kv[layer]
+                parts_k = [pk] + ([branch.kv[layer][0]] if branch.kv else [])
+                parts_v = [pv] + ([branch.kv[layer][1]] if branch.kv else [])
+                pad = width - lengths[row]  # left padding
+                keys[row, :, pad:] = torch.cat(parts_k, dim=2)[0]
+                values[row, :, pad:] = torch.cat(parts_v, dim=2)[0]
+            pairs.append((keys, values))
+        mask = torch.zeros((len(going), width + 1), dtype=torch.long, device=self.device)
+        for row, length in enumerate(lengths):
+            mask[row, width - length :] = 1
+        ids = torch.tensor([[t] for _, _, t in going], device=self.device)
+        positions = torch.tensor([[n] for n in lengths], device=self.device)
+        with torch.inference_mode():
+            out = self._forward(
+                ids, cache=self._cache(pairs), attention_mask=mask, position_ids=positions
+            )
+        new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in self._pairs(self._out_cache(out))]
+        for row, (_, branch, _) in enumerate(going):
+            mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
+            branch.kv = (
+                mine
+                if branch.kv is None
+                else [
+                    (torch.cat([ok, nk], dim=2), torch.cat([ov, nv], dim=2))
+                    for (ok, ov), (nk, nv) in zip(branch.kv, mine)
+                ]
+            )
+            branch.logits = out.logits[row, -1].float()
+
+    # ------------------------------------------------------------- helpers
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def _forward(self, ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
+        import time
+
+        started = time.perf_counter()
+        if cache is not None:
+            kwargs[self._cache_arg] = cache
+        out = self.model(input_ids=ids, use_cache=True, **kwargs)
+        self.forward_seconds += time.perf_counter() - started
+        return out
+
+    def _out_cache(self, out: Any) -> Any:
+        return getattr(out, "cache", None) or out.past_key_values
+
+    def _cache(self, pairs: KV) -> Any:
+        if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
+            return DynamicCache.from_legacy_cache(tuple(pairs))
+        return DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+
+    @staticmethod
+    def _pairs(cache: Any) -> KV:
+        if hasattr(cache, "layers"):
+            return [(layer.keys, layer.values) for layer in cache.layers]
+        return [(k, v) for k, v in cache.to_legacy_cache()]  # transformers 4.x
+
+    def _drop(self, bid: BranchId) -> None:
+        branch = self._branches.pop(bid)
+        branch.prefix.live.discard(bid.index)
