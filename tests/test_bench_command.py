@@ -89,7 +89,7 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--requests", "0"], "num_requests=0 must be >= 1"),
         (["bench", "--rate", "-1"], "rates=(-1.0,) must be non-empty, each > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
-        (["bench", "--model", "tpu"], "invalid choice: 'tpu'"),
+        (["bench", "--model", "tpu"], "cost model 'tpu' must be one of ['8xh100-70b'"),
         (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
     ],
 )

@@ -10,7 +10,7 @@ from sart.bench.command import add_bench_parser, add_trace_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
-from sart.errors import SartError
+from sart.errors import MissingDependencyError, SartError
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
@@ -48,6 +48,22 @@ def _quickstart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo_models(args: argparse.Namespace) -> int:
+    try:
+        from sart.demo_models import build_demo_models
+    except ImportError as exc:  # pragma: no cover - only without the extra
+        raise MissingDependencyError("demo-models needs pip install 'sart[hf]'") from exc
+    paths = build_demo_models(args.directory, seed=args.seed)
+    for name, path in paths.items():
+        print(f"{name:>13}: {path}")
+    d = args.directory
+    print(
+        f"try: sart bench --engine hf --model {d}/policy --prm {d}/qwen-prm "
+        f"--prompts {d}/prompts.jsonl --rate 4 --n 2 4"
+    )
+    return 0
+
+
 def _row(r: RequestResult) -> str:
     stopped = sum(1 for b in r.branches if b.status is BranchStatus.STOPPED)
     t = r.timings
@@ -64,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)
     add_trace_parser(sub)
+    demo = sub.add_parser(
+        "demo-models",
+        help="build tiny random transformers models (policy + two PRMs) and a prompt file",
+    )
+    demo.add_argument("directory", help="where to write them")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.set_defaults(func=_demo_models)
     quick = sub.add_parser(
         "quickstart",
         help="serve a few requests with SART on the scripted fake engine and print the results",

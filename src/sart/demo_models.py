@@ -90,12 +90,33 @@ def _config(tokenizer: Any, **overrides: Any) -> Any:
     return LlamaConfig(**settings)
 
 
+def write_demo_prompts(path: str | Path, count: int = 8) -> Path:
+    """A JSONL prompt file (``prompt``, ``answer``) of arithmetic questions."""
+    import json
+
+    path = Path(path)
+    lines = [
+        json.dumps(
+            {
+                "id": f"q{i}",
+                "prompt": f"Step 1: add {3 * i + 2} and {i + 5}.",
+                "answer": str(4 * i + 7),
+            }
+        )
+        for i in range(count)
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def build_demo_models(directory: str | Path, seed: int = 0) -> dict[str, Path]:
-    """Write ``policy/``, ``qwen-prm/`` and ``shepherd-prm/`` under ``directory``;
-    return their paths by name. Deterministic for a given ``seed``."""
+    """Write ``policy/``, ``qwen-prm/``, ``shepherd-prm/`` and ``prompts.jsonl`` under
+    ``directory``; return their paths by name. Deterministic for a given ``seed``."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForTokenClassification
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # a few KB per file: the bars are only noise
     root = Path(directory)
     tokenizer = build_tokenizer()
     paths = {name: root / name for name in ("policy", "qwen-prm", "shepherd-prm")}
@@ -109,4 +130,5 @@ def build_demo_models(directory: str | Path, seed: int = 0) -> dict[str, Path]:
         model = build()
         model.save_pretrained(paths[name])
         tokenizer.save_pretrained(paths[name])
+    paths["prompts"] = write_demo_prompts(root / "prompts.jsonl")
     return paths

@@ -21,6 +21,8 @@ class BranchOutcome:
     """Extracted answer for completed branches, else ``None``."""
     ended_in: Phase | None
     """The request's phase when the branch ended (``None`` if it never started)."""
+    reward_history: tuple[tuple[int, float], ...] = ()
+    """Every PRM score it received: ``(tokens generated when scored, reward)``."""
 
 
 @attrs.frozen

@@ -344,7 +344,9 @@ class Scheduler:
             if req is None or req.ended:
                 continue
             try:
-                req.branches[bid.index].reward = validate_reward(value, bid)
+                branch = req.branches[bid.index]
+                branch.reward = validate_reward(value, bid)
+                branch.reward_history.append((branch.num_tokens, branch.reward))
             except PRMError as exc:
                 self._fail(req, str(exc), now)
         self._run_checks(now)

@@ -41,6 +41,7 @@ class BranchState:
         "id",
         "num_tokens",
         "reward",
+        "reward_history",
         "seed",
         "status",
     )
@@ -53,6 +54,8 @@ class BranchState:
         # Text arrives in pieces; joined lazily (see ``text``) to keep decoding cheap.
         self.chunks: list[str] = []
         self.reward: float | None = None
+        # (tokens when scored, reward): what a trace records for this branch.
+        self.reward_history: list[tuple[int, float]] = []
         self.end_step: int | None = None
         self.ended_in: Phase | None = None
 
@@ -83,6 +86,7 @@ class BranchState:
             num_tokens=self.num_tokens,
             reward=self.reward,
             answer=answer,
+            reward_history=tuple(self.reward_history),
             ended_in=self.ended_in,
         )
 

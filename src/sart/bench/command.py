@@ -6,12 +6,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, run_method, traces
 from sart.bench.workloads import WORKLOADS, workload
 from sart.engines.costs import PRESETS
-from sart.errors import MissingDependencyError
-from sart.types import Admission
+from sart.errors import ConfigError, MissingDependencyError
+from sart.types import Admission, SamplingSettings
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,13 +23,31 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         description="Serve a workload with every method on the same scheduler and a "
         "simulated accelerator; print a table and write results.json and plots.",
     )
-    p.add_argument("--engine", choices=["sim"], default="sim", help="engine (today: the simulator)")
+    p.add_argument(
+        "--engine",
+        choices=["sim", "hf"],
+        default="sim",
+        help="sim: the simulator (default); hf: a transformers model",
+    )
     p.add_argument(
         "--model",
-        choices=sorted(PRESETS),
-        default="h100-14b",
-        help="accelerator/model cost preset (default h100-14b; 'steps': 1 per step)",
+        default=None,
+        help="sim: a cost preset (" + ", ".join(sorted(PRESETS)) + "; default "
+        "h100-14b); hf: a model directory or hub id",
     )
+    p.add_argument("--prm", help="hf: the PRM's directory or hub id")
+    p.add_argument(
+        "--prm-kind",
+        choices=["qwen", "shepherd"],
+        default="qwen",
+        help="hf: Qwen2.5-Math-PRM style (default) or Math-Shepherd style",
+    )
+    p.add_argument("--prompts", help="hf: JSONL prompt file ({'prompt', 'answer'} per line)")
+    p.add_argument("--device", default="cpu", help="hf: device of the model (default cpu)")
+    p.add_argument("--prm-device", default=None, help="hf: device of the PRM (default: --device)")
+    p.add_argument("--max-tokens", type=int, default=64, help="hf: tokens per branch (default 64)")
+    p.add_argument("--temperature", type=float, default=0.7, help="hf: sampling temperature")
+    p.add_argument("--record-trace", help="hf: also record a trace of the prompts to this file")
     p.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
@@ -110,8 +129,10 @@ def record_trace_command(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
+        engine=args.engine,
+        model=args.model,
         workload=args.workload,
-        cost=args.model,
+        cost=args.model if args.engine == "sim" and args.model else "h100-14b",
         methods=tuple(dict.fromkeys(args.methods)),
         ns=tuple(sorted(set(args.ns))),
         rates=tuple(dict.fromkeys(args.rates)),
@@ -140,9 +161,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    workloads = traces(config)
-    pairs = plan(config)
-    records: list[RunRecord] = []
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -151,15 +169,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
         console=console,
         transient=True,
     ) as progress:
-        task = progress.add_task("simulating", total=len(workloads) * len(pairs))
-        for rate, trace in workloads:
-            for method, n in pairs:
-                where = "trace" if rate is None else f"{rate:g} req/s"
-                progress.update(task, description=f"{method} N={n} @ {where}")
-                records.append(run_method(trace, method, n, config, rate))
-                progress.advance(task)
+        if config.engine == "hf":
+            records, gold = _run_hf(args, config, progress)
+        else:
+            records, gold = _run_sim(config, progress)
     wall = time.perf_counter() - started
-    gold = {rate: trace.gold() for rate, trace in workloads}
     document = bench_json(config, records, gold, wall)
     (out / "results.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
     plots = []
@@ -183,7 +197,68 @@ def run_bench_command(args: argparse.Namespace) -> int:
     else:
         render(config, records, console)
         console.print(
-            f"simulated {len(records)} runs in {wall:.1f} s; wrote "
+            f"ran {len(records)} runs in {wall:.1f} s; wrote "
             + ", ".join(str(p) for p in [out / "results.json", *plots])
         )
     return 0
+
+
+def _run_sim(config: BenchConfig, progress: Any) -> tuple[list[RunRecord], dict]:
+    workloads = traces(config)
+    pairs = plan(config)
+    task = progress.add_task("simulating", total=len(workloads) * len(pairs))
+    records = []
+    for rate, trace in workloads:
+        for method, n in pairs:
+            where = "trace" if rate is None else f"{rate:g} req/s"
+            progress.update(task, description=f"{method} N={n} @ {where}")
+            records.append(run_method(trace, method, n, config, rate))
+            progress.advance(task)
+    return records, {rate: trace.gold() for rate, trace in workloads}
+
+
+def _run_hf(
+    args: argparse.Namespace, config: BenchConfig, progress: Any
+) -> tuple[list[RunRecord], dict]:
+    from sart.bench.real import load_prompts, record_trace, run_real
+    from sart.registry import load_engine, load_prm
+
+    if not args.model or not args.prompts:
+        raise ConfigError(
+            "--engine hf needs --model PATH and --prompts FILE (try: sart demo-models DIR)"
+        )
+    needs_prm = any(m not in ("vanilla", "sc") for m in config.methods)
+    if needs_prm and not args.prm:
+        raise ConfigError(
+            "--engine hf needs --prm PATH for methods "
+            f"{[m for m in config.methods if m not in ('vanilla', 'sc')]}"
+        )
+    items = load_prompts(args.prompts)
+    progress.add_task("loading models", total=None)
+    engine = load_engine("hf").from_pretrained(args.model, device=args.device)
+    prm = None
+    if args.prm:
+        prm = load_prm(args.prm_kind).from_pretrained(
+            args.prm, device=args.prm_device or args.device
+        )
+    sampling = SamplingSettings(temperature=args.temperature, max_tokens=args.max_tokens)
+    task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
+    records = run_real(
+        items, engine, prm, config, sampling, on_run=lambda record: progress.advance(task)
+    )
+    if args.record_trace:
+        if prm is None:
+            raise ConfigError("--record-trace needs --prm")
+        trace = record_trace(
+            items,
+            engine,
+            prm,
+            max(config.ns),
+            config.interval,
+            sampling,
+            config.rates[0],
+            config.seed,
+        )
+        trace.dump(args.record_trace)
+    gold = {item.id: item.answer for item in items if item.answer is not None}
+    return records, dict.fromkeys(config.rates, gold)

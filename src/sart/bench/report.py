@@ -53,7 +53,13 @@ def bench_json(
         "schema": SCHEMA,
         "config": cfg,
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
-        "time_unit": "decode steps" if config.cost == "steps" else "seconds (simulated)",
+        "time_unit": (
+            "seconds (wall clock)"
+            if config.engine == "hf"
+            else "decode steps"
+            if config.cost == "steps"
+            else "seconds (simulated)"
+        ),
         "wall_seconds": wall_seconds,
         "ratios_p97": ratios(records),
         "runs": [run_json(r, gold.get(r.rate)) for r in records],
@@ -81,7 +87,15 @@ def _fmt(x: float | None, digits: int = 1) -> str:
         return "-"
     if digits and abs(x) >= 100:  # long latencies: the decimals are noise
         digits = 0
+    elif digits and abs(x) < 1:  # wall-clock runs of tiny models: milliseconds matter
+        digits = 3
     return f"{x:,.{digits}f}"
+
+
+def _setting(config: BenchConfig) -> str:
+    if config.engine == "hf":
+        return f"transformers model {config.model}"
+    return f"{config.workload} workload on {config.cost}"
 
 
 def _batch_sizes(records: Sequence[RunRecord]) -> str:
@@ -93,9 +107,9 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     from rich import box
     from rich.table import Table
 
-    unit = "steps" if config.cost == "steps" else "s"
+    unit = "steps" if config.engine == "sim" and config.cost == "steps" else "s"
     table = Table(
-        title=f"sart bench: {config.workload} workload on {config.cost}, "
+        title=f"sart bench: {_setting(config)}, "
         f"B={_batch_sizes(records)}, T={config.interval}; E2E latency percentiles in {unit}",
         box=box.SIMPLE_HEAD,
     )

@@ -59,6 +59,10 @@ def _tuple(value: Sequence) -> tuple:
 class BenchConfig:
     """One benchmark: methods x N values x rates on one workload and one engine model."""
 
+    engine: str = "sim"
+    """``sim`` (simulated, the default) or ``hf`` (a transformers model, wall clock)."""
+    model: str | None = None
+    """``hf``: the model's path (``sim`` uses ``cost``)."""
     workload: str = "gaokao"
     cost: str = "h100-14b"
     methods: tuple[str, ...] = attrs.field(
@@ -92,6 +96,7 @@ class BenchConfig:
             "None (auto) or >= 1",
         )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
+        config_check(self.engine in ("sim", "hf"), "engine", self.engine, "'sim' or 'hf'")
         workload(self.workload)
         cost_model(self.cost)
 
@@ -139,32 +144,49 @@ def run_method(
     batch_size = config.batch_size or auto_batch_size(config, trace)
     driver = SyncDriver(engine, prm, batch_size=batch_size, admission=config.admission)
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
-    for r in trace:
-        sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
-        driver.submit(
-            Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
-        )
+    sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
+    requests = [
+        Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
+        for r in trace
+    ]
+    return serve(driver, requests, trace.gold(), method, n, rate, engine.cost.kv_capacity_tokens)
+
+
+def serve(
+    driver: SyncDriver,
+    requests: Sequence[Request],
+    gold: dict[str, str],
+    method: str,
+    n: int,
+    rate: float | None,
+    kv_capacity: int | None = None,
+) -> RunRecord:
+    """Run ``requests`` through ``driver``, sampling each request's resource use after
+    every decode call (when the engine reports it: ``prefixes`` and ``usage``)."""
+    engine = driver.engine
+    for request in requests:
+        driver.submit(request)
     usage: dict[str, list[tuple[float, int, int]]] = {}
-    steps = engine.steps
+    decodes = len(driver.timeline)
     while driver.step():
-        if engine.steps != steps:
-            steps = engine.steps
-            now = engine.clock.now()
-            for rid in engine.prefixes:
-                live, kv = engine.usage(rid)
+        if len(driver.timeline) != decodes and hasattr(engine, "usage"):
+            decodes = len(driver.timeline)
+            now = driver.timeline[-1].time
+            for rid in engine.prefixes:  # type: ignore[attr-defined]
+                live, kv = engine.usage(rid)  # type: ignore[attr-defined]
                 usage.setdefault(rid, []).append((now, live, kv))
     by_id = {res.request_id: res for res in driver.results}
-    results = tuple(by_id[r.id] for r in trace)
+    results = tuple(by_id[r.id] for r in requests)
     return RunRecord(
         method=method,
         n=1 if method == "vanilla" else n,
         rate=rate,
-        summary=RunSummary.of(results, driver.timeline, trace.gold()),
+        summary=RunSummary.of(results, driver.timeline, gold),
         results=results,
         timeline=tuple(driver.timeline),
         request_usage={rid: tuple(v) for rid, v in usage.items()},
-        kv_capacity=engine.cost.kv_capacity_tokens,
-        batch_size=batch_size,
+        kv_capacity=kv_capacity,
+        batch_size=driver.scheduler.config.batch_size,
     )
 
 

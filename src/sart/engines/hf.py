@@ -205,6 +205,19 @@ class HFEngine:
         kv += sum(b.length - b.prefix.length for b in self._branches.values())
         return EngineStats(live_branches=len(self._branches), kv_tokens=kv)
 
+    @property
+    def prefixes(self) -> frozenset[str]:
+        """Requests whose prefix is held."""
+        return frozenset(self._prefixes)
+
+    def usage(self, request_id: str) -> tuple[int, int]:
+        """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
+        prefix = self._prefixes.get(request_id)
+        if prefix is None:
+            return (0, 0)
+        live = [self._branches[BranchId(request_id, j)] for j in prefix.live]
+        return (len(live), prefix.length + sum(b.length - prefix.length for b in live))
+
     # ------------------------------------------------------------ decoding
 
     def _decode_one(
