@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -108,7 +108,7 @@ def run_real(
             )
             record = serve(driver, requests, gold, method, n, rate)
             records.append(record)
-            if callable(on_run):
+            if on_run is not None:
                 on_run(record)
     return records
 
