@@ -90,7 +90,7 @@ def run_real(
     prm: PRM | None,
     config: BenchConfig,
     sampling: SamplingSettings,
-    on_run: object = None,
+    on_run: Callable[[RunRecord], object] | None = None,
 ) -> list[RunRecord]:
     """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``."""
     gold = {item.id: item.answer for item in items if item.answer is not None}
