@@ -13,10 +13,12 @@ def test_builtins_load_by_name() -> None:
     assert sart.load_engine("fake") is FakeEngine
     assert sart.load_engine("sim").__name__ == "SimEngine"
     assert sart.load_prm("scripted") is ScriptedPRM
+    assert {"qwen", "shepherd"} <= set(registry.prm_names())
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(sart.UnknownComponentError, match=r"engine='nope' must be one of \['fake', 'hf', 'sim'\]"):
+    known = r"engine='nope' must be one of \['fake', 'hf', 'sim'"
+    with pytest.raises(sart.UnknownComponentError, match=known):
         sart.load_engine("nope")
 
 

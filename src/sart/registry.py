@@ -25,6 +25,8 @@ _ENGINES: dict[str, Any] = {
 }
 _PRMS: dict[str, Any] = {
     "scripted": "sart.prm.scripted:ScriptedPRM",
+    "qwen": "sart.prm.hf:QwenMathPRM",
+    "shepherd": "sart.prm.hf:StepTagPRM",
 }
 
 # Which extra provides a third-party module, for the error message.

@@ -87,9 +87,12 @@ def _fmt(x: float | None, digits: int = 1) -> str:
         return "-"
     if digits and abs(x) >= 100:  # long latencies: the decimals are noise
         digits = 0
-    elif digits and abs(x) < 1:  # wall-clock runs of tiny models: milliseconds matter
-        digits = 3
     return f"{x:,.{digits}f}"
+
+
+def _time(x: float) -> str:
+    """A latency: milliseconds matter for wall-clock runs of tiny models."""
+    return _fmt(x, 3 if abs(x) < 1 else 1)
 
 
 def _setting(config: BenchConfig) -> str:
@@ -137,11 +140,11 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             SHORT_LABELS[r.method],
             str(r.n),
             _fmt(None if s.accuracy is None else 100 * s.accuracy),
-            _fmt(s.e2e.p50),
-            _fmt(s.e2e.p90),
-            _fmt(s.e2e.p97),
-            _fmt(s.e2e.p99),
-            _fmt(s.queueing.mean),
+            _time(s.e2e.p50),
+            _time(s.e2e.p90),
+            _time(s.e2e.p97),
+            _time(s.e2e.p99),
+            _time(s.queueing.mean),
             _fmt(s.tokens_per_request, 0),
             peak,
         )

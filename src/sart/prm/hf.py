@@ -1,0 +1,849 @@
+"""Process reward models on transformers: Qwen2.5-Math-PRM and Math-Shepherd-style PRMs.
+
+Needs the ``[hf]`` extra (torch, transformers); ``import sart`` never imports
+this module. Two reference implementations of the PRM protocol
+(``sart.prm.base``):
+
+- ``QwenMathPRM``: a token-classification PRM in the format of
+  Qwen/Qwen2.5-Math-PRM-7B: the chat template with the system prompt, the
+  question as the user turn, and as the assistant turn the steps each followed
+  by ``<extra_0>``; the reward of a step is the softmax of the two logits at
+  its ``<extra_0>``, column 1.
+- ``StepTagPRM``: a causal LM in the format of Math-Shepherd
+  (peiyi9979/math-shepherd-mistral-7b-prm): ``"{question} {step1} ки\\n{step2} ки"``;
+  the reward of a step is the softmax over the "+" and "-" logits at its tag,
+  the "+" part.
+
+Both split the response into steps on ``"\\n\\n"`` (``sart.prm.aggregate``),
+rate every step, and reduce the step rewards to one with ``aggregate``
+(default ``min``, see that module for why). ``step_rewards(items)`` returns
+the step rewards themselves.
+
+Context limit. A PRM has ``max_length`` tokens of context (4096 for
+Qwen2.5-Math-PRM-7B); inputs are never longer. ``overflow="window"`` (the
+default) keeps the prefix (system prompt and question) and the most recent
+steps that fit, dropping the earliest steps: their rewards are then not part
+of the aggregate, since the model did not see them in this call. If even the
+last step does not fit, its most recent tokens are kept. If the prefix alone
+would leave the steps less than ``min(their length, max_length // 2)``
+tokens, the prefix is cut from the left. ``window_stride = S > 1`` makes the
+window's start move in jumps of ``S`` tokens instead of step by step: the
+window then holds between ``B - S`` and ``B`` tokens of steps (``B`` the
+room left by the prefix), but incremental scoring keeps its cache between
+jumps (see below). ``overflow="error"`` raises ``PRMError`` for the request
+instead. ``Encoded`` and ``fit_context`` are the windowing, exposed for tests
+and inspection (``encode(prompt, text)`` shows what the model will see).
+
+Incremental scoring (``incremental=True``, the default). SART re-scores every
+running branch each ``T`` generated tokens; re-encoding the whole response
+each time costs about ``L / (2T)`` PRM tokens per generated token for a
+branch of ``L`` tokens. Instead each branch (keyed by ``ScoreItem.branch``)
+keeps the model's KV cache of its last input and the rewards read from it. A
+new input reuses the longest common prefix of token ids with the cached one:
+the cache is cropped there (``Cache.crop``) and only the rest is fed. Since
+the model is causal, the logits at a position depend only on the tokens up
+to it, so the rewards of the steps inside the common prefix are the ones
+read before, and the result equals full re-encoding (up to float rounding).
+A check thus costs the new tokens plus the re-encoded tail: the separator
+(or tag) after the unfinished last step, and the few tokens whose
+tokenisation changed as the text grew. When windowing moves the window's
+start, the common prefix ends at the prefix (system prompt and question), so
+the window is re-encoded: that is the rebuild, and with ``window_stride=1``
+it happens at nearly every check once a branch is past the context. A
+branch's cache is dropped when its request is released (``release``), when
+an item with ``final=True`` has been scored, when a call fails, and, beyond
+``max_cached_branches`` branches, least recently used first. Memory: a
+cache holds up to ``max_length`` tokens of keys and values per branch (about
+56 KiB per token for the 7B Qwen PRM in bfloat16, so 224 MiB at 4096 tokens).
+``tokens_processed`` counts the tokens actually fed to the model, so that a
+benchmark can report PRM tokens per generated token
+(``benchmarks/prm_cost.py``).
+
+Batching. Without ``incremental``, items are scored in groups of
+``batch_size`` (sorted by length, right-padded, with an attention mask).
+With ``incremental``, items are scored one by one, each with its own cache:
+these are reference implementations, not a PRM server.
+
+Devices. ``device="cuda:1"`` moves the model there, inputs follow; without a
+device the model stays where it is (e.g. placed by ``device_map``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import itertools
+import math
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from sart.errors import ConfigError, MissingDependencyError, PRMError, config_check
+from sart.prm.aggregate import DEFAULT_AGGREGATION, check_aggregation, split_steps
+from sart.prm.aggregate import aggregate as aggregate_rewards
+from sart.prm.base import ScoreItem
+from sart.types import BranchId
+
+try:
+    import torch
+    import transformers
+except ImportError as exc:  # pragma: no cover - only without the extra
+    raise MissingDependencyError(
+        f"sart.prm.hf needs torch and transformers ({exc.name} is missing); "
+        "install them with: pip install 'sart[hf]'"
+    ) from exc
+
+QWEN_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+"""The system prompt of Qwen2.5-Math-PRM's documented usage."""
+
+OVERFLOW_MODES = ("window", "error")
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+@attrs.frozen
+class Encoded:
+    """One PRM input: ``prefix`` then one segment per step.
+
+    ``rating[i]`` is the index, inside ``segments[i]``, of the token whose
+    logits rate step ``i`` (the separator or tag after it). ``first_step`` is
+    the index among the response's steps of ``segments[0]`` (not 0 when the
+    window dropped early steps).
+    """
+
+    prefix: tuple[int, ...]
+    segments: tuple[tuple[int, ...], ...]
+    rating: tuple[int, ...]
+    first_step: int = 0
+
+    def __len__(self) -> int:
+        return len(self.prefix) + sum(map(len, self.segments))
+
+    def ids(self) -> list[int]:
+        return list(itertools.chain(self.prefix, *self.segments))
+
+    def positions(self) -> list[int]:
+        """Positions in ``ids()`` of the rating tokens, one per step."""
+        out, start = [], len(self.prefix)
+        for segment, at in zip(self.segments, self.rating):
+            out.append(start + at)
+            start += len(segment)
+        return out
+
+
+@attrs.frozen
+class ContextLimit:
+    """How inputs longer than the PRM's context are handled (see the module docstring)."""
+
+    max_length: int = attrs.field(default=4096)
+    overflow: str = attrs.field(default="window")
+    window_stride: int = attrs.field(default=1)
+
+    @max_length.validator
+    def _check_max_length(self, _attr: attrs.Attribute, value: int) -> None:
+        config_check(isinstance(value, int) and value >= 16, "max_length", value, ">= 16")
+
+    @overflow.validator
+    def _check_overflow(self, _attr: attrs.Attribute, value: str) -> None:
+        config_check(value in OVERFLOW_MODES, "overflow", value, f"one of {OVERFLOW_MODES}")
+
+    @window_stride.validator
+    def _check_stride(self, _attr: attrs.Attribute, value: int) -> None:
+        config_check(isinstance(value, int) and value >= 1, "window_stride", value, ">= 1")
+
+
+class ContextOverflow(Exception):
+    """An input is longer than ``max_length`` and ``overflow="error"``."""
+
+
+def fit_context(enc: Encoded, limit: ContextLimit) -> Encoded:
+    """``enc`` cut to at most ``limit.max_length`` tokens (see the module docstring).
+
+    Deterministic in ``enc``: full and incremental scoring see the same window.
+    """
+    if len(enc) <= limit.max_length:
+        return enc
+    if limit.overflow == "error":
+        raise ContextOverflow(f"{len(enc)} tokens, over max_length={limit.max_length}")
+    steps_length = len(enc) - len(enc.prefix)
+    # The steps get at least min(their length, half the context); a longer
+    # prefix (a huge question) loses its beginning.
+    room = limit.max_length - min(steps_length, limit.max_length // 2)
+    prefix = enc.prefix[-room:] if len(enc.prefix) > room else enc.prefix
+    budget = limit.max_length - len(prefix)
+    first = _first_kept(enc.segments, budget, limit.window_stride)
+    segments, rating = enc.segments[first:], enc.rating[first:]
+    if sum(map(len, segments)) > budget:  # only the last step is left, and it is too long
+        segments, rating = _keep_end(segments[-1], rating[-1], budget)
+    return Encoded(prefix, segments, rating, enc.first_step + first)
+
+
+def _keep_end(
+    segment: tuple[int, ...], at: int, budget: int
+) -> tuple[tuple[tuple[int, ...]], tuple[int]]:
+    """The most recent ``budget`` tokens of a segment that keep its rating token
+    ``at``; tokens after that one do not change its logits and go first."""
+    excess = len(segment) - budget
+    if at >= excess:
+        return (segment[excess:],), (at - excess,)
+    start = max(0, at + 1 - budget)
+    return (segment[start : at + 1],), (at - start,)
+
+
+def _first_kept(segments: Sequence[Sequence[int]], budget: int, stride: int) -> int:
+    """Index of the first segment of the window: the first one starting at or
+    after the smallest multiple of ``stride`` that leaves at most ``budget``
+    tokens; the last segment if none does."""
+    starts = list(itertools.accumulate(map(len, segments), initial=0))
+    excess = starts[-1] - budget
+    if excess <= 0:
+        return 0
+    offset = -(-excess // stride) * stride  # ceil to a multiple of stride
+    return min(bisect.bisect_left(starts, offset), len(segments) - 1)
+
+
+# --------------------------------------------------------------------------- transformers glue
+
+
+def _version() -> tuple[int, int]:
+    major, minor = re.findall(r"\d+", transformers.__version__)[:2]
+    return int(major), int(minor)
+
+
+def _dtype_kwarg() -> str:
+    # ``torch_dtype`` was renamed ``dtype`` in transformers 4.56.
+    return "dtype" if _version() >= (4, 56) else "torch_dtype"
+
+
+@attrs.frozen
+class CacheAPI:
+    """How a model's ``forward`` takes a KV cache: ``cache=`` in transformers 5.x,
+    ``past_key_values=`` in 4.x (and in custom code written for it, such as
+    Qwen2.5-Math-PRM's). Inspected once per model."""
+
+    argument: str
+
+    @classmethod
+    def of(cls, model: Any) -> CacheAPI:
+        try:
+            parameters = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        return cls("cache" if "cache" in parameters else "past_key_values")
+
+    @staticmethod
+    def new(model: Any) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=model.config)
+        except TypeError:  # transformers < 4.56 takes no config
+            return DynamicCache()
+
+    def returned(self, output: Any, passed: Any) -> Any:
+        """The cache after a forward: the one the output carries, under the same
+        name as the argument, if any (4.x causal LMs return it), else the one
+        passed in, which the model filled in place (token-classification
+        outputs and Qwen's custom code carry none)."""
+        value = getattr(output, self.argument, None)
+        if value is None or value is passed:
+            return passed
+        if isinstance(value, tuple):  # the legacy format, from old custom code
+            return transformers.DynamicCache.from_legacy_cache(value)
+        return value
+
+    @staticmethod
+    def crop(cache: Any, length: int) -> None:
+        """Keep the first ``length`` tokens. A negative ``crop`` argument means
+        "remove that many" in both 4.x and 5.x (5.x refuses positive ones)."""
+        remove = cache.get_seq_length() - length
+        if remove > 0:
+            cache.crop(-remove)
+        if cache.get_seq_length() != length:
+            raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} tokens")
+
+
+def _output_logits(output: Any) -> Any:
+    logits = getattr(output, "logits", None)
+    return output[0] if logits is None else logits
+
+
+def _model_device(model: Any) -> Any:
+    device = getattr(model, "device", None)
+    if device is not None:
+        return torch.device(device)
+    return next(model.parameters()).device
+
+
+def _chunks(seq: Sequence[int], size: int) -> Iterator[Sequence[int]]:
+    for start in range(0, len(seq), size):
+        yield seq[start : start + size]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, compared in C
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
+
+
+@attrs.define
+class _BranchCache:
+    """What a branch keeps between checks: the KV cache of its last input, that
+    input's ids, and the rewards read at its rating positions."""
+
+    cache: Any
+    ids: list[int] = attrs.Factory(list)
+    rewards: dict[int, float] = attrs.Factory(dict)
+
+
+# --------------------------------------------------------------------------- the shared PRM
+
+
+class TransformersPRM:
+    """The machinery shared by ``QwenMathPRM`` and ``StepTagPRM``: steps,
+    windowing, incremental caches, batching, rewards. Subclasses say how a
+    (question, steps) pair is tokenised (``_encode_steps``) and how the two
+    "bad"/"good" logits are read from the model's output (``_two_way``)."""
+
+    #: Ask a causal LM for the logits of the rating positions only (``logits_to_keep``).
+    _subset_logits = False
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str | torch.device | None = None,
+        max_length: int = 4096,
+        aggregate: str = DEFAULT_AGGREGATION,
+        batch_size: int = 8,
+        incremental: bool = True,
+        overflow: str = "window",
+        window_stride: int = 1,
+        max_cached_branches: int | None = None,
+    ) -> None:
+        config_check(
+            isinstance(batch_size, int) and batch_size >= 1, "batch_size", batch_size, ">= 1"
+        )
+        config_check(
+            max_cached_branches is None or max_cached_branches >= 1,
+            "max_cached_branches",
+            max_cached_branches,
+            "None or >= 1",
+        )
+        self.limit = ContextLimit(max_length, overflow, window_stride)
+        _check_positions(model, max_length)
+        self.aggregate = check_aggregation(aggregate)
+        self.batch_size = batch_size
+        self.incremental = incremental
+        self.max_cached_branches = max_cached_branches
+        if device is not None:
+            model = model.to(device)
+        self.model = model.eval()
+        self.device = _model_device(model)
+        self.tokenizer = tokenizer
+        self._cache_api = CacheAPI.of(model)
+        self._keep_logits = self._subset_logits and "logits_to_keep" in _forward_parameters(model)
+        pad = tokenizer.pad_token_id
+        self._pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
+        self._caches: OrderedDict[BranchId, _BranchCache] = OrderedDict()
+        self.tokens_processed = 0
+        """Tokens fed to the model so far (padding excluded)."""
+        self.forward_calls = 0
+
+    # ------------------------------------------------------------------ protocol
+
+    def score(self, items: Sequence[ScoreItem]) -> list[float]:
+        """One reward in [0, 1] per item: its step rewards reduced with ``aggregate``."""
+        return [aggregate_rewards(r, self.aggregate) for r in self.step_rewards(items)]
+
+    def step_rewards(self, items: Sequence[ScoreItem]) -> list[list[float]]:
+        """The reward of each step the model sees, per item (the window's steps
+        when the response is longer than the context; none for a blank response)."""
+        encoded = [self._encode_item(item) for item in items]  # all errors before any work
+        if self.incremental:
+            results = [self._score_cached(it.branch, enc) for it, enc in zip(items, encoded)]
+        else:
+            results = self._score_batched(encoded)
+        self._check_finite(items, results)
+        for item in items:
+            if item.final:
+                self._caches.pop(item.branch, None)
+        return results
+
+    def release(self, request_id: str) -> None:
+        """Drop the caches of the request's branches."""
+        for branch in [b for b in self._caches if b.request_id == request_id]:
+            del self._caches[branch]
+
+    @property
+    def cached_branches(self) -> list[BranchId]:
+        """Branches holding a cache, least recently used first."""
+        return list(self._caches)
+
+    def encode(self, prompt: str, text: str) -> Encoded:
+        """The input the model sees for ``text`` answering ``prompt`` (windowed)."""
+        steps = split_steps(text)
+        if not steps:
+            return Encoded((), (), ())
+        return fit_context(self._encode_steps(prompt, steps), self.limit)
+
+    # ------------------------------------------------------------------ hooks
+
+    def _encode_steps(self, question: str, steps: list[str]) -> Encoded:
+        raise NotImplementedError
+
+    def _two_way(self, logits: Any) -> Any:
+        """``[n, 2]`` logits (bad, good) from the model's logits at ``n`` rating positions."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ scoring
+
+    def _encode_item(self, item: ScoreItem) -> Encoded:
+        request = item.branch.request_id
+        if not isinstance(item.prompt, str):
+            raise PRMError(
+                f"{type(self).__name__} needs the question as text, but request {request!r} "
+                f"has a token-id prompt (branch {item.branch}); give the request a str prompt",
+                [request],
+            )
+        try:
+            return self.encode(item.prompt, item.text)
+        except ContextOverflow as exc:
+            raise PRMError(
+                f"PRM input for branch {item.branch} is {exc} (overflow='error')", [request]
+            ) from None
+
+    def _score_batched(self, encoded: Sequence[Encoded]) -> list[list[float]]:
+        results: list[list[float]] = [[] for _ in encoded]
+        order = sorted(
+            (i for i, e in enumerate(encoded) if e.segments), key=lambda i: len(encoded[i])
+        )
+        for chunk in _chunks(order, self.batch_size):
+            _, logits = self._forward(
+                [encoded[i].ids() for i in chunk], [encoded[i].positions() for i in chunk]
+            )
+            for i, rows in zip(chunk, logits):
+                results[i] = _good_probability(rows)
+        return results
+
+    def _score_cached(self, branch: BranchId, enc: Encoded) -> list[float]:
+        if not enc.segments:
+            return []
+        ids, positions = enc.ids(), enc.positions()
+        # Popped now, put back (most recently used) only on success: a failed
+        # forward may have left the cache half-updated.
+        entry = self._caches.pop(branch, None)
+        start = 0 if entry is None else _common_prefix(entry.ids, ids)
+        known = {} if entry is None else entry.rewards
+        # A rating position inside the common prefix must have its reward already.
+        start = min([start, *(p for p in positions if p < start and p not in known)])
+        if entry is None or start == 0:
+            entry = _BranchCache(self._cache_api.new(self.model))
+        else:
+            with torch.inference_mode():  # the cache holds inference tensors
+                self._cache_api.crop(entry.cache, start)
+        rewards = {p: r for p, r in known.items() if p < start}
+        fresh = [p for p in positions if p >= start]
+        if start < len(ids):
+            output, logits = self._forward(
+                [ids[start:]], [[p - start for p in fresh]], cache=entry.cache
+            )
+            entry.cache = self._cache_api.returned(output, entry.cache)
+            rewards.update(zip(fresh, _good_probability(logits[0])))
+        entry.ids, entry.rewards = ids, rewards
+        self._remember(branch, entry)
+        return [rewards[p] for p in positions]
+
+    def _remember(self, branch: BranchId, entry: _BranchCache) -> None:
+        self._caches[branch] = entry
+        if self.max_cached_branches is not None:
+            while len(self._caches) > self.max_cached_branches:
+                self._caches.popitem(last=False)
+
+    def _forward(
+        self, rows: list[list[int]], positions: list[list[int]], cache: Any = None
+    ) -> tuple[Any, list[Any]]:
+        """Run the model on right-padded ``rows``; the (bad, good) logits at each
+        row's ``positions``."""
+        width = max(map(len, rows))
+        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for r, row in enumerate(rows):
+            input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[r, : len(row)] = 1
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids.to(self.device),
+            "use_cache": cache is not None,
+        }
+        if any(len(row) < width for row in rows):
+            kwargs["attention_mask"] = mask.to(self.device)
+        if cache is not None:
+            kwargs[self._cache_api.argument] = cache
+        index = [list(p) for p in positions]
+        if self._keep_logits:
+            keep = sorted(set(itertools.chain(*positions)))
+            where = {p: k for k, p in enumerate(keep)}
+            index = [[where[p] for p in row] for row in positions]
+            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            output = self.model(**kwargs)
+        self.tokens_processed += sum(map(len, rows))
+        self.forward_calls += 1
+        logits = _output_logits(output)
+        return output, [self._two_way(logits[r, row]) for r, row in enumerate(index)]
+
+    def _check_finite(self, items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
+        bad = [item.branch for item, r in zip(items, results) if not all(map(math.isfinite, r))]
+        for branch in bad:  # a cache that produced NaN is not worth keeping
+            self._caches.pop(branch, None)
+        if bad:
+            raise PRMError(
+                f"PRM gave non-finite step rewards for branch {', '.join(map(str, bad))}",
+                {b.request_id for b in bad},
+            )
+
+
+def _good_probability(two_way: Any) -> list[float]:
+    return torch.softmax(two_way.float(), dim=-1)[:, 1].tolist()
+
+
+def _forward_parameters(model: Any) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _check_positions(model: Any, max_length: int) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_length > limit:
+        raise ConfigError(
+            f"max_length={max_length} must be <= the model's max_position_embeddings ({limit})"
+        )
+
+
+def _load_kwargs(dtype: Any, trust_remote_code: bool, extra: Mapping[str, Any] | None) -> dict:
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **(extra or {})}
+    if dtype is not None:
+        kwargs[_dtype_kwarg()] = dtype
+    return kwargs
+
+
+# --------------------------------------------------------------------------- Qwen2.5-Math-PRM
+
+
+class QwenMathPRM(TransformersPRM):
+    """Qwen2.5-Math-PRM: a token classifier rating each ``<extra_0>`` after a step.
+
+    The input is built from token ids, not text: the chat template rendered
+    with a placeholder as the assistant turn is split around it into a prefix
+    (tokenised once per question), each step is tokenised on its own and
+    followed by the separator id, and the template's suffix is left out (the
+    model is causal: the logits at the separators do not depend on it). The
+    separator is a special token, so no BPE merge crosses it and these ids are
+    those of the documented full-text encoding with byte-level tokenizers such
+    as Qwen's (a step starting with whitespace may tokenise differently after
+    the template's ``"\\n"``); ``reference_ids`` is that encoding, and the
+    constructor warns if the two disagree on a sample.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        device: str | torch.device | None = None,
+        max_length: int = 4096,
+        aggregate: str = DEFAULT_AGGREGATION,
+        system_prompt: str | None = QWEN_SYSTEM_PROMPT,
+        batch_size: int = 8,
+        incremental: bool = True,
+        overflow: str = "window",
+        window_stride: int = 1,
+        max_cached_branches: int | None = None,
+        step_separator: str = "<extra_0>",
+    ) -> None:
+        super().__init__(
+            model,
+            tokenizer,
+            device=device,
+            max_length=max_length,
+            aggregate=aggregate,
+            batch_size=batch_size,
+            incremental=incremental,
+            overflow=overflow,
+            window_stride=window_stride,
+            max_cached_branches=max_cached_branches,
+        )
+        self.system_prompt = system_prompt
+        self.step_separator = step_separator
+        self.separator_id = _single_token(tokenizer, step_separator, "step_separator")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("QwenMathPRM needs a tokenizer with a chat template")
+        self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._check_encoding()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: Any = None,
+        trust_remote_code: bool = True,
+        model_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> QwenMathPRM:
+        """Load model and tokenizer from a local directory or the hub.
+
+        A checkpoint with custom code registered for ``AutoModel`` (the real
+        Qwen2.5-Math-PRM: ``Qwen2ForProcessRewardModel``) loads with
+        ``AutoModel``; any other with ``AutoModelForTokenClassification`` (with
+        a standard architecture, ``AutoModel`` would give the bare model without
+        the classification head). ``kwargs`` go to the constructor,
+        ``model_kwargs`` to the model's ``from_pretrained``.
+        """
+        from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        custom = "AutoModel" in (getattr(config, "auto_map", None) or {})
+        loader = AutoModel if custom else AutoModelForTokenClassification
+        model = loader.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code, model_kwargs))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            path, trust_remote_code=trust_remote_code
+        )
+        return cls(model, tokenizer, device=device, **kwargs)
+
+    _PLACEHOLDER = "SARTSTEPSPLACEHOLDER"
+
+    def messages(self, question: str, response: str) -> list[dict[str, str]]:
+        """The chat of the documented usage, with ``response`` as the assistant turn."""
+        system = (
+            []
+            if self.system_prompt is None
+            else [{"role": "system", "content": self.system_prompt}]
+        )
+        return [
+            *system,
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": response},
+        ]
+
+    def reference_ids(self, question: str, steps: Sequence[str]) -> list[int]:
+        """The documented full-text encoding: steps joined by the separator, with
+        a trailing one, as the assistant turn of the rendered chat."""
+        sep = self.step_separator
+        text = self.tokenizer.apply_chat_template(
+            self.messages(question, sep.join(steps) + sep), tokenize=False
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _prefix_ids(self, question: str) -> tuple[int, ...]:
+        ids = self._prefixes.get(question)
+        if ids is None:
+            text = self.tokenizer.apply_chat_template(
+                self.messages(question, self._PLACEHOLDER), tokenize=False
+            )
+            # The assistant turn comes last: its placeholder is the last occurrence.
+            where = text.rfind(self._PLACEHOLDER)
+            if where < 0:
+                raise ConfigError("the chat template drops the assistant turn's content")
+            ids = tuple(self.tokenizer(text[:where], add_special_tokens=False)["input_ids"])
+            self._prefixes[question] = ids
+            if len(self._prefixes) > 1024:
+                self._prefixes.popitem(last=False)
+        return ids
+
+    def _encode_steps(self, question: str, steps: list[str]) -> Encoded:
+        step_ids = self.tokenizer(steps, add_special_tokens=False)["input_ids"]
+        segments = tuple((*ids, self.separator_id) for ids in step_ids)
+        return Encoded(self._prefix_ids(question), segments, tuple(len(s) - 1 for s in segments))
+
+    def _two_way(self, logits: Any) -> Any:
+        if logits.shape[-1] != 2:
+            raise ConfigError(
+                f"QwenMathPRM needs a model with 2 labels per token, not {logits.shape[-1]}"
+            )
+        return logits
+
+    def _check_encoding(self) -> None:
+        question, steps = "What is 12 + 30?", ["Step 1: 12 + 30 = 42.", "So the answer is 42."]
+        ours = self._encode_steps(question, steps).ids()
+        if self.reference_ids(question, steps)[: len(ours)] != ours:
+            warnings.warn(
+                "QwenMathPRM: this tokenizer encodes steps differently on their own than in "
+                "the full chat text; rewards may differ slightly from the documented usage",
+                stacklevel=3,
+            )
+
+
+# --------------------------------------------------------------------------- Math-Shepherd
+
+
+class StepTagPRM(TransformersPRM):
+    """A Math-Shepherd-style PRM: a causal LM rating each step at a tag token.
+
+    Input: ``"{question} {step1} {tag}\\n{step2} {tag}"`` tokenised as one text
+    (as in the model card; special tokens such as BOS added). The reward of a
+    step is the softmax over the ``good_token`` and ``bad_token`` logits at
+    its tag, the good part. Tokens may be given as strings, which must encode
+    (``tokenizer.encode(s, add_special_tokens=False)``) to exactly one id, or
+    as ids. Defaults fit byte-level tokenizers (the demo model: ``"Ġ+"``,
+    ``"Ġ-"``); for peiyi9979/math-shepherd-mistral-7b-prm, whose model card
+    reads the ids from ``tokenizer.encode("+ -")[1:]``, pass those ids
+    (648 and 387 there). Tags are located with the tokenizer's offsets, so a
+    ``"ки"`` inside a step's own text is not mistaken for one; a tokenizer
+    that merges the tag with its neighbours is refused at construction.
+    Incremental scoring and windowing work as for ``QwenMathPRM``.
+    """
+
+    _subset_logits = True  # the vocabulary logits of every position would be large
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        step_tag: str | int = "ки",
+        good_token: str | int = " +",
+        bad_token: str | int = " -",
+        device: str | torch.device | None = None,
+        max_length: int = 4096,
+        aggregate: str = DEFAULT_AGGREGATION,
+        batch_size: int = 8,
+        incremental: bool = True,
+        overflow: str = "window",
+        window_stride: int = 1,
+        max_cached_branches: int | None = None,
+    ) -> None:
+        super().__init__(
+            model,
+            tokenizer,
+            device=device,
+            max_length=max_length,
+            aggregate=aggregate,
+            batch_size=batch_size,
+            incremental=incremental,
+            overflow=overflow,
+            window_stride=window_stride,
+            max_cached_branches=max_cached_branches,
+        )
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError("StepTagPRM needs a fast tokenizer (it locates tags by offsets)")
+        self.tag_id = _single_token(tokenizer, step_tag, "step_tag")
+        self.step_tag = (
+            step_tag if isinstance(step_tag, str) else tokenizer.decode([step_tag]).strip()
+        )
+        self.good_id = _single_token(tokenizer, good_token, "good_token")
+        self.bad_id = _single_token(tokenizer, bad_token, "bad_token")
+        if self.good_id == self.bad_id:
+            raise ConfigError(
+                f"good_token={good_token!r} and bad_token={bad_token!r} are the same token"
+            )
+        try:
+            self._encode_steps("What is 1 + 1?", ["1 + 1 = 2.", "The answer is 2."])
+        except _TagNotFound as exc:
+            raise ConfigError(f"step_tag={step_tag!r}: {exc}") from None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device | None = None,
+        dtype: Any = None,
+        trust_remote_code: bool = False,
+        model_kwargs: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> StepTagPRM:
+        """Load a causal LM and its tokenizer; ``kwargs`` go to the constructor."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, **_load_kwargs(dtype, trust_remote_code, model_kwargs)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return cls(model, tokenizer, device=device, **kwargs)
+
+    def render(self, question: str, steps: Sequence[str]) -> tuple[str, list[int], list[int]]:
+        """The input text, where each step's segment starts, and where each tag is (in chars)."""
+        text, starts, tags = question, [], []
+        for i, step in enumerate(steps):
+            starts.append(len(text))
+            text += f"{'' if i else ' '}{step} "
+            tags.append(len(text))
+            text += self.step_tag + ("\n" if i < len(steps) - 1 else "")
+        return text, starts, tags
+
+    def _encode_steps(self, question: str, steps: list[str]) -> Encoded:
+        text, starts, tags = self.render(question, steps)
+        enc = self.tokenizer(text, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        # A segment starts at the first token that starts at or after its first
+        # character. Special tokens (empty spans) are skipped in the search.
+        spans = [(s, e, k) for k, (s, e) in enumerate(offsets) if e > s]
+        span_starts = [s for s, _, _ in spans]
+        bounds = [_first_at_or_after(spans, span_starts, c, len(ids)) for c in starts]
+        bounds.append(len(ids))
+        tag_tokens = [_token_at(spans, span_starts, c) for c in tags]
+        for i, k in enumerate(tag_tokens):
+            if k is None or ids[k] != self.tag_id or not bounds[i] <= k < bounds[i + 1]:
+                raise _TagNotFound(
+                    f"the tag after step {i} is not tokenised as the single token "
+                    f"{self.tag_id} (it merges with the text around it)"
+                )
+        segments = tuple(tuple(ids[a:b]) for a, b in itertools.pairwise(bounds))
+        rating = tuple(k - a for k, a in zip(tag_tokens, bounds))
+        return Encoded(tuple(ids[: bounds[0]]), segments, rating)
+
+    def _encode_item(self, item: ScoreItem) -> Encoded:
+        try:
+            return super()._encode_item(item)
+        except _TagNotFound as exc:
+            raise PRMError(f"branch {item.branch}: {exc}", [item.branch.request_id]) from None
+
+    def _two_way(self, logits: Any) -> Any:
+        return logits[:, [self.bad_id, self.good_id]]
+
+
+class _TagNotFound(Exception):
+    pass
+
+
+Span = tuple[int, int, int]  # (first char, end char, token index), by first char
+
+
+def _first_at_or_after(spans: Sequence[Span], starts: Sequence[int], char: int, end: int) -> int:
+    """Index of the first token starting at or after ``char`` (``end`` if none)."""
+    i = bisect.bisect_left(starts, char)
+    return spans[i][2] if i < len(spans) else end
+
+
+def _token_at(spans: Sequence[Span], starts: Sequence[int], char: int) -> int | None:
+    """Index of the token covering ``char``, if one does."""
+    i = bisect.bisect_right(starts, char) - 1
+    return spans[i][2] if i >= 0 and char < spans[i][1] else None
+
+
+def _single_token(tokenizer: Any, token: str | int, field: str) -> int:
+    """The id of ``token``: an id as is (checked), a string if it encodes to one id."""
+    if isinstance(token, int):
+        config_check(0 <= token < len(tokenizer), field, token, f"a token id < {len(tokenizer)}")
+        return token
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1:
+        pieces = tokenizer.convert_ids_to_tokens(ids)
+        raise ConfigError(
+            f"{field}={token!r} must be a single token of this tokenizer, but it encodes to "
+            f"{len(ids)} tokens {pieces} (ids {ids}); give another spelling (with or without "
+            "a leading space) or the token id itself"
+        )
+    return ids[0]

@@ -1,0 +1,424 @@
+"""The transformers PRMs on the tiny demo models: formats, context limit, incremental caches.
+
+The demo models are random, so rewards mean nothing; the tests check shapes,
+ranges, the documented input formats (against straightforward reference
+encodings), that incremental scoring equals full re-encoding, and that no
+input exceeds the context.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import sart  # noqa: E402
+from sart.demo_models import build_demo_models, build_tokenizer  # noqa: E402
+from sart.errors import ConfigError, PRMError  # noqa: E402
+from sart.prm.aggregate import (  # noqa: E402
+    NO_STEPS_REWARD,
+    aggregate,
+    check_aggregation,
+    split_steps,
+)
+from sart.prm.base import ScoreItem  # noqa: E402
+from sart.prm.hf import (  # noqa: E402
+    ContextLimit,
+    Encoded,
+    QwenMathPRM,
+    StepTagPRM,
+    fit_context,
+)
+from sart.testing import BranchScript, FakeEngine  # noqa: E402
+from sart.types import BranchId  # noqa: E402
+
+QUESTION = "What is 7 + 8?"
+
+
+def response(n_steps: int, start: int = 0) -> str:
+    """``n_steps`` steps of demo-style arithmetic, separated by blank lines."""
+    return "\n\n".join(
+        f"Step {i + 1}: add {i} and {i + 3}. {i} + {i + 3} = {2 * i + 3}."
+        for i in range(start, start + n_steps)
+    )
+
+
+def item(text: str, rid: str = "r", index: int = 0, final: bool = False, prompt: Any = QUESTION):
+    return ScoreItem(BranchId(rid, index), prompt, text, len(text), final)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return build_demo_models(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="module")
+def qwen_parts(paths: dict[str, Path]) -> tuple[Any, Any]:
+    model = transformers.AutoModelForTokenClassification.from_pretrained(paths["qwen-prm"])
+    return model, transformers.AutoTokenizer.from_pretrained(paths["qwen-prm"])
+
+
+@pytest.fixture(scope="module")
+def shepherd_parts(paths: dict[str, Path]) -> tuple[Any, Any]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths["shepherd-prm"])
+    return model, transformers.AutoTokenizer.from_pretrained(paths["shepherd-prm"])
+
+
+def qwen(parts: tuple[Any, Any], **kwargs: Any) -> QwenMathPRM:
+    return QwenMathPRM(*parts, **kwargs)
+
+
+def shepherd(parts: tuple[Any, Any], **kwargs: Any) -> StepTagPRM:
+    return StepTagPRM(*parts, **kwargs)
+
+
+def close(a: list[float], b: list[float], tol: float) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------- aggregation and steps
+
+
+def test_aggregations_by_hand() -> None:
+    rewards = [0.9, 0.5, 0.8]
+    assert aggregate(rewards, "last") == 0.8
+    assert aggregate(rewards, "min") == 0.5
+    assert aggregate(rewards, "prod") == pytest.approx(0.36)
+    assert aggregate(rewards, "mean") == pytest.approx(2.2 / 3)
+    assert aggregate(rewards) == 0.5  # min is the default
+    for how in ("last", "min", "prod", "mean"):
+        assert aggregate([], how) == NO_STEPS_REWARD
+        assert isinstance(aggregate([1, 0], how), float)
+    with pytest.raises(ConfigError, match="aggregate='max' must be one of"):
+        aggregate(rewards, "max")
+    with pytest.raises(ConfigError):
+        check_aggregation("median")
+
+
+def test_split_steps_drops_blank_pieces_and_keeps_the_partial_last_step() -> None:
+    assert split_steps("") == []
+    assert split_steps("\n\n \n\n") == []
+    assert split_steps("a\n\nb\n\nc") == ["a", "b", "c"]
+    assert split_steps("a\n\n\n\n\n\nb par") == ["a", "b par"]
+    assert split_steps("a\n\nb\n\n") == ["a", "b"]
+    assert split_steps("one\nline\n\ntwo") == ["one\nline", "two"]
+    # Growing text never changes a step that is followed by another.
+    text = "s1 x\n\n\n s2\n\n\n\n\ns3 end"
+    for n in range(len(text) + 1):
+        now, later = split_steps(text[:n]), split_steps(text)
+        assert now[:-1] == later[: max(len(now) - 1, 0)]
+
+
+# ---------------------------------------------------------------- tokenizer and loading
+
+
+def test_tokenizer_loaded_from_disk_is_the_saved_one(paths: dict[str, Path]) -> None:
+    saved = build_tokenizer()
+    for name in ("qwen-prm", "shepherd-prm"):
+        loaded = transformers.AutoTokenizer.from_pretrained(paths[name])
+        sample = f"<|im_start|>user\n{QUESTION}<|im_end|>\n{response(2)} ки +<extra_0>"
+        assert loaded.encode(sample) == saved.encode(sample)
+        assert len(loaded.encode("<extra_0>", add_special_tokens=False)) == 1
+        assert len(loaded.encode("ки", add_special_tokens=False)) == 1
+
+
+def test_without_torch_the_module_says_which_extra_to_install() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import sart.prm.hf\n"
+        "except ImportError as e:\n    print(type(e).__name__, e)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("MissingDependencyError")
+    assert "pip install 'sart[hf]'" in out.stdout
+
+
+def test_from_pretrained_loads_the_token_classifier_on_a_device(paths: dict[str, Path]) -> None:
+    prm = QwenMathPRM.from_pretrained(paths["qwen-prm"], device="cpu", dtype=torch.float32)
+    assert isinstance(prm.model, transformers.LlamaForTokenClassification)
+    assert prm.device == torch.device("cpu")
+    step = StepTagPRM.from_pretrained(paths["shepherd-prm"], device="cpu", max_length=1024)
+    assert isinstance(step.model, transformers.LlamaForCausalLM)
+
+
+def test_max_length_beyond_the_model_positions_is_refused(qwen_parts: tuple[Any, Any]) -> None:
+    with pytest.raises(ConfigError, match="max_position_embeddings"):
+        qwen(qwen_parts, max_length=8192)
+    with pytest.raises(ConfigError, match="overflow"):
+        qwen(qwen_parts, overflow="truncate")
+
+
+# ---------------------------------------------------------------- QwenMathPRM
+
+
+def test_qwen_rewards_are_floats_in_unit_interval_and_deterministic(
+    qwen_parts: tuple[Any, Any],
+) -> None:
+    items = [item(response(k, k), "r", k) for k in range(1, 5)] + [item("", "s")]
+    first = qwen(qwen_parts, incremental=False).score(items)
+    again = qwen(qwen_parts, incremental=False).score(items)
+    cached = qwen(qwen_parts).score(items)
+    assert len(first) == len(items)
+    assert all(isinstance(r, float) and 0.0 <= r <= 1.0 for r in first)
+    assert first == again
+    assert close(first, cached, 1e-5)
+    assert first[-1] == NO_STEPS_REWARD  # a blank response has no step to rate
+
+
+def test_one_reward_per_step(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts, incremental=False)
+    texts = [response(1), response(3), response(4) + "\n\n\n\nStep 5: so", "no break at all"]
+    rewards = prm.step_rewards([item(t, "r", i) for i, t in enumerate(texts)])
+    assert [len(r) for r in rewards] == [len(split_steps(t)) for t in texts] == [1, 3, 5, 1]
+    for per_step, text in zip(rewards, texts):
+        assert prm.score([item(text)])[0] == pytest.approx(min(per_step))
+
+
+def test_manual_encoding_matches_the_chat_template(qwen_parts: tuple[Any, Any]) -> None:
+    model, tokenizer = qwen_parts
+    prm = qwen(qwen_parts, incremental=False)
+    sep = tokenizer.convert_tokens_to_ids("<extra_0>")
+    for text in (response(1), response(3), "Step 1: first\n\nStep 2: half a st"):
+        steps = split_steps(text)
+        ours = prm.encode(QUESTION, text).ids()
+        # Qwen's documented usage: the whole chat as text, tokenised at once.
+        messages = [
+            {"role": "system", "content": prm.system_prompt},
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": "<extra_0>".join(steps) + "<extra_0>"},
+        ]
+        full = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False))
+        assert full[: len(ours)] == ours
+        assert tokenizer.decode(full[len(ours) :]) == "<|im_end|>\n"  # only the suffix is left out
+        with torch.inference_mode():
+            logits = model(torch.tensor([full])).logits[0]
+        at = [i for i, t in enumerate(full) if t == sep]
+        reference = torch.softmax(logits[at], dim=-1)[:, 1].tolist()
+        assert close(prm.step_rewards([item(text)])[0], reference, 1e-5)
+
+
+def test_incremental_equals_full_and_costs_far_less(qwen_parts: tuple[Any, Any]) -> None:
+    text = response(40)
+    cached, full = qwen(qwen_parts), qwen(qwen_parts, incremental=False)
+    for n in range(30, len(text) + 1, 53):  # a branch growing, cut anywhere
+        a = cached.step_rewards([item(text[:n])])[0]
+        b = full.step_rewards([item(text[:n])])[0]
+        assert close(a, b, 1e-4)
+    assert cached.forward_calls == full.forward_calls
+    whole = len(cached.encode(QUESTION, text))
+    # Each check feeds the new text and a short re-encoded tail; full
+    # re-encoding grows with the square of the length.
+    assert cached.tokens_processed < 1.5 * whole
+    assert full.tokens_processed > 5 * cached.tokens_processed
+
+
+def test_rescoring_the_same_text_runs_nothing(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts)
+    first = prm.score([item(response(3))])
+    tokens = prm.tokens_processed
+    assert prm.score([item(response(3))]) == first
+    assert prm.tokens_processed == tokens
+
+
+def test_incremental_survives_a_branch_whose_text_changes(qwen_parts: tuple[Any, Any]) -> None:
+    cached, full = qwen(qwen_parts), qwen(qwen_parts, incremental=False)
+    for text in (response(4), response(2, 7), response(5)):  # e.g. a branch id reused
+        assert close(cached.score([item(text)]), full.score([item(text)]), 1e-4)
+
+
+def test_release_and_final_drop_caches(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts)
+    prm.score([item(response(2), "a", 0), item(response(3), "a", 1), item(response(2), "b", 0)])
+    assert set(prm.cached_branches) == {BranchId("a", 0), BranchId("a", 1), BranchId("b", 0)}
+    prm.release("a")
+    assert prm.cached_branches == [BranchId("b", 0)]
+    prm.score([item(response(3), "b", 0, final=True)])
+    assert prm.cached_branches == []
+    prm.release("nobody")  # releasing an unknown request is fine
+
+
+def test_cache_count_is_bounded(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts, max_cached_branches=2)
+    prm.score([item(response(2), "r", i) for i in range(4)])
+    assert prm.cached_branches == [BranchId("r", 2), BranchId("r", 3)]
+
+
+def test_token_id_prompts_are_refused_naming_the_request(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts)
+    with pytest.raises(PRMError, match="'q7'") as info:
+        prm.score([item(response(2), "ok"), item(response(2), "q7", prompt=(1, 2, 3))])
+    assert info.value.request_ids == {"q7"}
+    assert prm.cached_branches == []  # refused before any work
+
+
+def test_non_finite_rewards_name_the_branch(qwen_parts: tuple[Any, Any], paths: dict) -> None:
+    model = transformers.AutoModelForTokenClassification.from_pretrained(paths["qwen-prm"])
+    with torch.no_grad():
+        model.score.weight.fill_(float("nan"))
+    prm = QwenMathPRM(model, qwen_parts[1])
+    with pytest.raises(PRMError, match="0_bad") as info:
+        prm.score([item(response(2), "bad")])
+    assert info.value.request_ids == {"bad"}
+    assert prm.cached_branches == []
+
+
+# ---------------------------------------------------------------- context limit
+
+
+@pytest.fixture()
+def context_lengths(qwen_parts: tuple[Any, Any]) -> Iterator[list[int]]:
+    """Record the context of every forward of the Qwen demo model: cached + fed tokens."""
+    model = qwen_parts[0]
+    seen: list[int] = []
+    original = model.forward
+
+    @functools.wraps(original)  # keeps the signature the PRM inspects
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        seen.append(kwargs["input_ids"].shape[1] + (cache.get_seq_length() if cache else 0))
+        return original(*args, **kwargs)
+
+    model.forward = forward
+    try:
+        yield seen
+    finally:
+        del model.forward
+
+
+def test_a_response_far_beyond_the_context_is_windowed(
+    qwen_parts: tuple[Any, Any], context_lengths: list[int]
+) -> None:
+    long = response(150) + "\n\nStep 151: " + "and so on " * 200  # ~3000 tokens, a huge last step
+    steps = split_steps(long)
+    for incremental in (False, True):
+        prm = qwen(qwen_parts, max_length=256, incremental=incremental)
+        for n in (500, 2000, 4000, len(long)):
+            rewards = prm.step_rewards([item(long[:n])])[0]
+            assert 1 <= len(rewards) < len(split_steps(long[:n]))
+            assert all(0.0 <= r <= 1.0 for r in rewards)
+        enc = prm.encode(QUESTION, long)
+        assert len(enc) == 256 and len(enc.segments) == 1  # only the end of the last step
+        assert enc.first_step == len(steps) - 1
+    assert context_lengths and max(context_lengths) <= 256
+
+
+def test_windowed_incremental_equals_full(
+    qwen_parts: tuple[Any, Any], context_lengths: list[int]
+) -> None:
+    text = response(80)
+    costs = {}
+    for stride in (1, 96):
+        cached = qwen(qwen_parts, max_length=192, window_stride=stride)
+        full = qwen(qwen_parts, max_length=192, window_stride=stride, incremental=False)
+        for n in range(40, len(text) + 1, 83):
+            assert close(
+                cached.step_rewards([item(text[:n])])[0],
+                full.step_rewards([item(text[:n])])[0],
+                1e-4,
+            )
+        costs[stride] = cached.tokens_processed
+    # With a stride the window's start stays put between jumps, so the cache is reused.
+    assert costs[96] < costs[1] / 2
+    assert max(context_lengths) <= 192
+
+
+def test_overflow_error_mode_fails_the_request(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts, max_length=128, overflow="error")
+    with pytest.raises(PRMError, match="over max_length=128") as info:
+        prm.score([item(response(1), "short"), item(response(20), "long")])
+    assert info.value.request_ids == {"long"}
+
+
+def test_fit_context_by_hand() -> None:
+    enc = Encoded((1,) * 10, ((2,) * 5, (3,) * 5, (4,) * 5, (5,) * 5), (4, 4, 4, 4))
+    assert fit_context(enc, ContextLimit(30)) is enc
+    kept = fit_context(enc, ContextLimit(24))  # room for 14: the last two steps
+    assert kept.segments == enc.segments[2:] and kept.prefix == enc.prefix
+    assert kept.first_step == 2 and kept.positions() == [14, 19]
+    # stride 10: the window starts at step offset 10 whatever the room beyond 15 tokens
+    assert fit_context(enc, ContextLimit(27, window_stride=10)).first_step == 2
+    assert fit_context(enc, ContextLimit(27)).first_step == 1
+    # one huge last step: its end is kept, rating token included
+    huge = Encoded((1,) * 10, ((2,) * 5, tuple(range(100))), (4, 99))
+    kept = fit_context(huge, ContextLimit(20))
+    assert len(kept) == 20 and kept.segments == (tuple(range(90, 100)),) and kept.rating == (9,)
+    # a prefix longer than the context loses its beginning; steps get half the room
+    long_prefix = Encoded(tuple(range(50)), ((2,) * 5, (3,) * 20), (4, 19))
+    kept = fit_context(long_prefix, ContextLimit(32))
+    assert kept.prefix == tuple(range(34, 50)) and kept.segments == ((3,) * 16,)
+    with pytest.raises(Exception, match="over max_length=20"):
+        fit_context(enc, ContextLimit(20, overflow="error"))
+
+
+# ---------------------------------------------------------------- StepTagPRM
+
+
+def test_step_tag_prm_matches_the_model_card_usage(shepherd_parts: tuple[Any, Any]) -> None:
+    model, tokenizer = shepherd_parts
+    prm = shepherd(shepherd_parts, incremental=False)
+    good, bad = tokenizer.convert_tokens_to_ids(["Ġ+", "Ġ-"])
+    assert (prm.good_id, prm.bad_id) == (good, bad)
+    tag = tokenizer.convert_tokens_to_ids("ки")
+    for text in (response(1), response(4), "Step 1: ки is a syllable\n\nStep 2: so"):
+        steps = split_steps(text)
+        # Math-Shepherd's model card: f"{question} {output}", steps ending in " ки".
+        full = tokenizer.encode(QUESTION + " " + "\n".join(f"{s} ки" for s in steps))
+        assert prm.encode(QUESTION, text).ids() == full
+        with torch.inference_mode():
+            logits = model(torch.tensor([full])).logits[0][:, [good, bad]]
+        scores = torch.softmax(logits, dim=-1)[:, 0]
+        at = prm.encode(QUESTION, text).positions()
+        assert all(full[p] == tag for p in at) and len(at) == len(steps)
+        rewards = prm.step_rewards([item(text)])[0]
+        assert close(rewards, scores[at].tolist(), 1e-5)
+        assert all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def test_step_tag_incremental_equals_full(shepherd_parts: tuple[Any, Any]) -> None:
+    text = response(20)
+    cached, full = shepherd(shepherd_parts), shepherd(shepherd_parts, incremental=False)
+    for n in range(20, len(text) + 1, 47):
+        a, b = cached.step_rewards([item(text[:n])])[0], full.step_rewards([item(text[:n])])[0]
+        assert close(a, b, 1e-4)
+    assert cached.tokens_processed * 4 < full.tokens_processed
+
+
+def test_step_tag_prm_refuses_bad_tokens(shepherd_parts: tuple[Any, Any]) -> None:
+    with pytest.raises(ConfigError, match="good_token='\\+ -' must be a single token"):
+        shepherd(shepherd_parts, good_token="+ -")
+    with pytest.raises(ConfigError, match="same token"):
+        shepherd(shepherd_parts, good_token=" +", bad_token=" +")
+    with pytest.raises(ConfigError, match="step_tag='<tag>'"):
+        shepherd(shepherd_parts, step_tag="<tag>")
+    with pytest.raises(ConfigError, match="bad_token=99999"):
+        shepherd(shepherd_parts, bad_token=99999)
+    ids = shepherd(shepherd_parts, good_token=268, bad_token=" -")
+    assert ids.good_id == 268
+
+
+# ---------------------------------------------------------------- in a sart run
+
+
+def test_a_sart_run_with_the_demo_qwen_prm(paths: dict[str, Path]) -> None:
+    text = "\n\n".join(f"Step {i}: {i} + {i} = {2 * i}." for i in range(1, 7)) + " \\boxed{12}"
+    script = {
+        f"q{r}": [BranchScript(length=40 + 8 * j, text=text, answer="12") for j in range(4)]
+        for r in range(2)
+    }
+    prm = QwenMathPRM.from_pretrained(paths["qwen-prm"])
+    requests = [sart.Request(rid, QUESTION, sart.sart(4, interval=8)) for rid in script]
+    results = sart.run(requests, FakeEngine(script), prm, batch_size=8)
+    assert [r.ok for r in results] == [True, True]
+    assert all(r.answer == "12" for r in results)
+    assert prm.tokens_processed > 0
+    assert prm.cached_branches == []  # every request released its branches
+    assert all(math.isfinite(b.reward) for r in results for b in r.branches if b.reward is not None)
