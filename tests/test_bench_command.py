@@ -113,3 +113,19 @@ def test_default_branch_budget_fits_the_kv_cache(tmp_path: Path) -> None:
     assert {r["batch_size"] for r in doc["runs"]} == {64}  # no KV capacity: the default
     doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--batch-size", "7")
     assert {r["batch_size"] for r in doc["runs"]} == {7}
+
+
+def test_a_replay_defaults_to_the_traces_width_and_interval(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert (
+        main(["trace", "record", str(trace), "--requests", "3", "--n", "4", "--interval", "50"])
+        == 0
+    )
+    out = tmp_path / "out"
+    assert (
+        main(["bench", "--trace", str(trace), "--out", str(out), "--no-plots", "--methods", "sart"])
+        == 0
+    )
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["config"]["interval"] == 50
+    assert doc["config"]["ns"] == [2, 4]

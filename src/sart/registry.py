@@ -22,6 +22,7 @@ _ENGINES: dict[str, Any] = {
     "fake": "sart.engines.fake:FakeEngine",
     "sim": "sart.engines.sim:SimEngine",
     "hf": "sart.engines.hf:HFEngine",
+    "vllm": "sart.engines.vllm:VLLMEngine",
 }
 _PRMS: dict[str, Any] = {
     "scripted": "sart.prm.scripted:ScriptedPRM",

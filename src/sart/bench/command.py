@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, run_method, traces
+from sart.bench.traces import Trace
 from sart.bench.workloads import WORKLOADS, workload
 from sart.engines.costs import PRESETS
 from sart.errors import ConfigError, MissingDependencyError
@@ -65,9 +66,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--n",
         type=int,
         nargs="+",
-        default=[2, 4, 8],
+        default=None,
         dest="ns",
-        help="branches per request to sweep (default 2 4 8)",
+        help="branches per request to sweep (default 2 4 8; for --trace, those the trace has)",
     )
     p.add_argument(
         "--rate",
@@ -84,7 +85,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="branch budget B (default: sized to the model's KV capacity)",
     )
-    p.add_argument("--interval", type=int, default=400, help="T, decode steps between checks")
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=None,
+        help="T, decode steps between checks (default 400; for --trace, the trace's)",
+    )
     p.add_argument(
         "--admission",
         choices=[a.value for a in Admission],
@@ -134,15 +140,31 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         workload=args.workload,
         cost=args.model if args.engine == "sim" and args.model else "h100-14b",
         methods=tuple(dict.fromkeys(args.methods)),
-        ns=tuple(sorted(set(args.ns))),
+        ns=tuple(sorted(set(args.ns or _default_ns(args.trace)))),
         rates=tuple(dict.fromkeys(args.rates)),
         num_requests=args.requests,
         batch_size=args.batch_size,
-        interval=args.interval,
+        interval=args.interval or _default_interval(args.trace),
         seed=args.seed,
         admission=Admission(args.admission),
         trace=args.trace,
     )
+
+
+DEFAULT_NS = (2, 4, 8)
+
+
+def _default_ns(trace: str | None) -> tuple[int, ...]:
+    """2, 4, 8 -- or, replaying a trace, those it has branches for."""
+    if trace is None:
+        return DEFAULT_NS
+    width = Trace.load(trace).width
+    return tuple(n for n in DEFAULT_NS if n <= width) or (width,)
+
+
+def _default_interval(trace: str | None) -> int:
+    recorded = Trace.load(trace).interval if trace is not None else None
+    return recorded or 400
 
 
 def run_bench_command(args: argparse.Namespace) -> int:

@@ -98,6 +98,8 @@ def _time(x: float) -> str:
 def _setting(config: BenchConfig) -> str:
     if config.engine == "hf":
         return f"transformers model {config.model}"
+    if config.trace is not None:
+        return f"trace {config.trace} on {config.cost}"
     return f"{config.workload} workload on {config.cost}"
 
 
