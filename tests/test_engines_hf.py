@@ -171,3 +171,28 @@ def test_a_failing_prm_fails_only_its_request(engine: HFEngine) -> None:
     assert [r.ok for r in results] == [False, True]
     assert all(b.status is BranchStatus.FAILED for b in results[0].branches)
     assert e.stats() == sart.EngineStats(live_branches=0, kv_tokens=0)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "shepherd"])
+def test_sart_end_to_end_with_both_prm_styles(
+    engine: HFEngine, models: dict[str, Path], kind: str
+) -> None:
+    path = models["qwen-prm" if kind == "qwen" else "shepherd-prm"]
+    options = {} if kind == "qwen" else {"good_token": " +", "bad_token": " -"}
+    prm = sart.load_prm(kind).from_pretrained(str(path), dtype=torch.float32, **options)
+    e = fresh(engine)
+    requests = [
+        sart.Request(
+            f"q{i}",
+            prompt,
+            sart.sart(4, interval=4),
+            sampling=sart.SamplingSettings(temperature=1.0, max_tokens=16),
+        )
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    results = sart.run(requests, e, prm, batch_size=8)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert all(r.prm_items > 0 for r in results)
+    scored = [b.reward for r in results for b in r.branches if b.reward is not None]
+    assert scored and all(0.0 <= x <= 1.0 for x in scored)
+    assert e.stats() == sart.EngineStats(live_branches=0, kv_tokens=0)
