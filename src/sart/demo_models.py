@@ -3,7 +3,7 @@
 ``build_demo_models(dir)`` writes three model directories that load with the
 standard ``from_pretrained`` code, exactly like a hub checkpoint would:
 
-- ``policy/``: a Llama-architecture causal LM (2 layers, hidden 64);
+- ``policy/``: a Llama-architecture causal LM (2 layers, hidden 64, 2 heads of 32);
 - ``qwen-prm/``: a token-classification model with 2 labels and the
   ``<extra_0>`` step separator: the output shape and input format of
   Qwen2.5-Math-PRM;
@@ -79,8 +79,9 @@ def _config(tokenizer: Any, **overrides: Any) -> Any:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: vLLM-CPU's attention needs at least 32.
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=4096,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

