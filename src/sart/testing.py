@@ -6,6 +6,7 @@ own engine adapters (``check_engine``), as ``trio.testing`` does for trio.
 
 from sart.engines.conformance import check_engine
 from sart.engines.fake import EngineMisuse, FakeEngine
+from sart.engines.fake_streaming import FakeStreamingEngine
 from sart.engines.scripts import BranchScript, ScriptTable, random_scripts
 from sart.prm.scripted import ScriptedPRM
 
@@ -13,6 +14,7 @@ __all__ = [
     "BranchScript",
     "EngineMisuse",
     "FakeEngine",
+    "FakeStreamingEngine",
     "ScriptTable",
     "ScriptedPRM",
     "check_engine",

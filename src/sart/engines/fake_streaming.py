@@ -1,0 +1,76 @@
+"""``FakeStreamingEngine``: scripted branches served as independent token streams.
+
+The streaming counterpart of ``FakeEngine`` for testing ``StreamingEngine``
+and the asyncio driver: each branch follows its ``BranchScript`` but streams
+at its own pace, in chunks of 1-``burst`` tokens with ``await asyncio.sleep(0)``
+between them (seeded per branch), so branches of one batch run ahead of each
+other as they do on a real server. ``fail_stream`` makes chosen branches'
+streams raise after some tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Mapping, Sequence
+
+from sart.engines.scripts import BranchScript, ScriptLike, as_script
+from sart.engines.streaming import Chunk, StreamingEngine
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+
+class FakeStreamingEngine(StreamingEngine):
+    def __init__(
+        self,
+        script: ScriptLike = None,
+        *,
+        burst: int = 5,
+        fail_stream: Mapping[BranchId, int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.script = as_script(script)
+        self.burst = burst
+        self.fail_stream = dict(fail_stream or {})
+        self.cancelled: list[BranchId] = []
+        self._running: dict[BranchId, BranchScript] = {}  # the script each branch follows
+
+    async def _open(
+        self,
+        branch: BranchId,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        seed: int,
+        parent: BranchId | None,
+        prefix_tokens: Sequence[int],
+    ) -> AsyncIterator[Chunk]:
+        if parent is None:
+            script = self.script(branch)
+        else:  # as FakeEngine: the script's fork if it has one, else what the parent runs
+            fork = getattr(self.script, "fork", None)
+            if fork is not None:
+                script = fork(branch, parent, len(prefix_tokens))
+            else:
+                script = self._running[parent]
+        self._running[branch] = script
+        rng = random.Random(seed)
+        pos = len(prefix_tokens)
+        end = min(script.length, sampling.max_tokens)
+        reason = FinishReason.STOP if script.length <= sampling.max_tokens else FinishReason.LENGTH
+        while pos < end:
+            await asyncio.sleep(0)
+            n = min(end - pos, rng.randint(1, self.burst))
+            failing = self.fail_stream.get(branch)
+            if failing is not None and pos < failing <= pos + n:
+                raise RuntimeError(f"injected stream failure at token {failing} of {branch}")
+            ids = tuple(range(pos, pos + n))
+            texts = tuple(script.text_span(i, i + 1) for i in range(pos, pos + n))
+            pos += n
+            yield Chunk(
+                token_ids=ids,
+                text="".join(texts),
+                texts=texts,
+                finish=reason if pos == end else None,
+            )
+
+    async def _cancel(self, branch: BranchId) -> None:
+        self.cancelled.append(branch)

@@ -1,0 +1,313 @@
+"""Streaming engines: one token stream per branch, presented as the step contract.
+
+vLLM's ``AsyncLLM``, SGLang's ``Engine`` and any OpenAI-compatible server
+stream each request's tokens independently; there is no global decode step.
+``StreamingEngine`` turns such streams into sart's engine contract, so the
+same scheduler and policies run on them:
+
+- a branch is one streamed request (opened by ``_open``, cancelled by
+  ``_cancel``: the adapter's only engine-specific parts);
+- ``await step(k)`` returns once every live branch has produced ``k`` more
+  tokens or ended, so every branch advances exactly ``min(k, remaining)``
+  tokens between two checks, as in Algorithm 1. Tokens a fast stream
+  produced beyond that are buffered for the next call, never dropped;
+- with ``until_first_end`` it returns as soon as some branch ends; the others
+  report what they produced so far (at most as many tokens as the call's
+  steps);
+- ``abort`` cancels the streams at once (the server frees their KV).
+
+A stream that raises fails its request (``EngineError`` naming it); the other
+branches carry on. ``SyncBridge`` runs a streaming engine under the
+synchronous driver (and under ``check_engine``) on a private event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.errors import EngineError
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+
+@attrs.frozen
+class Chunk:
+    """What a stream yields: new tokens, their text, and the finish reason on the last."""
+
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finish: FinishReason | None = None
+    count: int | None = None
+    """New tokens when ids are unknown (e.g. a server that streams only text)."""
+    texts: tuple[str, ...] | None = None
+    """Each token's text, when the engine knows it. Without it the chunk's text
+    goes with its first token, so a step that takes part of a chunk reports
+    its text early rather than late (engines stream one token per chunk in
+    practice, where both are the same)."""
+
+    @property
+    def tokens(self) -> int:
+        return self.count if self.count is not None else len(self.token_ids)
+
+
+@attrs.define
+class _Stream:
+    request_id: str
+    task: asyncio.Task[None] | None = None
+    # Tokens produced but not yet reported: (token id or None, text piece).
+    pending: list[tuple[int | None, str]] = attrs.Factory(list)
+    finish: FinishReason | None = None
+    error: BaseException | None = None
+    generated: list[int] = attrs.Factory(list)
+    """Token ids reported so far (for forks and usage)."""
+    reported: int = 0
+    wake: asyncio.Event = attrs.Factory(asyncio.Event)
+
+
+@attrs.define
+class _Prefix:
+    prompt: Prompt
+    sampling: SamplingSettings
+    tokens: int
+    live: set[int] = attrs.Factory(set)
+    started: set[int] = attrs.Factory(set)
+
+
+class StreamingEngine(abc.ABC):
+    """Base class of streaming adapters (see the module docstring).
+
+    Subclasses implement ``_open`` (start one branch's streamed request and
+    yield ``Chunk``s) and ``_cancel`` (abort it on the server), and may
+    override ``_prompt_tokens``.
+    """
+
+    supports_fork = True
+
+    def __init__(self) -> None:
+        self._prefixes: dict[str, _Prefix] = {}
+        self._streams: dict[BranchId, _Stream] = {}
+
+    # ---------------------------------------------------------- to implement
+
+    @abc.abstractmethod
+    def _open(
+        self,
+        branch: BranchId,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        seed: int,
+        parent: BranchId | None,
+        prefix_tokens: Sequence[int],
+    ) -> AsyncIterator[Chunk]:
+        """Stream one branch. A fork names its ``parent`` and inherits its tokens,
+        ``prefix_tokens``: its request's prompt is then prompt + those tokens and
+        ``max_tokens`` is reduced by their number."""
+
+    @abc.abstractmethod
+    async def _cancel(self, branch: BranchId) -> None:
+        """Abort the branch's request on the engine."""
+
+    async def _prompt_tokens(self, prompt: Prompt) -> int:
+        return len(prompt) if not isinstance(prompt, str) else max(1, len(prompt.split()))
+
+    # ------------------------------------------------------------- contract
+
+    async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        tokens = await self._prompt_tokens(prompt)
+        # The engine prefills with the first branch; its prefix cache serves the rest.
+        self._prefixes[request_id] = _Prefix(prompt, sampling, tokens)
+        return tokens
+
+    async def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        prefix = self._prefixes.get(request_id)
+        if prefix is None:
+            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
+        inherited: dict[int, list[int]] = {}
+        for spec in branches:
+            if spec.index in prefix.started:
+                raise EngineError(
+                    f"branch {spec.index} of {request_id!r} started twice", [request_id]
+                )
+            if spec.parent is not None:
+                parent = self._streams.get(BranchId(request_id, spec.parent))
+                if parent is None:
+                    raise EngineError(
+                        f"fork of branch {spec.parent}, which is not live", [request_id]
+                    )
+                inherited[spec.index] = list(parent.generated)
+        for spec in branches:
+            bid = BranchId(request_id, spec.index)
+            stream = _Stream(request_id)
+            stream.generated = list(inherited.get(spec.index, ()))
+            stream.reported = len(stream.generated)
+            self._streams[bid] = stream
+            prefix.started.add(spec.index)
+            prefix.live.add(spec.index)
+            parent = None if spec.parent is None else BranchId(request_id, spec.parent)
+            chunks = self._open(
+                bid, prefix.prompt, prefix.sampling, spec.seed, parent, tuple(stream.generated)
+            )
+            stream.task = asyncio.ensure_future(self._pump(stream, chunks))
+
+    async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        streams = dict(self._streams)
+        if not streams:
+            return StepOutput(steps=0, deltas={})
+        while True:
+            errors = [bid for bid, s in streams.items() if s.error is not None]
+            if errors:
+                raise self._failure(errors[0], streams[errors[0]])
+            steps = self._horizon(streams.values(), max_steps, until_first_end)
+            if steps is not None:
+                break
+            # Single-threaded: no pump runs between the check above and these waits.
+            waits = []
+            for stream in streams.values():
+                stream.wake.clear()
+                waits.append(asyncio.ensure_future(stream.wake.wait()))
+            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+        return StepOutput(steps=steps, deltas=self._take(streams, steps))
+
+    async def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        for bid in branch_ids:
+            if bid not in self._streams:
+                raise EngineError(f"abort of branch {bid}, which is not live", [bid.request_id])
+        await asyncio.gather(*(self._stop(bid) for bid in branch_ids))
+
+    async def release_prefix(self, request_id: str) -> None:
+        prefix = self._prefixes.pop(request_id, None)
+        if prefix is None:
+            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
+        await asyncio.gather(*(self._stop(BranchId(request_id, j)) for j in list(prefix.live)))
+
+    def stats(self) -> EngineStats:
+        kv = sum(p.tokens for p in self._prefixes.values())
+        kv += sum(len(s.generated) for s in self._streams.values())
+        return EngineStats(live_branches=len(self._streams), kv_tokens=kv)
+
+    # -------------------------------------------------------------- helpers
+
+    async def _pump(self, stream: _Stream, chunks: AsyncIterator[Chunk]) -> None:
+        """Move a stream's chunks into its buffer until it ends, fails or is cancelled."""
+        try:
+            async for chunk in chunks:
+                ids: list[int | None] = list(chunk.token_ids) or [None] * chunk.tokens
+                if chunk.texts is not None:
+                    texts = list(chunk.texts)
+                else:
+                    texts = [chunk.text] + [""] * (len(ids) - 1) if ids else []
+                stream.pending.extend(zip(ids, texts))
+                if chunk.finish is not None:
+                    stream.finish = chunk.finish
+                stream.wake.set()
+                if chunk.finish is not None:
+                    return
+            if stream.finish is None:  # the stream stopped without saying why
+                stream.finish = FinishReason.STOP
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any stream failure fails its request
+            stream.error = exc
+        finally:
+            stream.wake.set()
+
+    @staticmethod
+    def _horizon(streams: Iterable[_Stream], max_steps: int, until_first_end: bool) -> int | None:
+        """The steps this call can report now, or ``None`` to wait for more tokens.
+
+        A step engine advances every branch in lockstep, so the call may end at
+        step ``s`` only once every branch has produced ``s`` tokens or ended:
+        ``s = max_steps`` (or, if every branch ends sooner, the last end); with
+        ``until_first_end``, ``s`` = the first end, and no slower branch may
+        still end before it.
+        """
+        streams = list(streams)
+        ends = [
+            len(s.pending) for s in streams if s.finish is not None and len(s.pending) <= max_steps
+        ]
+        target = min(ends) if until_first_end and ends else max_steps
+        if any(s.finish is None and len(s.pending) < target for s in streams):
+            return None
+        if len(ends) == len(streams):  # every branch ends within this call
+            return min(ends) if until_first_end else max(ends)
+        return target
+
+    def _take(self, streams: dict[BranchId, _Stream], steps: int) -> dict[BranchId, BranchDelta]:
+        deltas = {}
+        for bid, stream in streams.items():
+            taken, stream.pending = stream.pending[:steps], stream.pending[steps:]
+            ends = stream.finish is not None and not stream.pending
+            ids = [t for t, _ in taken if t is not None]
+            stream.generated.extend(ids)
+            deltas[bid] = BranchDelta(
+                new_tokens=len(taken),
+                text="".join(text for _, text in taken),
+                finish=stream.finish if ends else None,
+                end_offset=len(taken) if ends else None,
+                token_ids=tuple(ids),
+            )
+            if ends:
+                self._forget(bid)
+        return deltas
+
+    async def _stop(self, bid: BranchId) -> None:
+        stream = self._forget(bid)
+        if stream is None:
+            return
+        if stream.task is not None and not stream.task.done():
+            stream.task.cancel()
+            await self._cancel(bid)
+
+    def _forget(self, bid: BranchId) -> _Stream | None:
+        stream = self._streams.pop(bid, None)
+        prefix = self._prefixes.get(bid.request_id)
+        if prefix is not None:
+            prefix.live.discard(bid.index)
+        return stream
+
+    def _failure(self, bid: BranchId, stream: _Stream) -> EngineError:
+        return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
+
+
+class SyncBridge:
+    """Runs an async engine (``StreamingEngine`` and friends) behind the synchronous
+    engine contract, on a private event loop: for the ``SyncDriver``,
+    ``check_engine`` and benchmarks."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.loop = asyncio.new_event_loop()
+        self.supports_fork = getattr(engine, "supports_fork", False)
+
+    def _run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        return self._run(self.engine.prefill(request_id, prompt, sampling))
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        self._run(self.engine.start_branches(request_id, branches))
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        return self._run(self.engine.step(max_steps, until_first_end))
+
+    def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        self._run(self.engine.abort(branch_ids))
+
+    def release_prefix(self, request_id: str) -> None:
+        self._run(self.engine.release_prefix(request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.loop.close()

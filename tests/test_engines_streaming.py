@@ -1,0 +1,125 @@
+"""Streaming engines: independent token streams presented as the step contract."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import sart
+from sart.engines.base import BranchSpec
+from sart.engines.streaming import SyncBridge
+from sart.testing import (
+    BranchScript,
+    FakeEngine,
+    FakeStreamingEngine,
+    ScriptedPRM,
+    check_engine,
+    random_scripts,
+)
+from sart.types import BranchId, FinishReason
+
+
+def test_passes_the_conformance_suite_through_the_bridge() -> None:
+    check_engine(lambda: SyncBridge(FakeStreamingEngine()))
+    check_engine(lambda: SyncBridge(FakeStreamingEngine(burst=1)))
+
+
+def test_step_waits_for_the_slowest_stream_and_buffers_the_fastest() -> None:
+    async def scenario() -> None:
+        engine = FakeStreamingEngine({"a": [BranchScript(length=30)] * 3}, burst=9)
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+        out = await engine.step(4)
+        assert out.steps == 4
+        assert {d.new_tokens for d in out.deltas.values()} == {4}
+        out = await engine.step(100)  # until every branch ended: at token 30
+        assert out.steps == 26
+        assert all(d.finish is FinishReason.STOP for d in out.deltas.values())
+        assert engine.stats().live_branches == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_stream_fails_its_request() -> None:
+    async def scenario() -> None:
+        engine = FakeStreamingEngine(
+            {"a": [BranchScript(length=30)] * 2}, fail_stream={BranchId("a", 1): 25}
+        )
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        await engine.step(5)
+        with pytest.raises(sart.EngineError) as info:
+            await engine.step(100)
+        assert info.value.request_ids == {"a"}
+        await engine.abort([BranchId("a", 0), BranchId("a", 1)])
+        await engine.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+def test_abort_cancels_the_stream_on_the_engine() -> None:
+    async def scenario() -> None:
+        engine = FakeStreamingEngine({"a": [BranchScript(length=30)] * 2})
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        await engine.step(3)
+        await engine.abort([BranchId("a", 1)])
+        assert engine.cancelled == [BranchId("a", 1)]
+        out = await engine.step(100)
+        assert set(out.deltas) == {BranchId("a", 0)}
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    burst=st.integers(1, 12),
+    interval=st.integers(1, 12),
+    batch=st.integers(1, 12),
+    token=st.booleans(),
+)
+def test_same_results_as_the_step_engine(
+    seed: int, burst: int, interval: int, batch: int, token: bool
+) -> None:
+    # Streams run at their own pace, yet every branch advances exactly as on the
+    # step-based fake: the schedule, and so every result, is the same.
+    script = random_scripts(seed=seed, median_length=20, every=interval)
+    admission = sart.Admission.TOKEN if token else sart.Admission.CHUNK
+
+    def serve(engine: object) -> list[sart.RequestResult]:
+        requests = [
+            sart.Request(
+                f"q{i}",
+                "p",
+                policy,
+                sampling=sart.SamplingSettings(max_tokens=40),
+                arrival=float(i),
+            )
+            for i, policy in enumerate(
+                [
+                    sart.sart(4, interval=interval),
+                    sart.vanilla(),
+                    sart.self_consistency(3, interval=interval),
+                    sart.rebase(3, interval=interval),
+                ]
+            )
+        ]
+        return sart.run(
+            requests,
+            engine,
+            ScriptedPRM(script, every=interval),
+            batch_size=batch,
+            admission=admission,
+            clock=sart.VirtualClock(),
+        )
+
+    streamed = serve(SyncBridge(FakeStreamingEngine(script, burst=burst)))
+    stepped = serve(FakeEngine(script))
+    strip = [(r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in stepped]
+    assert [
+        (r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in streamed
+    ] == strip
