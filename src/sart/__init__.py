@@ -9,6 +9,7 @@ PRMs load lazily by name (see ``sart.registry``).
 """
 
 from sart.answers import extract_answer
+from sart.async_driver import AsyncDriver
 from sart.clock import Clock, VirtualClock, WallClock
 from sart.driver import SyncDriver, TimelineSample, run
 from sart.engines.base import BranchDelta, BranchSpec, Engine, EngineStats, StepOutput
@@ -63,6 +64,7 @@ __all__ = [
     "PRM",
     "Admission",
     "AllDone",
+    "AsyncDriver",
     "BestReward",
     "BranchDelta",
     "BranchId",

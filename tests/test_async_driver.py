@@ -1,0 +1,102 @@
+"""The asyncio driver: same results as the synchronous one, and a serving mode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import sart
+from sart.testing import (
+    BranchScript,
+    FakeEngine,
+    FakeStreamingEngine,
+    ScriptedPRM,
+    random_scripts,
+)
+from sart.types import BranchId
+
+SCRIPT = random_scripts(seed=3, median_length=24, every=6)
+
+
+def requests() -> list[sart.Request]:
+    policies = [
+        sart.sart(4, interval=6),
+        sart.self_consistency(3, interval=6),
+        sart.vanilla(interval=6),
+        sart.rebase(3, interval=6),
+    ]
+    return [
+        sart.Request(f"q{i}", "p", policies[i % 4], sampling=sart.SamplingSettings(max_tokens=60))
+        for i in range(8)
+    ]
+
+
+def outcome(results: list[sart.RequestResult]) -> list[tuple]:
+    return [
+        (r.request_id, r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches])
+        for r in results
+    ]
+
+
+def test_async_driver_on_a_streaming_engine_matches_the_sync_driver() -> None:
+    sync = sart.run(
+        requests(),
+        FakeEngine(SCRIPT),
+        ScriptedPRM(SCRIPT, every=6),
+        batch_size=10,
+        clock=sart.VirtualClock(),
+    )
+
+    async def main() -> list[sart.RequestResult]:
+        driver = sart.AsyncDriver(
+            FakeStreamingEngine(SCRIPT),
+            ScriptedPRM(SCRIPT, every=6),
+            batch_size=10,
+            clock=sart.VirtualClock(),
+        )
+        return await driver.run(requests())
+
+    assert outcome(asyncio.run(main())) == outcome(sync)
+
+
+def test_async_driver_also_runs_step_based_engines() -> None:
+    engine = FakeEngine(SCRIPT)
+
+    async def main() -> list[sart.RequestResult]:
+        driver = sart.AsyncDriver(engine, ScriptedPRM(SCRIPT, every=6), batch_size=10)
+        return await driver.run(requests())
+
+    results = asyncio.run(main())
+    assert all(r.ok for r in results)
+    assert not engine.live_branches and not engine.prefixes
+
+
+def test_serving_concurrent_callers() -> None:
+    async def main() -> list[sart.RequestResult]:
+        engine = FakeStreamingEngine(SCRIPT)
+        driver = sart.AsyncDriver(engine, ScriptedPRM(SCRIPT, every=6), batch_size=6)
+        server = asyncio.create_task(driver.serve())
+        first = await driver.generate(requests()[0])  # one caller, then several at once
+        rest = await asyncio.gather(*(driver.generate(r) for r in requests()[1:]))
+        driver.stop()
+        await asyncio.wait_for(server, timeout=10)
+        assert engine.stats().live_branches == 0
+        return [first, *rest]
+
+    results = asyncio.run(main())
+    assert [r.request_id for r in results] == [f"q{i}" for i in range(8)]
+    assert all(r.ok for r in results)
+
+
+def test_a_failing_stream_fails_only_its_request() -> None:
+    script = {"a": [BranchScript(length=30)] * 2, "b": [BranchScript(length=30)] * 2}
+
+    async def main() -> list[sart.RequestResult]:
+        engine = FakeStreamingEngine(script, fail_stream={BranchId("a", 1): 12})
+        driver = sart.AsyncDriver(engine, batch_size=4)
+        return await driver.run(
+            [sart.Request(r, "p", sart.self_consistency(2, interval=5)) for r in ("a", "b")]
+        )
+
+    a, b = asyncio.run(main())
+    assert not a.ok and "injected stream failure" in (a.reason or "")
+    assert b.ok
