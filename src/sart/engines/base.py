@@ -69,6 +69,37 @@ class StepOutput:
     """Per live branch; a branch that made no progress may be absent."""
 
 
+class StepDeltas:
+    """Accumulates what each branch did over the decode steps of one ``step`` call,
+    for adapters that decode step by step (transformers, vLLM)."""
+
+    def __init__(self) -> None:
+        self._tokens: dict[BranchId, list[int]] = {}
+        self._texts: dict[BranchId, list[str]] = {}
+        self._ends: dict[BranchId, tuple[FinishReason, int]] = {}
+
+    def add(self, branch: BranchId, token_ids: Sequence[int], text: str) -> None:
+        self._tokens.setdefault(branch, []).extend(token_ids)
+        self._texts.setdefault(branch, []).append(text)
+
+    def end(self, branch: BranchId, reason: FinishReason, step: int) -> None:
+        """The branch ended at ``step`` (1-based within the call)."""
+        self._ends[branch] = (reason, step)
+
+    def output(self, steps: int) -> StepOutput:
+        deltas = {}
+        for bid, ids in self._tokens.items():
+            reason, offset = self._ends.get(bid, (None, None))
+            deltas[bid] = BranchDelta(
+                new_tokens=len(ids),
+                text="".join(self._texts[bid]),
+                finish=reason,
+                end_offset=offset,
+                token_ids=tuple(ids),
+            )
+        return StepOutput(steps=steps, deltas=deltas)
+
+
 @attrs.frozen
 class EngineStats:
     """Resource use, sampled by the driver for the metrics timeline."""

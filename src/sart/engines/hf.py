@@ -44,7 +44,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the transformers engine needs torch and transformers: pip install 'sart[hf]'"
     ) from exc
 
-from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -165,26 +165,14 @@ class HFEngine:
             prefix.live.add(bid.index)
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
-        tokens: dict[BranchId, list[int]] = {}
-        texts: dict[BranchId, list[str]] = {}
-        ends: dict[BranchId, tuple[FinishReason, int]] = {}
+        deltas = StepDeltas()
         steps = 0
         while steps < max_steps and self._branches:
             steps += 1
-            ended = self._decode_one(steps, tokens, texts, ends)
+            ended = self._decode_one(steps, deltas)
             if ended and until_first_end:
                 break
-        deltas = {
-            bid: BranchDelta(
-                new_tokens=len(ids),
-                text="".join(texts.get(bid, ())),
-                finish=ends[bid][0] if bid in ends else None,
-                end_offset=ends[bid][1] if bid in ends else None,
-                token_ids=tuple(ids),
-            )
-            for bid, ids in tokens.items()
-        }
-        return StepOutput(steps=steps, deltas=deltas)
+        return deltas.output(steps)
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         for bid in branch_ids:
@@ -220,26 +208,19 @@ class HFEngine:
 
     # ------------------------------------------------------------ decoding
 
-    def _decode_one(
-        self,
-        step: int,
-        tokens: dict[BranchId, list[int]],
-        texts: dict[BranchId, list[str]],
-        ends: dict[BranchId, tuple[FinishReason, int]],
-    ) -> bool:
+    def _decode_one(self, step: int, deltas: StepDeltas) -> bool:
         """Sample one token for every live branch, then forward the ones still live."""
         going: list[tuple[BranchId, _Branch, int]] = []
         ended = False
         for bid, branch in list(self._branches.items()):
             token = self._sample(branch)
             branch.tokens.append(token)
-            tokens.setdefault(bid, []).append(token)
             finish, delta = self._advance_text(branch, token)
-            texts.setdefault(bid, []).append(delta)
+            deltas.add(bid, (token,), delta)
             if finish is None and len(branch.tokens) >= branch.prefix.sampling.max_tokens:
                 finish = FinishReason.LENGTH
             if finish is not None:
-                ends[bid] = (finish, step)
+                deltas.end(bid, finish, step)
                 self._drop(bid)
                 ended = True
             else:
