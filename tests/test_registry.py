@@ -17,7 +17,7 @@ def test_builtins_load_by_name() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    known = r"engine='nope' must be one of \['fake', 'hf', 'sim'"
+    known = r"engine='nope' must be one of \['fake', 'hf', 'openai', 'sglang', 'sim', 'vllm'"
     with pytest.raises(sart.UnknownComponentError, match=known):
         sart.load_engine("nope")
 

@@ -23,6 +23,9 @@ _ENGINES: dict[str, Any] = {
     "sim": "sart.engines.sim:SimEngine",
     "hf": "sart.engines.hf:HFEngine",
     "vllm": "sart.engines.vllm:VLLMEngine",
+    "openai": "sart.engines.openai:OpenAIEngine",
+    "vllm-async": "sart.engines.vllm_async:VLLMAsyncEngine",
+    "sglang": "sart.engines.sglang:SGLangEngine",
 }
 _PRMS: dict[str, Any] = {
     "scripted": "sart.prm.scripted:ScriptedPRM",

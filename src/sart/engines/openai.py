@@ -1,0 +1,552 @@
+"""``OpenAIEngine``: sart's branches over OpenAI-compatible servers that stream
+``/v1/completions`` (``vllm serve``, SGLang's ``launch_server``, others).
+
+One branch is one ``POST /v1/completions`` with ``stream: true`` and ``n: 1``,
+carrying the request's sampling settings (``max_tokens``, ``temperature``,
+``top_p``, ``stop``) and the branch's own ``seed``; logprobs are never asked
+for (together with a seed they crash vLLM-CPU). Each branch's HTTP request
+carries ``X-Request-Id: {index}_{request_id}-{8 hex}`` (vLLM uses that header
+as its request id; the suffix keeps two engines, or a retry, from colliding).
+``StreamingEngine`` turns the streams into sart's step contract.
+
+Tokens. With ``return_token_ids`` (vLLM's extension) each streamed chunk
+carries its new token ids, and the first one the prompt's ids as the server
+tokenized them. Otherwise the engine counts tokens from
+``stream_options: {"include_usage": true, "continuous_usage_stats": true}``
+(vLLM and SGLang report the cumulative ``completion_tokens`` in every chunk),
+else one token per chunk that has text; the final usage chunk then tops up the
+count of the branch's last chunk. By default (``return_token_ids=None``) both
+extensions are sent, and dropped for a server that rejects the request with
+400/422 (it is re-sent once without them; no token was streamed, so nothing
+is duplicated). ``return_token_ids=False`` never sends them (only the
+standard ``include_usage``), ``True`` always does.
+
+Prompt length (``prefill``): the ``tokenizer`` if given (its ``encode``), else
+the server's ``POST /tokenize`` (vLLM has it; its ``max_model_len`` also caps
+``max_tokens`` so prompt + output fits, as ``VLLMEngine`` does), else, where
+the server has no such endpoint, the prompt's word count (an estimate: only
+the scheduler's KV accounting and metrics use it). Token-id prompts are sent
+as ids, their length is exact.
+
+Forks (Rebase): a new request whose prompt is the prompt's ids + the parent's
+generated ids when both are known (the server's own ``prompt_token_ids``, the
+tokenizer's or ``/tokenize``'s ids, and ``return_token_ids``), else the
+prompt text + the parent's text so far; ``max_tokens`` is reduced by the
+parent's tokens. The prefix cache of vLLM/SGLang serves the shared part.
+Re-tokenizing text at the seam may differ slightly from the parent's tokens.
+
+Abort: the branch's streaming task is cancelled, which closes its HTTP
+response (and its connection); ``abort`` returns once it is closed. vLLM
+aborts a request whose client disconnects (``with_cancellation`` and
+Starlette's ``StreamingResponse``), freeing its KV.
+
+Several servers (``base_urls``, serving the same model): each branch goes to
+the server with the fewest live branches of this engine, ties in round-robin
+order. A transport error (connection refused or reset, timeout) or a
+502/503/504 answer before the branch streamed any token is retried on another
+server (``max_retries`` times in all). A branch that has already streamed
+tokens is never retried: its request fails (``EngineError``), the other
+requests go on.
+
+Supported servers: vLLM (``vllm serve MODEL --enable-prefix-caching``;
+tested for real in CI) and SGLang (``python -m sglang.launch_server
+--model-path MODEL --port 30000``: streaming is on per request; SGLang aborts
+a request whose client disconnected about 2 s later, so a pruned branch frees
+its KV that much later than with vLLM; ``return_token_ids`` and
+``continuous_usage_stats`` are vLLM extensions, dropped automatically if
+rejected). See ``docs/how-to/sglang.md``.
+
+``extra_body`` adds server-specific fields to every completion request
+(vLLM's ``top_k``, ``min_p``, ``ignore_eos``...); sart's own fields win.
+
+Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
+(or ``engine.close()`` outside a running loop) to close its HTTP client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+try:
+    import httpx
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    from sart.errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "the OpenAI engine needs httpx: pip install 'sart[remote]' "
+        f"(importing it failed with: {exc})"
+    ) from exc
+
+from sart.engines.base import BranchDelta, EngineStats
+from sart.engines.streaming import Chunk, StreamingEngine, _Prefix, _Stream
+from sart.errors import ConfigError, EngineError
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+_RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class ServerError(Exception):
+    """A server answered a branch's request with an error, or broke its stream."""
+
+
+class _Retryable(Exception):
+    """A failure before any token: the branch may go to another server."""
+
+
+class _Downgrade(Exception):
+    """The server rejected the vLLM extensions: re-send without them."""
+
+
+@attrs.define(eq=False)
+class _Server:
+    url: str
+    live: int = 0
+    extras: bool = True
+    """Send ``return_token_ids`` and ``continuous_usage_stats``."""
+    tokenize: bool | None = None
+    """Whether ``/tokenize`` works there (``None``: not tried yet)."""
+
+
+@attrs.define
+class _Request:
+    ids: list[int] | None
+    """The prompt's token ids, if known (the server's own, once a stream reports them)."""
+    max_tokens: int
+
+
+@attrs.define
+class _Progress:
+    """What a branch reported to the scheduler so far (a fork's inherited part included)."""
+
+    count: int = 0
+    text: str = ""
+    ids: list[int] = attrs.Factory(list)
+
+
+class OpenAIEngine(StreamingEngine):
+    """A streaming engine over OpenAI-compatible ``/v1/completions`` servers
+    (see the module docstring)."""
+
+    supports_fork = True
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        connect_timeout: float = 5.0,
+        max_retries: int = 2,
+        tokenizer: Any = None,
+        return_token_ids: bool | None = None,
+        extra_body: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ConfigError("base_urls=[] must name at least one server")
+        if max_retries < 0:
+            raise ConfigError(f"max_retries={max_retries!r} must be >= 0")
+        self.model = model
+        self.api_key = api_key
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.max_retries = max_retries
+        self.tokenizer = tokenizer
+        self.return_token_ids = return_token_ids
+        self.extra_body = dict(extra_body or {})
+        """Merged into every completion request, for server-specific sampling fields
+        (vLLM's ``top_k``, ``min_p``, ``ignore_eos``...); sart's own fields win."""
+        self.servers = [_Server(_base(u), extras=return_token_ids is not False) for u in urls]
+        self._rr = 0
+        self._client: httpx.AsyncClient | None = None
+        self._requests: dict[str, _Request] = {}
+        self._progress: dict[BranchId, _Progress] = {}
+        self._tasks: dict[BranchId, asyncio.Task[Any]] = {}
+        self.placement: dict[BranchId, str] = {}
+        """The server (base URL) each branch streamed from last (kept after it ends)."""
+
+    # ----------------------------------------------------------- HTTP client
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+            self._client = httpx.AsyncClient(
+                headers=headers,
+                timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        """Close the HTTP client (live streams are aborted first)."""
+        await asyncio.gather(*(self._stop(bid) for bid in list(self._streams)))
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # ------------------------------------------------------------- contract
+
+    async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        ids, max_len = await self._tokenize(prompt, request_id)
+        tokens = len(ids) if ids is not None else _words(prompt)
+        max_tokens = sampling.max_tokens
+        if max_len is not None:
+            room = max_len - tokens
+            if room < 1:
+                raise EngineError(
+                    f"request {request_id!r}: a prompt of {tokens} tokens leaves no room in "
+                    f"the server's max_model_len={max_len}",
+                    [request_id],
+                )
+            max_tokens = min(max_tokens, room)
+        self._prefixes[request_id] = _Prefix(prompt, sampling, tokens)
+        self._requests[request_id] = _Request(ids, max_tokens)
+        return tokens
+
+    async def release_prefix(self, request_id: str) -> None:
+        await super().release_prefix(request_id)
+        self._requests.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        kv = sum(p.tokens for p in self._prefixes.values())
+        kv += sum(self._progress[bid].count for bid in self._streams if bid in self._progress)
+        return EngineStats(live_branches=len(self._streams), kv_tokens=kv)
+
+    # ------------------------------------------------------- StreamingEngine
+
+    async def _prompt_tokens(self, prompt: Prompt) -> int:
+        ids, _ = await self._tokenize(prompt, None)
+        return len(ids) if ids is not None else _words(prompt)
+
+    def _open(
+        self,
+        branch: BranchId,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        seed: int,
+        parent: BranchId | None,
+        prefix_tokens: Sequence[int],
+    ) -> AsyncIterator[Chunk]:
+        # Not a generator itself: the parent's progress is read now, at the fork.
+        request = self._requests[branch.request_id]
+        inherited = _Progress()
+        if parent is not None:
+            got = self._progress.get(parent)
+            if got is not None:
+                inherited = _Progress(got.count, got.text, list(got.ids))
+        self._progress[branch] = _Progress(inherited.count, inherited.text, list(inherited.ids))
+        body_prompt: str | list[int]
+        if parent is None:
+            body_prompt = prompt if isinstance(prompt, str) else list(prompt)
+        elif request.ids is not None and len(inherited.ids) == inherited.count:
+            body_prompt = [*request.ids, *inherited.ids]
+        elif isinstance(prompt, str):
+            body_prompt = prompt + inherited.text
+        else:
+            raise EngineError(
+                f"fork of {parent}: its token ids are unknown (the server does not return "
+                "them), so a token-id prompt cannot be extended",
+                [branch.request_id],
+            )
+        body: dict[str, Any] = {
+            **self.extra_body,
+            "model": self.model,
+            "prompt": body_prompt,
+            "stream": True,
+            "n": 1,
+            "max_tokens": request.max_tokens - inherited.count,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "seed": seed,
+        }
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        return _Closing(self._stream(branch, body, root=parent is None))
+
+    async def _cancel(self, branch: BranchId) -> None:
+        task = self._tasks.pop(branch, None)
+        if task is not None and task is not asyncio.current_task():
+            # The base cancelled it: wait until its response (and connection) is closed.
+            await asyncio.wait([task], timeout=self.connect_timeout + 5.0)
+
+    def _take(self, streams: dict[BranchId, _Stream], steps: int) -> dict[BranchId, BranchDelta]:
+        deltas = super()._take(streams, steps)
+        for bid, delta in deltas.items():
+            progress = self._progress.get(bid)
+            if progress is not None:
+                progress.count += delta.new_tokens
+                progress.text += delta.text
+                progress.ids.extend(delta.token_ids)
+        return deltas
+
+    def _forget(self, bid: BranchId) -> _Stream | None:
+        self._progress.pop(bid, None)
+        return super()._forget(bid)
+
+    # -------------------------------------------------------------- streams
+
+    def _pick(self, exclude: set[int]) -> int:
+        """The least-loaded server not in ``exclude`` (all of them if none is left),
+        ties in round-robin order."""
+        n = len(self.servers)
+        order = [(self._rr + i) % n for i in range(n)]
+        candidates = [i for i in order if i not in exclude] or order
+        best = min(candidates, key=lambda i: self.servers[i].live)  # first minimum wins
+        self._rr = (best + 1) % n
+        return best
+
+    async def _stream(self, branch: BranchId, body: dict[str, Any], root: bool) -> Any:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks[branch] = task
+        if body["max_tokens"] <= 0:  # a fork of a branch at its budget
+            yield Chunk(finish=FinishReason.LENGTH)
+            return
+        rid = f"{branch.index}_{branch.request_id}-{uuid.uuid4().hex[:8]}"
+        try:
+            async for chunk in self._attempts(branch, body, rid, root):
+                yield chunk
+        except BaseException:
+            self._tasks.pop(branch, None)
+            raise
+
+    async def _attempts(
+        self, branch: BranchId, body: dict[str, Any], rid: str, root: bool
+    ) -> AsyncIterator[Chunk]:
+        tried: set[int] = set()
+        failures: list[str] = []
+        attempts = 0
+        while True:
+            index = self._pick(tried)
+            server = self.servers[index]
+            self.placement[branch] = server.url
+            streamed = [False]
+            final: Chunk | None = None
+            server.live += 1
+            attempt = self._post(server, branch, body, rid, root, streamed)
+            try:
+                async for chunk in attempt:
+                    if chunk.finish is not None:
+                        final = chunk  # yielded once the response is closed
+                        break
+                    yield chunk
+            except _Downgrade:
+                server.extras = False
+                continue  # same server, without the extensions; not an attempt
+            except _Retryable as exc:
+                failures.append(f"{server.url}: {exc}")
+                attempts += 1
+                tried.add(index)
+                if attempts > self.max_retries:
+                    raise ServerError(
+                        f"branch {branch} found no server after {attempts} attempts: "
+                        + "; ".join(failures)
+                    ) from exc
+                continue
+            finally:
+                server.live -= 1
+                await attempt.aclose()
+            self._tasks.pop(branch, None)
+            if final is None:
+                raise ServerError(f"{server.url} ended the stream of {branch} without a reason")
+            yield final
+            return
+
+    async def _post(
+        self,
+        server: _Server,
+        branch: BranchId,
+        body: dict[str, Any],
+        rid: str,
+        root: bool,
+        streamed: list[bool],
+    ) -> AsyncIterator[Chunk]:
+        """One attempt: stream the completion from ``server``. Yields the finish
+        chunk last, after the response is read to its end and closed."""
+        payload = dict(body)
+        extras = server.extras
+        if extras:
+            payload["return_token_ids"] = True
+            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        else:
+            payload["stream_options"] = {"include_usage": True}
+        counted = 0
+        final: Chunk | None = None
+        try:
+            async with self.client.stream(
+                "POST",
+                server.url + "/v1/completions",
+                json=payload,
+                headers={"X-Request-Id": rid},
+            ) as response:
+                if response.status_code >= 400:
+                    detail = (await response.aread()).decode(errors="replace")[:500]
+                    if response.status_code in _RETRY_STATUS:
+                        raise _Retryable(f"HTTP {response.status_code}: {detail}")
+                    if (
+                        extras
+                        and self.return_token_ids is None
+                        and response.status_code in (400, 422)
+                    ):
+                        raise _Downgrade
+                    raise ServerError(
+                        f"{server.url} answered HTTP {response.status_code}: {detail}"
+                    )
+                done = False
+                async for data in _sse_data(response):
+                    # Read the body to its end (it ends right after [DONE]) rather than
+                    # break: no suspended iterator is left behind.
+                    if done or data == "[DONE]":
+                        done = True
+                        continue
+                    event = json.loads(data)
+                    if "error" in event or event.get("object") == "error":
+                        raise ServerError(f"{server.url} reported an error: {data[:500]}")
+                    usage = event.get("usage") or {}
+                    total = usage.get("completion_tokens")
+                    choices = event.get("choices") or []
+                    if not choices:  # the final usage chunk
+                        if final is not None and isinstance(total, int) and total > counted:
+                            final = attrs.evolve(
+                                final, count=final.tokens + total - counted, token_ids=()
+                            )
+                            counted = total
+                        continue
+                    choice = choices[0]
+                    if root and choice.get("prompt_token_ids"):
+                        request = self._requests.get(branch.request_id)
+                        if request is not None:
+                            request.ids = list(choice["prompt_token_ids"])
+                    text = choice.get("text") or ""
+                    ids = choice.get("token_ids")
+                    if ids is not None:
+                        chunk = Chunk(token_ids=tuple(ids), text=text)
+                        n = len(ids)
+                    else:
+                        if isinstance(total, int):
+                            n = max(0, total - counted)
+                        else:
+                            n = 1 if text else 0
+                        chunk = Chunk(text=text, count=n)
+                    counted += n
+                    reason = choice.get("finish_reason")
+                    if reason is not None:
+                        finish = _FINISH.get(reason)
+                        if finish is None:
+                            raise ServerError(
+                                f"{server.url} ended {branch} with finish_reason={reason!r}"
+                            )
+                        final = attrs.evolve(chunk, finish=finish)
+                        continue  # read on: a usage chunk and [DONE] may follow
+                    if n or text:
+                        streamed[0] = True
+                        yield chunk
+        except httpx.TransportError as exc:
+            if final is not None:  # it ended; only the stream's tail (usage, [DONE]) is lost
+                yield final
+                return
+            if streamed[0]:
+                raise ServerError(
+                    f"{server.url} broke the stream of {branch} after it produced tokens: {exc!r}"
+                ) from exc
+            raise _Retryable(repr(exc)) from exc
+        if final is None:
+            if streamed[0]:
+                raise ServerError(f"{server.url} ended the stream of {branch} without a reason")
+            raise _Retryable("the stream ended before any token")
+        yield final
+
+    # ------------------------------------------------------------- tokenize
+
+    async def _tokenize(
+        self, prompt: Prompt, request_id: str | None
+    ) -> tuple[list[int] | None, int | None]:
+        """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``."""
+        if not isinstance(prompt, str):
+            return list(prompt), None
+        if self.tokenizer is not None:
+            return list(self.tokenizer.encode(prompt)), None
+        unreachable: list[str] = []
+        for server in sorted(self.servers, key=lambda s: (s.tokenize is not True, s.live)):
+            if server.tokenize is False:
+                continue
+            response = None
+            for _ in range(2):  # once more: a pooled connection may have just been closed
+                try:
+                    response = await self.client.post(
+                        server.url + "/tokenize", json={"model": self.model, "prompt": prompt}
+                    )
+                    break
+                except httpx.TransportError as exc:
+                    error = exc
+            if response is None:
+                unreachable.append(f"{server.url}: {error!r}")
+                continue
+            if response.status_code >= 400:
+                if response.status_code in (404, 405, 501):
+                    server.tokenize = False
+                    continue
+                raise EngineError(
+                    f"tokenizing {request_id!r} on {server.url} failed: HTTP "
+                    f"{response.status_code} {response.text[:300]}",
+                    [request_id] if request_id else [],
+                )
+            server.tokenize = True
+            data = response.json()
+            tokens = data.get("tokens")
+            max_len = data.get("max_model_len")
+            if isinstance(tokens, list):
+                return [int(t) for t in tokens], max_len if isinstance(max_len, int) else None
+            server.tokenize = False
+        if unreachable and not any(s.tokenize is False for s in self.servers):
+            raise EngineError(
+                f"no server reachable for {request_id!r}: " + "; ".join(unreachable),
+                [request_id] if request_id else [],
+            )
+        return None, None
+
+
+class _Closing:
+    """Iterates an async generator and closes it right after its finish chunk, so
+    that no suspended generator is left for the event loop to finalize (the
+    streaming base stops iterating at the finish chunk)."""
+
+    def __init__(self, agen: Any) -> None:
+        self._agen = agen
+
+    def __aiter__(self) -> _Closing:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk: Chunk = await self._agen.__anext__()
+        if chunk.finish is not None:
+            await self._agen.aclose()
+        return chunk
+
+
+async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a server-sent-event stream (comments and other fields skipped)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data:"):
+            yield line[5:].strip()
+
+
+def _base(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _words(prompt: Prompt) -> int:
+    return max(1, len(prompt.split())) if isinstance(prompt, str) else len(prompt)

@@ -1,0 +1,357 @@
+"""``SGLangEngine``: sart's streaming engine over SGLang's in-process ``sglang.Engine``.
+
+One SGLang request per branch, streamed with ``Engine.async_generate(...,
+stream=True, rid=...)``; ``StreamingEngine`` turns the streams into the step
+contract (``step(k)`` returns once every live branch has produced ``k`` more
+tokens or ended; tokens a stream produced beyond are buffered). SGLang keeps
+decoding between two ``step`` calls, while sart scores branches.
+
+Requests. ``prefill`` tokenizes the prompt once (token-id prompts are used as
+they are; text goes through the engine's tokenizer, special tokens added, or,
+with ``chat=True``, the chat template as one user message with a generation
+prompt) and every branch is sent as ``input_ids``. SGLang's radix cache then
+shares the prompt's KV between the branches of a request: the first branch
+computes it, the others (and forks) match it in the tree; nothing in sart
+copies it. A fork (``BranchSpec(parent=j)``, for Rebase) is a new request whose
+``input_ids`` are the prompt plus the parent's generated token ids, with
+``max_new_tokens`` reduced by those tokens; the radix cache serves the shared
+prefix. Sampling: ``temperature``, ``top_p``, ``max_new_tokens`` (capped by the
+model's context length), ``stop`` and ``sampling_seed`` = the branch's seed.
+SGLang honours ``sampling_seed`` only with ``enable_deterministic_inference``
+(then the same seeds give the same text, which sart's ``check_engine`` asks
+for); otherwise each branch still samples independently, just not
+reproducibly.
+
+Request ids. Each branch's ``rid`` is ``f"{rid_prefix}-{len(name)}:{name}"``
+with ``name = f"{index}_{request_id}"`` (vLLM's naming of parallel-sampling
+children) and a per-adapter random ``rid_prefix``. SGLang aborts every request
+whose rid *starts with* the rid it is given (the scheduler matches
+``req.rid.startswith(recv_req.rid)``), so plain ``"1_q"`` would also abort
+``"1_q1"``; the length field makes the rids of one adapter prefix-free.
+
+Streams. SGLang streams cumulative chunks by default (``text`` and
+``output_ids`` hold everything so far) and deltas with the server argument
+``incremental_streaming_output=True`` (``stream_output`` in older releases);
+the adapter reads that setting from ``engine.server_args`` (or
+``incremental=``) and turns either into new tokens. ``meta_info["finish_reason"]``
+``{"type": "stop", ...}`` ends a branch as ``FINISHED``, ``{"type": "length"}``
+as ``TRUNCATED``; any other reason (``"abort"``: SGLang refused or dropped the
+request, e.g. out of memory, a prompt too long, a server-side abort) fails the
+branch's request with SGLang's message, as does an exception from the stream:
+the next ``step`` raises ``EngineError`` naming that request; other requests
+carry on.
+
+Abort. Pruning, early stopping and ``release_prefix`` cancel the branch's
+stream and call ``engine.tokenizer_manager.abort_request(rid=...)``, the call
+behind SGLang's own ``/abort_request`` endpoint (``sglang.Engine`` has no abort
+method of its own): the scheduler drops the request from its waiting queue or
+running batch and frees its KV (the radix cache keeps the shared prefix).
+
+Event loop. SGLang's ``TokenizerManager`` starts its output loop on the event
+loop running at the first ``async_generate``; every later call must run on
+that loop. ``sglang.Engine`` keeps one in ``engine.loop`` (its synchronous
+``generate`` runs there), so under the synchronous driver (and in
+``check_engine``) use ``SGLangEngine.bridge()``, a ``SyncBridge`` on that loop,
+rather than ``SyncBridge(...)``, which would start a new loop each time. Under
+the ``AsyncDriver``, build the ``sglang.Engine`` inside the coroutine that runs
+the driver (``Engine()`` then adopts the running loop).
+
+Concurrency: set SGLang's ``max_running_requests`` to at least sart's
+``batch_size`` so that sart's branch budget, not SGLang's queue, decides
+admission (``check_batch_size``). Multi-GPU is SGLang's: ``from_args`` passes
+``tp_size``, ``dp_size``, ``mem_fraction_static``, ``max_running_requests`` and
+every other ``ServerArgs`` field through. Speculative decoding or
+``stream_interval`` > 1 make one chunk carry several tokens; the step
+contract's token counts still hold, but a chunk boundary may fall inside one
+of SGLang's steps.
+
+Needs the ``[sglang]`` extra (a CUDA GPU): importing this module without
+``sglang`` raises ``MissingDependencyError``. Wrapping an engine you built
+does not import ``sglang`` itself; ``from_args`` does. Supported: SGLang
+0.5.3 and later 0.5.x (``sampling_seed`` and ``incremental_streaming_output``
+appeared around 0.5.3). Written against SGLang's source at commit
+``001067fffe33`` (a 0.5.x main snapshot): ``python/sglang/srt/entrypoints/engine.py``
+(``Engine(**server_args)``, ``Engine.async_generate``, ``Engine.loop``,
+``Engine.server_args``, ``Engine.shutdown``),
+``python/sglang/srt/managers/tokenizer_manager.py`` (``abort_request``,
+``tokenizer``, ``context_len``, the streamed chunk format) and
+``python/sglang/srt/sampling/sampling_params.py`` (sampling parameter names).
+It has not been run against a real SGLang here (SGLang needs CUDA); the tests
+run it against a stand-in that follows those signatures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from sart.errors import ConfigError, EngineError, MissingDependencyError
+
+_INSTALL = "pip install 'sart[sglang]'"
+
+if importlib.util.find_spec("sglang") is None:
+    raise MissingDependencyError(
+        f"the SGLang engine needs SGLang (a CUDA GPU): {_INSTALL}; the module 'sglang' "
+        "is not installed"
+    )
+
+from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge, _Prefix  # noqa: E402
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+
+
+class SGLangRequestError(RuntimeError):
+    """SGLang ended a branch's request itself (finish reason ``"abort"`` or unknown)."""
+
+
+def _import_sglang() -> Any:
+    try:
+        import sglang
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the SGLang engine needs SGLang (a CUDA GPU): {_INSTALL}; importing it "
+            f"failed with: {exc}"
+        ) from exc
+    return sglang
+
+
+def _incremental(server_args: Any) -> bool:
+    """Whether SGLang streams deltas (``True``) or cumulative chunks (``False``)."""
+    for name in ("incremental_streaming_output", "stream_output"):  # current, older name
+        value = getattr(server_args, name, None)
+        if isinstance(value, bool):
+            return value
+    return False
+
+
+async def _close(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except Exception:  # the request has ended; closing is best effort
+            pass
+
+
+class SGLangBridge(SyncBridge):
+    """A ``SyncBridge`` on the SGLang engine's own event loop (see ``SGLangEngine.bridge``).
+
+    ``close()`` leaves a borrowed loop open: it belongs to ``sglang.Engine``.
+    """
+
+    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:
+        super().__init__(engine)
+        self._borrowed = loop is not None
+        if loop is not None:
+            self.loop.close()
+            self.loop = loop
+
+    def close(self) -> None:
+        if not self._borrowed:
+            super().close()
+
+
+class SGLangEngine(StreamingEngine):
+    """A streaming engine over an in-process ``sglang.Engine`` (see the module docstring).
+
+    ``engine``: a built ``sglang.Engine`` (or any object with its
+    ``async_generate`` and ``tokenizer_manager.abort_request``). ``tokenizer``:
+    for text prompts; default the engine's (``engine.tokenizer_manager.tokenizer``).
+    ``chat``: wrap text prompts with the chat template. ``incremental``: how
+    SGLang streams (default: read from ``engine.server_args``). ``rid_prefix``:
+    start of every rid this adapter sends (default ``"sart-"`` + 8 random hex
+    digits; give two adapters on one engine prefixes neither of which starts
+    the other).
+    """
+
+    supports_fork = True
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any = None,
+        *,
+        chat: bool = False,
+        incremental: bool | None = None,
+        rid_prefix: str | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        manager = getattr(engine, "tokenizer_manager", None)
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(manager, "tokenizer", None)
+        self.chat = chat
+        server_args = getattr(engine, "server_args", None)
+        self.incremental = _incremental(server_args) if incremental is None else incremental
+        self.rid_prefix = rid_prefix if rid_prefix is not None else f"sart-{uuid.uuid4().hex[:8]}"
+        context = getattr(manager, "context_len", None)
+        self.context_len: int | None = context if isinstance(context, int) else None
+        """The model's context length (prompt + generated tokens), if SGLang says."""
+        running = getattr(server_args, "max_running_requests", None)
+        self.max_running_requests: int | None = running if isinstance(running, int) else None
+        """SGLang's cap on running requests, if set explicitly (else SGLang sizes it)."""
+        self._inputs: dict[str, tuple[list[int], int]] = {}  # prompt ids, capped max_tokens
+
+    @classmethod
+    def from_args(
+        cls,
+        model_path: str,
+        *,
+        tokenizer: Any = None,
+        chat: bool = False,
+        rid_prefix: str | None = None,
+        **server_args: Any,
+    ) -> SGLangEngine:
+        """Build ``sglang.Engine(model_path=model_path, **server_args)`` and wrap it.
+
+        Every ``ServerArgs`` field passes through: ``tp_size``, ``dp_size``,
+        ``mem_fraction_static``, ``max_running_requests`` (set it to at least
+        sart's ``batch_size``), ``enable_deterministic_inference`` (makes seeds
+        reproducible), ``incremental_streaming_output``, ``attention_backend``,
+        ``context_length``, ``random_seed``... Call it in the coroutine that
+        will run the ``AsyncDriver``, or at top level and then use ``bridge()``.
+        SGLang starts its scheduler in child processes: scripts need an
+        ``if __name__ == "__main__":`` guard.
+        """
+        sglang = _import_sglang()
+        engine = sglang.Engine(model_path=model_path, **server_args)
+        return cls(engine, tokenizer, chat=chat, rid_prefix=rid_prefix)
+
+    def bridge(self) -> SGLangBridge:
+        """A ``SyncBridge`` for the synchronous driver, on ``engine.loop`` when the
+        engine has one (every call to one SGLang engine must use one loop)."""
+        loop = getattr(self.engine, "loop", None)
+        if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_closed():
+            loop = None
+        return SGLangBridge(self, loop)
+
+    # ------------------------------------------------------------- contract
+
+    async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        ids = self._prompt_ids(request_id, prompt)
+        room = sampling.max_tokens if self.context_len is None else self.context_len - len(ids)
+        if not ids or room < 1:
+            raise EngineError(
+                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
+                f"SGLang's context length {self.context_len}",
+                [request_id],
+            )
+        # SGLang prefills with the first branch; its radix cache serves the others.
+        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
+        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
+        return len(ids)
+
+    async def release_prefix(self, request_id: str) -> None:
+        self._inputs.pop(request_id, None)
+        await super().release_prefix(request_id)
+
+    async def _open(
+        self,
+        branch: BranchId,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        seed: int,
+        parent: BranchId | None,
+        prefix_tokens: Sequence[int],
+    ) -> AsyncIterator[Chunk]:
+        ids, max_tokens = self._inputs[branch.request_id]
+        rid = self.rid(branch)
+        params = self.sampling_params(sampling, seed, max(1, max_tokens - len(prefix_tokens)))
+        stream = await self.engine.async_generate(
+            input_ids=ids + list(prefix_tokens), sampling_params=params, stream=True, rid=rid
+        )
+        seen_ids = seen_text = 0
+        carry = ""  # text that came without a new token, for the next token
+        async for out in stream:
+            token_ids = list(out.get("output_ids") or ())
+            text = out.get("text") or ""
+            if not self.incremental:  # cumulative: everything so far
+                token_ids, seen_ids = token_ids[seen_ids:], len(token_ids)
+                text, seen_text = text[seen_text:], len(text)
+            meta = out.get("meta_info") or {}
+            finish = self._finish(branch, rid, meta.get("finish_reason"))
+            carry += text
+            if finish is not None:  # the last chunk: let go of SGLang's generator now
+                await _close(stream)
+            if token_ids or finish is not None:
+                yield Chunk(token_ids=tuple(token_ids), text=carry, finish=finish)
+                carry = ""
+
+    async def _cancel(self, branch: BranchId) -> None:
+        rid = self.rid(branch)
+        try:
+            self.engine.tokenizer_manager.abort_request(rid=rid)
+        except Exception as exc:
+            raise EngineError(
+                f"SGLang could not abort {rid!r} (branch {branch}): {exc!r}", [branch.request_id]
+            ) from exc
+
+    # ---------------------------------------------------------------- extras
+
+    def rid(self, branch: BranchId) -> str:
+        """The SGLang request id of ``branch`` (prefix-free among this adapter's)."""
+        name = str(branch)
+        return f"{self.rid_prefix}-{len(name)}:{name}"
+
+    @staticmethod
+    def sampling_params(sampling: SamplingSettings, seed: int, max_new_tokens: int) -> dict:
+        """SGLang's ``sampling_params`` dict for one branch."""
+        params: dict[str, Any] = {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_new_tokens": max_new_tokens,
+            "sampling_seed": seed,
+        }
+        if sampling.stop:
+            params["stop"] = list(sampling.stop)
+        return params
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise ``ConfigError`` if SGLang's ``max_running_requests`` is set below
+        ``batch_size`` (unset: SGLang sizes it from memory, which is not checked)."""
+        if self.max_running_requests is not None and batch_size > self.max_running_requests:
+            raise ConfigError(
+                f"batch_size={batch_size} must be <= SGLang's max_running_requests="
+                f"{self.max_running_requests}; build the engine with "
+                "max_running_requests >= batch_size"
+            )
+
+    def shutdown(self) -> None:
+        """Shut SGLang's engine (its scheduler and detokenizer processes) down."""
+        self.engine.shutdown()
+
+    # --------------------------------------------------------------- helpers
+
+    def _finish(self, branch: BranchId, rid: str, reason: Any) -> FinishReason | None:
+        if reason is None:
+            return None
+        kind = reason.get("type") if isinstance(reason, Mapping) else reason
+        finish = _FINISH.get(kind) if isinstance(kind, str) else None
+        if finish is None:
+            message = reason.get("message") if isinstance(reason, Mapping) else None
+            raise SGLangRequestError(
+                f"SGLang ended branch {branch} (rid {rid!r}) with finish_reason {kind!r}"
+                + (f": {message}" if message else f" ({reason!r})")
+            )
+        return finish
+
+    def _prompt_ids(self, request_id: str, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise EngineError(
+                f"request {request_id!r}: a text prompt needs a tokenizer, and the SGLang "
+                "engine has none (skip_tokenizer_init?); pass tokenizer= or token ids",
+                [request_id],
+            )
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))

