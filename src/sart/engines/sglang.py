@@ -98,7 +98,7 @@ if importlib.util.find_spec("sglang") is None:
         "is not installed"
     )
 
-from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge, _Prefix  # noqa: E402
+from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -193,7 +193,6 @@ class SGLangEngine(StreamingEngine):
         running = getattr(server_args, "max_running_requests", None)
         self.max_running_requests: int | None = running if isinstance(running, int) else None
         """SGLang's cap on running requests, if set explicitly (else SGLang sizes it)."""
-        self._inputs: dict[str, tuple[list[int], int]] = {}  # prompt ids, capped max_tokens
 
     @classmethod
     def from_args(
@@ -231,24 +230,15 @@ class SGLangEngine(StreamingEngine):
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
         ids = self._prompt_ids(request_id, prompt)
-        room = sampling.max_tokens if self.context_len is None else self.context_len - len(ids)
-        if not ids or room < 1:
-            raise EngineError(
-                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
-                f"SGLang's context length {self.context_len}",
-                [request_id],
-            )
-        # SGLang prefills with the first branch; its radix cache serves the others.
-        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
-        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
-        return len(ids)
-
-    async def release_prefix(self, request_id: str) -> None:
-        self._inputs.pop(request_id, None)
-        await super().release_prefix(request_id)
+        return self._hold_prompt(
+            request_id,
+            prompt,
+            sampling,
+            ids,
+            self.context_len,
+            f"SGLang's context length {self.context_len}",
+        )
 
     async def _open(
         self,

@@ -91,6 +91,8 @@ class StreamingEngine(abc.ABC):
     def __init__(self) -> None:
         self._prefixes: dict[str, _Prefix] = {}
         self._streams: dict[BranchId, _Stream] = {}
+        # Adapters that send token ids: each request's prompt ids and capped max_tokens.
+        self._inputs: dict[str, tuple[list[int], int]] = {}
 
     # ---------------------------------------------------------- to implement
 
@@ -184,6 +186,7 @@ class StreamingEngine(abc.ABC):
         await asyncio.gather(*(self._stop(bid) for bid in branch_ids))
 
     async def release_prefix(self, request_id: str) -> None:
+        self._inputs.pop(request_id, None)
         prefix = self._prefixes.pop(request_id, None)
         if prefix is None:
             raise EngineError(f"request {request_id!r} has no prefix", [request_id])
@@ -195,6 +198,32 @@ class StreamingEngine(abc.ABC):
         return EngineStats(live_branches=len(self._streams), kv_tokens=kv)
 
     # -------------------------------------------------------------- helpers
+
+    def _hold_prompt(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        sampling: SamplingSettings,
+        ids: list[int],
+        context_len: int | None,
+        context: str,
+    ) -> int:
+        """``prefill`` for adapters that send the prompt as token ids: keep the ids
+        and ``max_tokens`` capped so that prompt + output fit ``context_len``
+        (the engine prefills with the first branch; its prefix cache serves the
+        others). A prompt that leaves no room fails its request."""
+        if request_id in self._prefixes:
+            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        room = sampling.max_tokens if context_len is None else context_len - len(ids)
+        if not ids or room < 1:
+            raise EngineError(
+                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
+                f"{context}",
+                [request_id],
+            )
+        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
+        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
+        return len(ids)
 
     async def _pump(self, stream: _Stream, chunks: AsyncIterator[Chunk]) -> None:
         """Move a stream's chunks into its buffer until it ends, fails or is cancelled."""

@@ -55,7 +55,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from sart.engines.base import EngineStats
-from sart.engines.streaming import Chunk, StreamingEngine, _Prefix
+from sart.engines.streaming import Chunk, StreamingEngine
 from sart.engines.vllm import _FINISH, VLLMInputs, VLLMStats, VLLMStatsRecorder
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
@@ -87,7 +87,6 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         self.kv_capacity: int | None = blocks * block_size if blocks and block_size else None
         renderer = getattr(async_llm, "renderer", None)
         self._render = getattr(renderer, "render_cmpl", None)
-        self._inputs: dict[str, tuple[list[int], int]] = {}  # prompt ids, capped max_tokens
 
     @classmethod
     def from_engine_args(
@@ -116,24 +115,14 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
-        ids = self._prompt_ids(prompt)
-        room = self.max_model_len - len(ids)
-        if not ids or room < 1:
-            raise EngineError(
-                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
-                f"max_model_len={self.max_model_len}",
-                [request_id],
-            )
-        # vLLM prefills with the first branch; its prefix cache serves the others.
-        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
-        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
-        return len(ids)
-
-    async def release_prefix(self, request_id: str) -> None:
-        self._inputs.pop(request_id, None)
-        await super().release_prefix(request_id)
+        return self._hold_prompt(
+            request_id,
+            prompt,
+            sampling,
+            self._prompt_ids(prompt),
+            self.max_model_len,
+            f"max_model_len={self.max_model_len}",
+        )
 
     async def _open(
         self,
