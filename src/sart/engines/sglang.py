@@ -249,11 +249,11 @@ class SGLangEngine(StreamingEngine):
         parent: BranchId | None,
         prefix_tokens: Sequence[int],
     ) -> AsyncIterator[Chunk]:
-        ids, max_tokens = self._inputs[branch.request_id]
+        ids, max_tokens = self._branch_input(branch, prefix_tokens)
         rid = self.rid(branch)
-        params = self.sampling_params(sampling, seed, max(1, max_tokens - len(prefix_tokens)))
+        params = self.sampling_params(sampling, seed, max_tokens)
         stream = await self.engine.async_generate(
-            input_ids=ids + list(prefix_tokens), sampling_params=params, stream=True, rid=rid
+            input_ids=ids, sampling_params=params, stream=True, rid=rid
         )
         seen_ids = seen_text = 0
         carry = ""  # text that came without a new token, for the next token

