@@ -123,3 +123,41 @@ def test_same_results_as_the_step_engine(
     assert [
         (r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in streamed
     ] == strip
+
+
+class _ShutdownEngine:
+    """An async engine that, like ``AsyncLLM``, leaves a task running on its loop
+    and has a synchronous ``shutdown()`` (as ``VLLMAsyncEngine``)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(asyncio.sleep(3600))
+
+    def shutdown(self) -> None:
+        self.closed = True
+
+
+class _AcloseEngine(_ShutdownEngine):
+    """The same with an async ``aclose()`` (as ``OpenAIEngine``), preferred to shutdown."""
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+    def shutdown(self) -> None:
+        raise AssertionError("aclose() is preferred")
+
+
+@pytest.mark.parametrize("kind", [_ShutdownEngine, _AcloseEngine])
+def test_closing_the_bridge_closes_the_engine_and_ends_every_task(kind: type) -> None:
+    engine = kind()
+    bridge = SyncBridge(engine)
+    bridge.loop.run_until_complete(engine.start())
+    with bridge:
+        pass
+    assert engine.closed
+    assert engine.task is not None and engine.task.cancelled()
+    assert bridge.loop.is_closed()
+    bridge.close()  # idempotent

@@ -347,4 +347,41 @@ class SyncBridge:
         return self.engine.stats()
 
     def close(self) -> None:
-        self.loop.close()
+        """Close the engine, then the loop, leaving nothing pending behind.
+
+        The engine's own ``aclose()`` (``OpenAIEngine``: its HTTP clients) runs
+        on the loop, or its ``shutdown()`` (``VLLMAsyncEngine``: vLLM's engine
+        core) is called. Then every task still on the loop is cancelled and
+        run to its end before the loop closes: a task destroyed while pending
+        (such as ``AsyncLLM``'s output handler, whose cancellation
+        ``shutdown()`` only schedules) can leave a ZeroMQ socket open, and
+        ZeroMQ's context then blocks the interpreter's exit forever.
+        Idempotent.
+        """
+        if self.loop.is_closed():
+            return
+        try:
+            if hasattr(self.engine, "aclose"):
+                self._run(self.engine.aclose())
+            elif hasattr(self.engine, "shutdown"):
+                self.engine.shutdown()
+        finally:
+            self._drain()
+            self.loop.close()
+
+    def _drain(self) -> None:
+        # One pass lets callbacks scheduled from other threads (call_soon_threadsafe
+        # cancellations) land before the tasks are gathered.
+        self._run(asyncio.sleep(0))
+        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            self._run(asyncio.gather(*pending, return_exceptions=True))
+        self._run(self.loop.shutdown_asyncgens())
+
+    def __enter__(self) -> SyncBridge:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
