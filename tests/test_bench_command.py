@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
+import sart
 from sart.cli import main
+from sart.testing import FakeEngine
 
 
 def bench(tmp_path: Path, *extra: str) -> dict:
@@ -129,3 +132,83 @@ def test_a_replay_defaults_to_the_traces_width_and_interval(tmp_path: Path) -> N
     doc = json.loads((out / "results.json").read_text())
     assert doc["config"]["interval"] == 50
     assert doc["config"]["ns"] == [2, 4]
+
+
+def test_vllm_engine_args_parse_json_values_and_keep_strings() -> None:
+    from sart.bench.command import vllm_engine_args
+
+    assert vllm_engine_args(
+        ["tensor_parallel_size=2", "enforce_eager=true", "dtype=bfloat16", "x=[1, 2]"]
+    ) == {"tensor_parallel_size": 2, "enforce_eager": True, "dtype": "bfloat16", "x": [1, 2]}
+    with pytest.raises(sart.ConfigError, match="must be KEY=VALUE"):
+        vllm_engine_args(["tensor_parallel_size"])
+
+
+class _StandInVLLM(FakeEngine):
+    """Stands in for ``VLLMEngine`` in the registry: records how it was built."""
+
+    built: ClassVar[dict] = {}
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_args: object) -> _StandInVLLM:
+        cls.built = {"model": model, **engine_args}
+        engine = cls(max_branches=int(engine_args["max_num_seqs"]))
+        engine.max_num_seqs = int(engine_args["max_num_seqs"])
+        return engine
+
+    def check_batch_size(self, batch_size: int) -> None:
+        if batch_size > self.max_num_seqs:
+            raise sart.ConfigError(f"batch_size={batch_size} > max_num_seqs")
+
+
+def _vllm_argv(tmp_path: Path, *extra: str) -> list[str]:
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2"}\n')
+    return [
+        "bench",
+        "--engine",
+        "vllm",
+        "--model",
+        "some/model",
+        "--prompts",
+        str(prompts),
+        "--methods",
+        "vanilla",
+        "sc",
+        "--n",
+        "2",
+        "--rate",
+        "100",
+        "--out",
+        str(tmp_path / "out"),
+        "--no-plots",
+        "--json",
+        *extra,
+    ]
+
+
+def test_bench_builds_vllm_with_max_num_seqs_equal_to_the_branch_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sart.registry.load_engine", lambda name: {"vllm": _StandInVLLM}[name])
+    argv = _vllm_argv(tmp_path, "--batch-size", "6", "--vllm-arg", "dtype=float32")
+    assert main(argv) == 0
+    assert _StandInVLLM.built == {"model": "some/model", "max_num_seqs": 6, "dtype": "float32"}
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [(r["method"], r["n"]) for r in doc["runs"]] == [("vanilla", 1), ("sc", 2)]
+    assert all(len(r["requests"]) == 2 for r in doc["runs"])
+    capsys.readouterr()
+    # A smaller max_num_seqs given explicitly is refused: vLLM's queue would decide.
+    with pytest.raises(SystemExit):
+        main(_vllm_argv(tmp_path, "--batch-size", "6", "--vllm-arg", "max_num_seqs=4"))
+    assert "batch_size=6 > max_num_seqs" in capsys.readouterr().err
+
+
+def test_vllm_args_are_refused_for_other_engines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _vllm_argv(tmp_path, "--vllm-arg", "dtype=float32")
+    argv[argv.index("vllm")] = "hf"
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert "--vllm-arg is only for --engine vllm" in capsys.readouterr().err

