@@ -732,3 +732,19 @@ def test_real_rebase_forks(vllm_server: str) -> None:
     )
     assert result.ok
     assert all(b.num_tokens <= 24 and b.status.is_ended for b in result.branches)
+
+
+def test_close_closes_the_http_client_from_synchronous_code() -> None:
+    engine = OpenAIEngine(["http://127.0.0.1:9", "http://127.0.0.1:10"], "m")
+    engine.close()  # nothing open yet: a no-op
+    client = engine.client
+    engine.close()
+    assert client.is_closed and engine._client is None
+
+    async def inside_a_loop() -> None:
+        engine.client  # noqa: B018 - opens the client
+        with pytest.raises(RuntimeError, match=r"await engine\.aclose"):
+            engine.close()
+        await engine.aclose()
+
+    asyncio.run(inside_a_loop())

@@ -194,6 +194,18 @@ class OpenAIEngine(StreamingEngine):
             await self._client.aclose()
             self._client = None
 
+    def close(self) -> None:
+        """``aclose()`` from synchronous code (not inside a running event loop: there,
+        ``await engine.aclose()``). Under a ``SyncBridge``, ``bridge.close()`` does it."""
+        if self._client is None and not self._streams:
+            return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(self.aclose())
+            return
+        raise RuntimeError("OpenAIEngine.close() inside a running loop: await engine.aclose()")
+
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
