@@ -407,19 +407,7 @@ class TransformersPRM:
     # ------------------------------------------------------------------ scoring
 
     def _encode_item(self, item: ScoreItem) -> Encoded:
-        request = item.branch.request_id
-        if not isinstance(item.prompt, str):
-            raise PRMError(
-                f"{type(self).__name__} needs the question as text, but request {request!r} "
-                f"has a token-id prompt (branch {item.branch}); give the request a str prompt",
-                [request],
-            )
-        try:
-            return self.encode(item.prompt, item.text)
-        except ContextOverflow as exc:
-            raise PRMError(
-                f"PRM input for branch {item.branch} is {exc} (overflow='error')", [request]
-            ) from None
+        return encode_item(self, item)
 
     def _score_batched(self, encoded: Sequence[Encoded]) -> list[list[float]]:
         results: list[list[float]] = [[] for _ in encoded]
@@ -501,14 +489,41 @@ class TransformersPRM:
         return output, [self._two_way(logits[r, row]) for r, row in enumerate(index)]
 
     def _check_finite(self, items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
-        bad = [item.branch for item, r in zip(items, results) if not all(map(math.isfinite, r))]
-        for branch in bad:  # a cache that produced NaN is not worth keeping
-            self._caches.pop(branch, None)
-        if bad:
-            raise PRMError(
-                f"PRM gave non-finite step rewards for branch {', '.join(map(str, bad))}",
-                {b.request_id for b in bad},
-            )
+        try:
+            check_finite(items, results)
+        except PRMError:
+            for item, r in zip(items, results):  # a cache that produced NaN is not worth keeping
+                if not all(map(math.isfinite, r)):
+                    self._caches.pop(item.branch, None)
+            raise
+
+
+def encode_item(prm: Any, item: ScoreItem) -> Encoded:
+    """``prm.encode(question, text)`` for one item, failures as ``PRMError`` naming its
+    request (shared by the PRM adapters that use this encoding)."""
+    request = item.branch.request_id
+    if not isinstance(item.prompt, str):
+        raise PRMError(
+            f"{type(prm).__name__} needs the question as text, but request {request!r} "
+            f"has a token-id prompt (branch {item.branch}); give the request a str prompt",
+            [request],
+        )
+    try:
+        return prm.encode(item.prompt, item.text)
+    except ContextOverflow as exc:
+        raise PRMError(
+            f"PRM input for branch {item.branch} is {exc} (overflow='error')", [request]
+        ) from None
+
+
+def check_finite(items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
+    """Raise ``PRMError`` naming the requests whose step rewards are not all finite."""
+    bad = [item.branch for item, r in zip(items, results) if not all(map(math.isfinite, r))]
+    if bad:
+        raise PRMError(
+            f"PRM gave non-finite step rewards for branch {', '.join(map(str, bad))}",
+            {b.request_id for b in bad},
+        )
 
 
 def _good_probability(two_way: Any) -> list[float]:

@@ -66,7 +66,6 @@ driver runs PRM calls in a worker thread) are serialised by a lock.
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -86,11 +85,12 @@ try:
     from sart.prm.hf import (
         QWEN_SYSTEM_PROMPT,
         ContextLimit,
-        ContextOverflow,
         Encoded,
         QwenMathPRM,
         _good_probability,
         _single_token,
+        check_finite,
+        encode_item,
     )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
@@ -251,13 +251,7 @@ class VLLMQwenPRM:
             rows = self._run([encoded[i].ids() for i in jobs], requests)
             for i, data in zip(jobs, rows):
                 results[i] = self._read(items[i], encoded[i], data)
-        bad = [item for item, r in zip(items, results) if not all(map(math.isfinite, r))]
-        if bad:
-            raise PRMError(
-                "PRM gave non-finite step rewards for branch "
-                + ", ".join(str(item.branch) for item in bad),
-                {item.branch.request_id for item in bad},
-            )
+        check_finite(items, results)
         return results
 
     def release(self, request_id: str) -> None:
@@ -274,19 +268,7 @@ class VLLMQwenPRM:
     # ------------------------------------------------------------------ internals
 
     def _encode_item(self, item: ScoreItem) -> Encoded:
-        request = item.branch.request_id
-        if not isinstance(item.prompt, str):
-            raise PRMError(
-                f"VLLMQwenPRM needs the question as text, but request {request!r} has a "
-                f"token-id prompt (branch {item.branch}); give the request a str prompt",
-                [request],
-            )
-        try:
-            return self.encode(item.prompt, item.text)
-        except ContextOverflow as exc:
-            raise PRMError(
-                f"PRM input for branch {item.branch} is {exc} (overflow='error')", [request]
-            ) from None
+        return encode_item(self, item)
 
     def _params(self) -> Any:
         # Raw logits (the softmax is ours, in float32, as in QwenMathPRM). STEP
