@@ -161,3 +161,34 @@ def test_closing_the_bridge_closes_the_engine_and_ends_every_task(kind: type) ->
     assert engine.task is not None and engine.task.cancelled()
     assert bridge.loop.is_closed()
     bridge.close()  # idempotent
+
+
+class _FailsToOpen(FakeStreamingEngine):
+    """Refuses to open one branch (as a server refusing the request would)."""
+
+    def __init__(self, bad: int, exc: Exception) -> None:
+        super().__init__()
+        self.bad, self.exc = bad, exc
+
+    def _open(self, branch: BranchId, *args: object) -> object:
+        if branch.index == self.bad:
+            raise self.exc
+        return super()._open(branch, *args)
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("refused"), sart.EngineError("no", ["a"])])
+def test_a_start_that_fails_midway_leaves_nothing_started(exc: Exception) -> None:
+    async def scenario() -> None:
+        engine = _FailsToOpen(bad=2, exc=exc)
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=10))
+        with pytest.raises(sart.EngineError) as caught:
+            await engine.start_branches("a", [BranchSpec(j, j) for j in range(4)])
+        assert caught.value.request_ids == frozenset({"a"})
+        assert engine.stats().live_branches == 0
+        engine.bad = -1  # the same branches can be started again: nothing was kept
+        await engine.start_branches("a", [BranchSpec(j, j) for j in range(4)])
+        assert engine.stats().live_branches == 4
+        await engine.abort([BranchId("a", j) for j in range(4)])
+        await engine.release_prefix("a")
+
+    asyncio.run(scenario())

@@ -144,19 +144,34 @@ class StreamingEngine(abc.ABC):
                         f"fork of branch {spec.parent}, which is not live", [request_id]
                     )
                 inherited[spec.index] = list(parent.generated)
-        for spec in branches:
-            bid = BranchId(request_id, spec.index)
-            stream = _Stream(request_id)
-            stream.generated = list(inherited.get(spec.index, ()))
-            stream.reported = len(stream.generated)
-            self._streams[bid] = stream
-            prefix.started.add(spec.index)
-            prefix.live.add(spec.index)
-            parent = None if spec.parent is None else BranchId(request_id, spec.parent)
-            chunks = self._open(
-                bid, prefix.prompt, prefix.sampling, spec.seed, parent, tuple(stream.generated)
-            )
-            stream.task = asyncio.ensure_future(self._pump(stream, chunks))
+        opened: list[BranchId] = []
+        try:
+            for spec in branches:
+                bid = BranchId(request_id, spec.index)
+                stream = _Stream(request_id)
+                stream.generated = list(inherited.get(spec.index, ()))
+                stream.reported = len(stream.generated)
+                parent = None if spec.parent is None else BranchId(request_id, spec.parent)
+                chunks = self._open(
+                    bid, prefix.prompt, prefix.sampling, spec.seed, parent, tuple(stream.generated)
+                )
+                self._streams[bid] = stream
+                prefix.started.add(spec.index)
+                prefix.live.add(spec.index)
+                opened.append(bid)
+                stream.task = asyncio.ensure_future(self._pump(stream, chunks))
+        except Exception as exc:
+            # All or nothing: a start that fails has no effect, so the streams
+            # opened before the failing one are stopped (the scheduler never
+            # learns of them and would not abort them).
+            for bid in opened:
+                await self._stop(bid)
+                prefix.started.discard(bid.index)
+            if isinstance(exc, EngineError):
+                raise
+            raise EngineError(
+                f"starting branches of {request_id!r} failed: {exc!r}", [request_id]
+            ) from exc
 
     async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         streams = dict(self._streams)
