@@ -28,3 +28,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(rf"^{re.escape(command)}$", ci, re.M)
     assert "sart bench" in first_block
+
+
+def _test_targets(text: str) -> set[str]:
+    return set(re.findall(r"(tests/\S+\.py(?:::\S+?\])?)", text))
+
+
+def test_the_readme_vllm_test_command_is_the_cis() -> None:
+    block = next(b for b in README.split("```bash\n")[1:] if ".vllm/bin/python -m pytest" in b)
+    readme = _test_targets(block.split("```", 1)[0])
+    ci = _test_targets((ROOT / ".ci" / "run").read_text(encoding="utf-8"))
+    assert readme and readme == ci
