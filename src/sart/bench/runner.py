@@ -182,7 +182,7 @@ def serve(
     results = tuple(by_id[r.id] for r in requests)
     return RunRecord(
         method=method,
-        n=1 if method == "vanilla" else n,
+        n=n,
         rate=rate,
         summary=RunSummary.of(results, driver.timeline, gold),
         results=results,
