@@ -1,4 +1,4 @@
-"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``."""
+"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``, ``testbed``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.testbed.command import add_parser as add_testbed_parser
 from sart.types import BranchStatus, SamplingSettings
 
 
@@ -98,6 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--max-tokens", type=int, default=256, help="cap per branch")
     quick.add_argument("--seed", type=int, default=0, help="scenario seed")
     quick.set_defaults(func=_quickstart)
+    add_testbed_parser(sub)
     return parser
 
 

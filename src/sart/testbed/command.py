@@ -1,0 +1,64 @@
+"""``sart testbed train|report``: reproduce the shipped weights, measure their calibration."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from sart.errors import MissingDependencyError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``testbed`` (with ``train`` and ``report``) on the ``sart`` parser."""
+    testbed = sub.add_parser(
+        "testbed", help="the CPU testbed: a tiny trained reasoning model and PRM"
+    )
+    actions = testbed.add_subparsers(dest="testbed_command", required=True)
+    train = actions.add_parser(
+        "train", help="train the policy and the PRM from scratch (about 10 minutes on 2 cores)"
+    )
+    train.add_argument(
+        "--out", default="testbed-weights", help="output directory (default testbed-weights)"
+    )
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--threads", type=int, default=1, help="CPU threads (default 1; hashes depend on it)"
+    )
+    train.set_defaults(func=main)
+    report = actions.add_parser(
+        "report", help="sample N branches per question and print the calibration numbers"
+    )
+    report.add_argument("--n", type=int, default=8, help="branches per question (default 8)")
+    report.add_argument("--questions", type=int, default=120, help="questions (default 120)")
+    report.add_argument("--seed", type=int, default=0)
+    report.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    report.add_argument(
+        "--weights", help="a directory from 'sart testbed train' (default: shipped)"
+    )
+    report.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    report.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.testbed_command == "train":
+            from sart.testbed.train import TrainConfig, train
+
+            train(args.out, TrainConfig(seed=args.seed, threads=args.threads))
+            return 0
+        from sart.testbed.report import ReportConfig, calibrate
+    except ImportError as exc:  # pragma: no cover - only without the extra
+        raise MissingDependencyError(
+            f"sart testbed needs torch and transformers ({exc.name} is missing); "
+            "install them with: pip install 'sart[hf]'"
+        ) from exc
+    weights = Path(args.weights) if args.weights else None
+    result = calibrate(
+        ReportConfig(n=args.n, questions=args.questions, seed=args.seed),
+        policy_dir=weights / "policy" if weights else None,
+        prm_dir=weights / "prm" if weights else None,
+        threads=args.threads,
+    )
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.text())
+    return 0
