@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 
@@ -212,3 +212,46 @@ def test_vllm_args_are_refused_for_other_engines(
     with pytest.raises(SystemExit):
         main(argv)
     assert "--vllm-arg is only for --engine vllm" in capsys.readouterr().err
+
+
+def _args(*argv: str) -> Any:
+    from sart.cli import _parser
+
+    return _parser().parse_args(["bench", *argv])
+
+
+def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Path) -> None:
+    from sart import testbed
+    from sart.bench.command import TESTBED_MAX_TOKENS, real_setup
+
+    setup = real_setup(_args("--engine", "hf", "--model", "testbed", "--requests", "12"))
+    assert setup.model == str(testbed.POLICY_PATH)
+    assert (setup.prm, setup.prm_options) == (str(testbed.PRM_PATH), testbed.prm_kwargs())
+    questions = testbed.make_questions(0, 12)
+    assert [(i.prompt, i.answer) for i in setup.items] == [(q.prompt, q.answer) for q in questions]
+    assert setup.sampling.temperature == 1.0
+    assert setup.sampling.max_tokens == TESTBED_MAX_TOKENS
+    # Flags still win: another PRM (with no testbed options), a prompt file, sampling.
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Q p1 3 S", "answer": "3"}\n')
+    setup = real_setup(
+        _args(
+            "--engine", "vllm", "--model", "testbed", "--prm", "other", "--prompts",
+            str(prompts), "--temperature", "0.5", "--max-tokens", "9",
+        )
+    )  # fmt: skip
+    assert (setup.prm, setup.prm_options) == ("other", {})
+    assert [i.prompt for i in setup.items] == ["Q p1 3 S"]
+    assert (setup.sampling.temperature, setup.sampling.max_tokens) == (0.5, 9)
+
+
+def test_a_real_engine_needs_prompts_unless_it_is_the_testbed(tmp_path: Path) -> None:
+    from sart.bench.command import REAL_MAX_TOKENS, REAL_TEMPERATURE, real_setup
+
+    with pytest.raises(sart.ConfigError, match="or --model testbed"):
+        real_setup(_args("--engine", "hf", "--model", "some/model"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    defaults = real_setup(_args("--engine", "hf", "--model", "m", "--prompts", str(prompts)))
+    defaults = defaults.sampling
+    assert (defaults.temperature, defaults.max_tokens) == (REAL_TEMPERATURE, REAL_MAX_TOKENS)

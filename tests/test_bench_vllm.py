@@ -71,3 +71,17 @@ def test_bench_serves_every_method_on_vllm(
         assert all(1 <= b["tokens"] <= 16 for b in branches)
         assert run["summary"]["accuracy"] is not None
     assert "vLLM model" in capsys.readouterr().out
+
+
+def test_bench_compares_every_method_on_the_testbed_with_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_bench_testbed import bench_argv, check_comparison
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    argv = bench_argv("vllm", tmp_path / "out", "--vllm-arg", "enforce_eager=true")
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["config"]["engine"] == "vllm"
+    check_comparison(doc)

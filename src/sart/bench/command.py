@@ -8,6 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
+
+from sart.bench.real import PromptItem
 from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, run_method, traces
 from sart.bench.traces import Trace
 from sart.bench.workloads import WORKLOADS, workload
@@ -17,6 +20,14 @@ from sart.types import Admission, SamplingSettings
 
 REAL_BATCH_SIZE = 16
 """``B`` on a real engine (hf, vllm) when ``--batch-size`` is not given."""
+REAL_MAX_TOKENS = 64
+REAL_TEMPERATURE = 0.7
+TESTBED = "testbed"
+"""``--model testbed``: the shipped testbed policy, PRM and questions (``sart.testbed``)."""
+TESTBED_MAX_TOKENS = 256
+"""Above the longest testbed trace (under 256 tokens with its prompt)."""
+TESTBED_INTERVAL = 16
+"""``T`` for the testbed: its traces are tens of tokens long, not thousands."""
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +49,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         default=None,
         help="sim: a cost preset (" + ", ".join(sorted(PRESETS)) + "; default "
-        "h100-14b); hf, vllm: a model directory or hub id",
+        "h100-14b); hf, vllm: a model directory or hub id, or 'testbed' (the shipped "
+        "tiny reasoning model, its PRM and its questions: see docs/testbed.md)",
     )
     p.add_argument("--prm", help="hf, vllm: the PRM's directory or hub id")
     p.add_argument(
@@ -63,9 +75,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "can be). max_num_seqs defaults to --batch-size",
     )
     p.add_argument(
-        "--max-tokens", type=int, default=64, help="hf, vllm: tokens per branch (default 64)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"hf, vllm: tokens per branch (default {REAL_MAX_TOKENS}; testbed: "
+        f"{TESTBED_MAX_TOKENS})",
     )
-    p.add_argument("--temperature", type=float, default=0.7, help="hf, vllm: sampling temperature")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"hf, vllm: sampling temperature (default {REAL_TEMPERATURE}; testbed: 1.0, "
+        "as calibrated)",
+    )
     p.add_argument(
         "--record-trace", help="hf, vllm: also record a trace of the prompts to this file"
     )
@@ -110,7 +132,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--interval",
         type=int,
         default=None,
-        help="T, decode steps between checks (default 400; for --trace, the trace's)",
+        help="T, decode steps between checks (default 400; for --trace, the trace's; "
+        f"testbed: {TESTBED_INTERVAL})",
     )
     p.add_argument(
         "--admission",
@@ -166,7 +189,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         num_requests=args.requests,
         # A real engine has no cost model to size B from.
         batch_size=args.batch_size or (None if args.engine == "sim" else REAL_BATCH_SIZE),
-        interval=args.interval or _default_interval(args.trace),
+        interval=args.interval
+        or (TESTBED_INTERVAL if args.model == TESTBED else _default_interval(args.trace)),
         seed=args.seed,
         admission=Admission(args.admission),
         trace=args.trace,
@@ -279,49 +303,96 @@ def vllm_engine_args(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _load_engine(args: argparse.Namespace, batch_size: int) -> Any:
+@attrs.frozen
+class RealSetup:
+    """What a real-engine run serves: resolved from the flags (and ``--model testbed``)."""
+
+    model: str
+    prm: str | None
+    prm_options: dict[str, Any]
+    items: list[PromptItem]
+    sampling: SamplingSettings
+
+
+def real_setup(args: argparse.Namespace) -> RealSetup:
+    """Resolve ``--model``, ``--prm``, ``--prompts`` and sampling defaults.
+
+    ``--model testbed`` stands for the shipped testbed policy; its PRM (with
+    the options it is calibrated for) unless ``--prm`` says otherwise; and,
+    without ``--prompts``, ``--requests`` testbed questions of mixed
+    difficulty drawn with ``--seed``; sampled at temperature 1.0 by default.
+    """
+    from sart.bench.real import load_prompts
+
+    testbed = args.model == TESTBED
+    if not args.model or not (args.prompts or testbed):
+        raise ConfigError(
+            f"--engine {args.engine} needs --model PATH and --prompts FILE "
+            "(try: sart demo-models DIR), or --model testbed"
+        )
+    model, prm, prm_options = args.model, args.prm, {}
+    if testbed:
+        from sart import testbed as tb
+
+        model = str(tb.POLICY_PATH)
+        if prm is None:
+            prm, prm_options = str(tb.PRM_PATH), tb.prm_kwargs()
+        if args.prompts is None:
+            items = [
+                PromptItem(f"t{i}", q.prompt, q.answer)
+                for i, q in enumerate(tb.make_questions(args.seed, args.requests))
+            ]
+    if args.prompts is not None:
+        items = load_prompts(args.prompts)
+    default_tokens = TESTBED_MAX_TOKENS if testbed else REAL_MAX_TOKENS
+    default_temperature = 1.0 if testbed else REAL_TEMPERATURE
+    sampling = SamplingSettings(
+        temperature=default_temperature if args.temperature is None else args.temperature,
+        max_tokens=args.max_tokens or default_tokens,
+    )
+    return RealSetup(model, prm, prm_options, items, sampling)
+
+
+def _load_engine(args: argparse.Namespace, model: str, batch_size: int) -> Any:
     from sart.registry import load_engine
 
     if args.engine == "hf":
-        return load_engine("hf").from_pretrained(args.model, device=args.device)
+        return load_engine("hf").from_pretrained(model, device=args.device)
     engine_args = {"max_num_seqs": batch_size, **vllm_engine_args(args.vllm_arg)}
-    engine = load_engine("vllm").from_engine_args(args.model, **engine_args)
+    engine = load_engine("vllm").from_engine_args(model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
     engine.check_batch_size(batch_size)
     return engine
 
 
-def _load_prm(args: argparse.Namespace) -> Any:
+def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
     from sart.registry import load_prm
 
     if args.prm_kind == "vllm-qwen":
-        return load_prm("vllm-qwen").from_engine_args(args.prm)
-    return load_prm(args.prm_kind).from_pretrained(args.prm, device=args.prm_device or args.device)
+        return load_prm("vllm-qwen").from_engine_args(setup.prm, **setup.prm_options)
+    return load_prm(args.prm_kind).from_pretrained(
+        setup.prm, device=args.prm_device or args.device, **setup.prm_options
+    )
 
 
 def _run_real(
     args: argparse.Namespace, config: BenchConfig, progress: Any
 ) -> tuple[list[RunRecord], dict]:
-    from sart.bench.real import load_prompts, record_trace, run_real
+    from sart.bench.real import record_trace, run_real
 
-    if not args.model or not args.prompts:
-        raise ConfigError(
-            f"--engine {args.engine} needs --model PATH and --prompts FILE "
-            "(try: sart demo-models DIR)"
-        )
+    setup = real_setup(args)
+    items, sampling = setup.items, setup.sampling
     needs_prm = any(m not in ("vanilla", "sc") for m in config.methods)
-    if needs_prm and not args.prm:
+    if needs_prm and not setup.prm:
         raise ConfigError(
             f"--engine {args.engine} needs --prm PATH for methods "
             f"{[m for m in config.methods if m not in ('vanilla', 'sc')]}"
         )
     if args.vllm_arg and args.engine != "vllm":
         raise ConfigError("--vllm-arg is only for --engine vllm")
-    items = load_prompts(args.prompts)
     progress.add_task("loading models", total=None)
-    engine = _load_engine(args, config.batch_size)
-    prm = _load_prm(args) if args.prm else None
-    sampling = SamplingSettings(temperature=args.temperature, max_tokens=args.max_tokens)
+    engine = _load_engine(args, setup.model, config.batch_size)
+    prm = _load_prm(args, setup) if setup.prm else None
     task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
     records = run_real(
         items, engine, prm, config, sampling, on_run=lambda record: progress.advance(task)

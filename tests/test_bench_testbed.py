@@ -1,0 +1,83 @@
+"""`sart bench --model testbed`: every method on the shipped testbed models, for real.
+
+Real accuracy (graded against the questions' gold answers) and real wall-clock
+latency on the transformers engine; the vLLM run of the same command is in
+``tests/test_bench_vllm.py`` (CI's vLLM environment).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from sart.cli import main
+
+METHODS = ["vanilla", "sc", "rebase", "sart-no-prune", "sart"]
+
+
+def bench_argv(engine: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "bench",
+        "--engine",
+        engine,
+        "--model",
+        "testbed",
+        "--requests",
+        "12",
+        "--n",
+        "4",
+        "--rate",
+        "20",
+        "--batch-size",
+        "16",
+        "--out",
+        str(out),
+        "--no-plots",
+        *extra,
+    ]
+
+
+def check_comparison(doc: dict) -> None:
+    """What must hold for the five methods on 12 testbed questions at N = 4."""
+    assert doc["time_unit"] == "seconds (wall clock)"
+    runs = {r["method"]: r for r in doc["runs"]}
+    assert [(r["method"], r["n"]) for r in doc["runs"]] == [
+        (m, 1 if m == "vanilla" else 4) for m in METHODS
+    ]
+    for run in runs.values():
+        assert run["summary"]["failed"] == 0
+        assert len(run["requests"]) == 12
+        # Graded for real: the testbed's answers are digits, graded exactly.
+        assert 0.0 < run["summary"]["accuracy"] <= 1.0
+        assert all(r["gold"] in "0123456789" for r in run["requests"])
+        assert run["summary"]["e2e"]["p50"] > 0
+    tokens = {m: runs[m]["summary"]["tokens_per_request"] for m in METHODS}
+    # Early stopping (M = 2 of 4) and pruning cut the tokens SC spends.
+    assert tokens["sart"] < tokens["sc"] and tokens["sart-no-prune"] < tokens["sc"]
+    statuses = [b["status"] for r in runs["sart"]["requests"] for b in r["branches"]]
+    assert "pruned" in statuses and "stopped" in statuses
+    assert all(r["prm_items"] > 0 for r in runs["sart"]["requests"])
+    assert all(r["prm_items"] == 0 for r in runs["sc"]["requests"])
+
+
+def test_bench_compares_every_method_on_the_testbed_with_transformers(tmp_path: Path) -> None:
+    assert main(bench_argv("hf", tmp_path / "out")) == 0
+    check_comparison(json.loads((tmp_path / "out" / "results.json").read_text()))
+
+
+def test_a_testbed_run_records_a_trace_for_the_simulator(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    argv = bench_argv("hf", tmp_path / "out", "--methods", "vanilla", "--record-trace", str(trace))
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == 12 and all(len(line["branches"]) == 4 for line in lines)
+    assert all(line["answer"] in "0123456789" for line in lines)
+    # The recorded trace replays in the simulator.
+    replay = tmp_path / "replay"
+    assert main(["bench", "--trace", str(trace), "--out", str(replay), "--no-plots"]) == 0
+    assert json.loads((replay / "results.json").read_text())["runs"]
