@@ -551,7 +551,14 @@ class _Words:
 
 # --------------------------------------------------------------- real vLLM tests
 
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}  # GiB
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    # One unpinned OpenMP thread: by default vLLM-CPU pins a thread to every core,
+    # and on a 2-core machine the test process (the client) then starves; a slow
+    # client let aborted branches run to their end before the abort reached vLLM.
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
 PROMPTS = ("Step 1: add 3 and 4.", "Step 1: add 12 and 7. Then check it: 12 + 7 =")
 
 
@@ -635,9 +642,11 @@ def running(url: str) -> float:
     return metric(url, "vllm:num_requests_running")
 
 
-def finished(url: str) -> float:
-    """Requests that vLLM finished by themselves (stop, length...), not aborted ones."""
-    return metric(url, "vllm:request_success_total")
+def finished(url: str, reason: str = "length") -> float:
+    """Requests that vLLM finished for ``reason`` (``stop``, ``length``...). Not the sum
+    over reasons: vLLM counts a request aborted on a client's disconnect under
+    ``abort`` too, depending on when the abort reaches its engine core."""
+    return metric(url, "vllm:request_success_total", f'finished_reason="{reason}"')
 
 
 def test_real_passes_the_conformance_suite(vllm_server: str) -> None:
@@ -688,7 +697,7 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
                 break
             await asyncio.sleep(0.1)
         assert running(vllm_server) == 0
-        # Only the branches left alone finished on the server; the aborted ones were
+        # Only the branches left alone ran to max_tokens on the server; the aborted ones were
         # stopped there early (vLLM aborts a request whose client disconnects).
         assert finished(vllm_server) - finished0 == width - cut
         made = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
@@ -748,3 +757,27 @@ def test_close_closes_the_http_client_from_synchronous_code() -> None:
         await engine.aclose()
 
     asyncio.run(inside_a_loop())
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_sse_events_are_cut_at_cr_and_lf_only(size: int) -> None:
+    from sart.engines.openai import _sse_data
+
+    # A model can generate Unicode line separators; servers put them in JSON unescaped.
+    text = "a\u2028b\x85c\u2029d\x0be"
+    body = (
+        "data: " + json.dumps({"t": text}, ensure_ascii=False) + "\r\n\r\n"
+        ': a comment\rdata: {"u": 1}\n\ndata: [DONE]'
+    ).encode()
+
+    class Chunks(httpx.AsyncByteStream):
+        async def __aiter__(self) -> Any:
+            for i in range(0, len(body), size):
+                yield body[i : i + size]
+
+    async def read() -> list[str]:
+        return [d async for d in _sse_data(httpx.Response(200, stream=Chunks()))]
+
+    data = asyncio.run(read())
+    assert data == [json.dumps({"t": text}, ensure_ascii=False), '{"u": 1}', "[DONE]"]
+    assert json.loads(data[0])["t"] == text

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -548,11 +549,27 @@ class _Closing:
         return chunk
 
 
+_SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent-event stream (comments and other fields skipped)."""
-    async for line in response.aiter_lines():
-        if line.startswith("data:"):
-            yield line[5:].strip()
+    """The ``data:`` payloads of a server-sent-event stream (comments and other fields skipped).
+
+    Lines end at CR, LF or CRLF only, as the SSE format says. Not
+    ``httpx``'s ``aiter_lines``: like ``str.splitlines`` it also splits at
+    U+2028, U+0085 and other Unicode line boundaries, which a model can
+    generate and a server's JSON carries unescaped inside a string (seen with
+    vLLM: the event was cut in two and failed to parse). JSON escapes CR and
+    LF inside strings, so these three never split an event.
+    """
+    pending = b""
+    async for chunk in response.aiter_bytes():
+        *lines, pending = _SSE_LINE_END.split(pending + chunk)
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].decode("utf-8").strip()
+    if pending.startswith(b"data:"):
+        yield pending[5:].decode("utf-8").strip()
 
 
 def _base(url: str) -> str:
