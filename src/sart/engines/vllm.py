@@ -206,12 +206,48 @@ class _Branch:
 
 
 class VLLMInputs:
-    """Prompt and sampling building shared by the vLLM adapters (``VLLMEngine`` and
-    ``VLLMAsyncEngine``): they set ``tokenizer``, ``chat`` and ``_render``."""
+    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: reading
+    vLLM's configuration (``_configure``), the batch-size check, and building
+    prompts and sampling parameters."""
 
     tokenizer: Any
     chat: bool
+    stats_recorder: VLLMStatsRecorder | None
+    max_num_seqs: int
+    """vLLM's cap on running requests; keep sart's ``batch_size`` at or below it."""
+    max_model_len: int
+    kv_capacity: int | None
+    """vLLM's KV cache size in tokens (all data-parallel engines together)."""
     _render: Any
+
+    def _configure(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        chat: bool,
+        stats_recorder: VLLMStatsRecorder | None,
+    ) -> None:
+        """Set the shared attributes from a built ``LLMEngine`` or ``AsyncLLM``."""
+        self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
+        self.chat = chat
+        self.stats_recorder = stats_recorder
+        config = engine.vllm_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_model_len = config.model_config.max_model_len
+        blocks = config.cache_config.num_gpu_blocks
+        block_size = config.cache_config.block_size
+        self.kv_capacity = blocks * block_size if blocks and block_size else None
+        renderer = getattr(engine, "renderer", None)
+        self._render = getattr(renderer, "render_cmpl", None)  # vLLM >= 0.2x
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs`` (see the module
+        docstring: sart's budget, not vLLM's queue, must decide admission)."""
+        if batch_size > self.max_num_seqs:
+            raise ConfigError(
+                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
+                "build the engine with max_num_seqs >= batch_size"
+            )
 
     @staticmethod
     def _sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
@@ -258,19 +294,7 @@ class VLLMEngine(VLLMInputs):
         stats_recorder: VLLMStatsRecorder | None = None,
     ) -> None:
         self.llm_engine = llm_engine
-        self.tokenizer = tokenizer if tokenizer is not None else llm_engine.get_tokenizer()
-        self.chat = chat
-        self.stats_recorder = stats_recorder
-        config = llm_engine.vllm_config
-        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
-        """vLLM's cap on running requests; keep sart's ``batch_size`` at or below it."""
-        self.max_model_len: int = config.model_config.max_model_len
-        blocks = config.cache_config.num_gpu_blocks
-        block_size = config.cache_config.block_size
-        self.kv_capacity: int | None = blocks * block_size if blocks and block_size else None
-        """vLLM's KV cache size in tokens (all data-parallel engines together)."""
-        renderer = getattr(llm_engine, "renderer", None)
-        self._render = getattr(renderer, "render_cmpl", None)  # vLLM >= 0.2x
+        self._configure(llm_engine, tokenizer, chat, stats_recorder)
         self._prefixes: dict[str, _Prefix] = {}
         self._branches: dict[str, _Branch] = {}  # by vLLM request id
         self._errors: dict[str, str] = {}  # request id -> why vLLM ended a branch of it
@@ -498,15 +522,6 @@ class VLLMEngine(VLLMInputs):
             prefix_cache_queries=int(total("vllm:prefix_cache_queries")),
             prefix_cache_hits=int(total("vllm:prefix_cache_hits")),
         )
-
-    def check_batch_size(self, batch_size: int) -> None:
-        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs`` (see the module
-        docstring: sart's budget, not vLLM's queue, must decide admission)."""
-        if batch_size > self.max_num_seqs:
-            raise ConfigError(
-                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
-                "build the engine with max_num_seqs >= batch_size"
-            )
 
     @property
     def prefixes(self) -> frozenset[str]:

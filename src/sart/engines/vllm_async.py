@@ -50,7 +50,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
 from sart.engines.streaming import Chunk, StreamingEngine
-from sart.errors import ConfigError, EngineError
+from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
 
@@ -69,17 +69,7 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     ) -> None:
         super().__init__()
         self.async_llm = async_llm
-        self.tokenizer = tokenizer if tokenizer is not None else async_llm.get_tokenizer()
-        self.chat = chat
-        self.stats_recorder = stats_recorder
-        config = async_llm.vllm_config
-        self.max_num_seqs: int = config.scheduler_config.max_num_seqs
-        self.max_model_len: int = config.model_config.max_model_len
-        blocks = config.cache_config.num_gpu_blocks
-        block_size = config.cache_config.block_size
-        self.kv_capacity: int | None = blocks * block_size if blocks and block_size else None
-        renderer = getattr(async_llm, "renderer", None)
-        self._render = getattr(renderer, "render_cmpl", None)
+        self._configure(async_llm, tokenizer, chat, stats_recorder)
 
     @classmethod
     def from_engine_args(
@@ -161,14 +151,6 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         """vLLM's own scheduler stats after its latest step (``None`` without a recorder
         or before vLLM's first step)."""
         return None if self.stats_recorder is None else self.stats_recorder.latest()
-
-    def check_batch_size(self, batch_size: int) -> None:
-        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs``."""
-        if batch_size > self.max_num_seqs:
-            raise ConfigError(
-                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
-                "build the engine with max_num_seqs >= batch_size"
-            )
 
     def shutdown(self) -> None:
         """Shut vLLM's engine core down."""
