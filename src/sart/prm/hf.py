@@ -598,11 +598,16 @@ class QwenMathPRM(TransformersPRM):
             window_stride=window_stride,
             max_cached_branches=max_cached_branches,
         )
+        self._init_format(system_prompt, step_separator, "QwenMathPRM")
+
+    def _init_format(self, system_prompt: str | None, step_separator: str, who: str) -> None:
+        """The input format's state, from ``self.tokenizer`` (also used by the vLLM
+        adapter, which has the format but no transformers model)."""
         self.system_prompt = system_prompt
         self.step_separator = step_separator
-        self.separator_id = _single_token(tokenizer, step_separator, "step_separator")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("QwenMathPRM needs a tokenizer with a chat template")
+        self.separator_id = _single_token(self.tokenizer, step_separator, "step_separator")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(f"{who} needs a tokenizer with a chat template")
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._check_encoding()
 

@@ -67,7 +67,6 @@ driver runs PRM calls in a worker thread) are serialised by a lock.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,7 +87,6 @@ try:
         Encoded,
         QwenMathPRM,
         _good_probability,
-        _single_token,
         check_finite,
         encode_item,
     )
@@ -115,13 +113,7 @@ class _QwenFormat(QwenMathPRM):
     ) -> None:  # no super().__init__(): there is no transformers model here
         self.tokenizer = tokenizer
         self.limit = limit
-        self.system_prompt = system_prompt
-        self.step_separator = step_separator
-        self.separator_id = _single_token(tokenizer, step_separator, "step_separator")
-        if not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("VLLMQwenPRM needs a tokenizer with a chat template")
-        self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._check_encoding()
+        self._init_format(system_prompt, step_separator, "VLLMQwenPRM")
 
 
 class VLLMQwenPRM:
