@@ -243,6 +243,9 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
     assert (setup.prm, setup.prm_options) == ("other", {})
     assert [i.prompt for i in setup.items] == ["Q p1 3 S"]
     assert (setup.sampling.temperature, setup.sampling.max_tokens) == (0.5, 9)
+    # The testbed PRM is transformers code: another PRM kind for it is refused.
+    with pytest.raises(sart.ConfigError, match="--prm-kind vllm-qwen: the testbed PRM"):
+        real_setup(_args("--engine", "vllm", "--model", "testbed", "--prm-kind", "vllm-qwen"))
 
 
 def test_a_real_engine_needs_prompts_unless_it_is_the_testbed(tmp_path: Path) -> None:

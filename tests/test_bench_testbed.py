@@ -59,8 +59,16 @@ def check_comparison(doc: dict) -> None:
     tokens = {m: runs[m]["summary"]["tokens_per_request"] for m in METHODS}
     # Early stopping (M = 2 of 4) and pruning cut the tokens SC spends.
     assert tokens["sart"] < tokens["sc"] and tokens["sart-no-prune"] < tokens["sc"]
+    # Early stopping leaves branches unfinished; SART's PRM prunes some. (The
+    # testbed's branches have similar lengths, so several may finish within
+    # one T-token chunk, and pruning often leaves no branch to stop.)
+    no_prune = [b["status"] for r in runs["sart-no-prune"]["requests"] for b in r["branches"]]
+    assert "stopped" in no_prune and "pruned" not in no_prune
     statuses = [b["status"] for r in runs["sart"]["requests"] for b in r["branches"]]
-    assert "pruned" in statuses and "stopped" in statuses
+    assert "pruned" in statuses
+    assert all(
+        any(b["status"] == "finished" for b in r["branches"]) for r in runs["sart"]["requests"]
+    )
     assert all(r["prm_items"] > 0 for r in runs["sart"]["requests"])
     assert all(r["prm_items"] == 0 for r in runs["sc"]["requests"])
 

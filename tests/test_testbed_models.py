@@ -46,6 +46,24 @@ def test_shipped_files_match_the_manifest() -> None:
     assert total < 10 * 2**20  # a few MB in the repository
 
 
+def test_shipped_prm_code_is_the_packages_modelling_module() -> None:
+    # The PRM directory carries its modelling code (auto_map, trust_remote_code);
+    # it must be the module the tests exercise and training saves.
+    from sart.testbed import modeling_testbed_prm
+
+    shipped = (PRM_PATH / "modeling_testbed_prm.py").read_text(encoding="utf-8")
+    assert shipped == Path(modeling_testbed_prm.__file__).read_text(encoding="utf-8")
+    config = json.loads((PRM_PATH / "config.json").read_text(encoding="utf-8"))
+    assert config["auto_map"]["AutoModel"] == "modeling_testbed_prm.TestbedPRM"
+
+
+def test_prm_is_the_policy_frozen_with_a_head(policy, prm) -> None:
+    # The PRM reads traces with an exact copy of the shipped policy.
+    model, _tokenizer = policy
+    inner = prm.model.policy.state_dict()
+    assert all(torch.equal(inner[k], v) for k, v in model.state_dict().items())
+
+
 def test_policy_is_a_small_llama_with_vllm_friendly_heads(policy) -> None:
     model, tokenizer = policy
     config = model.config
@@ -95,6 +113,8 @@ def test_prm_loads_with_the_qwen_adapter_and_rates_every_step(prm) -> None:
     assert all(0.0 <= r <= 1.0 for r in rewards[0] + rewards[1])
     # The steps before the slip are the same text: the same rewards (causal model).
     assert rewards[0][0] == pytest.approx(rewards[1][0], abs=1e-5)
+    # From the slip on, the wrong trace is rated lower.
+    assert all(w < r - 0.1 for w, r in zip(rewards[1][1:], rewards[0][1:]))
     # Incremental scoring (the default, used by sart's driver) agrees with batched.
     from sart.prm.hf import QwenMathPRM
 
@@ -123,7 +143,7 @@ def test_manifest_records_how_to_reproduce() -> None:
 
 @pytest.mark.slow
 def test_training_reproduces_the_shipped_weights(tmp_path: Path) -> None:
-    """Retrain (about 10 minutes) and compare with the shipped files.
+    """Retrain (about 8 minutes) and compare with the shipped files.
 
     Bit-identical weights need the same torch build, CPU kernels and thread
     count as the manifest's; where the hashes differ, the retrained models

@@ -80,60 +80,41 @@ def calibration():
     pytest.importorskip("transformers")
     from sart.testbed.report import calibrate
 
-    # 40 questions x 8 branches: a few seconds; the full report is the slow test.
-    return calibrate(ReportConfig(n=8, questions=40, seed=0))
-
-
-def test_shipped_weights_are_calibrated(calibration) -> None:
-    c = calibration
-    agg = c.aggregation
-    # The policy: length spread, weak length-correctness link, mid accuracy,
-    # harder with more digits, and errors that a vote of 8 mostly outvotes.
-    assert 0.18 <= c.median_length_cv <= 0.5
-    assert 1.5 <= c.median_longest_over_shortest <= 4.0
-    assert abs(c.mean_within_question_r) <= 0.3
-    assert 0.5 <= c.branch_accuracy <= 0.85
-    assert c.accuracy_by_difficulty[3] > c.accuracy_by_difficulty[8]
-    assert c.finished_share > 0.95
-    assert c.majority_accuracy > c.branch_accuracy + 0.1
-    # The PRM: informative, far from perfect (see docs/testbed.md).
-    assert c.auroc_half[agg] >= 0.55
-    assert 0.55 <= c.auroc_full[agg] < 0.97
-
-
-def test_report_is_deterministic(calibration) -> None:
-    from sart.testbed.report import calibrate
-
-    again = calibrate(ReportConfig(n=8, questions=40, seed=0))
-    assert again == calibration
-
-
-@pytest.fixture(scope="module")
-def full_calibration():
-    pytest.importorskip("transformers")
-    from sart.testbed.report import calibrate
-
+    # The full report (120 questions x 8 branches, seed 0): about 10 s.
     return calibrate(ReportConfig(n=8, questions=120, seed=0))
 
 
-@pytest.mark.slow
-def test_full_report_policy_targets(full_calibration) -> None:
-    c = full_calibration
+def test_shipped_policy_meets_the_calibration_targets(calibration) -> None:
+    c = calibration
+    # Length spread, weak length-correctness link, mid accuracy, harder with
+    # more digits, and errors that a vote of 8 mostly outvotes.
     assert 0.2 <= c.median_length_cv <= 0.5
     assert 1.8 <= c.median_longest_over_shortest <= 4.0
     assert abs(c.mean_within_question_r) <= 0.3
+    assert abs(c.pooled_within_question_r) <= 0.3
     assert 0.4 <= c.branch_accuracy <= 0.8
+    accuracy = [c.accuracy_by_difficulty[k] for k in range(3, 9)]
+    assert accuracy[0] > accuracy[-1] + 0.2
+    assert c.finished_share > 0.95
+    assert c.majority_accuracy > c.branch_accuracy + 0.1
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    reason="the shipped PRM misses the issue's PRM targets (AUROC 0.61 at 50%, best-of-8 "
-    "below one branch); see docs/testbed.md",
-    strict=True,
-)
-def test_full_report_prm_targets(full_calibration) -> None:
-    c = full_calibration
+def test_shipped_prm_meets_the_calibration_targets(calibration) -> None:
+    c = calibration
     agg = c.aggregation
+    # Informative half-way (pruning at 50% of a trace is mostly right)...
     assert c.auroc_half[agg] >= 0.75
-    assert c.best_of_n_accuracy[agg] >= c.branch_accuracy + 0.05
-    assert c.auroc_full[agg] < 0.97
+    # ...but not an oracle: some right traces rank below wrong ones even when
+    # finished, and more so half-way.
+    assert c.auroc_half[agg] < 0.85
+    assert c.auroc_full[agg] <= 0.97
+    # Best-of-8 by reward clearly beats one branch.
+    assert c.best_of_n_accuracy[agg] >= c.branch_accuracy + 0.15
+
+
+def test_report_is_deterministic() -> None:
+    pytest.importorskip("transformers")
+    from sart.testbed.report import calibrate
+
+    config = ReportConfig(n=4, questions=12, seed=3)
+    assert calibrate(config) == calibrate(config)

@@ -336,6 +336,13 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
 
         model = str(tb.POLICY_PATH)
         if prm is None:
+            if args.prm_kind != "qwen":
+                # Its model class is custom transformers code (auto_map), which
+                # vLLM's pooling runner cannot load.
+                raise ConfigError(
+                    f"--prm-kind {args.prm_kind}: the testbed PRM runs on transformers "
+                    "only (--prm-kind qwen, the default; the policy may still run on vLLM)"
+                )
             prm, prm_options = str(tb.PRM_PATH), tb.prm_kwargs()
         if args.prompts is None:
             items = [

@@ -5,8 +5,9 @@ answered by a step-by-step trace. A 0.9M-parameter Llama-architecture policy
 trained on noisy traces reproduces what SART relies on: large length variance
 between branches of one question, weakly related to correctness, a spread of
 difficulty, and a process reward model (a token classifier in the format of
-Qwen2.5-Math-PRM, loaded with ``sart.prm.hf.QwenMathPRM``) that is
-informative but imperfect. The weights ship with the package under
+Qwen2.5-Math-PRM, loaded with ``sart.prm.hf.QwenMathPRM``; inside, the
+policy's own likelihood of the trace read by a trained head, see
+``modeling_testbed_prm``) that is informative but imperfect. The weights ship with the package under
 ``weights/``; ``sart testbed train`` reproduces them, ``sart testbed report``
 measures their calibration. See ``docs/testbed.md``.
 

@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = testbed.add_subparsers(dest="testbed_command", required=True)
     train = actions.add_parser(
-        "train", help="train the policy and the PRM from scratch (about 10 minutes on 2 cores)"
+        "train", help="train the policy and the PRM from scratch (about 8 minutes on 2 cores)"
     )
     train.add_argument(
         "--out", default="testbed-weights", help="output directory (default testbed-weights)"

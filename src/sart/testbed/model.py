@@ -3,8 +3,8 @@
 The policy is a Llama-architecture causal LM (4 layers, hidden 128, 4 heads
 of head_dim 32: vLLM-CPU's attention needs a head_dim that is a multiple of
 32; with 2 heads of 64 the model learned to copy operands from the prompt
-much more slowly). The PRM is the same trunk with a 2-label
-token-classification head.
+much more slowly). The PRM (``modeling_testbed_prm``) wraps a frozen copy
+of it.
 ``sample`` is the report's and the PRM training's own sampling loop: plain
 ancestral sampling with a KV cache and a seeded ``torch.Generator``, so that
 a run is reproducible on one machine (sart's engines are not needed here).
@@ -117,15 +117,20 @@ def _sample_batch(
     temperature: float,
     max_new_tokens: int,
 ) -> list[Sample]:
-    from transformers import DynamicCache
+    from sart.prm.hf import CacheAPI
 
     batch = ids.shape[0]
-    cache = DynamicCache(config=model.config)
+    # transformers 5.x names the argument ``cache``, 4.x and early 5.x
+    # ``past_key_values``: under the wrong name the cache is silently unused.
+    api = CacheAPI.of(model)
+    cache = api.new(model)
     done = torch.zeros(batch, dtype=torch.bool)
     generated: list[torch.Tensor] = []
     step_input = ids
     for _ in range(max_new_tokens):
-        logits = model(input_ids=step_input, cache=cache, use_cache=True).logits[:, -1, :]
+        output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
+        cache = api.returned(output, cache)
+        logits = output.logits[:, -1, :]
         probs = torch.softmax(logits.float() / temperature, dim=-1)
         token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         token = torch.where(done, torch.full_like(token, eos_id), token)

@@ -35,6 +35,9 @@ from sart.prm.aggregate import split_steps
 MAX_DIGITS = 8
 """The longest question: the vocabulary has position tokens ``p1`` .. ``p8``."""
 
+QUESTION_END = "S"
+"""The last word of a question's prompt: the response starts after it."""
+
 STEP_WORD = "\n\n"
 """The step separator, one word of the vocabulary."""
 
@@ -73,7 +76,7 @@ class Question:
         # a 4-layer model trained for minutes did not (digits copied from
         # neighbouring positions).
         body = " ".join(f"{d} p{i}" for i, d in enumerate(self.digits, start=1))
-        return f"Q {body} S"
+        return f"Q {body} {QUESTION_END}"
 
     def running(self) -> list[int]:
         """The true running value after each step (step ``i`` adds digit ``i``)."""
@@ -272,38 +275,3 @@ def step_labels(question: Question, text: str) -> list[bool]:
         # writes no value: the trace is as on track as before it.
         labels.append(on_track)
     return labels
-
-
-def step_checks(question: Question, text: str) -> list[bool]:
-    """Per step: is this step itself right? (A verifier's label, first-error style.)
-
-    An arithmetic step is right iff it takes the next position (a re-check:
-    the same one), copies that position's digit and the value held before
-    it, and adds them correctly mod 10, whether or not the value it started
-    from was the true running sum. The answer step is right iff it boxes the
-    value held. A step that writes nothing (cut mid-way) is not wrong.
-    """
-    checks: list[bool] = []
-    position, held, before = 0, 0, 0
-    for step in split_steps(text):
-        stripped = step.strip()
-        match = _STEP.match(stripped)
-        if match:
-            pos, digit, prev, result = (int(match.group(g)) for g in (2, 3, 4, 5))
-            wait = match.group(1) is not None
-            if not wait:
-                before = held  # a re-check starts again from the same value
-            ok = (
-                pos == (position if wait else position + 1)
-                and 1 <= pos <= question.difficulty
-                and digit == question.digits[pos - 1]
-                and prev == before
-                and result == (digit + prev) % 10
-            )
-            position, held = pos, result
-        elif "\\boxed{" in stripped and "}" in stripped:
-            ok = extract_answer(stripped) == str(held)
-        else:
-            ok = True
-        checks.append(ok)
-    return checks

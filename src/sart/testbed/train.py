@@ -4,20 +4,21 @@
    (``tasks.noisy_trace``) generated on the fly, loss on the response tokens
    and EOS only. The training sequence is ``tokenizer(prompt)`` followed by
    the response's words and EOS: the ids sart's engines feed and produce.
-2. PRM: ``LlamaForTokenClassification`` (2 labels) whose trunk starts from the
-   trained policy, fine-tuned on rollouts sampled from the policy itself at
-   temperature 1 and labelled step by step by the exact grader
-   (``tasks.step_labels``: is the value held after this step the true running
-   sum?). Half the rollouts are cut at a random token, as the PRM sees them
-   during generation. Inputs are built by ``QwenMathPRM.encode``, the
-   adapter's own encoding, so training and inference see the same ids.
+2. PRM: ``modeling_testbed_prm.TestbedPRM``, a frozen copy of the trained
+   policy whose log-probabilities of the trace feed seven running features
+   and a linear 2-label head, read at ``<step>`` separators as
+   Qwen2.5-Math-PRM is. The head is fitted by logistic regression on
+   rollouts sampled from the policy itself at temperature 1 (half of them
+   cut at a random token, as the PRM sees branches during generation), each
+   position labelled with whether the whole rollout is graded correct.
+   Inputs are built by ``QwenMathPRM.encode``, the adapter's own encoding,
+   so training and inference see the same ids.
 
-The ``<step>`` separator's embedding starts as the step word ``"\\n\\n"``'s,
-and each step's last token is labelled too (``prm_dense``). Known
-limitation: this PRM stays weakly informative (AUROC ~0.61 for final
-correctness, see docs/testbed.md); the other options here (``prm_labels``,
-``prm_extra_layers``, ``prm_freeze_trunk``, ``prm_bad_weight``) are the
-variants that were tried, none of which did better.
+   Fine-tuning the policy's trunk as a token classifier on step labels (what
+   this module did first) never learned to check a step's addition: AUROC
+   ~0.61 for final correctness at half the trace, best-of-8 below a single
+   branch. The policy's own likelihood already knows when a step result is
+   wrong; see docs/testbed.md.
 
 Both models and the tokenizer are saved with ``save_pretrained``, with a
 ``manifest.json`` (config, seed, versions, sha256 of every weights file).
@@ -46,12 +47,12 @@ from sart.errors import config_check
 from sart.testbed.model import ModelConfig, sample
 from sart.testbed.tasks import (
     MAX_DIGITS,
+    QUESTION_END,
     STEP_WORD,
     TraceConfig,
+    grade,
     make_question,
     noisy_trace,
-    step_checks,
-    step_labels,
 )
 from sart.testbed.tokenizer import PRM_SEPARATOR, build_tokenizer
 
@@ -85,19 +86,8 @@ class TrainConfig:
     weight_decay: float = 0.01
     prm_rollouts: int = attrs.field(default=4096, validator=_positive("prm_rollouts"))
     """Policy samples (one per question, mixed difficulty) the PRM learns from."""
-    prm_steps: int = attrs.field(default=500, validator=_positive("prm_steps"))
-    prm_lr: float = attrs.field(default=3e-3, validator=_positive("prm_lr"))
-    prm_dense: bool = True
-    """Also train on each step's last token (same label as its separator)."""
-    prm_bad_weight: float = attrs.field(default=1.0, validator=_positive("prm_bad_weight"))
-    """Loss weight of "off track" labels (about 1 step in 8)."""
-    prm_labels: str = "running"
-    """``running``: is the value held after the step the true running sum
-    (``tasks.step_labels``); ``local``: is the step itself right (``tasks.step_checks``)."""
-    prm_extra_layers: int = 0
-    """New layers on top of the policy's in the PRM (where it learns to check steps)."""
-    prm_freeze_trunk: bool = False
-    """Keep the policy's layers fixed in the PRM (only new layers, norm and head learn)."""
+    prm_l2: float = attrs.field(default=1e-3, validator=_positive("prm_l2"))
+    """L2 penalty of the PRM head's logistic regression (on standardised features)."""
     prm_cut: float = 0.5
     """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
 
@@ -109,13 +99,6 @@ class TrainConfig:
             f"in [min_digits={self.min_digits}, {MAX_DIGITS}]",
         )
         config_check(0.0 <= self.prm_cut <= 1.0, "prm_cut", self.prm_cut, "in [0, 1]")
-        config_check(
-            self.prm_labels in ("running", "local"),
-            "prm_labels",
-            self.prm_labels,
-            "'running' or 'local'",
-        )
-        config_check(self.prm_extra_layers >= 0, "prm_extra_layers", self.prm_extra_layers, ">= 0")
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(
@@ -221,15 +204,18 @@ def train_policy(
 
 def prm_examples(
     config: TrainConfig, policy: Any, tokenizer: Any, encoder: Any, log: Log = print
-) -> list[tuple[list[int], list[int], list[int]]]:
-    """(ids, rating positions, 0/1 labels) from the policy's own rollouts.
+) -> list[tuple[list[int], list[int], bool]]:
+    """(ids, rating positions, outcome) from the policy's own rollouts.
 
-    ``encoder`` is a ``QwenMathPRM``: its ``encode`` is the input format.
+    One rollout per question (mixed difficulty), sampled at temperature 1;
+    ``prm_cut`` of them cut at a random token, as the PRM sees branches
+    during generation. The outcome is whether the *whole* rollout is graded
+    correct: every prefix of it is an example of "will this trace end right"
+    (Math-Shepherd's Monte Carlo label with one rollout). ``encoder`` is a
+    ``QwenMathPRM``: its ``encode`` is the input format.
     """
-    from sart.testbed.tasks import Question
-
     rng = random.Random(config.seed + 1)
-    questions: list[Question] = [
+    questions = [
         make_question(rng, rng.randint(config.min_digits, config.max_digits))
         for _ in range(config.prm_rollouts)
     ]
@@ -245,107 +231,107 @@ def prm_examples(
     examples = []
     for question, s in zip(questions, samples):
         tokens = list(s.tokens)
+        correct = grade(question, tokenizer.decode(tokens, skip_special_tokens=True))
         if tokens and rng.random() < config.prm_cut:
             tokens = tokens[: rng.randint(1, len(tokens))]
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        enc = encoder.encode(question.prompt, text)
-        if not enc.segments:
-            continue
-        label = step_checks if config.prm_labels == "local" else step_labels
-        labels = label(question, text)[enc.first_step :]
-        examples.append((enc.ids(), enc.positions(), [int(x) for x in labels]))
+        enc = encoder.encode(question.prompt, tokenizer.decode(tokens, skip_special_tokens=True))
+        if enc.segments:
+            examples.append((enc.ids(), enc.positions(), correct))
     return examples
 
 
-def _prm_model(config: TrainConfig, policy: Any, tokenizer: Any) -> Any:
-    """The policy's layers, ``prm_extra_layers`` new ones on top, a 2-label head.
+def prm_config(policy: Any, tokenizer: Any) -> Any:
+    """The testbed PRM's configuration around a trained policy."""
+    from sart.testbed.modeling_testbed_prm import TestbedPRMConfig
 
-    The new layers start as the identity (their output projections are zero),
-    so the PRM starts from the policy's own reading of the trace; with
-    ``prm_freeze_trunk`` only they, the final norm and the head learn, and
-    the policy's features (it knows what each step's result should be) stay
-    intact.
-    """
-    from transformers import LlamaForTokenClassification
-
+    ids = tokenizer.convert_tokens_to_ids
     settings = policy.config.to_dict()
-    settings.update(
-        num_hidden_layers=policy.config.num_hidden_layers + config.prm_extra_layers,
-        num_labels=2,
-        architectures=["LlamaForTokenClassification"],
+    settings.pop("_name_or_path", None)  # where the policy was loaded from: not a setting
+    return TestbedPRMConfig(
+        text_config=settings,
+        separator_id=ids(PRM_SEPARATOR),
+        step_word_id=ids(STEP_WORD),
+        question_end_id=ids(QUESTION_END),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
-    model = LlamaForTokenClassification(type(policy.config)(**settings))
-    missing, _unexpected = model.model.load_state_dict(policy.model.state_dict(), strict=False)
-    assert all(".layers." in m or m.startswith("layers.") for m in missing), missing
+
+
+@torch.no_grad()
+def _example_features(
+    model: Any, examples: Sequence[tuple[list[int], list[int], bool]], pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running features at every rating position, and the outcome labels."""
+    rows, labels = [], []
+    for start in range(0, len(examples), 64):
+        chunk = examples[start : start + 64]
+        input_ids = _pad([e[0] for e in chunk], pad)
+        mask = _pad([[1] * len(e[0]) for e in chunk], 0)
+        features = model.features(input_ids, mask)
+        for row, (_ids, positions, correct) in enumerate(chunk):
+            rows.append(features[row, positions])
+            labels += [float(correct)] * len(positions)
+    return torch.cat(rows), torch.tensor(labels)
+
+
+def _fit_head(model: Any, features: torch.Tensor, labels: torch.Tensor, l2: float) -> float:
+    """Standardise the features and fit the head by L2-regularised logistic
+    regression (full batch, L-BFGS: deterministic); the final training loss."""
+    mean, scale = features.mean(0), features.std(0).clamp_min(1e-6)
+    x = (features - mean) / scale
+    weight = torch.zeros(x.shape[1], requires_grad=True)
+    bias = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], max_iter=500, line_search_fn="strong_wolfe")
+
+    def loss_fn() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ weight + bias, labels)
+        loss = loss + l2 * (weight**2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(loss_fn)
+    final = float(loss_fn().detach())
     with torch.no_grad():
-        for layer in model.model.layers[policy.config.num_hidden_layers :]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        # The policy never saw <step>: it starts as the step word "\n\n", so
-        # the policy's layers read a step's end as they do when generating.
-        embeddings = model.get_input_embeddings().weight
-        step_word = tokenizer.convert_tokens_to_ids(STEP_WORD)
-        embeddings[tokenizer.convert_tokens_to_ids(PRM_SEPARATOR)] = embeddings[step_word]
-    if config.prm_freeze_trunk:
-        model.model.embed_tokens.requires_grad_(False)
-        for layer in model.model.layers[: policy.config.num_hidden_layers]:
-            layer.requires_grad_(False)
-    return model
+        model.feature_mean.copy_(mean)
+        model.feature_scale.copy_(scale)
+        # Two labels (bad, good) whose softmax is the logistic model's probability.
+        model.score.weight.zero_()
+        model.score.bias.zero_()
+        model.score.weight[1] = weight
+        model.score.bias[1] = bias[0]
+    return final
 
 
 def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = print) -> Any:
-    """The PRM: the policy's trunk with a 2-label head, fine-tuned on graded rollouts."""
+    """The PRM (``modeling_testbed_prm.TestbedPRM``): the trained policy, frozen,
+    with its head fitted to the outcomes of the policy's own rollouts."""
     from transformers import LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
 
     from sart.prm.hf import QwenMathPRM
+    from sart.testbed.modeling_testbed_prm import FEATURES, TestbedPRM
 
-    # The load report (policy's lm_head unused, the score head new) is expected.
-    hf_logging.set_verbosity_error()
     _setup(config)
-    policy = LlamaForCausalLM.from_pretrained(policy_dir)
-    torch.manual_seed(config.seed + 3)
-    model = _prm_model(config, policy, tokenizer)
+    policy = LlamaForCausalLM.from_pretrained(policy_dir).eval()
+    model = TestbedPRM(prm_config(policy, tokenizer))
+    model.policy.load_state_dict(policy.state_dict())
+    model.eval()
     encoder = QwenMathPRM(
         model, tokenizer, system_prompt=None, step_separator=PRM_SEPARATOR, max_length=512
     )
     examples = prm_examples(config, policy, tokenizer, encoder, log)
-    positives = sum(sum(e[2]) for e in examples) / max(1, sum(len(e[2]) for e in examples))
-    log(f"prm examples: {len(examples)}, positive step labels {positives:.2f}")
-    rng = random.Random(config.seed + 4)
-    optimizer = _optimizer(model, config.prm_lr, config.weight_decay)
-    model.train()
     started = time.perf_counter()
-    for step in range(config.prm_steps):
-        batch = [examples[rng.randrange(len(examples))] for _ in range(config.batch_size)]
-        input_ids = _pad([e[0] for e in batch], tokenizer.pad_token_id)
-        mask = _pad([[1] * len(e[0]) for e in batch], 0)
-        targets = torch.full_like(input_ids, -100)
-        for row, (_ids, positions, labels) in enumerate(batch):
-            targets[row, positions] = torch.tensor(labels, dtype=torch.long)
-            if config.prm_dense:
-                # The step's last token gets its label too: there the step's
-                # result sits next to the policy's own prediction of it (one
-                # token back), an easier place to learn the check than <step>.
-                targets[row, [q - 1 for q in positions]] = torch.tensor(labels, dtype=torch.long)
-        for group in optimizer.param_groups:
-            group["lr"] = config.prm_lr * _schedule(step, config.prm_steps, config.warmup)
-        logits = model(input_ids=input_ids, attention_mask=mask).logits
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, 2),
-            targets.reshape(-1),
-            weight=torch.tensor([config.prm_bad_weight, 1.0]),
-            ignore_index=-100,
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 100 == 0 or step == config.prm_steps - 1:
-            log(
-                f"prm step {step:5d}  loss {loss.item():.4f}  {time.perf_counter() - started:6.0f}s"
-            )
-    return model.eval()
+    features, labels = _example_features(model, examples, tokenizer.pad_token_id)
+    loss = _fit_head(model, features, labels, config.prm_l2)
+    weights = ", ".join(
+        f"{name} {w:+.2f}" for name, w in zip(FEATURES, model.score.weight[1].tolist())
+    )
+    log(
+        f"prm head: {len(examples)} rollouts, {len(labels)} positions, "
+        f"{float(labels.mean()):.2f} positive, loss {loss:.4f} "
+        f"({time.perf_counter() - started:.0f}s); weights {weights}"
+    )
+    return model
 
 
 # --------------------------------------------------------------------------- the whole run

@@ -1,0 +1,79 @@
+"""Training the testbed: the configuration, and a tiny end-to-end run (the real one is --slow)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sart.errors import ConfigError
+
+pytest.importorskip("transformers")
+
+import torch
+
+from sart.testbed.model import ModelConfig
+from sart.testbed.train import TrainConfig, _fit_head, train
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("prm_cut", 1.5), ("prm_l2", 0.0), ("prm_rollouts", 0), ("threads", 0), ("max_digits", 9)],
+)
+def test_config_refuses_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_head_fit_is_the_logistic_regression_of_the_outcomes() -> None:
+    from sart.testbed import modeling_testbed_prm as prm_model
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            n = len(prm_model.FEATURES)
+            self.feature_mean = torch.nn.Parameter(torch.zeros(n), requires_grad=False)
+            self.feature_scale = torch.nn.Parameter(torch.ones(n), requires_grad=False)
+            self.score = torch.nn.Linear(n, 2)
+
+    torch.manual_seed(0)
+    features = torch.randn(2000, len(prm_model.FEATURES)) * 3 + 1
+    truth = torch.sigmoid(2 * features[:, 0] - features[:, 3])
+    labels = torch.bernoulli(truth)
+    head = Head()
+    loss = _fit_head(head, features, labels, l2=1e-4)
+    with torch.no_grad():
+        probs = torch.softmax(head.score((features - head.feature_mean) / head.feature_scale), -1)
+    good = probs[:, 1]
+    # The 2-label softmax is the fitted probability: close to the true one,
+    # and its penalised loss is the reported one.
+    assert (good - truth).abs().mean() < 0.05
+    penalty = 1e-4 * float((head.score.weight[1].detach() ** 2).sum())
+    bce = float(torch.nn.functional.binary_cross_entropy(good, labels))
+    assert loss == pytest.approx(bce + penalty, abs=1e-4)
+
+
+def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
+    from sart.prm.base import ScoreItem
+    from sart.prm.hf import QwenMathPRM
+    from sart.testbed import prm_kwargs
+    from sart.testbed.tasks import Question, clean_trace
+    from sart.types import BranchId
+
+    config = TrainConfig(
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1),
+        policy_steps=3,
+        batch_size=4,
+        prm_rollouts=8,
+        max_digits=3,
+    )
+    lines: list[str] = []
+    manifest = train(tmp_path, config, log=lines.append)
+    assert set(manifest["sha256"]) == {"policy/model.safetensors", "prm/model.safetensors"}
+    assert json.loads((tmp_path / "manifest.json").read_text())["config"]["prm_rollouts"] == 8
+    assert any(line.startswith("prm head: 8 rollouts") for line in lines)
+    prm = QwenMathPRM.from_pretrained(tmp_path / "prm", **prm_kwargs())
+    q = Question((1, 2))
+    (rewards,) = prm.step_rewards([ScoreItem(BranchId("r", 0), q.prompt, clean_trace(q), 9, True)])
+    assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
