@@ -685,6 +685,12 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
         tokens0 = metric(vllm_server, "vllm:generation_tokens_total")
         await e.start_branches("a", [BranchSpec(j, 10 + j) for j in range(width)])
         await e.step(1)
+        # vLLM's engine runs ahead of what its API server has streamed (from 100 to
+        # over 13,000 of the 128,000 tokens were made before the client saw a token
+        # of every branch, in three quiet runs): what an abort can save depends on
+        # what is left when it lands, so measure that.
+        made_before = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
+        done_before = finished(vllm_server) - finished0
         await e.abort([BranchId("a", j) for j in range(cut)])
         assert e.stats().live_branches == width - cut
         while e.stats().live_branches:
@@ -697,17 +703,16 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
                 break
             await asyncio.sleep(0.1)
         assert running(vllm_server) == 0
-        # The branches left alone ran to max_tokens on the server; the aborted ones were
-        # stopped there early (vLLM aborts a request whose client disconnects). vLLM
-        # notices a disconnect on its own event loop: on a loaded 2-core machine one
-        # or two aborted branches were seen reaching their end first (1 run in 5), so
-        # the test asks that most of them stopped early.
+        # The branches left alone ran to max_tokens on the server; an aborted one
+        # ran out only if it had before the abort (one more may end between the
+        # metric's read and the abort): vLLM aborts a request whose client
+        # disconnects. And after the abort, the aborted branches made at most a
+        # few hundred tokens each (those in flight).
         ran_out = finished(vllm_server) - finished0
-        assert width - cut <= ran_out <= width - cut // 2
+        assert width - cut <= ran_out <= width - cut + done_before + 1
         made = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
-        aborted_early = width - ran_out
         assert (width - cut) * max_tokens <= made
-        assert made < width * max_tokens - aborted_early * 100
+        assert made - made_before <= (width - cut) * max_tokens + cut * 500
 
     asyncio.run(scenario())
 
