@@ -230,6 +230,7 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
     questions = testbed.make_questions(0, 12)
     assert [(i.prompt, i.answer) for i in setup.items] == [(q.prompt, q.answer) for q in questions]
     assert setup.sampling.temperature == 1.0
+    assert setup.sampling.top_p == 1.0  # the calibrated distribution, tail included
     assert setup.sampling.max_tokens == TESTBED_MAX_TOKENS
     # Flags still win: another PRM (with no testbed options), a prompt file, sampling.
     prompts = tmp_path / "p.jsonl"
@@ -237,12 +238,13 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
     setup = real_setup(
         _args(
             "--engine", "vllm", "--model", "testbed", "--prm", "other", "--prompts",
-            str(prompts), "--temperature", "0.5", "--max-tokens", "9",
+            str(prompts), "--temperature", "0.5", "--max-tokens", "9", "--top-p", "0.9",
         )
     )  # fmt: skip
     assert (setup.prm, setup.prm_options) == ("other", {})
     assert [i.prompt for i in setup.items] == ["Q p1 3 S"]
     assert (setup.sampling.temperature, setup.sampling.max_tokens) == (0.5, 9)
+    assert setup.sampling.top_p == 0.9
     # The testbed PRM is transformers code: another PRM kind for it is refused.
     with pytest.raises(sart.ConfigError, match="--prm-kind vllm-qwen: the testbed PRM"):
         real_setup(_args("--engine", "vllm", "--model", "testbed", "--prm-kind", "vllm-qwen"))
@@ -258,3 +260,4 @@ def test_a_real_engine_needs_prompts_unless_it_is_the_testbed(tmp_path: Path) ->
     defaults = real_setup(_args("--engine", "hf", "--model", "m", "--prompts", str(prompts)))
     defaults = defaults.sampling
     assert (defaults.temperature, defaults.max_tokens) == (REAL_TEMPERATURE, REAL_MAX_TOKENS)
+    assert defaults.top_p == sart.SamplingSettings().top_p

@@ -89,6 +89,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "as calibrated)",
     )
     p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="hf, vllm: nucleus sampling mass (default: SamplingSettings' 0.95; testbed: "
+        "1.0, as calibrated: a cut tail would drop most of its slips)",
+    )
+    p.add_argument(
         "--record-trace", help="hf, vllm: also record a trace of the prompts to this file"
     )
     p.add_argument(
@@ -320,7 +327,8 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
     ``--model testbed`` stands for the shipped testbed policy; its PRM (with
     the options it is calibrated for) unless ``--prm`` says otherwise; and,
     without ``--prompts``, ``--requests`` testbed questions of mixed
-    difficulty drawn with ``--seed``; sampled at temperature 1.0 by default.
+    difficulty drawn with ``--seed``; sampled at temperature 1.0 and top-p 1.0
+    by default (as ``sart testbed report`` samples).
     """
     from sart.bench.real import load_prompts
 
@@ -353,9 +361,17 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
         items = load_prompts(args.prompts)
     default_tokens = TESTBED_MAX_TOKENS if testbed else REAL_MAX_TOKENS
     default_temperature = 1.0 if testbed else REAL_TEMPERATURE
+    top_p: dict[str, float] = {}
+    if args.top_p is not None:
+        top_p["top_p"] = args.top_p
+    elif testbed:
+        # The calibration samples the full distribution: the testbed's slips are
+        # low-probability tokens that a top-p cut would mostly remove.
+        top_p["top_p"] = 1.0
     sampling = SamplingSettings(
         temperature=default_temperature if args.temperature is None else args.temperature,
         max_tokens=args.max_tokens or default_tokens,
+        **top_p,
     )
     return RealSetup(model, prm, prm_options, items, sampling)
 
