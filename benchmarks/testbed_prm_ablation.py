@@ -1,0 +1,227 @@
+"""What a judge of half a testbed trace can know, and which PRM inputs get there.
+
+Reproduces the measurements behind the testbed PRM's design (docs/testbed.md,
+"Why the PRM reads the policy's likelihood"). Training data: the PRM's own
+training examples (``sart.testbed.train.prm_examples``: 4096 rollouts of the
+shipped policy, half cut at a random token, outcome labels at every
+separator). Evaluation: the calibration report's branches (120 questions x 8,
+seed 0), each judged from its first 50% of tokens and from all of them.
+
+Judges, each a logistic regression fitted on the training data (the shipped
+PRM is fitted the same way on ``all features``):
+
+- ``hidden state``: the frozen policy's last hidden state at the separator;
+- ``likelihood``: the first five running features (lowest log-prob, sum,
+  counts below 10% and 1%, response length);
+- ``all features``: the shipped PRM's seven (adds question length, steps);
+- ``shipped PRM``: the shipped weights, for reference.
+
+And two oracles that read the grader, not the trace's likelihood:
+
+- ``oracle: on track``: the grader's step label at the cut (is the value held
+  the true running sum?), the best "still on track" judge;
+- ``oracle: on track + ahead``: that label with the digits and carries still
+  ahead (from the true sums), each combination's outcome rate on the
+  training rollouts: about the best any judge of the prefix can do.
+
+    python benchmarks/testbed_prm_ablation.py        # about 2 minutes on 1 thread
+
+Needs the ``[hf]`` extra.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from sart.prm.hf import QwenMathPRM
+from sart.testbed import PRM_PATH, prm_kwargs
+from sart.testbed.model import sample
+from sart.testbed.modeling_testbed_prm import FEATURES
+from sart.testbed.report import ReportConfig, auroc
+from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
+from sart.testbed.train import TrainConfig, _pad, prm_examples
+
+_POSITION = re.compile(r"p(\d+) \d \+")
+
+
+@torch.no_grad()
+def inputs(prm: Any, rows: Sequence[list[int]], positions: Sequence[list[int]]) -> list[Any]:
+    """(features, last hidden state) at each row's positions."""
+    model = prm.model
+    out = []
+    for start in range(0, len(rows), 64):
+        chunk = list(rows[start : start + 64])
+        ids = _pad(chunk, prm.tokenizer.pad_token_id)
+        mask = _pad([[1] * len(r) for r in chunk], 0)
+        features = model.features(ids, mask)
+        policy_ids = ids.masked_fill(ids == model.config.separator_id, model.config.step_word_id)
+        hidden = model.policy(
+            input_ids=policy_ids, attention_mask=mask, output_hidden_states=True
+        ).hidden_states[-1]
+        for k, where in enumerate(positions[start : start + 64]):
+            out.append((features[k, where], hidden[k, where]))
+    return out
+
+
+def fit(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-3) -> Callable[[torch.Tensor], Any]:
+    """Standardised L2 logistic regression (L-BFGS); returns the scoring function."""
+    mean, scale = x.mean(0), x.std(0).clamp_min(1e-6)
+    z = (x - mean) / scale
+    w = torch.zeros(z.shape[1], requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
+
+    def loss() -> torch.Tensor:
+        opt.zero_grad()
+        value = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y)
+        value = value + l2 * (w**2).sum()
+        value.backward()
+        return value
+
+    opt.step(loss)
+    return lambda q: (((q - mean) / scale) @ w + b).detach()
+
+
+def oracle(question: Question, text: str) -> tuple[int, int, int]:
+    """(on track, digits ahead, carries ahead) of a trace cut to ``text``."""
+    labels = step_labels(question, text)
+    reached = max((int(m) for m in _POSITION.findall(text)), default=0)
+    reached = min(reached, question.difficulty)
+    truth = question.running()
+    carries = sum(
+        1
+        for i in range(reached, question.difficulty)
+        if (truth[i - 1] if i >= 1 else 0) + question.digits[i] >= 10
+    )
+    return int(labels[-1] if labels else True), question.difficulty - reached, carries
+
+
+def halves(policy: Any, tokenizer: Any, seed: int, count: int) -> list[tuple[Question, str, bool]]:
+    """(question, first half of a rollout's text, whole rollout graded right),
+    over questions of 1 to 8 digits as the PRM's training rollouts are."""
+    rng = random.Random(seed)
+    questions = [make_question(rng, rng.randint(1, 8)) for _ in range(count)]
+    samples = sample(
+        policy,
+        [tokenizer(q.prompt)["input_ids"] for q in questions],
+        eos_id=tokenizer.eos_token_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
+    out = []
+    for q, s in zip(questions, samples):
+        text = tokenizer.decode(list(s.tokens), skip_special_tokens=True)
+        half = tokenizer.decode(list(s.tokens[: len(s.tokens) // 2]), skip_special_tokens=True)
+        out.append((q, half, grade(q, text)))
+    return out
+
+
+def _item(index: int, question: Question, text: str) -> Any:
+    from sart.prm.base import ScoreItem
+    from sart.types import BranchId
+
+    return ScoreItem(BranchId(f"b{index}", 0), question.prompt, text, len(text.split()), True)
+
+
+def _best_of(scores: Sequence[float], labels: Sequence[bool], n: int) -> float:
+    """Accuracy of the highest-scored branch of each group of ``n``."""
+    picks = []
+    for start in range(0, len(scores), n):
+        best = max(range(start, start + n), key=lambda i: scores[i])
+        picks.append(labels[best])
+    return statistics.fmean(picks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    prm = QwenMathPRM.from_pretrained(PRM_PATH, incremental=False, **prm_kwargs())
+    tokenizer = prm.tokenizer
+    policy = prm.model.policy
+
+    # Training data: the PRM's own training examples (same seeds as train_prm).
+    config = TrainConfig()
+    examples = prm_examples(config, policy, tokenizer, prm, log=lambda _line: None)
+    train = inputs(prm, [e[0] for e in examples], [e[1] for e in examples])
+    train_f = torch.cat([f for f, _ in train])
+    train_h = torch.cat([h for _, h in train])
+    train_y = torch.tensor([float(e[2]) for e in examples for _ in e[1]])
+
+    # Evaluation: the report's branches, cut at 50% and whole.
+    report = ReportConfig()
+    questions = make_questions(report.seed, report.questions, report.difficulties)
+    prompts = [tokenizer(q.prompt)["input_ids"] for q in questions for _ in range(report.n)]
+    samples = sample(
+        policy,
+        prompts,
+        eos_id=tokenizer.eos_token_id,
+        generator=torch.Generator().manual_seed(report.seed),
+        max_new_tokens=report.max_new_tokens,
+    )
+    branches = []
+    for index, s in enumerate(samples):
+        q = questions[index // report.n]
+        text = tokenizer.decode(list(s.tokens), skip_special_tokens=True)
+        half = tokenizer.decode(list(s.tokens[: len(s.tokens) // 2]), skip_special_tokens=True)
+        branches.append((q, half, text, grade(q, text)))
+    labels = [b[3] for b in branches]
+
+    # The oracle table: outcome rate per (on track, ahead, carries), from
+    # 4096 other rollouts of the policy cut at 50% as the evaluation is.
+    table: dict[tuple[int, int, int], list[float]] = defaultdict(list)
+    for q, half, correct in halves(policy, tokenizer, seed=10, count=4096):
+        table[oracle(q, half)].append(float(correct))
+
+    judges = {
+        "hidden state": (fit(train_h, train_y), "h"),
+        "likelihood": (fit(train_f[:, :5], train_y), "l"),
+        "all features": (fit(train_f, train_y), "f"),
+    }
+    results: dict[str, dict[str, float]] = {}
+    for cut, index in (("50%", 1), ("100%", 2)):
+        encoded = [prm.encode(b[0].prompt, b[index]) for b in branches]
+        kept = [i for i, e in enumerate(encoded) if e.segments]
+        evaluated = inputs(
+            prm, [encoded[i].ids() for i in kept], [[encoded[i].positions()[-1]] for i in kept]
+        )
+        # The judges read the last separator, as the shipped PRM's ``last`` does.
+        feats = torch.zeros(len(branches), len(FEATURES))
+        hidden = torch.zeros(len(branches), train_h.shape[1])
+        for i, (f, h) in zip(kept, evaluated):
+            feats[i], hidden[i] = f[0], h[0]
+        scores: dict[str, list[float]] = {}
+        for name, (judge, kind) in judges.items():
+            x = {"h": hidden, "l": feats[:, :5], "f": feats}[kind]
+            scores[name] = judge(x).tolist()
+        rewards = prm.score([_item(i, b[0], b[index]) for i, b in enumerate(branches)])
+        scores["shipped PRM"] = list(rewards)
+        on_track = [float(oracle(b[0], b[index])[0]) for b in branches]
+        scores["oracle: on track"] = on_track
+        scores["oracle: on track + ahead"] = [
+            statistics.fmean(table.get(oracle(b[0], b[index]), [0.5])) for b in branches
+        ]
+        for name, s in scores.items():
+            results.setdefault(name, {})[cut] = auroc(s, labels)
+            if cut == "100%":
+                results[name]["best-of-8"] = _best_of(s, labels, report.n)
+
+    width = max(map(len, results))
+    print(f"{'judge':<{width}}  AUROC 50%  AUROC 100%  best-of-{report.n}")
+    for name, r in results.items():
+        print(f"{name:<{width}}  {r['50%']:>9.3f}  {r['100%']:>10.3f}  {r['best-of-8']:>9.3f}")
+    print(f"branch accuracy {statistics.fmean(labels):.3f}; {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
