@@ -98,6 +98,17 @@ def test_logits_are_the_standardised_features_through_the_head() -> None:
     assert torch.allclose(logits, model.score(x), atol=1e-6)
 
 
+def test_runs_in_half_precision() -> None:
+    # Loaded with dtype=torch.bfloat16 (as a GPU user would), the head reads
+    # float32 features in its own precision.
+    model = _model()
+    ids = _ids(f"{QUESTION} {RESPONSE}")
+    want = model(input_ids=ids).logits
+    got = model.to(torch.bfloat16)(input_ids=ids).logits
+    assert got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), want, atol=0.2)
+
+
 def test_cached_scoring_matches_uncached_after_growing_and_cropping() -> None:
     from sart.prm.hf import CacheAPI
 

@@ -28,6 +28,7 @@ object and cut back with it.
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -159,8 +160,8 @@ class TestbedPRM(PreTrainedModel):
         increments = torch.stack(
             [
                 lp,
-                (counted & (token_lp < torch.log(torch.tensor(0.1)))).float(),
-                (counted & (token_lp < torch.log(torch.tensor(0.01)))).float(),
+                (counted & (token_lp < math.log(0.1))).float(),
+                (counted & (token_lp < math.log(0.01))).float(),
                 counted.float(),
                 (~in_response).float(),
                 (in_response & separator).float(),
@@ -189,7 +190,8 @@ class TestbedPRM(PreTrainedModel):
         cache = cache if cache is not None else past_key_values
         features = self.features(input_ids, attention_mask, cache if use_cache else None)
         standardised = (features - self.feature_mean) / self.feature_scale
-        return TokenClassifierOutput(logits=self.score(standardised))
+        # Features are computed in float32; the head may be in half precision.
+        return TokenClassifierOutput(logits=self.score(standardised.to(self.score.weight.dtype)))
 
 
 def _cached_state(cache: Any, past: int, batch: int) -> dict[str, torch.Tensor] | None:
