@@ -28,6 +28,7 @@ def test_bench_writes_table_json_and_plots(
     for label in ("Vanilla", "SC", "Rebase", "SART-noprune", "SART", "SC / SART"):
         assert label in printed
     assert doc["schema"] == "sart.bench/1"
+    assert doc["serving"] is None  # simulated: no model, no sampling
     runs = doc["runs"]
     # Vanilla once, the four others at N = 2 and 4.
     assert [(r["method"], r["n"]) for r in runs] == [

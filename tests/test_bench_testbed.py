@@ -45,6 +45,11 @@ def bench_argv(engine: str, out: Path, *extra: str) -> list[str]:
 def check_comparison(doc: dict) -> None:
     """What must hold for the five methods on 12 testbed questions at N = 4."""
     assert doc["time_unit"] == "seconds (wall clock)"
+    # What was served, and sampled as the calibration samples.
+    serving = doc["serving"]
+    assert serving["model"].endswith("policy") and serving["prm"].endswith("prm")
+    assert serving["sampling"] == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 256}
+    assert serving["prm_options"]["aggregate"] == "last"
     runs = {r["method"]: r for r in doc["runs"]}
     assert [(r["method"], r["n"]) for r in doc["runs"]] == [
         (m, 1 if m == "vanilla" else 4) for m in METHODS

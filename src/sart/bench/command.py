@@ -244,12 +244,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         console=console,
         transient=True,
     ) as progress:
+        serving = None
         if config.engine in ("hf", "vllm"):
-            records, gold = _run_real(args, config, progress)
+            records, gold, serving = _run_real(args, config, progress)
         else:
             records, gold = _run_sim(config, progress)
     wall = time.perf_counter() - started
-    document = bench_json(config, records, gold, wall)
+    document = bench_json(config, records, gold, wall, serving)
     (out / "results.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
     plots = []
     if not args.no_plots:
@@ -400,7 +401,7 @@ def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
 
 def _run_real(
     args: argparse.Namespace, config: BenchConfig, progress: Any
-) -> tuple[list[RunRecord], dict]:
+) -> tuple[list[RunRecord], dict, dict[str, Any]]:
     from sart.bench.real import record_trace, run_real
 
     setup = real_setup(args)
@@ -435,4 +436,17 @@ def _run_real(
         )
         trace.dump(args.record_trace)
     gold = {item.id: item.answer for item in items if item.answer is not None}
-    return records, dict.fromkeys(config.rates, gold)
+    # What was served and how it was sampled: accuracies are not comparable
+    # across runs without it (a top-p cut changes the testbed's accuracy).
+    serving = {
+        "model": setup.model,
+        "prm": setup.prm,
+        "prm_kind": args.prm_kind if setup.prm else None,
+        "prm_options": setup.prm_options,
+        "sampling": {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+        },
+    }
+    return records, dict.fromkeys(config.rates, gold), serving

@@ -45,13 +45,16 @@ def bench_json(
     records: Sequence[RunRecord],
     gold: dict[float | None, dict[str, str]],
     wall_seconds: float,
+    serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The whole benchmark as one JSON document (``results.json``)."""
+    """The whole benchmark as one JSON document (``results.json``); ``serving``
+    (real engines: model, PRM, sampling settings) is recorded as given."""
     cfg = attrs.asdict(config)
     cfg["admission"] = config.admission.value
     return {
         "schema": SCHEMA,
         "config": cfg,
+        "serving": serving,
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
         "time_unit": (
             "seconds (wall clock)"
