@@ -48,7 +48,7 @@ from sart.testbed.model import sample
 from sart.testbed.modeling_testbed_prm import FEATURES
 from sart.testbed.report import ReportConfig, auroc
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
-from sart.testbed.train import TrainConfig, _pad, prm_examples
+from sart.testbed.train import TrainConfig, _pad, fit_logistic, prm_examples
 
 _POSITION = re.compile(r"p(\d+) \d \+")
 
@@ -72,23 +72,9 @@ def inputs(prm: Any, rows: Sequence[list[int]], positions: Sequence[list[int]]) 
     return out
 
 
-def fit(x: torch.Tensor, y: torch.Tensor, l2: float = 1e-3) -> Callable[[torch.Tensor], Any]:
-    """Standardised L2 logistic regression (L-BFGS); returns the scoring function."""
-    mean, scale = x.mean(0), x.std(0).clamp_min(1e-6)
-    z = (x - mean) / scale
-    w = torch.zeros(z.shape[1], requires_grad=True)
-    b = torch.zeros(1, requires_grad=True)
-    opt = torch.optim.LBFGS([w, b], max_iter=500, line_search_fn="strong_wolfe")
-
-    def loss() -> torch.Tensor:
-        opt.zero_grad()
-        value = torch.nn.functional.binary_cross_entropy_with_logits(z @ w + b, y)
-        value = value + l2 * (w**2).sum()
-        value.backward()
-        return value
-
-    opt.step(loss)
-    return lambda q: (((q - mean) / scale) @ w + b).detach()
+def fit(x: torch.Tensor, y: torch.Tensor) -> Callable[[torch.Tensor], Any]:
+    """The scoring function of a logistic regression fitted as the PRM's head is."""
+    return fit_logistic(x, y, TrainConfig().prm_l2).logits
 
 
 def oracle(question: Question, text: str) -> tuple[int, int, int]:

@@ -274,9 +274,24 @@ def _example_features(
     return torch.cat(rows), torch.tensor(labels)
 
 
-def _fit_head(model: Any, features: torch.Tensor, labels: torch.Tensor, l2: float) -> float:
-    """Standardise the features and fit the head by L2-regularised logistic
-    regression (full batch, L-BFGS: deterministic); the final training loss."""
+@attrs.frozen
+class Logistic:
+    """A fitted L2-regularised logistic regression on standardised features."""
+
+    mean: torch.Tensor
+    scale: torch.Tensor
+    weight: torch.Tensor
+    bias: float
+    loss: float
+    """The final training loss (penalty included)."""
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        return ((features - self.mean) / self.scale) @ self.weight + self.bias
+
+
+def fit_logistic(features: torch.Tensor, labels: torch.Tensor, l2: float) -> Logistic:
+    """Standardise ``features`` and fit a logistic regression of ``labels``
+    (full batch, L-BFGS: deterministic)."""
     mean, scale = features.mean(0), features.std(0).clamp_min(1e-6)
     x = (features - mean) / scale
     weight = torch.zeros(x.shape[1], requires_grad=True)
@@ -292,15 +307,21 @@ def _fit_head(model: Any, features: torch.Tensor, labels: torch.Tensor, l2: floa
 
     optimizer.step(loss_fn)
     final = float(loss_fn().detach())
+    return Logistic(mean, scale, weight.detach(), float(bias.detach()[0]), final)
+
+
+def _fit_head(model: Any, features: torch.Tensor, labels: torch.Tensor, l2: float) -> float:
+    """Fit the PRM's head (``fit_logistic``); the final training loss."""
+    fitted = fit_logistic(features, labels, l2)
     with torch.no_grad():
-        model.feature_mean.copy_(mean)
-        model.feature_scale.copy_(scale)
+        model.feature_mean.copy_(fitted.mean)
+        model.feature_scale.copy_(fitted.scale)
         # Two labels (bad, good) whose softmax is the logistic model's probability.
         model.score.weight.zero_()
         model.score.bias.zero_()
-        model.score.weight[1] = weight
-        model.score.bias[1] = bias[0]
-    return final
+        model.score.weight[1] = fitted.weight
+        model.score.bias[1] = fitted.bias
+    return fitted.loss
 
 
 def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = print) -> Any:
