@@ -44,9 +44,8 @@ import torch
 
 from sart.prm.hf import QwenMathPRM
 from sart.testbed import PRM_PATH, prm_kwargs
-from sart.testbed.model import sample
 from sart.testbed.modeling_testbed_prm import FEATURES
-from sart.testbed.report import ReportConfig, auroc
+from sart.testbed.report import ReportConfig, auroc, draw
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
 from sart.testbed.train import TrainConfig, _pad, fit_logistic, prm_examples
 
@@ -91,25 +90,6 @@ def oracle(question: Question, text: str) -> tuple[int, int, int]:
     return int(labels[-1] if labels else True), question.difficulty - reached, carries
 
 
-def halves(policy: Any, tokenizer: Any, seed: int, count: int) -> list[tuple[Question, str, bool]]:
-    """(question, first half of a rollout's text, whole rollout graded right),
-    over questions of 1 to 8 digits as the PRM's training rollouts are."""
-    rng = random.Random(seed)
-    questions = [make_question(rng, rng.randint(1, 8)) for _ in range(count)]
-    samples = sample(
-        policy,
-        [tokenizer(q.prompt)["input_ids"] for q in questions],
-        eos_id=tokenizer.eos_token_id,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    out = []
-    for q, s in zip(questions, samples):
-        text = tokenizer.decode(list(s.tokens), skip_special_tokens=True)
-        half = tokenizer.decode(list(s.tokens[: len(s.tokens) // 2]), skip_special_tokens=True)
-        out.append((q, half, grade(q, text)))
-    return out
-
-
 def _item(index: int, question: Question, text: str) -> Any:
     from sart.prm.base import ScoreItem
     from sart.types import BranchId
@@ -147,27 +127,18 @@ def main() -> None:
     # Evaluation: the report's branches, cut at 50% and whole.
     report = ReportConfig()
     questions = make_questions(report.seed, report.questions, report.difficulties)
-    prompts = [tokenizer(q.prompt)["input_ids"] for q in questions for _ in range(report.n)]
-    samples = sample(
-        policy,
-        prompts,
-        eos_id=tokenizer.eos_token_id,
-        generator=torch.Generator().manual_seed(report.seed),
-        max_new_tokens=report.max_new_tokens,
-    )
-    branches = []
-    for index, s in enumerate(samples):
-        q = questions[index // report.n]
-        text = tokenizer.decode(list(s.tokens), skip_special_tokens=True)
-        half = tokenizer.decode(list(s.tokens[: len(s.tokens) // 2]), skip_special_tokens=True)
-        branches.append((q, half, text, grade(q, text)))
+    drawn = draw(questions, report.n, policy, tokenizer, report.seed, report.max_new_tokens)
+    branches = [(d.question, d.half, d.text, grade(d.question, d.text)) for d in drawn]
     labels = [b[3] for b in branches]
 
-    # The oracle table: outcome rate per (on track, ahead, carries), from
-    # 4096 other rollouts of the policy cut at 50% as the evaluation is.
+    # The oracle table: outcome rate per (on track, ahead, carries), from 4096
+    # other rollouts of the policy (1 to 8 digits, as the PRM's training
+    # rollouts) cut at 50% as the evaluation is.
+    rng = random.Random(10)
+    others = [make_question(rng, rng.randint(1, 8)) for _ in range(4096)]
     table: dict[tuple[int, int, int], list[float]] = defaultdict(list)
-    for q, half, correct in halves(policy, tokenizer, seed=10, count=4096):
-        table[oracle(q, half)].append(float(correct))
+    for d in draw(others, 1, policy, tokenizer, seed=10):
+        table[oracle(d.question, d.half)].append(float(grade(d.question, d.text)))
 
     judges = {
         "hidden state": (fit(train_h, train_y), "h"),

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 import torch
 
 from sart.testbed import modeling_testbed_prm as prm_model
+from sart.testbed.model import ModelConfig
 from sart.testbed.tokenizer import build_tokenizer
 
 # Token ids of the testbed vocabulary used below.
@@ -20,21 +21,10 @@ IDS = {w: TOK.convert_tokens_to_ids(w) for w in ("Q", "S", "<step>", "\n\n", "p1
 
 
 def _model(seed: int = 0) -> prm_model.TestbedPRM:
-    from transformers import LlamaConfig
-
     torch.manual_seed(seed)
-    policy = LlamaConfig(
-        vocab_size=len(TOK),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=1,
-        num_key_value_heads=1,
-        max_position_embeddings=128,
-        bos_token_id=None,
-        eos_token_id=TOK.eos_token_id,
-        pad_token_id=TOK.pad_token_id,
-    )
+    policy = ModelConfig(
+        hidden_size=32, intermediate_size=64, num_layers=2, num_heads=1, max_positions=128
+    ).llama(TOK)
     config = prm_model.TestbedPRMConfig(
         text_config=policy.to_dict(),
         separator_id=IDS["<step>"],

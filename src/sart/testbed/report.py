@@ -24,12 +24,16 @@ import statistics
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
+
+if TYPE_CHECKING:
+    from sart.testbed.model import Sample
+    from sart.testbed.tasks import Question
 
 # --------------------------------------------------------------------------- statistics
 
@@ -236,6 +240,49 @@ class ReportConfig:
         config_check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1")
 
 
+@attrs.frozen
+class Drawn:
+    """One sampled branch before grading: its text whole and cut to half its tokens."""
+
+    question_index: int
+    question: Question
+    sample: Sample
+    half: str
+    """The decoded first ``len(tokens) // 2`` tokens: the trace at 50%."""
+    text: str
+
+
+def draw(
+    questions: Sequence[Question],
+    n: int,
+    policy: Any,
+    tokenizer: Any,
+    seed: int,
+    max_new_tokens: int = 256,
+) -> list[Drawn]:
+    """``n`` branches per question from the seeded sampler, in order."""
+    import torch
+
+    from sart.testbed.model import sample
+
+    prompts = [tokenizer(q.prompt)["input_ids"] for q in questions for _ in range(n)]
+    samples = sample(
+        policy,
+        prompts,
+        eos_id=tokenizer.eos_token_id,
+        generator=torch.Generator().manual_seed(seed),
+        max_new_tokens=max_new_tokens,
+    )
+    out = []
+    for index, s in enumerate(samples):
+        qi = index // n
+        tokens = list(s.tokens)
+        half = tokenizer.decode(tokens[: len(tokens) // 2], skip_special_tokens=True)
+        text = tokenizer.decode(tokens, skip_special_tokens=True)
+        out.append(Drawn(qi, questions[qi], s, half, text))
+    return out
+
+
 def sample_branches(
     config: ReportConfig,
     policy_dir: str | Path | None = None,
@@ -249,7 +296,6 @@ def sample_branches(
     from sart.prm.base import ScoreItem
     from sart.prm.hf import QwenMathPRM
     from sart.testbed import POLICY_PATH, PRM_PATH, prm_kwargs
-    from sart.testbed.model import sample
     from sart.testbed.tasks import grade, make_questions
     from sart.types import BranchId
 
@@ -260,39 +306,27 @@ def sample_branches(
         prm_dir or PRM_PATH, incremental=False, batch_size=64, **prm_kwargs()
     )
     questions = make_questions(config.seed, config.questions, config.difficulties)
-    prompts = [tokenizer(q.prompt)["input_ids"] for q in questions for _ in range(config.n)]
-    generator = torch.Generator().manual_seed(config.seed)
-    samples = sample(
-        policy,
-        prompts,
-        eos_id=tokenizer.eos_token_id,
-        generator=generator,
-        max_new_tokens=config.max_new_tokens,
-    )
-    items_half, items_full, meta = [], [], []
-    for index, s in enumerate(samples):
-        qi, bi = divmod(index, config.n)
-        q = questions[qi]
-        branch = BranchId(f"q{qi}", bi)
-        text = tokenizer.decode(list(s.tokens), skip_special_tokens=True)
-        half = tokenizer.decode(list(s.tokens[: len(s.tokens) // 2]), skip_special_tokens=True)
-        items_half.append(ScoreItem(branch, q.prompt, half, len(s.tokens) // 2, False))
-        items_full.append(ScoreItem(branch, q.prompt, text, len(s.tokens), True))
-        meta.append((qi, q, s, text))
+    drawn = draw(questions, config.n, policy, tokenizer, config.seed, config.max_new_tokens)
+    items_half, items_full = [], []
+    for index, d in enumerate(drawn):
+        branch = BranchId(f"q{d.question_index}", index % config.n)
+        length = len(d.sample.tokens)
+        items_half.append(ScoreItem(branch, d.question.prompt, d.half, length // 2, False))
+        items_full.append(ScoreItem(branch, d.question.prompt, d.text, length, True))
     half_rewards = prm.step_rewards(items_half)
     full_rewards = prm.step_rewards(items_full)
     return [
         Branch(
-            question=qi,
-            difficulty=q.difficulty,
-            length=len(s.tokens),
-            answer=_answer(text),
-            correct=grade(q, text),
-            finished=s.finished,
+            question=d.question_index,
+            difficulty=d.question.difficulty,
+            length=len(d.sample.tokens),
+            answer=_answer(d.text),
+            correct=grade(d.question, d.text),
+            finished=d.sample.finished,
             half_rewards=tuple(h),
             full_rewards=tuple(f),
         )
-        for (qi, q, s, text), h, f in zip(meta, half_rewards, full_rewards)
+        for d, h, f in zip(drawn, half_rewards, full_rewards)
     ]
 
 
