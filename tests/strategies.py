@@ -6,13 +6,17 @@ from the stock recipes or assembled from stock parts, per-branch
 ``BranchScript``s, ``max_tokens`` caps that truncate some branches), a batch
 budget ``B``, an admission mode, a PRM ``every`` that usually equals the
 interval ``T`` and sometimes does not, and injected faults (engine prefill,
-start and decode failures, PRM exceptions and NaN rewards). A ``Workload``
+start and decode failures, PRM exceptions and NaN rewards), and how checks
+are scored: blocking (Algorithm 1) or overlapped with decoding, with a PRM
+whose calls take random amounts of virtual time (``prm_costs``, cycled), so
+that rewards land after a random number of decode steps. A ``Workload``
 builds fresh ``FakeEngine``/``ScriptedPRM`` pairs, so the same workload can
 be run twice.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import attrs
@@ -144,6 +148,10 @@ class Workload:
     admission: sart.Admission
     prm_every: int
     attribute_failures: bool
+    scoring: sart.Scoring = sart.Scoring.BLOCKING
+    prm_costs: tuple[float, ...] = ()
+    """Virtual seconds each PRM call takes, cycled (empty: every call is free)."""
+    prm_shares_engine: bool = False
 
     def _faulted_branches(self, kind: str) -> dict[sart.BranchId, int]:
         return {
@@ -152,6 +160,16 @@ class Workload:
             for f in fs
             if f.kind == kind
         }
+
+    @property
+    def delays_rewards(self) -> bool:
+        """Whether rewards can arrive after more decoding (overlapped, on a PRM of its own
+        that takes time); otherwise a run is step for step Algorithm 1's."""
+        return (
+            self.scoring is sart.Scoring.OVERLAPPED
+            and not self.prm_shares_engine
+            and any(cost > 0 for cost in self.prm_costs)
+        )
 
     def ids_with(self, kind: str) -> frozenset[str]:
         """Requests with an injected fault of this kind."""
@@ -172,7 +190,7 @@ class Workload:
             fail_step=self._faulted_branches(STEP),
         )
 
-    def prm(self) -> ScriptedPRM:
+    def scripted_prm(self) -> ScriptedPRM:
         """A fresh scripted PRM over the same scripts."""
         return ScriptedPRM(
             dict(self.scripts),
@@ -180,6 +198,15 @@ class Workload:
             fail_on=self._faulted_branches(PRM_FAIL),
             nan_for=self._faulted_branches(PRM_NAN),
             attribute_failures=self.attribute_failures,
+        )
+
+    def prm(self, scripted: ScriptedPRM) -> sart.PRM:
+        """``scripted``, priced with ``prm_costs`` when there are any."""
+        if not self.prm_costs:
+            return scripted
+        costs = itertools.cycle(self.prm_costs)
+        return sart.CostedPRM(
+            scripted, lambda _items: next(costs), shares_engine=self.prm_shares_engine
         )
 
 
@@ -207,6 +234,9 @@ def workloads(draw: st.DrawFn, max_requests: int = 6) -> Workload:
         requests.append(sart.Request(rid, prompt, parts.policy, parts.sampling, draw(arrivals)))
         scripts[rid] = parts.scripts
         injected[rid] = draw(faults(parts.policy.n))
+    scoring = draw(st.sampled_from(sart.Scoring))
+    # Costs in decode steps (the fake engine's step costs 1): from free to several checks.
+    costs = draw(st.lists(st.integers(0, 3 * MAX_INTERVAL), max_size=4).map(tuple))
     return Workload(
         requests=tuple(requests),
         scripts=scripts,
@@ -215,4 +245,7 @@ def workloads(draw: st.DrawFn, max_requests: int = 6) -> Workload:
         admission=draw(st.sampled_from(sart.Admission)),
         prm_every=draw(st.just(interval) | intervals),
         attribute_failures=draw(st.booleans()),
+        scoring=scoring,
+        prm_costs=tuple(map(float, costs)),
+        prm_shares_engine=draw(st.booleans()),
     )

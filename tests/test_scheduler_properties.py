@@ -57,7 +57,7 @@ class Outcome:
 
 def run_workload(workload: Workload) -> Outcome:
     """Run ``workload`` on a fresh engine and PRM, checking resources at each delivery."""
-    engine, prm = workload.engine(), workload.prm()
+    engine, prm = workload.engine(), workload.scripted_prm()
     delivered: list[str] = []
 
     def on_result(result: RequestResult) -> None:
@@ -70,9 +70,10 @@ def run_workload(workload: Workload) -> Outcome:
 
     driver = sart.SyncDriver(
         engine,
-        prm,
+        workload.prm(prm),
         batch_size=workload.batch_size,
         admission=workload.admission,
+        scoring=workload.scoring,
         on_result=on_result,
     )
     results = driver.run(workload.requests)
@@ -150,8 +151,14 @@ def check_pruning(workload: Workload, request: sart.Request, result: RequestResu
     pruned = [b for b in result.branches if b.status is BranchStatus.PRUNED]
     assert len(pruned) <= policy.n - 1
     for b in pruned:
-        # Pruned on the reward of the check that pruned it, taken at its current length.
-        assert b.reward == scripts[b.index].reward_at(b.num_tokens, workload.prm_every, False)
+        # Pruned on the reward of the check that pruned it: taken at its current length
+        # when checks block; overlapped, at its length when the check's snapshot was taken.
+        scored_at, reward = b.reward_history[-1]
+        assert b.reward == reward
+        assert b.reward == scripts[b.index].reward_at(scored_at, workload.prm_every, False)
+        assert scored_at <= b.num_tokens
+        if not workload.delays_rewards:
+            assert scored_at == b.num_tokens
     if not isinstance(policy.prune, sart.TwoPhasePrune):
         assert pruned == []
         return
@@ -160,6 +167,21 @@ def check_pruning(workload: Workload, request: sart.Request, result: RequestResu
     for b in explore:
         assert b.reward is not None
         assert b.reward < policy.prune.alpha
+
+
+def check_reward_history(workload: Workload, request: sart.Request, result: RequestResult) -> None:
+    """Every reward a branch received is its own script's, at the length it was scored
+    at, in order: rewards that arrive late never land on another branch, and a
+    completed branch's last reward is its final one."""
+    scripts = workload.scripts[request.id]
+    for b in result.branches:
+        lengths = [tokens for tokens, _ in b.reward_history]
+        assert lengths == sorted(lengths)
+        assert all(tokens <= b.num_tokens for tokens in lengths)
+        for k, (tokens, reward) in enumerate(b.reward_history):
+            final = b.status.is_completed and tokens == b.num_tokens
+            assert k == len(lengths) - 1 or not final
+            assert reward == scripts[b.index].reward_at(tokens, workload.prm_every, final)
 
 
 def check_completed(workload: Workload, request: sart.Request, result: RequestResult) -> None:
@@ -258,6 +280,7 @@ def check_result(workload: Workload, request: sart.Request, result: RequestResul
     check_timings(request, result)
     check_branches(workload, request, result)
     check_pruning(workload, request, result)
+    check_reward_history(workload, request, result)
     if request.id not in workload.faulted:
         assert result.status is RequestStatus.COMPLETED, result.reason
     if request.id in workload.ids_with(PREFILL) | workload.ids_with(START):
@@ -292,6 +315,18 @@ def check_workload(workload: Workload) -> None:
     again = run_workload(workload)
     assert again.results == out.results
     assert again.engine.log == out.engine.log
+    other = {sart.Scoring.BLOCKING: sart.Scoring.OVERLAPPED}.get(
+        workload.scoring, sart.Scoring.BLOCKING
+    )
+    if any(cost > 0 for cost in workload.prm_costs):
+        event("PRM calls take time")
+        return
+    # With a free PRM, overlapped checks serve every request as Algorithm 1 does; only
+    # the order of checks within a step differs (those needing no rewards go first).
+    twin = run_workload(attrs.evolve(workload, scoring=other))
+    assert twin.results == out.results
+    assert Counter(twin.engine.log) == Counter(out.engine.log)
+    assert twin.engine.steps == out.engine.steps
 
 
 # ---------------------------------------------------------------- properties

@@ -98,18 +98,30 @@ class SchedulerMachine(RuleBasedStateMachine):
         admission=st.sampled_from(sart.Admission),
         every=intervals,
         attribute_failures=st.booleans(),
+        scoring=st.sampled_from(sart.Scoring),
+        prm_cost=st.integers(0, 40),
     )
     def setup(
-        self, batch_size: int, admission: sart.Admission, every: int, attribute_failures: bool
+        self,
+        batch_size: int,
+        admission: sart.Admission,
+        every: int,
+        attribute_failures: bool,
+        scoring: sart.Scoring,
+        prm_cost: int,
     ) -> None:
         self.batch_size = batch_size
         self.engine = FakeEngine(self._script, max_branches=batch_size)
         self.prm = ScriptedPRM(self._script, every=every, attribute_failures=attribute_failures)
+        # A PRM call takes ``prm_cost`` steps of virtual time: overlapped, rewards
+        # arrive while decoding goes on.
+        priced = sart.CostedPRM(self.prm, lambda _items: float(prm_cost))
         self.driver = sart.SyncDriver(
             self.engine,
-            self.prm,
+            priced,
             batch_size=batch_size,
             admission=admission,
+            scoring=scoring,
             on_result=self._deliver,
         )
         self.ready = True

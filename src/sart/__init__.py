@@ -41,7 +41,8 @@ from sart.policies import (
     self_consistency,
     vanilla,
 )
-from sart.prm.base import PRM, ScoreItem
+from sart.prm.base import PRM, PricedPRM, ScoreItem
+from sart.prm.priced import CostedPRM
 from sart.registry import load_engine, load_prm, register_engine, register_prm
 from sart.request import Request
 from sart.results import BranchOutcome, RequestResult, Timings
@@ -55,6 +56,7 @@ from sart.types import (
     Phase,
     RequestStatus,
     SamplingSettings,
+    Scoring,
 )
 from sart.views import BranchView, Limits, RequestView
 
@@ -74,6 +76,7 @@ __all__ = [
     "BranchView",
     "Clock",
     "ConfigError",
+    "CostedPRM",
     "Engine",
     "EngineError",
     "EngineStats",
@@ -86,6 +89,7 @@ __all__ = [
     "PRMError",
     "Phase",
     "Policy",
+    "PricedPRM",
     "PruneRule",
     "Request",
     "RequestMeta",
@@ -100,6 +104,7 @@ __all__ = [
     "SchedulerError",
     "SchedulerStats",
     "ScoreItem",
+    "Scoring",
     "Selector",
     "StepOutput",
     "StopRule",

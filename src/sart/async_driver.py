@@ -1,48 +1,42 @@
 """The asyncio driver: the same scheduler and policies on streaming engines, as a service.
 
-``AsyncDriver`` is the synchronous driver's loop with awaits: it carries out
-the scheduler's commands against an engine whose methods may be coroutines
-(``StreamingEngine`` adapters: vLLM's ``AsyncLLM``, OpenAI-compatible
-servers, SGLang) or plain functions (the step-based engines), and runs the
-PRM in a worker thread so that a slow reward model does not stall the event
-loop. Two ways to use it:
+``AsyncDriver`` runs the loop the synchronous driver runs (``DriverBase._step``,
+written once) and performs its effects by awaiting: engine methods may be
+coroutines (``StreamingEngine`` adapters: vLLM's ``AsyncLLM``,
+OpenAI-compatible servers, SGLang) or plain functions (the step-based
+engines), and the PRM runs in a worker thread so that a slow reward model
+does not stall the event loop — with overlapped scoring the loop keeps
+decoding meanwhile. Two ways to use it:
 
 - ``await driver.run(requests)``: serve a batch, like ``SyncDriver.run``;
 - a server: start ``driver.serve()`` as a task, then ``await
   driver.generate(request)`` from any number of handlers; ``driver.stop()``
   lets ``serve`` return once everything submitted has finished.
 
-The loop is the same one the synchronous driver runs, so Algorithm 1's
-semantics, failures confined to their requests and the results do not
-depend on which driver runs them.
+Since the loop is the synchronous driver's, Algorithm 1's semantics, failures
+confined to their requests and the results do not depend on which driver
+runs them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from typing import Any
 
-from sart.commands import (
-    Command,
-    Done,
-    Event,
-    Failed,
-    Prefill,
-    Score,
-    Skipped,
-    StartBranches,
-)
-from sart.driver import DriverBase
+from sart.commands import Done, Score
+from sart.driver import DriverBase, Effect, _Call, _PendingScore, _StartScore
 from sart.request import Request
 from sart.results import RequestResult
+from sart.types import Scoring
 
 
 class AsyncDriver(DriverBase):
     """Runs requests through a ``Scheduler`` on the event loop (see the module docstring)."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._futures: dict[str, asyncio.Future[RequestResult]] = {}
         self._wakeup = asyncio.Event()
         self._stopping = False
@@ -64,8 +58,11 @@ class AsyncDriver(DriverBase):
         requests = list(requests)
         for request in requests:
             self.submit(request)
-        while await self.step():
-            pass
+        try:
+            while await self.step():
+                pass
+        finally:
+            self.close()
         return self._results_of(requests)
 
     async def serve(self) -> None:
@@ -82,56 +79,67 @@ class AsyncDriver(DriverBase):
         self._wakeup.set()
 
     async def step(self) -> bool:
-        """Carry out one batch of commands; ``False`` when there is nothing left to do."""
-        now = self.clock.now()
-        self._admit_arrivals(now)
-        cmds = self.scheduler.next_commands(now)
-        if not cmds:
-            if not self._arrivals:
-                return False
-            delay = self._arrivals[0][0] - self.clock.now()
-            if hasattr(self.clock, "advance"):  # a virtual clock jumps
-                self.clock.sleep_until(self._arrivals[0][0])
-            elif delay > 0:
-                self._wakeup.clear()  # a new submission may come before the next arrival
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), timeout=delay)
-                except asyncio.TimeoutError:
-                    pass
-            return True
-        events = await self._execute(cmds)
-        self.scheduler.handle(events, self.clock.now())
-        return True
-
-    async def _execute(self, cmds: Sequence[Command]) -> list[Event]:
-        events: list[Event] = []
-        failed: set[str] = set()
-        for cmd in cmds:
-            ids = cmd.request_ids if isinstance(cmd, (Prefill, StartBranches)) else frozenset()
-            if ids & failed:  # an earlier command of this request failed
-                events.append(Skipped())
-                continue
-            fn, args, to_event = self._effect(cmd)
+        """Carry out one batch of commands (or wait once); ``False`` when there is
+        nothing left to do."""
+        loop = self._step()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
             try:
-                if isinstance(cmd, Score):  # PRMs are blocking: keep the loop free
-                    value = await asyncio.to_thread(fn, *args)  # type: ignore[arg-type]
-                else:
-                    value = fn(*args) if fn is not None else None
-                    if inspect.isawaitable(value):
-                        value = await value
-                event = to_event(value)
-            except AssertionError:
-                raise
-            except Exception as exc:
-                event = self._failure(exc)
-            if isinstance(event, Failed):
-                failed |= ids
-            events.append(event)
-        return events
+                effect = loop.send(value) if error is None else loop.throw(error)
+            except StopIteration as stop:
+                return bool(stop.value)
+            value, error = None, None
+            try:
+                value = await self._perform(effect)
+            except Exception as exc:  # the loop turns it into a Failed event
+                error = exc
+
+    async def _perform(self, effect: Effect) -> Any:
+        if isinstance(effect, _Call):
+            value = effect.fn(*effect.args)
+            return await value if inspect.isawaitable(value) else value
+        if isinstance(effect, _StartScore):
+            return await self._start_score(effect.command)
+        await self._wait(effect.until)
+        return None
+
+    async def _start_score(self, command: Score) -> _PendingScore:
+        if self._virtual:
+            return self._price(command)
+        if self.scoring is Scoring.BLOCKING:
+            # PRMs are blocking calls: a thread keeps the event loop free meanwhile.
+            scored, busy = await asyncio.to_thread(self._timed_score, command.items)
+            self._stalled(busy)
+            return _PendingScore(command, outcome=(scored, busy))
+        future = asyncio.get_running_loop().run_in_executor(
+            self._worker(), self._timed_score, command.items
+        )
+        return _PendingScore(command, future=future)
+
+    async def _wait(self, until: float | None) -> None:
+        pending = self._score
+        start = self.clock.now()
+        if self._virtual:  # a virtual clock jumps
+            targets = [t for t in (until, pending and pending.ready_at) if t is not None]
+            self.clock.sleep_until(min(targets))
+        else:
+            # Wake for the Score, the next arrival, or a new submission (serving).
+            self._wakeup.clear()
+            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._wakeup.wait())}
+            if pending is not None:
+                waits.add(pending.future)
+            timeout = None if until is None else max(0.0, until - start)
+            _, waiting = await asyncio.wait(waits, timeout=timeout, return_when="FIRST_COMPLETED")
+            for task in waiting:
+                if pending is None or task is not pending.future:
+                    task.cancel()
+        if pending is not None:
+            self._stalled(self.clock.now() - start)
 
     def _finished(self, result: RequestResult) -> Done:
         done = super()._finished(result)
         future = self._futures.pop(result.request_id, None)
         if future is not None and not future.done():
-            future.set_result(result)
+            future.set_result(self.results[-1])
         return done

@@ -1,7 +1,7 @@
 """Commands the scheduler emits and the events that answer them (plain data).
 
 The scheduler never runs a model; a driver carries out each command and
-answers it with exactly one event, in the same order::
+answers it with exactly one event::
 
     Prefill        -> Prefilled | Failed | Skipped
     StartBranches  -> Started   | Failed | Skipped
@@ -11,6 +11,12 @@ answers it with exactly one event, in the same order::
 
 ``Skipped`` answers a command the driver did not run because an earlier
 command of the same request failed in the same batch.
+
+Every command the scheduler emits carries an ``id`` (unique, increasing), and
+an answer names the id it answers, so answers may come in any order: with
+``Scoring.OVERLAPPED`` a ``Score`` stays in flight while later batches of
+``Decode`` and the rest are carried out and answered. Ids take no part in
+equality, so ``Decode(max_steps=4)`` compares equal to the command emitted.
 """
 
 from __future__ import annotations
@@ -26,9 +32,14 @@ from sart.results import RequestResult
 from sart.types import BranchId
 
 
+def _id() -> int:
+    return attrs.field(default=0, eq=False, kw_only=True)  # type: ignore[no-any-return]
+
+
 @attrs.frozen
 class Prefill:
     request: Request
+    id: int = _id()
 
     @property
     def request_ids(self) -> frozenset[str]:
@@ -39,6 +50,7 @@ class Prefill:
 class StartBranches:
     request_id: str
     branches: tuple[BranchSpec, ...]
+    id: int = _id()
 
     @property
     def request_ids(self) -> frozenset[str]:
@@ -49,21 +61,25 @@ class StartBranches:
 class Decode:
     max_steps: int
     until_first_end: bool = False
+    id: int = _id()
 
 
 @attrs.frozen
 class Score:
     items: tuple[ScoreItem, ...]
+    id: int = _id()
 
 
 @attrs.frozen
 class Abort:
     branches: tuple[BranchId, ...]
+    id: int = _id()
 
 
 @attrs.frozen
 class ReleasePrefix:
     request_id: str
+    id: int = _id()
 
 
 @attrs.frozen
@@ -71,6 +87,7 @@ class Finish:
     """Deliver a result to the user (the driver records it)."""
 
     result: RequestResult
+    id: int = _id()
 
 
 Command = Prefill | StartBranches | Decode | Score | Abort | ReleasePrefix | Finish

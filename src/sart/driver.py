@@ -1,18 +1,43 @@
-"""The synchronous driver: the one loop that carries out the scheduler's commands.
+"""The drivers: the one loop that carries out the scheduler's commands, and the synchronous driver.
 
-It owns the effects the scheduler only decides: calling the engine and the
-PRM, reading the clock, releasing requests at their arrival times, and
+A driver owns the effects the scheduler only decides: calling the engine and
+the PRM, reading the clock, releasing requests at their arrival times, and
 collecting results and the resource timeline. Engine and PRM exceptions are
 turned into ``Failed`` events for the requests they affect; an
 ``AssertionError`` (a bug, e.g. ``EngineMisuse`` from the fake engine) is
 let through.
+
+The loop is written once, in ``DriverBase._step``: a generator that yields
+the effects it needs (call an engine method, start scoring, wait) and gets
+their results back. ``SyncDriver`` performs them by calling, the asyncio
+driver (``sart.async_driver``) by awaiting; that is the only difference.
+
+Scoring (``sart.Scoring``). A ``Score`` runs where the clock says:
+
+- with a virtual clock (the fake and simulated engines) it is computed at
+  once, deterministically, and takes the time the PRM's cost model gives
+  (``PricedPRM.cost``; zero for any other PRM): blocking, or on a PRM that
+  shares the engine's accelerator, the clock advances by it; overlapped on
+  its own accelerator, the rewards are delivered once the clock has passed
+  it, while decoding goes on;
+- with the wall clock, blocking checks call the PRM and wait; overlapped
+  checks run it on a worker thread (one at a time, as the scheduler emits
+  them) while the loop keeps decoding, and its rewards are handed to the
+  scheduler at the first step after it finishes. ``release`` calls to the
+  PRM wait until no call is in flight, so a PRM never sees two threads.
+
+Every result records ``prm_seconds`` (PRM time spent on its items) and
+``prm_wait_seconds`` (time its running branches stood still waiting for the
+PRM); ``prm_busy`` and ``prm_wait`` are the run's totals.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -38,11 +63,11 @@ from sart.commands import (
 )
 from sart.engines.base import Engine, StepOutput, engine_clock, supports_fork
 from sart.errors import ConfigError, EngineError, PRMError
-from sart.prm.base import PRM, ScoreItem
+from sart.prm.base import PRM, PricedPRM, ScoreItem
 from sart.request import Request
 from sart.results import RequestResult
 from sart.scheduler import Scheduler, SchedulerConfig
-from sart.types import Admission, BranchId
+from sart.types import Admission, BranchId, Scoring
 
 
 @attrs.frozen
@@ -54,13 +79,68 @@ class TimelineSample:
     kv_tokens: int
 
 
+# ------------------------------------------------------------------ effects of the loop
+
+
+@attrs.frozen
+class _Call:
+    """Call an engine method (the async driver awaits what it returns, if awaitable)."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+
+
+@attrs.frozen
+class _StartScore:
+    """Start carrying out a ``Score``; the performer answers with a ``_PendingScore``."""
+
+    command: Score
+
+
+@attrs.frozen
+class _Wait:
+    """Nothing to do: wait for the Score in flight, or until ``until`` (an arrival)."""
+
+    until: float | None
+
+
+Effect = _Call | _StartScore | _Wait
+
+
+class _PendingScore:
+    """A ``Score`` being carried out: done at ``ready_at`` on a virtual clock, or when
+    its worker's future is."""
+
+    def __init__(
+        self,
+        command: Score,
+        *,
+        outcome: tuple[Scored, float] | None = None,
+        ready_at: float = float("-inf"),
+        future: Any = None,
+    ) -> None:
+        self.command = command
+        self.ready_at = ready_at
+        self.future = future
+        self._outcome = outcome
+
+    def done(self, clock: Clock) -> bool:
+        if self._outcome is not None:
+            return clock.now() >= self.ready_at
+        return bool(self.future.done())
+
+    def outcome(self) -> tuple[Scored, float]:
+        """The rewards and the PRM's busy seconds (re-raises a worker's ``AssertionError``)."""
+        return self._outcome if self._outcome is not None else self.future.result()
+
+
 class DriverBase:
-    """What the synchronous and the asyncio drivers share: intake, the mapping from
-    commands to engine/PRM calls and back to events, and result bookkeeping.
+    """What the synchronous and the asyncio drivers share: intake, the loop, the mapping
+    from commands to engine/PRM calls and back to events, and result bookkeeping.
 
     ``clock`` defaults to the engine's own virtual clock if it has one, else
     the wall clock. ``on_result`` is called with each result as it is
-    finished.
+    finished. ``scoring`` and ``poll_steps`` go to ``SchedulerConfig``.
     """
 
     def __init__(
@@ -70,19 +150,44 @@ class DriverBase:
         *,
         batch_size: int,
         admission: Admission | str = Admission.CHUNK,
+        scoring: Scoring | str = Scoring.OVERLAPPED,
+        poll_steps: int | None = None,
         clock: Clock | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
         self.engine = engine
         self.prm = prm
         self.clock: Clock = clock or engine_clock(engine) or WallClock()
-        self.scheduler = Scheduler(SchedulerConfig(batch_size=batch_size, admission=admission))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                batch_size=batch_size,
+                admission=admission,
+                scoring=scoring,
+                poll_steps=poll_steps,
+            )
+        )
         self.results: list[RequestResult] = []
         """Results in the order requests finished."""
         self.timeline: list[TimelineSample] = []
+        self.prm_busy = 0.0
+        """Seconds the PRM spent scoring, over the run."""
+        self.prm_wait = 0.0
+        """Seconds the loop stood still waiting for the PRM while branches were running."""
         self._on_result = on_result
         self._arrivals: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
+        # A virtual clock is one that can be advanced: scores are priced, not timed.
+        self._virtual = callable(getattr(self.clock, "advance", None))
+        self._score: _PendingScore | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._releases: list[str] = []  # PRM releases held back while a Score is in flight
+        self._open: set[str] = set()  # submitted, result not delivered
+        self._busy_of: dict[str, float] = {}
+        self._wait_of: dict[str, float] = {}
+
+    @property
+    def scoring(self) -> Scoring:
+        return self.scheduler.config.scoring
 
     def submit(self, request: Request) -> None:
         """Queue a request; it reaches the scheduler at ``request.arrival``."""
@@ -98,6 +203,13 @@ class DriverBase:
                 f"{type(self.engine).__name__} does not support forking"
             )
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
+        self._open.add(request.id)
+
+    def close(self) -> None:
+        """Stop the PRM worker thread, if one was started (a later run starts another)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
 
     def _admit_arrivals(self, now: float) -> None:
         while self._arrivals and self._arrivals[0][0] <= now:
@@ -106,6 +218,108 @@ class DriverBase:
     def _results_of(self, requests: Sequence[Request]) -> list[RequestResult]:
         by_id = {r.request_id: r for r in self.results}
         return [by_id[r.id] for r in requests]
+
+    # ------------------------------------------------------------------ the loop
+
+    def _step(self) -> Generator[Effect, Any, bool]:
+        """One step of the loop: carry out one batch of commands, or wait once.
+        Returns ``False`` when there is nothing left to do."""
+        self._collect()
+        now = self.clock.now()
+        self._admit_arrivals(now)
+        cmds = self.scheduler.next_commands(now)
+        if not cmds:
+            if self._score is None and not self._arrivals:
+                return False
+            yield _Wait(self._arrivals[0][0] if self._arrivals else None)
+            self._collect()
+            return True
+        answers: dict[int, Event] = {}
+        failed: set[str] = set()
+        for cmd in cmds:
+            if isinstance(cmd, Score):
+                self._score = yield _StartScore(cmd)
+                continue
+            ids = cmd.request_ids if isinstance(cmd, (Prefill, StartBranches)) else frozenset()
+            if ids & failed:  # an earlier command of this request failed
+                answers[cmd.id] = Skipped()
+                continue
+            fn, args, to_event = self._effect(cmd)
+            try:
+                event = to_event((yield _Call(fn, args)) if fn is not None else None)
+            except AssertionError:
+                raise
+            except Exception as exc:
+                event = self._failure(exc)
+            if isinstance(event, Failed):
+                failed |= ids
+            answers[cmd.id] = event
+        if answers:
+            self.scheduler.handle(answers, self.clock.now())
+        self._collect()  # a blocking (or instant) Score is answered within its step
+        return True
+
+    def _collect(self) -> None:
+        """Hand the rewards of a finished Score to the scheduler."""
+        pending = self._score
+        if pending is None or not pending.done(self.clock):
+            return
+        self._score = None
+        scored, busy = pending.outcome()
+        self._account_busy(pending.command.items, busy)
+        self.scheduler.handle({pending.command.id: scored}, self.clock.now())
+        releases, self._releases = self._releases, []
+        for request_id in releases:
+            self._release_prm(request_id)
+
+    # ------------------------------------------------------------------ scoring
+
+    def _price(self, command: Score) -> _PendingScore:
+        """A Score on a virtual clock: computed now, delivered after its modelled cost."""
+        cost = self.prm.cost(command.items) if isinstance(self.prm, PricedPRM) else 0.0
+        scored = self._score_now(command.items)
+        now = self.clock.now()
+        shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine
+        if self.scoring is Scoring.BLOCKING or shared:
+            self.clock.advance(cost)  # type: ignore[attr-defined]
+            self._stalled(cost)
+            return _PendingScore(command, outcome=(scored, cost))
+        return _PendingScore(command, outcome=(scored, cost), ready_at=now + cost)
+
+    def _timed_score(self, items: Sequence[ScoreItem]) -> tuple[Scored, float]:
+        start = time.monotonic()
+        scored = self._score_now(items)
+        return scored, time.monotonic() - start
+
+    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "sart-prm")
+        return self._executor
+
+    def _score_now(self, items: Sequence[ScoreItem]) -> Scored:
+        assert self.prm is not None  # submit() refuses requests that need one
+        return score_items(self.prm, items)
+
+    def _stalled(self, seconds: float) -> None:
+        """``seconds`` of decoding lost to the PRM, charged to the requests it held up."""
+        running = self.scheduler.running_request_ids()
+        if seconds <= 0 or not running:
+            return
+        self.prm_wait += seconds
+        for rid in running:
+            self._wait_of[rid] = self._wait_of.get(rid, 0.0) + seconds
+
+    def _account_busy(self, items: Sequence[ScoreItem], seconds: float) -> None:
+        self.prm_busy += seconds
+        if not items:
+            return
+        share = seconds / len(items)
+        for item in items:
+            rid = item.branch.request_id
+            if rid in self._open:
+                self._busy_of[rid] = self._busy_of.get(rid, 0.0) + share
+
+    # ------------------------------------------------------------------ commands
 
     def _effect(
         self, cmd: Command
@@ -116,8 +330,6 @@ class DriverBase:
         engine = self.engine
         if isinstance(cmd, Decode):
             return engine.step, (cmd.max_steps, cmd.until_first_end), self._decoded
-        if isinstance(cmd, Score):
-            return self._score, (cmd.items,), lambda scored: scored
         if isinstance(cmd, Prefill):
             req = cmd.request
             return engine.prefill, (req.id, req.prompt, req.sampling), Prefilled
@@ -147,20 +359,29 @@ class DriverBase:
         return Decoded(output)
 
     def _released(self, request_id: str) -> Done:
+        if self._score is not None:
+            self._releases.append(request_id)  # the PRM may be busy on another thread
+        else:
+            self._release_prm(request_id)
+        return Done()
+
+    def _release_prm(self, request_id: str) -> None:
         release = getattr(self.prm, "release", None)
         if release is not None:
             release(request_id)
-        return Done()
 
     def _finished(self, result: RequestResult) -> Done:
+        rid = result.request_id
+        self._open.discard(rid)
+        result = attrs.evolve(
+            result,
+            prm_seconds=self._busy_of.pop(rid, 0.0),
+            prm_wait_seconds=self._wait_of.pop(rid, 0.0),
+        )
         self.results.append(result)
         if self._on_result is not None:
             self._on_result(result)
         return Done()
-
-    def _score(self, items: Sequence[ScoreItem]) -> Scored:
-        assert self.prm is not None  # submit() refuses requests that need one
-        return score_items(self.prm, items)
 
 
 class SyncDriver(DriverBase):
@@ -172,45 +393,62 @@ class SyncDriver(DriverBase):
         requests = list(requests)
         for request in requests:
             self.submit(request)
-        while self.step():
-            pass
+        try:
+            while self.step():
+                pass
+        finally:
+            self.close()
         return self._results_of(requests)
 
     def step(self) -> bool:
-        """Carry out one batch of commands; ``False`` when there is nothing left to do."""
-        now = self.clock.now()
-        self._admit_arrivals(now)
-        cmds = self.scheduler.next_commands(now)
-        if not cmds:
-            if self._arrivals:
-                self.clock.sleep_until(self._arrivals[0][0])
-                return True
-            return False
-        events = self._execute(cmds)
-        self.scheduler.handle(events, self.clock.now())
-        return True
-
-    # ------------------------------------------------------------------ effects
-
-    def _execute(self, cmds: Sequence[Command]) -> list[Event]:
-        events: list[Event] = []
-        failed: set[str] = set()
-        for cmd in cmds:
-            ids = cmd.request_ids if isinstance(cmd, (Prefill, StartBranches)) else frozenset()
-            if ids & failed:  # an earlier command of this request failed
-                events.append(Skipped())
-                continue
-            fn, args, to_event = self._effect(cmd)
+        """Carry out one batch of commands (or wait once); ``False`` when there is
+        nothing left to do."""
+        loop = self._step()
+        value: Any = None
+        error: BaseException | None = None
+        while True:
             try:
-                event = to_event(fn(*args) if fn is not None else None)
-            except AssertionError:
-                raise
-            except Exception as exc:
-                event = self._failure(exc)
-            if isinstance(event, Failed):
-                failed |= ids
-            events.append(event)
-        return events
+                effect = loop.send(value) if error is None else loop.throw(error)
+            except StopIteration as stop:
+                return bool(stop.value)
+            value, error = None, None
+            try:
+                value = self._perform(effect)
+            except Exception as exc:  # the loop turns it into a Failed event
+                error = exc
+
+    def _perform(self, effect: Effect) -> Any:
+        if isinstance(effect, _Call):
+            return effect.fn(*effect.args)
+        if isinstance(effect, _StartScore):
+            return self._start_score(effect.command)
+        self._wait(effect.until)
+        return None
+
+    def _start_score(self, command: Score) -> _PendingScore:
+        if self._virtual:
+            return self._price(command)
+        if self.scoring is Scoring.BLOCKING:
+            scored, busy = self._timed_score(command.items)
+            self._stalled(busy)
+            return _PendingScore(command, outcome=(scored, busy))
+        future = self._worker().submit(self._timed_score, command.items)
+        return _PendingScore(command, future=future)
+
+    def _wait(self, until: float | None) -> None:
+        pending = self._score
+        start = self.clock.now()
+        if pending is None:
+            assert until is not None  # the loop waits only for an arrival or a Score
+            self.clock.sleep_until(until)
+            return
+        if self._virtual:
+            ready = pending.ready_at
+            self.clock.sleep_until(ready if until is None else min(until, ready))
+        else:
+            timeout = None if until is None else max(0.0, until - start)
+            concurrent.futures.wait([pending.future], timeout=timeout)
+        self._stalled(self.clock.now() - start)
 
 
 def score_items(prm: PRM, items: Sequence[ScoreItem]) -> Scored:
@@ -278,8 +516,14 @@ def run(
     *,
     batch_size: int = 64,
     admission: Admission | str = Admission.CHUNK,
+    scoring: Scoring | str = Scoring.OVERLAPPED,
     clock: Clock | None = None,
 ) -> list[RequestResult]:
-    """Serve ``requests`` on ``engine`` with the synchronous driver; results in input order."""
-    driver = SyncDriver(engine, prm, batch_size=batch_size, admission=admission, clock=clock)
+    """Serve ``requests`` on ``engine`` with the synchronous driver; results in input order.
+
+    ``scoring="blocking"`` runs Algorithm 1 as written (decoding waits for every
+    PRM check); the default overlaps checks with decoding (see ``sart.Scoring``)."""
+    driver = SyncDriver(
+        engine, prm, batch_size=batch_size, admission=admission, scoring=scoring, clock=clock
+    )
     return driver.run(requests)

@@ -21,7 +21,9 @@ which end with ``RequestStatus.FAILED`` and the reason, and the rest carry on.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import enum
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 
 class SartError(Exception):
@@ -70,3 +72,19 @@ def config_check(ok: bool, field: str, value: object, rule: str) -> None:
     """Raise ``ConfigError("field=value must be rule")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{field}={value!r} must be {rule}")
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def enum_converter(kind: type[E], field: str) -> Callable[[object], E]:
+    """An attrs converter to ``kind`` that names ``field`` and the choices on a bad value."""
+
+    def convert(value: object) -> E:
+        try:
+            return kind(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in kind)
+            raise ConfigError(f"{field}={value!r} must be one of {choices}") from None
+
+    return convert

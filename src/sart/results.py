@@ -70,6 +70,12 @@ class RequestResult:
     """The policy's name."""
     prm_items: int = 0
     """Branch scorings requested from the PRM for this request."""
+    prm_seconds: float = 0.0
+    """PRM time spent on this request's items (a call's time shared by item count)."""
+    prm_wait_seconds: float = 0.0
+    """Time this request's running branches could not decode because the driver
+    was waiting for the PRM (blocking checks wait for every check; overlapped
+    ones only when nothing else can run)."""
 
     @property
     def ok(self) -> bool:

@@ -20,12 +20,29 @@ One cycle, for a batch budget ``B`` (branches)::
 
 With ``Admission.TOKEN`` a decode returns as soon as any branch ends, so its
 slot is refilled at the next step; pruning still happens every ``T`` steps.
+
+Scoring. With ``Scoring.BLOCKING`` (Algorithm 1 as written) a ``Score`` is
+answered before anything else runs. With ``Scoring.OVERLAPPED`` the
+scheduler keeps emitting admissions and decodes while one ``Score`` is in
+flight: a request whose check needs rewards takes a *snapshot* (the branches
+that ended since its last check, and whether pruning is due), sends the
+snapshot's items, and its check runs when the rewards arrive, against the
+branches' state at that moment: a branch that ended or was pruned meanwhile
+is not pruned again, a request that finished meanwhile ignores them, and
+branches that ended after the snapshot wait for the next check. A request
+never finalises while one of its completed branches still waits for its
+final reward, so selection sees the same rewards in both modes. At most one
+``Score`` is in flight (the PRM is one model); checks that come due
+meanwhile wait for it, and decode chunks are cut to ``poll_steps`` so its
+rewards are applied soon after they arrive. Checks that need no rewards
+(Self-Consistency, Vanilla) run at once in both modes.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import attrs
@@ -49,12 +66,20 @@ from sart.commands import (
     Started,
 )
 from sart.engines.base import BranchSpec
-from sart.errors import ConfigError, PRMError, SchedulerError, config_check
+from sart.errors import ConfigError, PRMError, SchedulerError, config_check, enum_converter
 from sart.prm.base import ScoreItem, validate_reward
 from sart.request import Request
 from sart.results import RequestResult
 from sart.state import BranchState, RequestMeta, RequestState
-from sart.types import Admission, BranchId, BranchStatus, FinishReason, Phase, RequestStatus
+from sart.types import (
+    Admission,
+    BranchId,
+    BranchStatus,
+    FinishReason,
+    Phase,
+    RequestStatus,
+    Scoring,
+)
 from sart.views import Limits, RequestView
 
 T = TypeVar("T")
@@ -64,14 +89,32 @@ def _check_batch_size(_inst: object, _attr: attrs.Attribute, value: int) -> None
     config_check(isinstance(value, int) and value >= 1, "batch_size", value, ">= 1")
 
 
+def _check_poll_steps(_inst: object, _attr: attrs.Attribute, value: int | None) -> None:
+    config_check(
+        value is None or (isinstance(value, int) and value >= 1),
+        "poll_steps",
+        value,
+        "None or an int >= 1",
+    )
+
+
 @attrs.frozen
 class SchedulerConfig:
     """Settings of the scheduler (per-request settings live in each request's ``Policy``)."""
 
     batch_size: int = attrs.field(validator=_check_batch_size)
     """``B``: the most branches decoding at once."""
-    admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
+    admission: Admission = attrs.field(
+        default=Admission.CHUNK, converter=enum_converter(Admission, "admission")
+    )
     """When freed slots are refilled: between chunks (Algorithm 1) or at the next step."""
+    scoring: Scoring = attrs.field(
+        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
+    )
+    """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
+    poll_steps: int | None = attrs.field(default=None, validator=_check_poll_steps)
+    """With overlapped scoring, the longest decode chunk while a ``Score`` is in flight;
+    ``None``: an eighth of the shortest interval among running requests."""
 
 
 @attrs.frozen
@@ -94,6 +137,16 @@ class _PolicyFailure(Exception):
     """A policy hook raised or returned something unusable; fails one request."""
 
 
+@attrs.define
+class _Check:
+    """One request's check: the branches that ended since its last check (this
+    check processes them), and whether pruning was due when it was taken."""
+
+    req: RequestState
+    ended: list[BranchState]
+    due: bool
+
+
 class Scheduler:
     """Algorithm 1 over many requests. See the module docstring."""
 
@@ -107,8 +160,13 @@ class Scheduler:
         self._reserved: set[BranchId] = set()  # start commands in flight
         self._step = 0
         self._outbox: list[Command] = []
-        self._inflight: list[Command] | None = None
-        self._checks: list[tuple[RequestState, bool]] = []
+        self._ids = itertools.count(1)
+        self._inflight: dict[int, Command] = {}  # emitted, not answered, by id
+        # The checks waiting for the rewards of the Score in the outbox or in flight.
+        self._score_checks: list[_Check] = []
+        self._scoring: int | None = None  # id of the Score in flight
+        # Overlapped scoring: requests whose check needs rewards, waiting for the PRM.
+        self._wanted: dict[str, RequestState] = {}
         self._finished = 0
         self._failed_cleanups = 0
 
@@ -125,7 +183,16 @@ class Scheduler:
     @property
     def idle(self) -> bool:
         """Nothing queued, running or left to emit."""
-        return not self._pending and not self._outbox and self._inflight is None
+        return not self._pending and not self._outbox and not self._inflight
+
+    @property
+    def scoring_in_flight(self) -> bool:
+        """A ``Score`` has been emitted and not answered yet."""
+        return self._scoring is not None
+
+    def running_request_ids(self) -> list[str]:
+        """Requests with branches decoding now (the ones a stalled decode delays)."""
+        return [req.id for req in self._active.values() if req.running]
 
     def meta(self, request_id: str) -> RequestMeta:
         """The paper's metadata record of a request that has not finished."""
@@ -145,16 +212,26 @@ class Scheduler:
     # ---------------------------------------------------------------- decide
 
     def next_commands(self, now: float) -> list[Command]:
-        """Commands to carry out now; empty when there is nothing to do until a request arrives."""
-        if self._inflight is not None:
+        """Commands to carry out now; empty when there is nothing to do until a request
+        arrives or, with a ``Score`` in flight, until its rewards are handled.
+
+        Every command but an overlapped ``Score`` must be answered before the next
+        call (``SchedulerError`` otherwise)."""
+        if any(not isinstance(c, Score) for c in self._inflight.values()):
             raise SchedulerError("handle() the events of the previous commands first")
+        if self._scoring is not None and self.config.scoring is Scoring.BLOCKING:
+            return []  # Algorithm 1: nothing runs while the PRM scores
         if self._outbox:
             cmds, self._outbox = self._outbox, []
         else:
             cmds = self._admit(now)
             if not cmds and self._running:
                 cmds = [self._decode_command()]
-        self._inflight = cmds or None
+        cmds = [attrs.evolve(cmd, id=next(self._ids)) for cmd in cmds]
+        for cmd in cmds:
+            self._inflight[cmd.id] = cmd
+            if isinstance(cmd, Score):
+                self._scoring = cmd.id
         return cmds
 
     def _admit(self, now: float) -> list[Command]:
@@ -191,26 +268,48 @@ class Scheduler:
 
     def _decode_command(self) -> Decode:
         # Decode until the next request's check is due; with one policy that is T steps.
-        steps = min(
-            req.policy.interval - req.steps_since_check
-            for req in self._active.values()
-            if req.running
-        )
+        running = [req for req in self._active.values() if req.running]
+        if self._scoring is None:
+            steps = min(req.policy.interval - req.steps_since_check for req in running)
+        else:
+            # A check that waits for the PRM cannot run sooner by decoding less; the
+            # others bound the chunk, and so does the Score in flight, so that its
+            # rewards are applied within ``poll`` steps of arriving.
+            poll = self.config.poll_steps or max(1, min(r.policy.interval for r in running) // 8)
+            waiting = [
+                req.policy.interval - req.steps_since_check
+                for req in running
+                if req.id not in self._wanted and not req.in_score
+            ]
+            steps = min([poll, *waiting])
         return Decode(
             max_steps=max(1, steps), until_first_end=self.config.admission is Admission.TOKEN
         )
 
     # ----------------------------------------------------------------- apply
 
-    def handle(self, events: Sequence[Event], now: float) -> None:
-        """Apply the events answering the last ``next_commands`` (one per command, in order)."""
-        cmds = self._inflight
-        if cmds is None:
+    def handle(self, events: Sequence[Event] | Mapping[int, Event], now: float) -> None:
+        """Apply events answering commands in flight.
+
+        A mapping answers the commands with those ids (any subset, any order; they
+        are applied in id order). A sequence answers every command in flight, in
+        id order: the blocking protocol, one event per command of the last batch.
+        """
+        if not self._inflight:
             raise SchedulerError("handle() called with no commands in flight")
-        if len(events) != len(cmds):
-            raise SchedulerError(f"{len(cmds)} commands were answered by {len(events)} events")
-        self._inflight = None
-        for cmd, event in zip(cmds, events):
+        if isinstance(events, Mapping):
+            unknown = sorted(set(events) - self._inflight.keys())
+            if unknown:
+                raise SchedulerError(f"events answer command ids {unknown} not in flight")
+            answers = sorted(events.items())
+        else:
+            if len(events) != len(self._inflight):
+                raise SchedulerError(
+                    f"{len(self._inflight)} commands were answered by {len(events)} events"
+                )
+            answers = list(zip(sorted(self._inflight), events))
+        for cmd_id, event in answers:
+            cmd = self._inflight.pop(cmd_id)
             if isinstance(cmd, Prefill):
                 self._on_prefill(cmd, event, now)
             elif isinstance(cmd, StartBranches):
@@ -218,7 +317,7 @@ class Scheduler:
             elif isinstance(cmd, Decode):
                 self._on_decode(event, now)
             elif isinstance(cmd, Score):
-                self._on_score(event, now)
+                self._on_score(cmd, event, now)
             elif isinstance(event, Failed):  # Abort, ReleasePrefix, Finish
                 self._failed_cleanups += 1
             elif not isinstance(event, Done):
@@ -294,25 +393,69 @@ class Scheduler:
             # after each Decode call, and the next Decode runs a full T steps.
             for req in self._active.values():
                 req.steps_since_check = 0
-        self._checks = [
-            (req, req.steps_since_check >= req.policy.interval)
+        wanting = [
+            req
             for req in self._active.values()
             if req.newly_ended or req.steps_since_check >= req.policy.interval
         ]
-        items = [item for req, due in self._checks for item in self._score_items(req, due)]
-        if items:
-            self._outbox.append(Score(tuple(items)))
+        if self.config.scoring is Scoring.BLOCKING:
+            checks = [self._take_check(req) for req in wanting]
+            items = [item for check in checks for item in self._score_items(check)]
+            if items:  # every check waits for the rewards, as in Algorithm 1
+                self._send_score(checks, items)
+            else:
+                self._run_checks(checks, now)
         else:
-            self._run_checks(now)
+            self._wanted.update((req.id, req) for req in wanting if not req.in_score)
+            self._flush_checks(now)
 
-    def _score_items(self, req: RequestState, due: bool) -> list[ScoreItem]:
-        policy = req.policy
+    def _take_check(self, req: RequestState) -> _Check:
+        """Snapshot what ``req``'s next check processes; the check is now under way."""
+        due = req.steps_since_check >= req.policy.interval
+        if due:
+            req.steps_since_check = 0
+        check = _Check(req, req.newly_ended, due)
+        req.newly_ended = []
+        return check
+
+    def _flush_checks(self, now: float) -> None:
+        """Overlapped scoring: run the wanted checks that need no rewards now; send the
+        others' snapshot to the PRM unless a ``Score`` is already in flight."""
+        busy = self._scoring is not None or bool(self._score_checks)
+        sent: list[_Check] = []
+        ready: list[_Check] = []
+        for rid, req in list(self._wanted.items()):
+            if req.ended:
+                del self._wanted[rid]
+                continue
+            wants = self._score_items(_Check(req, req.newly_ended, self._is_due(req)))
+            if wants and busy:
+                continue  # its snapshot is taken when the PRM is free: fresher rewards
+            del self._wanted[rid]
+            (sent if wants else ready).append(self._take_check(req))
+        if sent:
+            self._send_score(sent, [item for c in sent for item in self._score_items(c)])
+        self._run_checks(ready, now)
+
+    @staticmethod
+    def _is_due(req: RequestState) -> bool:
+        return req.steps_since_check >= req.policy.interval
+
+    def _send_score(self, checks: list[_Check], items: list[ScoreItem]) -> None:
+        for check in checks:
+            check.req.in_score = True
+        for item in items:
+            self._pending[item.branch.request_id].prm_items += 1
+        self._score_checks = checks
+        self._outbox.append(Score(tuple(items)))
+
+    def _score_items(self, check: _Check) -> list[ScoreItem]:
+        req, policy = check.req, check.req.policy
         branches: list[BranchState] = []
         if policy.scores_completed:
-            branches.extend(b for b in req.newly_ended if b.status.is_completed)
-        if due and policy.scores_running and self._may_prune(req):
+            branches.extend(b for b in check.ended if b.status.is_completed)
+        if check.due and policy.scores_running and self._may_prune(req, check.ended):
             branches.extend(b for b in req.branches if b.status is BranchStatus.RUNNING)
-        req.prm_items += len(branches)
         return [
             ScoreItem(
                 branch=b.id,
@@ -325,47 +468,60 @@ class Scheduler:
         ]
 
     @staticmethod
-    def _may_prune(req: RequestState) -> bool:
-        """Whether this check could prune: the budget is not spent, or the phase is
+    def _may_prune(req: RequestState, ended: Sequence[BranchState]) -> bool:
+        """Whether a check could prune: the budget is not spent, or the phase is
         about to change (a first completion), which may raise it."""
-        if req.phase is Phase.EXPLORE and any(b.status.is_completed for b in req.newly_ended):
+        if req.phase is Phase.EXPLORE and any(b.status.is_completed for b in ended):
             return True
         return min(req.limits.max_num_pruned, len(req.branches) - 1) > req.num_pruned
 
-    def _on_score(self, event: Event, now: float) -> None:
+    def _on_score(self, cmd: Score, event: Event, now: float) -> None:
         if not isinstance(event, Scored):
             raise SchedulerError(f"Score answered by {event!r}")
+        self._scoring = None
+        checks, self._score_checks = self._score_checks, []
+        for check in checks:
+            check.req.in_score = False
         for request_id, reason in event.failures.items():
             req = self._pending.get(request_id)
             if req is not None:
                 self._fail(req, f"PRM failed: {reason}", now)
+        tokens = {item.branch: item.num_tokens for item in cmd.items}
         for bid, value in event.rewards.items():
             req = self._pending.get(bid.request_id)
             if req is None or req.ended:
-                continue
+                continue  # finished (or failed) while it was scored
             try:
                 branch = req.branches[bid.index]
                 branch.reward = validate_reward(value, bid)
-                branch.reward_history.append((branch.num_tokens, branch.reward))
+                # The reward of the snapshot: overlapped, the branch may have grown since.
+                branch.reward_history.append((tokens.get(bid, branch.num_tokens), branch.reward))
             except PRMError as exc:
                 self._fail(req, str(exc), now)
-        self._run_checks(now)
+        self._run_checks(checks, now)
+        if self.config.scoring is Scoring.OVERLAPPED:
+            # Branches that ended meanwhile, and checks that came due, go next.
+            self._wanted.update(
+                (c.req.id, c.req)
+                for c in checks
+                if not c.req.ended and (c.req.newly_ended or self._is_due(c.req))
+            )
+            self._flush_checks(now)
 
     # ----------------------------------------------------------------- check
 
-    def _run_checks(self, now: float) -> None:
-        checks, self._checks = self._checks, []
-        for req, due in checks:
-            if req.ended:
+    def _run_checks(self, checks: Sequence[_Check], now: float) -> None:
+        for check in checks:
+            if check.req.ended:
                 continue
             try:
-                self._check(req, due, now)
+                self._check(check, now)
             except _PolicyFailure as exc:
-                self._fail(req, str(exc), now)
+                self._fail(check.req, str(exc), now)
 
-    def _check(self, req: RequestState, due: bool, now: float) -> None:
-        completed = [b for b in req.newly_ended if b.status.is_completed]
-        req.newly_ended = []
+    def _check(self, check: _Check, now: float) -> None:
+        req = check.req
+        completed = [b for b in check.ended if b.status.is_completed]
         prune = req.policy.prune
         if completed and req.phase is Phase.EXPLORE:
             req.phase = Phase.EXPLOIT
@@ -375,10 +531,12 @@ class Scheduler:
             )
         req.num_completed += len(completed)
         view = None
-        if due:
-            req.steps_since_check = 0
-            if prune.active and req.running and self._may_prune(req):
-                view = self._prune(req)
+        if check.due and prune.active and req.running and self._may_prune(req, check.ended):
+            view = self._prune(req)
+        if any(b.status.is_completed for b in req.newly_ended):
+            # Overlapped: a branch completed after this check's snapshot; its final
+            # reward comes with the next check, and selection waits for it.
+            return
         if not req.running and not req.has_waiting():
             self._finalise(req, now)
         elif req.num_completed and self._call(req.policy.stop.should_stop, view or req.view()):

@@ -98,6 +98,7 @@ class RequestState:
         "branches",
         "ended",
         "finished_at",
+        "in_score",
         "limits",
         "newly_ended",
         "num_completed",
@@ -131,6 +132,8 @@ class RequestState:
         self.finished_at: float | None = None
         # Branches that ended in decode since the last check, in report order.
         self.newly_ended: list[BranchState] = []
+        # A check of this request waits for the rewards of the Score in flight.
+        self.in_score = False
 
     @property
     def id(self) -> str:

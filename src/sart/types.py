@@ -83,6 +83,24 @@ class Admission(enum.Enum):
     TOKEN = "token"
 
 
+class Scoring(enum.Enum):
+    """How PRM checks interleave with decoding.
+
+    ``BLOCKING`` is Algorithm 1 as written: after a decode chunk the scheduler
+    waits for the PRM's rewards before anything else runs, so the policy model
+    idles while the PRM works. ``OVERLAPPED`` keeps decoding while the PRM
+    scores a snapshot of the due branches; the check (phase change, pruning,
+    early stop) is applied to the branches' state when the rewards arrive.
+    Checks that need no rewards (Self-Consistency's) run at once in both
+    modes; with a virtual clock and a PRM that costs nothing the two modes
+    serve every request alike (overlapped only reorders the checks of one
+    step, those needing no rewards first).
+    """
+
+    BLOCKING = "blocking"
+    OVERLAPPED = "overlapped"
+
+
 def default_seed(request_id: str) -> int:
     """A stable per-request seed, so that branch ``j`` of two requests never shares
     its random stream (``seed + j`` with one global seed would make it do so)."""

@@ -40,6 +40,26 @@ class PRM(Protocol):
     def score(self, items: Sequence[ScoreItem]) -> Sequence[float]: ...
 
 
+@runtime_checkable
+class PricedPRM(Protocol):
+    """A PRM whose time is modelled rather than measured (the simulator's).
+
+    On a virtual clock the driver calls ``cost(items)`` once per scoring call,
+    just before ``score(items)``, and lets the call take that many seconds of
+    virtual time: the clock advances by it when checks block decoding or when
+    ``shares_engine`` (the PRM runs on the policy's accelerator, so the two
+    cannot work at once); otherwise the rewards arrive that much later while
+    decoding goes on. ``cost`` may keep state (e.g. how much of each branch an
+    incremental PRM has already read).
+    """
+
+    shares_engine: bool
+
+    def score(self, items: Sequence[ScoreItem]) -> Sequence[float]: ...
+
+    def cost(self, items: Sequence[ScoreItem]) -> float: ...
+
+
 def validate_reward(value: object, branch: BranchId) -> float:
     """Return ``value`` as a float in [0, 1], or raise ``PRMError`` naming the branch."""
     try:
