@@ -422,3 +422,231 @@ def test_a_sart_run_with_the_demo_qwen_prm(paths: dict[str, Path]) -> None:
     assert prm.tokens_processed > 0
     assert prm.cached_branches == []  # every request released its branches
     assert all(math.isfinite(b.reward) for r in results for b in r.branches if b.reward is not None)
+
+
+# ---------------------------------------------------------------- batched incremental scoring
+
+
+def sart_checks(
+    texts: list[list[str]], sep: str, checks: int, grow: int, prompt: str = QUESTION
+) -> list[list[ScoreItem]]:
+    """SART-like checks of one request whose branches grow by different amounts.
+
+    ``texts[j]`` is branch ``j``'s response as units (characters or words)
+    joined by ``sep``. Branch ``j`` joins at check ``j % 3`` (fresh rows among
+    cached ones) and grows by ``grow + j`` units a check (mixed new-token
+    counts); at check 3 branch 0's text changes in its middle (its cache is
+    cut back there); branch 1 ends at check 2 (``final``).
+    """
+    out = []
+    for k in range(checks):
+        items = []
+        for j, units in enumerate(texts):
+            if k < j % 3 or (j == 1 and k > 2):
+                continue
+            n = min(len(units), (k - j % 3 + 1) * (grow + j))
+            if j == 0 and k >= 3:  # a different unit in the middle, moving each check
+                edit = "7" if units[n // 2] == "9" else "9"
+                units = [*units[: n // 2], edit, *units[n // 2 + 1 :]]
+            text = sep.join(units[:n])
+            items.append(ScoreItem(BranchId("r", j), prompt, text, n, final=j == 1 and k == 2))
+        out.append(items)
+    return out
+
+
+def batched_matches_one_by_one(
+    make: Any, checks: list[list[ScoreItem]], batch_size: int, tol: float = 1e-4
+) -> tuple[Any, Any]:
+    """Score the checks with ``batch_size=1`` (one forward per row, the reference)
+    and ``batch_size``; the step rewards, tokens fed and caches kept must agree."""
+    one, batched = make(batch_size=1), make(batch_size=batch_size)
+    for items in checks:
+        want, got = one.step_rewards(items), batched.step_rewards(items)
+        assert len(got) == len(want)
+        for a, b in zip(want, got):
+            assert close(a, b, tol), (a, b)
+        assert batched.cached_branches == one.cached_branches
+    assert batched.tokens_processed == one.tokens_processed  # real tokens, pads excluded
+    assert batched.forward_calls < one.forward_calls
+    return one, batched
+
+
+def qwen_texts(n: int) -> list[list[str]]:
+    return [list(response(12, 3 * j)) for j in range(n)]
+
+
+def test_batched_incremental_equals_one_by_one_qwen(qwen_parts: tuple[Any, Any]) -> None:
+    checks = sart_checks(qwen_texts(7), "", checks=8, grow=45)
+    one, batched = batched_matches_one_by_one(
+        lambda **kw: qwen(qwen_parts, **kw), checks, batch_size=4
+    )
+    # Each check: fresh and cached rows apart, at most 4 a forward.
+    bound = sum(-(-len(c) // 4) + 1 for c in checks)
+    assert batched.forward_calls <= bound < one.forward_calls
+    # And both equal full re-encoding.
+    full = qwen(qwen_parts, incremental=False)
+    for items, rewards in zip(checks[-2:], [one.step_rewards(c) for c in checks[-2:]]):
+        for a, b in zip(full.step_rewards(items), rewards):
+            assert close(a, b, 1e-4)
+
+
+@pytest.mark.parametrize("stride", [1, 24])
+def test_batched_incremental_equals_one_by_one_with_a_moving_window(
+    qwen_parts: tuple[Any, Any], stride: int
+) -> None:
+    checks = sart_checks(qwen_texts(5), "", checks=7, grow=70)
+    make = functools.partial(qwen, qwen_parts, max_length=112, window_stride=stride)
+    one, batched = batched_matches_one_by_one(make, checks, batch_size=8)
+    last = checks[-1][-1]
+    assert one.encode(QUESTION, last.text).first_step > 0  # the window did move
+    full = make(incremental=False)
+    for a, b in zip(full.step_rewards(checks[-1]), batched.step_rewards(checks[-1])):
+        assert close(a, b, 1e-4)
+
+
+def test_batched_incremental_equals_one_by_one_step_tag(shepherd_parts: tuple[Any, Any]) -> None:
+    checks = sart_checks(qwen_texts(6), "", checks=6, grow=50)
+    batched_matches_one_by_one(lambda **kw: shepherd(shepherd_parts, **kw), checks, batch_size=3)
+    windowed = functools.partial(shepherd, shepherd_parts, max_length=96, window_stride=16)
+    batched_matches_one_by_one(windowed, checks, batch_size=6)
+
+
+def test_a_check_of_32_branches_is_one_forward(qwen_parts: tuple[Any, Any]) -> None:
+    prm = qwen(qwen_parts, batch_size=32)
+    texts = [response(6, j) for j in range(40)]
+    for n in (60, 100, 140):  # the first check fills the caches, the others continue them
+        calls = prm.forward_calls
+        prm.score([item(t[: n + 3 * j], "r", j) for j, t in enumerate(texts[:32])])
+        assert prm.forward_calls - calls == 1
+    # 8 more branches join: cached and fresh rows run apart, 32 a forward at most.
+    calls = prm.forward_calls
+    prm.score([item(t[: 180 + j], "r", j) for j, t in enumerate(texts)])
+    assert prm.forward_calls - calls == 2
+    prm8 = qwen(qwen_parts, batch_size=8)
+    prm8.score([item(t[:60], "r", j) for j, t in enumerate(texts[:32])])
+    assert prm8.forward_calls == 4
+
+
+def test_a_failed_batched_forward_keeps_no_half_updated_cache(qwen_parts: tuple[Any, Any]) -> None:
+    model = qwen_parts[0]
+    texts = [response(8, j) for j in range(6)]
+    prm, reference = qwen(qwen_parts, batch_size=3), qwen(qwen_parts, batch_size=1)
+    first = [item(t[:150], "r", j) for j, t in enumerate(texts)]
+    prm.score(first)
+    reference.score(first)
+    original = model.forward
+    calls = []
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:  # the second chunk fails, after its cache was merged
+            raise RuntimeError("device lost")
+        return original(*args, **kwargs)
+
+    second = [item(t[:260], "r", j) for j, t in enumerate(texts)]
+    model.forward = forward
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            prm.score(second)
+    finally:
+        del model.forward
+    # The first chunk's branches kept their new caches, the others lost theirs.
+    assert len(prm.cached_branches) == 3
+    third = [item(t[:330], "r", j) for j, t in enumerate(texts)]
+    for a, b in zip(prm.step_rewards(third), reference.step_rewards(third)):
+        assert close(a, b, 1e-4)
+
+
+def test_caches_that_cannot_be_merged_are_scored_one_by_one(
+    qwen_parts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sart.prm.hf import CacheAPI
+
+    checks = sart_checks(qwen_texts(4), "", checks=4, grow=60)
+    reference = qwen(qwen_parts, batch_size=1)
+    monkeypatch.setattr(CacheAPI, "tensors", staticmethod(lambda cache: None))
+    prm = qwen(qwen_parts, batch_size=8)
+    for items in checks:
+        for a, b in zip(reference.step_rewards(items), prm.step_rewards(items)):
+            assert close(a, b, 1e-4)
+    # Only the first check's fresh rows shared forwards; the split found the
+    # layout unreadable and the rest went one by one.
+    assert prm.forward_calls == reference.forward_calls - len(checks[0]) + 1
+
+
+class _NoPositionIds(torch.nn.Module):
+    """A model whose ``forward`` takes no ``position_ids``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(
+        self, input_ids: Any, attention_mask: Any = None, cache: Any = None, use_cache: Any = None
+    ) -> Any:
+        return self.inner(
+            input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=use_cache
+        )
+
+
+def test_without_position_ids_only_caches_of_equal_length_share_a_forward(
+    qwen_parts: tuple[Any, Any],
+) -> None:
+    checks = sart_checks(qwen_texts(5), "", checks=5, grow=60)
+    model = _NoPositionIds(qwen_parts[0])
+    _, batched = batched_matches_one_by_one(
+        lambda **kw: QwenMathPRM(model, qwen_parts[1], **kw), checks, batch_size=8
+    )
+    with_positions = qwen(qwen_parts, batch_size=8)
+    for items in checks:
+        with_positions.step_rewards(items)
+    assert batched.forward_calls > with_positions.forward_calls
+
+
+# ---------------------------------------------------------------- the testbed PRM, batched
+
+
+@pytest.fixture(scope="module")
+def testbed_parts() -> tuple[Any, Any]:
+    from sart.testbed import PRM_PATH, prm_kwargs
+
+    prm = QwenMathPRM.from_pretrained(PRM_PATH, **prm_kwargs())
+    return prm.model, prm.tokenizer
+
+
+def noisy_traces(n: int, words: int) -> tuple[str, list[list[str]]]:
+    import random
+
+    from sart.testbed import make_question, noisy_trace
+
+    rng = random.Random(3)
+    question = make_question(rng, 8)
+    texts = []
+    for _ in range(n):
+        units: list[str] = []
+        while len(units) < words:
+            units += [*noisy_trace(question, rng).split(" "), "\n\n"]
+        texts.append(units)
+    return question.prompt, texts
+
+
+@pytest.mark.parametrize("max_length", [512, 64])
+def test_batched_incremental_equals_one_by_one_testbed(
+    testbed_parts: tuple[Any, Any], max_length: int
+) -> None:
+    from sart.testbed import prm_kwargs
+
+    prompt, texts = noisy_traces(9, 140)
+    checks = sart_checks(texts, " ", checks=8, grow=14, prompt=prompt)
+
+    def make(**kwargs: Any) -> QwenMathPRM:
+        options = {**prm_kwargs(), "max_length": max_length, "window_stride": 8, **kwargs}
+        return QwenMathPRM(*testbed_parts, **options)
+
+    _, batched = batched_matches_one_by_one(make, checks, batch_size=4)
+    # The model's per-position cache state was merged too: no row went one by one.
+    assert batched.forward_calls <= sum(-(-len(c) // 4) + 1 for c in checks)
+    full = make(incremental=False)
+    for a, b in zip(full.step_rewards(checks[-1]), batched.step_rewards(checks[-1])):
+        assert close(a, b, 1e-4)

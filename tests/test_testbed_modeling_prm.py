@@ -121,6 +121,34 @@ def test_cached_scoring_matches_uncached_after_growing_and_cropping() -> None:
     assert torch.allclose(tail, model(input_ids=other).logits[:, 10:], atol=1e-5)
 
 
+def test_position_ids_reach_the_policy() -> None:
+    # Batched incremental scoring (sart.prm.hf) left-pads the rows' caches and
+    # gives the new tokens their real positions: the policy must use them.
+    model = _model()
+    ids = _ids(f"{QUESTION} {RESPONSE}")
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    plain = model(input_ids=ids).logits
+    assert torch.allclose(model(input_ids=ids, position_ids=positions).logits, plain, atol=1e-6)
+    # Rotary embeddings are relative: only a gap between positions shows.
+    gap = positions + 7 * (positions >= 5)
+    assert not torch.allclose(model(input_ids=ids, position_ids=gap).logits, plain, atol=1e-3)
+
+
+def test_cache_state_is_position_aligned_under_the_declared_key() -> None:
+    # The protocol sart.prm.hf follows to merge and split caches: a dict of
+    # [batch, positions, ...] tensors under ``cache_state_key``.
+    from sart.prm.hf import CacheAPI
+
+    model = _model()
+    api = CacheAPI.of(model)
+    cache = api.new(model)
+    ids = _ids(f"{QUESTION} {RESPONSE}")
+    model(input_ids=ids[:, :9], use_cache=True, **{api.argument: cache})
+    model(input_ids=ids[:, 9:], use_cache=True, **{api.argument: cache})
+    state = getattr(cache, prm_model.TestbedPRM.cache_state_key)
+    assert state and all(v.shape[:2] == (1, cache.get_seq_length()) for v in state.values())
+
+
 def test_a_cache_filled_elsewhere_is_refused() -> None:
     from sart.prm.hf import CacheAPI
 

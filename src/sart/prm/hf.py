@@ -31,8 +31,18 @@ window's start move in jumps of ``S`` tokens instead of step by step: the
 window then holds between ``B - S`` and ``B`` tokens of steps (``B`` the
 room left by the prefix), but incremental scoring keeps its cache between
 jumps (see below). ``overflow="error"`` raises ``PRMError`` for the request
-instead. ``Encoded`` and ``fit_context`` are the windowing, exposed for tests
-and inspection (``encode(prompt, text)`` shows what the model will see).
+instead. ``window = W`` bounds every input whatever the context: the prefix
+and the most recent steps within ``W`` response tokens, cut as above (same
+helpers, same stride), so that re-scoring a long branch costs
+``O(prefix + W)`` tokens per check instead of ``O(L)``: the bounded mode of
+the vLLM PRM, which cannot score incrementally. Unlike a smaller
+``max_length``, it does not depend on the question's length and never cuts
+the question. Steps before the window are not rated, and the kept ones are
+rated without the earlier ones in view: what that costs in reward quality
+depends on the PRM (``benchmarks/prm_window.py`` measures it on the
+testbed). ``Encoded`` and ``fit_context`` are the windowing, exposed for
+tests and inspection (``encode(prompt, text)`` shows what the model will
+see).
 
 Incremental scoring (``incremental=True``, the default). SART re-scores every
 running branch each ``T`` generated tokens; re-encoding the whole response
@@ -40,7 +50,8 @@ each time costs about ``L / (2T)`` PRM tokens per generated token for a
 branch of ``L`` tokens. Instead each branch (keyed by ``ScoreItem.branch``)
 keeps the model's KV cache of its last input and the rewards read from it. A
 new input reuses the longest common prefix of token ids with the cached one:
-the cache is cropped there (``Cache.crop``) and only the rest is fed. Since
+only the rest is fed, continuing from the cache's positions up to there
+(the cache is cropped, or cut while batching, see below). Since
 the model is causal, the logits at a position depend only on the tokens up
 to it, so the rewards of the steps inside the common prefix are the ones
 read before, and the result equals full re-encoding (up to float rounding).
@@ -51,8 +62,9 @@ start, the common prefix ends at the prefix (system prompt and question), so
 the window is re-encoded: that is the rebuild, and with ``window_stride=1``
 it happens at nearly every check once a branch is past the context. A
 branch's cache is dropped when its request is released (``release``), when
-an item with ``final=True`` has been scored, when a call fails, and, beyond
-``max_cached_branches`` branches, least recently used first. Memory: a
+an item with ``final=True`` has been scored, when a call fails before its
+row was scored (rows scored before the failure keep their new caches), and,
+beyond ``max_cached_branches`` branches, least recently used first. Memory: a
 cache holds up to ``max_length`` tokens of keys and values per branch (about
 56 KiB per token for the 7B Qwen PRM in bfloat16, so 224 MiB at 4096 tokens).
 ``tokens_processed`` counts the tokens actually fed to the model, so that a
@@ -61,8 +73,35 @@ benchmark can report PRM tokens per generated token
 
 Batching. Without ``incremental``, items are scored in groups of
 ``batch_size`` (sorted by length, right-padded, with an attention mask).
-With ``incremental``, items are scored one by one, each with its own cache:
-these are reference implementations, not a PRM server.
+With ``incremental``, the new tokens of a call's items run in as few
+forwards as ``batch_size`` allows, each row continuing from its own branch's
+cache. Rows with a cache and fresh ones are batched apart, each group sorted
+by new-token count (a right pad costs a whole forward per token, a left pad
+only attention) and cut into chunks of ``batch_size`` rows. For a chunk, each
+row's cached keys and values up to its common prefix are left-padded with
+zeros to the longest and stacked into one cache; the new tokens are
+right-padded; the attention mask hides both pads, and ``position_ids`` give
+every row its real positions (rotary embeddings must not count the pads;
+with a model whose ``forward`` takes no ``position_ids``, only rows with
+caches of equal length share a forward). Afterwards the merged cache is cut
+back into one cache per branch holding its own positions only, copied (a
+view would keep the whole batch alive while one branch is cached). The
+merged cache may hold more slots than ``max_length`` (longest past plus
+longest new part), never a position beyond it. A model that keeps
+per-position state on its caches declares it, and that state is padded,
+stacked and cut like keys and values: its class's ``cache_state_key`` names
+the cache attribute holding a dict of tensors shaped ``[batch, positions,
+...]`` aligned with the cache's positions (the testbed PRM's running
+features, ``sart.testbed.modeling_testbed_prm``); the model may read a row's
+state at its last cached position, which is the row's own, never at a pad.
+Chunks of one row, and caches that cannot be merged (anything but a
+``DynamicCache`` of plain layers: sliding windows, quantised, static), run
+one by one, the cache cropped in place; ``batch_size=1`` is that path
+throughout. Memory: merging and splitting copy a chunk's caches once each,
+so a check needs up to about twice the chunk's cached keys and values for a
+moment. ``benchmarks/prm_batching.py`` times checks of 1 to 32 branches on
+the testbed PRM. These remain reference implementations, not a PRM server
+(no paged memory, no batching across calls).
 
 Devices. ``device="cuda:1"`` moves the model there, inputs follow; without a
 device the model stays where it is (e.g. placed by ``device_map``).
@@ -71,6 +110,7 @@ device the model stays where it is (e.g. placed by ``device_map``).
 from __future__ import annotations
 
 import bisect
+import copy
 import inspect
 import itertools
 import math
@@ -144,6 +184,8 @@ class ContextLimit:
     max_length: int = attrs.field(default=4096)
     overflow: str = attrs.field(default="window")
     window_stride: int = attrs.field(default=1)
+    window: int | None = attrs.field(default=None)
+    """Response tokens kept in every input (``None``: as many as ``max_length`` allows)."""
 
     @max_length.validator
     def _check_max_length(self, _attr: attrs.Attribute, value: int) -> None:
@@ -157,16 +199,28 @@ class ContextLimit:
     def _check_stride(self, _attr: attrs.Attribute, value: int) -> None:
         config_check(isinstance(value, int) and value >= 1, "window_stride", value, ">= 1")
 
+    @window.validator
+    def _check_window(self, _attr: attrs.Attribute, value: int | None) -> None:
+        config_check(
+            value is None or (isinstance(value, int) and value >= 1),
+            "window",
+            value,
+            "None or an int >= 1 (response tokens)",
+        )
+
 
 class ContextOverflow(Exception):
     """An input is longer than ``max_length`` and ``overflow="error"``."""
 
 
 def fit_context(enc: Encoded, limit: ContextLimit) -> Encoded:
-    """``enc`` cut to at most ``limit.max_length`` tokens (see the module docstring).
+    """``enc`` cut to at most ``limit.window`` response tokens, then to at most
+    ``limit.max_length`` tokens (see the module docstring).
 
     Deterministic in ``enc``: full and incremental scoring see the same window.
     """
+    if limit.window is not None and len(enc) - len(enc.prefix) > limit.window:
+        enc = _recent_steps(enc, enc.prefix, limit.window, limit.window_stride)
     if len(enc) <= limit.max_length:
         return enc
     if limit.overflow == "error":
@@ -176,8 +230,12 @@ def fit_context(enc: Encoded, limit: ContextLimit) -> Encoded:
     # prefix (a huge question) loses its beginning.
     room = limit.max_length - min(steps_length, limit.max_length // 2)
     prefix = enc.prefix[-room:] if len(enc.prefix) > room else enc.prefix
-    budget = limit.max_length - len(prefix)
-    first = _first_kept(enc.segments, budget, limit.window_stride)
+    return _recent_steps(enc, prefix, limit.max_length - len(prefix), limit.window_stride)
+
+
+def _recent_steps(enc: Encoded, prefix: tuple[int, ...], budget: int, stride: int) -> Encoded:
+    """``prefix`` and the most recent steps of ``enc`` within ``budget`` tokens."""
+    first = _first_kept(enc.segments, budget, stride)
     segments, rating = enc.segments[first:], enc.rating[first:]
     if sum(map(len, segments)) > budget:  # only the last step is left, and it is too long
         segments, rating = _keep_end(segments[-1], rating[-1], budget)
@@ -268,6 +326,54 @@ class CacheAPI:
         if cache.get_seq_length() != length:
             raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} tokens")
 
+    @staticmethod
+    def tensors(cache: Any) -> list[tuple[Any, Any]] | None:
+        """Each layer's (keys, values), ``[batch, heads, positions, head_dim]``, if
+        the cache is laid out so that rows can be merged and split: a
+        ``DynamicCache`` of plain ``DynamicLayer`` objects (transformers 5.x and
+        late 4.x) or of ``key_cache``/``value_cache`` lists (earlier 4.x).
+        ``None`` for any other (sliding windows, quantised, static, offloaded).
+        """
+        if type(cache) is not transformers.DynamicCache:
+            return None
+        layers = getattr(cache, "layers", None)
+        if layers is not None:
+            if not all(type(layer) is _DYNAMIC_LAYER and layer.is_initialized for layer in layers):
+                return None
+            out = [(layer.keys, layer.values) for layer in layers]
+        else:
+            keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+            if not isinstance(keys, list) or not isinstance(values, list):
+                return None
+            out = list(zip(keys, values))
+        lengths = {t.shape[-2] if t.dim() == 4 else -1 for pair in out for t in pair}
+        return out if out and len(lengths) == 1 and -1 not in lengths else None
+
+    @staticmethod
+    def fill(cache: Any, tensors: Sequence[tuple[Any, Any]]) -> Any:
+        """``cache``, new and empty, holding ``tensors`` (as ``tensors`` returns
+        them) as they are, not copied."""
+        layers = getattr(cache, "layers", None)
+        for i, (keys, values) in enumerate(tensors):
+            if layers is not None and i < len(layers) and type(layers[i]) is _DYNAMIC_LAYER:
+                _install(layers[i], keys, values)
+            else:  # 4.x lists: ``update`` appends a layer's first tensors as they are
+                cache.update(keys, values, i)
+        return cache
+
+
+_DYNAMIC_LAYER = getattr(transformers.cache_utils, "DynamicLayer", None)
+
+
+def _install(layer: Any, keys: Any, values: Any) -> None:
+    """Put tensors into an empty ``DynamicLayer`` as they are (its ``update``
+    would concatenate them to an empty tensor: a copy of the whole cache)."""
+    try:
+        layer.lazy_initialization(keys, values)  # sets the device and dtype
+    except TypeError:  # transformers 4.5x: lazy_initialization(key_states)
+        layer.lazy_initialization(keys)
+    layer.keys, layer.values = keys, values
+
 
 def _output_logits(output: Any) -> Any:
     logits = getattr(output, "logits", None)
@@ -293,6 +399,33 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next(i for i in range(n) if a[i] != b[i])
 
 
+def _stack_left_padded(parts: Sequence[Any], lengths: Sequence[int], dim: int) -> Any:
+    """Row ``r`` of the result is the first ``lengths[r]`` entries along ``dim`` of
+    ``parts[r]`` (a batch of one), right-aligned in ``max(lengths)``, zeros on the
+    left. Zeros, not garbage: a masked key gets weight 0, and 0 * NaN is NaN
+    (only the pads are zeroed: zeroing the whole tensor first costs a pass)."""
+    width = max(lengths)
+    shape = list(parts[0].shape)
+    shape[0], shape[dim] = len(parts), width
+    out = parts[0].new_empty(shape)
+    for r, (part, n) in enumerate(zip(parts, lengths)):
+        row = out[r]
+        row.narrow(dim - 1, 0, width - n).zero_()
+        row.narrow(dim - 1, width - n, n).copy_(part[0].narrow(dim - 1, 0, n))
+    return out
+
+
+def _cut_rows(merged: Any, held: int, spans: Sequence[tuple[int, int]], dim: int) -> list[Any]:
+    """Row ``r`` of ``merged`` as a batch of one, its ``spans[r] = (past, new)``
+    positions only: from ``held - past`` (after the left pads) to ``held + new``
+    (before the right pads). Copied (``clone`` of a slice is compact): a view
+    would keep the whole batch alive."""
+    return [
+        merged[r : r + 1].narrow(dim, held - past, past + new).clone()
+        for r, (past, new) in enumerate(spans)
+    ]
+
+
 @attrs.define
 class _BranchCache:
     """What a branch keeps between checks: the KV cache of its last input, that
@@ -301,6 +434,40 @@ class _BranchCache:
     cache: Any
     ids: list[int] = attrs.Factory(list)
     rewards: dict[int, float] = attrs.Factory(dict)
+
+
+@attrs.define
+class _Row:
+    """One item of an incremental call: its input, what its branch's cache
+    already holds of it, and, once scored, the branch's new entry."""
+
+    branch: BranchId
+    ids: list[int]
+    positions: list[int]
+    """Rating positions in ``ids``."""
+    start: int = 0
+    """Tokens of ``ids`` the cache holds (their common prefix with the cached input)."""
+    cache: Any = None
+    """The branch's cache, holding at least ``start`` tokens; ``None`` if ``start == 0``."""
+    rewards: dict[int, float] = attrs.Factory(dict)
+    """Rewards by rating position: those before ``start`` are known beforehand."""
+    done: _BranchCache | None = None
+    """The branch's entry to keep, once the row is scored."""
+
+    @property
+    def new(self) -> list[int]:
+        return self.ids[self.start :]
+
+    def new_positions(self) -> list[int]:
+        """The rating positions not yet read, relative to ``new``."""
+        return [p - self.start for p in self.positions if p >= self.start]
+
+    def finish(self, cache: Any, rewards: Sequence[float] = ()) -> None:
+        """Record the rewards read at ``new_positions`` and the cache to keep
+        (``None``: keep none)."""
+        fresh = [p for p in self.positions if p >= self.start]
+        self.rewards.update(zip(fresh, rewards, strict=True))
+        self.done = None if cache is None else _BranchCache(cache, self.ids, self.rewards)
 
 
 # --------------------------------------------------------------------------- the shared PRM
@@ -327,6 +494,7 @@ class TransformersPRM:
         incremental: bool = True,
         overflow: str = "window",
         window_stride: int = 1,
+        window: int | None = None,
         max_cached_branches: int | None = None,
     ) -> None:
         config_check(
@@ -338,7 +506,7 @@ class TransformersPRM:
             max_cached_branches,
             "None or >= 1",
         )
-        self.limit = ContextLimit(max_length, overflow, window_stride)
+        self.limit = ContextLimit(max_length, overflow, window_stride, window)
         _check_positions(model, max_length)
         self.aggregate = check_aggregation(aggregate)
         self.batch_size = batch_size
@@ -350,6 +518,7 @@ class TransformersPRM:
         self.device = _model_device(model)
         self.tokenizer = tokenizer
         self._cache_api = CacheAPI.of(model)
+        self._empty_cache = self._cache_api.new(model)
         self._keep_logits = self._subset_logits and "logits_to_keep" in _forward_parameters(model)
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
@@ -357,6 +526,12 @@ class TransformersPRM:
         self.tokens_processed = 0
         """Tokens fed to the model so far (padding excluded)."""
         self.forward_calls = 0
+        # Rows continuing from caches of different lengths share a forward only if
+        # their real positions can be given (left pads must not shift RoPE).
+        self._merge_pasts = "position_ids" in _forward_parameters(model)
+        # Per-position state a model keeps on its caches, merged like keys and values.
+        self._state_key: str | None = getattr(model, "cache_state_key", None)
+        self._merging = True  # off once a cache turns out not to split (then one by one)
 
     # ------------------------------------------------------------------ protocol
 
@@ -369,7 +544,7 @@ class TransformersPRM:
         when the response is longer than the context; none for a blank response)."""
         encoded = [self._encode_item(item) for item in items]  # all errors before any work
         if self.incremental:
-            results = [self._score_cached(it.branch, enc) for it, enc in zip(items, encoded)]
+            results = self._score_incremental(items, encoded)
         else:
             results = self._score_batched(encoded)
         self._check_finite(items, results)
@@ -422,33 +597,168 @@ class TransformersPRM:
                 results[i] = _good_probability(rows)
         return results
 
-    def _score_cached(self, branch: BranchId, enc: Encoded) -> list[float]:
-        if not enc.segments:
-            return []
+    def _score_incremental(
+        self, items: Sequence[ScoreItem], encoded: Sequence[Encoded]
+    ) -> list[list[float]]:
+        rows = [
+            self._plan(item.branch, enc) if enc.segments else None
+            for item, enc in zip(items, encoded)
+        ]
+        live = [row for row in rows if row is not None]
+        try:
+            self._run(live)
+        finally:
+            # Entries go back in the items' order (least recently used first), those
+            # of rows that failed or did not run are dropped.
+            for row in live:
+                if row.done is not None:
+                    self._remember(row.branch, row.done)
+        return [[] if row is None else [row.rewards[p] for p in row.positions] for row in rows]
+
+    def _plan(self, branch: BranchId, enc: Encoded) -> _Row:
+        """The branch's row: its cached entry taken out (put back only once
+        scored: a failed forward may leave a cache half-updated) and the longest
+        prefix of the input it holds."""
         ids, positions = enc.ids(), enc.positions()
-        # Popped now, put back (most recently used) only on success: a failed
-        # forward may have left the cache half-updated.
         entry = self._caches.pop(branch, None)
-        start = 0 if entry is None else _common_prefix(entry.ids, ids)
-        known = {} if entry is None else entry.rewards
+        if entry is None:
+            return _Row(branch, ids, positions)
+        start = _common_prefix(entry.ids, ids)
         # A rating position inside the common prefix must have its reward already.
-        start = min([start, *(p for p in positions if p < start and p not in known)])
-        if entry is None or start == 0:
-            entry = _BranchCache(self._cache_api.new(self.model))
+        start = min([start, *(p for p in positions if p < start and p not in entry.rewards)])
+        if start == 0:
+            return _Row(branch, ids, positions)
+        known = {p: r for p, r in entry.rewards.items() if p < start}
+        return _Row(branch, ids, positions, start, entry.cache, known)
+
+    def _run(self, rows: Sequence[_Row]) -> None:
+        """Score the rows: the new tokens of up to ``batch_size`` of them per forward."""
+        pending = []
+        for row in rows:
+            if row.start < len(row.ids):
+                pending.append(row)
+            else:  # nothing new (the same text, or a prefix of it): no forward
+                with torch.inference_mode():  # the cache holds inference tensors
+                    self._cache_api.crop(row.cache, row.start)
+                row.finish(row.cache)
+        # Rows with and without a cache are batched apart: a model's per-position
+        # cache state need not have a neutral value for an all-padding past.
+        for cached in (False, True):
+            group = [row for row in pending if (row.cache is not None) == cached]
+            # A right pad costs a whole forward per token, a left pad only attention:
+            # rows with similar numbers of new tokens go together first.
+            group.sort(key=lambda row: (len(row.ids) - row.start, row.start))
+            for chunk in _chunks(group, self.batch_size):
+                self._run_chunk(chunk)
+
+    def _run_chunk(self, chunk: Sequence[_Row]) -> None:
+        merged = self._merge(chunk) if len(chunk) > 1 else None
+        if merged is None:
+            for row in chunk:
+                self._run_one(row)
+            return
+        for row in chunk:  # the merged cache holds their data: let theirs go (memory)
+            row.cache = None
+        output, logits = self._forward(
+            [row.new for row in chunk],
+            [row.new_positions() for row in chunk],
+            cache=merged,
+            past=[row.start for row in chunk],
+        )
+        caches = self._split(self._cache_api.returned(output, merged), chunk)
+        for row, cache, two_way in zip(chunk, caches, logits):
+            row.finish(cache, _good_probability(two_way))
+
+    def _run_one(self, row: _Row) -> None:
+        """The row on its own cache, cropped in place (the one-by-one path)."""
+        if row.cache is None:
+            cache = self._new_cache()
         else:
-            with torch.inference_mode():  # the cache holds inference tensors
-                self._cache_api.crop(entry.cache, start)
-        rewards = {p: r for p, r in known.items() if p < start}
-        fresh = [p for p in positions if p >= start]
-        if start < len(ids):
-            output, logits = self._forward(
-                [ids[start:]], [[p - start for p in fresh]], cache=entry.cache
-            )
-            entry.cache = self._cache_api.returned(output, entry.cache)
-            rewards.update(zip(fresh, _good_probability(logits[0])))
-        entry.ids, entry.rewards = ids, rewards
-        self._remember(branch, entry)
-        return [rewards[p] for p in positions]
+            cache = row.cache
+            with torch.inference_mode():
+                self._cache_api.crop(cache, row.start)
+        output, logits = self._forward([row.new], [row.new_positions()], cache=cache)
+        row.finish(self._cache_api.returned(output, cache), _good_probability(logits[0]))
+
+    def _merge(self, chunk: Sequence[_Row]) -> Any | None:
+        """One cache for the chunk's rows: each row's first ``start`` positions,
+        left-padded to the longest (the pads are masked in ``_forward``); ``None``
+        if their caches cannot be merged (then they run one by one)."""
+        if not self._merging:
+            return None
+        if all(row.cache is None for row in chunk):
+            return self._new_cache()
+        if not self._merge_pasts and len({row.start for row in chunk}) > 1:
+            return None
+        parts = []
+        for row in chunk:
+            part = self._cache_parts(row.cache)
+            if part is None:
+                return None
+            parts.append(part)
+        if len({len(layers) for layers, _ in parts}) != 1:
+            return None
+        past = [row.start for row in chunk]
+        with torch.inference_mode():
+            layers = [
+                (
+                    _stack_left_padded([k for k, _ in layer], past, dim=2),
+                    _stack_left_padded([v for _, v in layer], past, dim=2),
+                )
+                for layer in zip(*(layers for layers, _ in parts))
+            ]
+            state = {
+                name: _stack_left_padded([s[name] for _, s in parts], past, dim=1)
+                for name in parts[0][1]
+            }
+            return self._filled(layers, state)
+
+    def _split(self, cache: Any, chunk: Sequence[_Row]) -> list[Any]:
+        """One cache per row from the merged one, its real positions only (past
+        and new, without the pads); ``None`` each if the cache cannot be split."""
+        parts = self._cache_parts(cache)
+        if parts is None:
+            self._merging = False  # the forward returned a cache of another layout
+            return [None] * len(chunk)
+        layers, state = parts
+        held = cache.get_seq_length() - max(len(row.new) for row in chunk)
+        spans = [(row.start, len(row.new)) for row in chunk]
+        with torch.inference_mode():
+            cut_layers = [
+                (_cut_rows(keys, held, spans, dim=2), _cut_rows(values, held, spans, dim=2))
+                for keys, values in layers
+            ]
+            cut_state = {name: _cut_rows(v, held, spans, dim=1) for name, v in state.items()}
+            return [
+                self._filled(
+                    [(keys[r], values[r]) for keys, values in cut_layers],
+                    {name: rows[r] for name, rows in cut_state.items()},
+                )
+                for r in range(len(chunk))
+            ]
+
+    def _cache_parts(self, cache: Any) -> tuple[list[tuple[Any, Any]], dict[str, Any]] | None:
+        """The cache's layers (``CacheAPI.tensors``) and the model's per-position
+        state on it (``cache_state_key``; empty if the model keeps none), or
+        ``None`` if the cache cannot be merged or split."""
+        layers = self._cache_api.tensors(cache)
+        if layers is None:
+            return None
+        if self._state_key is None:
+            return layers, {}
+        state = getattr(cache, self._state_key, None)
+        return (layers, state) if isinstance(state, dict) and state else None
+
+    def _new_cache(self) -> Any:
+        # Building a DynamicCache from the config costs ~50 us (its layer types),
+        # copying an empty one a third of that; a batched check makes one per row.
+        return copy.deepcopy(self._empty_cache)
+
+    def _filled(self, layers: Sequence[tuple[Any, Any]], state: dict[str, Any]) -> Any:
+        cache = self._cache_api.fill(self._new_cache(), layers)
+        if self._state_key is not None:
+            setattr(cache, self._state_key, state)
+        return cache
 
     def _remember(self, branch: BranchId, entry: _BranchCache) -> None:
         self._caches[branch] = entry
@@ -457,22 +767,38 @@ class TransformersPRM:
                 self._caches.popitem(last=False)
 
     def _forward(
-        self, rows: list[list[int]], positions: list[list[int]], cache: Any = None
+        self,
+        rows: list[list[int]],
+        positions: list[list[int]],
+        cache: Any = None,
+        past: Sequence[int] | None = None,
     ) -> tuple[Any, list[Any]]:
         """Run the model on right-padded ``rows``; the (bad, good) logits at each
-        row's ``positions``."""
+        row's ``positions`` (indices into the row).
+
+        With ``cache``, row ``r`` continues from ``past[r]`` cached tokens
+        (default: all the cache holds). The cache then holds ``max(past)``
+        positions per row, a row's own ones last after masked left pads, and the
+        row's tokens are given their real positions ``past[r], past[r] + 1, ...``
+        (rotary embeddings must not count the pads).
+        """
         width = max(map(len, rows))
+        held = cache.get_seq_length() if cache is not None else 0
+        past = list(past) if past is not None else [held] * len(rows)
         input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
+        mask = torch.zeros((len(rows), held + width), dtype=torch.long)
         for r, row in enumerate(rows):
             input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[r, : len(row)] = 1
+            mask[r, held - past[r] : held + len(row)] = 1
         kwargs: dict[str, Any] = {
             "input_ids": input_ids.to(self.device),
             "use_cache": cache is not None,
         }
-        if any(len(row) < width for row in rows):
+        if any(p < held for p in past) or any(len(row) < width for row in rows):
             kwargs["attention_mask"] = mask.to(self.device)
+        if any(p < held for p in past):
+            first = torch.tensor(past, dtype=torch.long).unsqueeze(1)
+            kwargs["position_ids"] = (first + torch.arange(width)).to(self.device)
         if cache is not None:
             kwargs[self._cache_api.argument] = cache
         index = [list(p) for p in positions]
@@ -555,6 +881,10 @@ def _load_kwargs(dtype: Any, trust_remote_code: bool, extra: Mapping[str, Any] |
 # --------------------------------------------------------------------------- Qwen2.5-Math-PRM
 
 
+_STEP_MEMO = 1 << 14
+"""Tokenised steps ``QwenMathPRM`` remembers (least recently used out first)."""
+
+
 class QwenMathPRM(TransformersPRM):
     """Qwen2.5-Math-PRM: a token classifier rating each ``<extra_0>`` after a step.
 
@@ -583,6 +913,7 @@ class QwenMathPRM(TransformersPRM):
         incremental: bool = True,
         overflow: str = "window",
         window_stride: int = 1,
+        window: int | None = None,
         max_cached_branches: int | None = None,
         step_separator: str = "<extra_0>",
     ) -> None:
@@ -596,6 +927,7 @@ class QwenMathPRM(TransformersPRM):
             incremental=incremental,
             overflow=overflow,
             window_stride=window_stride,
+            window=window,
             max_cached_branches=max_cached_branches,
         )
         self._init_format(system_prompt, step_separator, "QwenMathPRM")
@@ -609,6 +941,7 @@ class QwenMathPRM(TransformersPRM):
         if not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(f"{who} needs a tokenizer with a chat template")
         self._prefixes: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._steps: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._check_encoding()
 
     @classmethod
@@ -683,9 +1016,26 @@ class QwenMathPRM(TransformersPRM):
         return ids
 
     def _encode_steps(self, question: str, steps: list[str]) -> Encoded:
-        step_ids = self.tokenizer(steps, add_special_tokens=False)["input_ids"]
-        segments = tuple((*ids, self.separator_id) for ids in step_ids)
+        segments = tuple((*ids, self.separator_id) for ids in self._step_ids(steps))
         return Encoded(self._prefix_ids(question), segments, tuple(len(s) - 1 for s in segments))
+
+    def _step_ids(self, steps: list[str]) -> list[tuple[int, ...]]:
+        """Each step tokenised on its own, memoised: from one check of a branch to
+        the next only its last step changes, and tokenising all of them again
+        cost a fifth of a batched check of the testbed PRM
+        (``benchmarks/prm_batching.py``)."""
+        memo = self._steps
+        missing = list(dict.fromkeys(step for step in steps if step not in memo))
+        if missing:
+            encoded = self.tokenizer(missing, add_special_tokens=False)["input_ids"]
+            memo.update(zip(missing, map(tuple, encoded)))
+        out = []
+        for step in steps:
+            out.append(memo[step])
+            memo.move_to_end(step)
+        while len(memo) > _STEP_MEMO:
+            memo.popitem(last=False)
+        return out
 
     def _two_way(self, logits: Any) -> Any:
         if logits.shape[-1] != 2:
@@ -742,6 +1092,7 @@ class StepTagPRM(TransformersPRM):
         incremental: bool = True,
         overflow: str = "window",
         window_stride: int = 1,
+        window: int | None = None,
         max_cached_branches: int | None = None,
     ) -> None:
         super().__init__(
@@ -754,6 +1105,7 @@ class StepTagPRM(TransformersPRM):
             incremental=incremental,
             overflow=overflow,
             window_stride=window_stride,
+            window=window,
             max_cached_branches=max_cached_branches,
         )
         if not getattr(tokenizer, "is_fast", False):

