@@ -2,7 +2,8 @@
 
 Generates a workload of 10,000 requests with N=8 branches each, then serves
 it with SART (and optionally the other methods) on SimEngine under the given
-cost preset, timing trace generation and simulation separately.
+cost preset, with the PRM priced as ``sart bench`` prices it by default,
+timing trace generation and simulation separately.
 
     python benchmarks/simulator_speed.py                       # SART, 10k requests, N=8
     python benchmarks/simulator_speed.py --methods sart sc --requests 2000

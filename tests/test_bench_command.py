@@ -49,8 +49,49 @@ def test_bench_writes_table_json_and_plots(
         assert 0.0 <= s["accuracy"] <= 1.0
         assert all(r["correct"] in (True, False) for r in run["requests"])
     assert [(r["rate"], r["n"]) for r in doc["ratios_p97"]] == [(2.0, 2), (2.0, 4)]
+    check_prm_records(doc, printed)
     for name in ("latency_accuracy.png", "resources.png", "distributions.png"):
         assert (tmp_path / "out" / name).stat().st_size > 10_000
+
+
+def check_prm_records(doc: dict, printed: str) -> None:
+    """The default run prices Qwen2.5-Math-PRM-7B re-encoding on its own H100, overlapped,
+    and records what the PRM cost each run and each request."""
+    config = doc["config"]
+    assert (config["scoring"], config["prm_cost"], config["prm_device"]) == (
+        "overlapped",
+        "reencode",
+        "own",
+    )
+    pricing = config["prm_pricing"]
+    assert pricing["model"] == "Qwen2.5-Math-PRM-7B on H100-SXM5-80GB"
+    assert (pricing["context"], pricing["input"], pricing["device"]) == (4096, "reencode", "own")
+    assert "PRM reencode, own H100, overlapped" in " ".join(printed.split())
+    assert "PRM wait" in printed
+    for run in doc["runs"]:
+        prm, wait = run["prm"], run["summary"]["prm_wait"]
+        uses_prm = run["method"] not in ("vanilla", "sc")
+        assert (prm["busy_seconds"] > 0) is uses_prm
+        assert (prm["tokens"] > 0) is uses_prm
+        assert prm["wait_seconds"] == 0.0 == wait["p97"]  # its own device, overlapped
+        assert {"prm_seconds", "prm_wait_seconds"} <= set(run["requests"][0])
+        busy = sum(r["prm_seconds"] for r in run["requests"])
+        assert busy == pytest.approx(prm["busy_seconds"], rel=0.05)
+
+
+def test_blocking_checks_record_the_decode_time_lost(tmp_path: Path) -> None:
+    doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--scoring", "blocking")
+    assert doc["config"]["scoring"] == "blocking"
+    for run in doc["runs"]:
+        prm, wait = run["prm"], run["summary"]["prm_wait"]
+        assert prm["wait_seconds"] == pytest.approx(prm["busy_seconds"], rel=0.05)
+        waits = sorted(r["prm_wait_seconds"] for r in run["requests"])
+        assert wait["mean"] == pytest.approx(sum(waits) / len(waits))
+        assert wait["p97"] == waits[-1]  # nearest rank: the 12th of 12
+    free = bench(tmp_path, "--no-plots", "--methods", "sart", "--prm-cost", "free")
+    assert free["config"]["prm_pricing"] is None
+    nothing = {"busy_seconds": 0.0, "wait_seconds": 0.0, "tokens": None}
+    assert all(r["prm"] == nothing for r in free["runs"])
 
 
 def test_bench_json_mode_prints_summaries(
@@ -95,6 +136,13 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
         (["bench", "--model", "tpu"], "cost model 'tpu' must be one of ['8xh100-70b'"),
         (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
+        (["bench", "--prm-cost", "cached"], "--prm-cost: invalid choice: 'cached'"),
+        (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
+        (["bench", "--prm-device", "cuda:1"], "--prm-device 'cuda:1': the simulator's PRM"),
+        (
+            ["bench", "--model", "steps", "--prm-cost", "incremental"],
+            "prm_cost='incremental' must be 'free' under cost='steps'",
+        ),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -213,6 +261,42 @@ def test_vllm_args_are_refused_for_other_engines(
     with pytest.raises(SystemExit):
         main(argv)
     assert "--vllm-arg is only for --engine vllm" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--prm-cost", "free"], "--prm-cost free is for --engine sim"),
+        (["--prm-device", "shared"], "--prm-device shared is for --engine sim"),
+    ],
+)
+def test_simulator_prm_flags_are_refused_for_real_engines(
+    flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main(_vllm_argv(tmp_path, *flags))
+    assert message in capsys.readouterr().err
+
+
+def test_scoring_reaches_a_real_engines_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sart.bench import real
+
+    modes = []
+
+    class Recording(real.SyncDriver):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            modes.append(self.scoring)
+
+    monkeypatch.setattr("sart.registry.load_engine", lambda name: {"vllm": _StandInVLLM}[name])
+    monkeypatch.setattr(real, "SyncDriver", Recording)
+    assert main(_vllm_argv(tmp_path, "--scoring", "blocking")) == 0
+    assert modes == [sart.Scoring.BLOCKING] * 2  # vanilla and sc
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["config"]["scoring"] == "blocking"
+    assert (doc["config"]["prm_cost"], doc["config"]["prm_pricing"]) == (None, None)
 
 
 def _args(*argv: str) -> Any:

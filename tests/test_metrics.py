@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -138,6 +139,16 @@ def test_run_summary_by_hand() -> None:
     assert s.peak_running_branches == 6  # peaks of different samples
     assert s.peak_kv_tokens == 250
     assert s.makespan == 25.0
+    assert s.prm_wait.max == 0.0  # results that never waited for a PRM
+
+
+def test_run_summary_of_prm_waits() -> None:
+    results = [
+        attrs.evolve(completed(rid, "7", 0.0, 0.0, 9.0, [3]), prm_wait_seconds=wait)
+        for rid, wait in (("a", 1.0), ("b", 0.0), ("c", 5.0))
+    ]
+    s = RunSummary.of(results)
+    assert (s.prm_wait.mean, s.prm_wait.p50, s.prm_wait.p97) == (2.0, 1.0, 5.0)
 
 
 def test_run_summary_without_gold_or_timeline() -> None:
@@ -175,4 +186,5 @@ def test_request_record() -> None:
     assert record["correct"] is True
     assert [b["tokens"] for b in record["branches"]] == [20, 6]
     assert record["branches"][0]["status"] == "finished"
+    assert (record["prm_seconds"], record["prm_wait_seconds"]) == (0.0, 0.0)
     assert request_record(failed("c", 0.0, 1.0, [1]))["correct"] is None

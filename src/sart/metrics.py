@@ -71,6 +71,8 @@ class RunSummary:
     peak_kv_tokens: int
     makespan: float
     """Last finish time (the run's clock)."""
+    prm_wait: Distribution
+    """Per request: time its running branches stood still waiting for the PRM."""
 
     @classmethod
     def of(
@@ -97,6 +99,7 @@ class RunSummary:
             peak_running_branches=max((s.running_branches for s in timeline), default=0),
             peak_kv_tokens=max((s.kv_tokens for s in timeline), default=0),
             makespan=max((t.finished for t in timings), default=0.0),
+            prm_wait=Distribution.of([r.prm_wait_seconds for r in results]),
         )
 
 
@@ -116,6 +119,8 @@ def request_record(result: RequestResult, gold: str | None = None) -> dict:
         "correct": is_correct(result, gold) if gold is not None else None,
         "chosen": result.chosen,
         "prm_items": result.prm_items,
+        "prm_seconds": result.prm_seconds,
+        "prm_wait_seconds": result.prm_wait_seconds,
         "branches": [
             {
                 "status": b.status.name.lower(),

@@ -11,12 +11,21 @@ from typing import Any
 import attrs
 
 from sart.bench.real import PromptItem
-from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, run_method, traces
+from sart.bench.runner import (
+    METHODS,
+    PRM_COSTS,
+    PRM_DEVICES,
+    BenchConfig,
+    RunRecord,
+    plan,
+    run_method,
+    traces,
+)
 from sart.bench.traces import Trace
 from sart.bench.workloads import WORKLOADS, workload
 from sart.engines.costs import PRESETS
 from sart.errors import ConfigError, MissingDependencyError
-from sart.types import Admission, SamplingSettings
+from sart.types import Admission, SamplingSettings, Scoring
 
 REAL_BATCH_SIZE = 16
 """``B`` on a real engine (hf, vllm) when ``--batch-size`` is not given."""
@@ -63,7 +72,28 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", help="hf, vllm: JSONL prompt file ({'prompt', 'answer'} per line)")
     p.add_argument("--device", default="cpu", help="hf: device of the model (default cpu)")
     p.add_argument(
-        "--prm-device", default=None, help="hf PRMs: device of the PRM (default: --device)"
+        "--prm-device",
+        default=None,
+        help="where the PRM runs. sim: 'own' (its own accelerator, of the policy's kind; "
+        "the default) or 'shared' (the policy's: a PRM call holds decoding up); "
+        "hf PRMs: a torch device (default: --device)",
+    )
+    p.add_argument(
+        "--prm-cost",
+        choices=list(PRM_COSTS),
+        default=None,
+        help="sim: how long a PRM call takes: Qwen2.5-Math-PRM-7B's prefill of the tokens it "
+        "reads, re-encoding each input at every check as vLLM's pooling PRM does "
+        "(reencode, the default), or reading only the tokens not yet scored (incremental), "
+        "or nothing (free; the default under --model steps)",
+    )
+    p.add_argument(
+        "--scoring",
+        choices=[s.value for s in Scoring],
+        default=Scoring.OVERLAPPED.value,
+        help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
+        "when its rewards arrive; blocking: decoding waits for every PRM check "
+        "(Algorithm 1 as written)",
     )
     p.add_argument(
         "--vllm-arg",
@@ -184,6 +214,33 @@ def record_trace_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prm_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """``--prm-cost`` and ``--prm-device`` as BenchConfig fields (the simulator's; on a
+    real engine ``--prm-device`` is a torch device and the PRM takes real time)."""
+    if args.engine != "sim":
+        if args.prm_cost is not None:
+            raise ConfigError(
+                f"--prm-cost {args.prm_cost} is for --engine sim; a real PRM takes real time"
+            )
+        if args.prm_device in PRM_DEVICES:
+            raise ConfigError(
+                f"--prm-device {args.prm_device} is for --engine sim; with --engine "
+                f"{args.engine} give a torch device (e.g. cuda:1)"
+            )
+        return {}
+    flags: dict[str, Any] = {}
+    if args.prm_cost is not None:
+        flags["prm_cost"] = args.prm_cost
+    if args.prm_device is not None:
+        if args.prm_device not in PRM_DEVICES:
+            raise ConfigError(
+                f"--prm-device {args.prm_device!r}: the simulator's PRM runs on its own "
+                "accelerator ('own') or shares the policy's ('shared')"
+            )
+        flags["prm_device"] = args.prm_device
+    return flags
+
+
 def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         engine=args.engine,
@@ -201,6 +258,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         admission=Admission(args.admission),
         trace=args.trace,
+        scoring=Scoring(args.scoring),
+        **_prm_flags(args),
     )
 
 
@@ -232,7 +291,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from sart.bench.report import bench_json, render
 
     # A pipe or CI log gets a table wide enough not to wrap (rich assumes 80).
-    console = Console(stderr=args.json, width=None if Console().is_terminal else 110)
+    console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -443,6 +502,10 @@ def _run_real(
         "prm": setup.prm,
         "prm_kind": args.prm_kind if setup.prm else None,
         "prm_options": setup.prm_options,
+        # Overlapped checks only overlap if the PRM has its own device (or cores).
+        "prm_device": (
+            args.prm_device or args.device if setup.prm and args.prm_kind != "vllm-qwen" else None
+        ),
         "sampling": {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,

@@ -33,7 +33,7 @@ from sart.policies.select import BestReward
 from sart.policies.stop import AllDone
 from sart.prm.base import PRM
 from sart.request import Request
-from sart.types import SamplingSettings
+from sart.types import SamplingSettings, Scoring
 from sart.views import RequestView
 
 
@@ -104,7 +104,12 @@ def run_real(
                 for item, t in zip(items, times)
             ]
             driver = SyncDriver(
-                engine, prm, batch_size=config.batch_size or 16, admission=config.admission
+                engine,
+                prm,
+                batch_size=config.batch_size or 16,
+                admission=config.admission,
+                scoring=config.scoring,
+                poll_steps=config.poll_steps,
             )
             record = serve(driver, requests, gold, method, n, rate)
             records.append(record)
@@ -145,7 +150,9 @@ def record_trace(
         Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
         for item, t in zip(items, times)
     ]
-    driver = SyncDriver(engine, prm, batch_size=max(n, 1) * 2)
+    # Blocking: each check then scores the branches at exactly k * interval tokens,
+    # where the trace's rewards are read back (an overlapped check may come later).
+    driver = SyncDriver(engine, prm, batch_size=max(n, 1) * 2, scoring=Scoring.BLOCKING)
     results = driver.run(requests)
     lines = []
     for item, t, result in zip(items, times, results):

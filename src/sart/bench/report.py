@@ -8,7 +8,8 @@ from typing import Any
 
 import attrs
 
-from sart.bench.runner import LABELS, SHORT_LABELS, BenchConfig, RunRecord
+from sart.bench.runner import LABELS, SHORT_LABELS, BenchConfig, RunRecord, prm_cost_model
+from sart.engines.costs import cost_model
 from sart.metrics import Distribution, RunSummary, request_record
 
 SCHEMA = "sart.bench/1"
@@ -20,7 +21,7 @@ def _dist(d: Distribution) -> dict[str, float]:
 
 def summary_json(s: RunSummary) -> dict[str, Any]:
     out = attrs.asdict(s, recurse=False)
-    for key in ("e2e", "queueing", "inference"):
+    for key in ("e2e", "queueing", "inference", "prm_wait"):
         out[key] = _dist(getattr(s, key))
     return out
 
@@ -35,6 +36,12 @@ def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str,
         "kv_capacity": record.kv_capacity,
         "batch_size": record.batch_size,
         "summary": summary_json(record.summary),
+        # Run totals; the per-request wait is in summary.prm_wait and each request.
+        "prm": {
+            "busy_seconds": record.prm_busy,
+            "wait_seconds": record.prm_wait,
+            "tokens": record.prm_tokens,
+        },
         "requests": [request_record(r, gold.get(r.request_id)) for r in record.results],
         "timeline": [[s.time, s.running_branches, s.kv_tokens] for s in record.timeline],
     }
@@ -51,6 +58,8 @@ def bench_json(
     (real engines: model, PRM, sampling settings) is recorded as given."""
     cfg = attrs.asdict(config)
     cfg["admission"] = config.admission.value
+    cfg["scoring"] = config.scoring.value
+    cfg["prm_pricing"] = prm_pricing(config)
     return {
         "schema": SCHEMA,
         "config": cfg,
@@ -66,6 +75,23 @@ def bench_json(
         "wall_seconds": wall_seconds,
         "ratios_p97": ratios(records),
         "runs": [run_json(r, gold.get(r.rate)) for r in records],
+    }
+
+
+def prm_pricing(config: BenchConfig) -> dict[str, Any] | None:
+    """How the simulator priced the PRM (``None``: free, or a real PRM's wall clock)."""
+    model = prm_cost_model(config)
+    if model is None:
+        return None
+    return {
+        "model": model.name,
+        "params": model.model.params,
+        "context": model.window,
+        "device": config.prm_device,
+        "input": config.prm_cost,
+        "effective_flops": model.flops,
+        "call_overhead_seconds": model.call_overhead,
+        "tail_tokens": model.tail_tokens if config.prm_cost == "incremental" else None,
     }
 
 
@@ -108,6 +134,18 @@ def _setting(config: BenchConfig) -> str:
     return f"{config.workload} workload on {config.cost}"
 
 
+def _prm_setting(config: BenchConfig) -> str:
+    """E.g. ``PRM reencode, own H100, overlapped``."""
+    model = prm_cost_model(config)
+    if config.prm_cost is None:  # a real PRM
+        return f"{config.scoring.value} PRM checks"
+    if model is None:
+        return f"PRM free, {config.scoring.value}"
+    accelerator = cost_model(config.cost).accelerator
+    kind = accelerator.name.split("-")[0] if accelerator is not None else "?"
+    return f"PRM {config.prm_cost}, {config.prm_device} {kind}, {config.scoring.value}"
+
+
 def _batch_sizes(records: Sequence[RunRecord]) -> str:
     return "/".join(str(b) for b in dict.fromkeys(r.batch_size for r in records))
 
@@ -120,7 +158,8 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     unit = "steps" if config.engine == "sim" and config.cost == "steps" else "s"
     table = Table(
         title=f"sart bench: {_setting(config)}, "
-        f"B={_batch_sizes(records)}, T={config.interval}; E2E latency percentiles in {unit}",
+        f"B={_batch_sizes(records)}, T={config.interval}; {_prm_setting(config)}; "
+        f"E2E latency in {unit}",
         box=box.SIMPLE_HEAD,
     )
     for name in (
@@ -133,6 +172,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         "P97",
         "P99",
         f"queue {unit}",
+        "PRM wait",
         "tokens/req",
         "peak KV",
     ):
@@ -152,6 +192,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             _time(s.e2e.p97),
             _time(s.e2e.p99),
             _time(s.queueing.mean),
+            _time(s.prm_wait.mean),
             _fmt(s.tokens_per_request, 0),
             peak,
         )

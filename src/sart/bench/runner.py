@@ -5,6 +5,11 @@ request as the largest ``n``; a method with ``n`` branches uses the first
 ``n`` of them. So Vanilla, Self-Consistency, SART without pruning and SART
 see the same requests, arrival times and branches (common random numbers):
 differences between them come from the method, not from sampling luck.
+
+The simulator's PRM is ``ScriptedPRM`` (the trace's rewards), priced by
+``sart.engines.prm_costs`` unless ``prm_cost="free"``: by default it
+re-encodes every input, as vLLM's pooling PRM does, on its own accelerator of
+the policy's kind, with overlapped scoring (see ``BenchConfig``).
 """
 
 from __future__ import annotations
@@ -17,15 +22,18 @@ from sart.bench.traces import Trace
 from sart.bench.workloads import workload
 from sart.driver import SyncDriver, TimelineSample
 from sart.engines.costs import cost_model
+from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
-from sart.errors import ConfigError, config_check
+from sart.errors import ConfigError, config_check, enum_converter
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
 from sart.policies.recipes import rebase, sart, sart_without_pruning, self_consistency, vanilla
+from sart.prm.base import PRM
+from sart.prm.priced import CostedPRM
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
-from sart.types import Admission, SamplingSettings
+from sart.types import Admission, SamplingSettings, Scoring
 
 #: Method name -> policy for ``n`` branches and interval ``T``.
 METHODS: dict[str, Callable[[int, int], Policy]] = {
@@ -51,8 +59,27 @@ LABELS = {
 }
 
 
+#: ``prm_cost`` choices: a PRM that costs nothing, or priced reading inputs one ``PRMInput`` way.
+PRM_COSTS = ("free", *(mode.value for mode in PRMInput))
+#: ``prm_device`` choices: the PRM on its own accelerator, or sharing the policy's.
+PRM_DEVICES = ("own", "shared")
+
+
 def _tuple(value: Sequence) -> tuple:
     return tuple(value)
+
+
+def _default_prm_cost(config: BenchConfig) -> str | None:
+    # Re-encoding is what the paper's deployment did (vLLM serves its PRM as a
+    # pooling model, which cannot reuse a cache); the ``steps`` model has no
+    # seconds to price a PRM in, and a real engine's PRM takes real time.
+    if config.engine != "sim":
+        return None
+    return "free" if cost_model(config.cost).accelerator is None else PRMInput.REENCODE.value
+
+
+def _default_prm_device(config: BenchConfig) -> str | None:
+    return "own" if config.engine == "sim" else None
 
 
 @attrs.frozen
@@ -79,6 +106,21 @@ class BenchConfig:
     admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
     trace: str | None = None
     """Replay this JSONL trace instead of generating one per rate."""
+    scoring: Scoring = attrs.field(
+        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
+    )
+    """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
+    poll_steps: int | None = None
+    """Overlapped scoring: the longest decode chunk while a PRM call is in flight
+    (``None``: the scheduler's default, an eighth of ``interval``)."""
+    prm_cost: str | None = attrs.field(default=attrs.Factory(_default_prm_cost, takes_self=True))
+    """``sim``: how the PRM is priced, one of ``PRM_COSTS`` (default ``reencode``, or
+    ``free`` under the ``steps`` model); ``None`` on a real engine."""
+    prm_device: str | None = attrs.field(
+        default=attrs.Factory(_default_prm_device, takes_self=True)
+    )
+    """``sim``: the PRM on its ``own`` accelerator (default) or ``shared`` with the
+    policy (a call holds decoding up); ``None`` on a real engine."""
 
     def __attrs_post_init__(self) -> None:
         for m in self.methods:
@@ -102,6 +144,27 @@ class BenchConfig:
         )
         workload(self.workload)
         cost_model(self.cost)
+        config_check(
+            self.poll_steps is None or self.poll_steps >= 1,
+            "poll_steps",
+            self.poll_steps,
+            "None or >= 1",
+        )
+        if self.engine != "sim":
+            for name in ("prm_cost", "prm_device"):
+                value = getattr(self, name)
+                config_check(value is None, name, value, "None for a real engine (its PRM is real)")
+            return
+        config_check(self.prm_cost in PRM_COSTS, "prm_cost", self.prm_cost, f"one of {PRM_COSTS}")
+        config_check(
+            self.prm_device in PRM_DEVICES, "prm_device", self.prm_device, f"one of {PRM_DEVICES}"
+        )
+        config_check(
+            self.prm_cost == "free" or cost_model(self.cost).accelerator is not None,
+            "prm_cost",
+            self.prm_cost,
+            f"'free' under cost={self.cost!r}, which counts decode steps, not seconds",
+        )
 
 
 @attrs.frozen
@@ -120,6 +183,12 @@ class RunRecord:
     kv_capacity: int | None
     batch_size: int
     """The branch budget ``B`` the run used."""
+    prm_busy: float = 0.0
+    """Seconds the PRM spent scoring (``SyncDriver.prm_busy``)."""
+    prm_wait: float = 0.0
+    """Seconds decoding stood still waiting for the PRM (``SyncDriver.prm_wait``)."""
+    prm_tokens: int | None = None
+    """Tokens the priced PRM read (``None``: not priced)."""
 
 
 def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
@@ -143,16 +212,46 @@ def run_method(
     policy = METHODS[method](n, config.interval)
     script = trace.script()
     engine = SimEngine(script, cost=config.cost)
-    prm = ScriptedPRM(script, every=trace.interval or config.interval)
+    prm, pricer = sim_prm(config, ScriptedPRM(script, every=trace.interval or config.interval))
     batch_size = config.batch_size or auto_batch_size(config, trace)
-    driver = SyncDriver(engine, prm, batch_size=batch_size, admission=config.admission)
+    driver = SyncDriver(
+        engine,
+        prm,
+        batch_size=batch_size,
+        admission=config.admission,
+        scoring=config.scoring,
+        poll_steps=config.poll_steps,
+    )
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
     sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
     requests = [
         Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
         for r in trace
     ]
-    return serve(driver, requests, trace.gold(), method, n, rate, engine.cost.kv_capacity_tokens)
+    record = serve(driver, requests, trace.gold(), method, n, rate, engine.cost.kv_capacity_tokens)
+    return attrs.evolve(record, prm_tokens=None if pricer is None else pricer.tokens)
+
+
+def prm_cost_model(config: BenchConfig) -> PRMCostModel | None:
+    """The simulated PRM's cost model (``None``: free, or a real engine's PRM).
+
+    The PRM runs on one accelerator of the policy's kind: another one
+    (``own``), or the policy's (``shared``; under tensor parallelism one GPU of
+    the group, which holds the whole group's decoding up)."""
+    if config.prm_cost in (None, "free"):
+        return None
+    accelerator = cost_model(config.cost).accelerator
+    assert accelerator is not None  # BenchConfig refuses a priced PRM without one
+    return prm_serving(accelerator)
+
+
+def sim_prm(config: BenchConfig, prm: PRM) -> tuple[PRM, PRMPricer | None]:
+    """``prm`` priced as ``config`` says (with its pricer), or as it is when free."""
+    model = prm_cost_model(config)
+    if model is None:
+        return prm, None
+    pricer = PRMPricer(model, str(config.prm_cost))
+    return CostedPRM(prm, pricer, shares_engine=config.prm_device == "shared"), pricer
 
 
 def serve(
@@ -190,6 +289,8 @@ def serve(
         request_usage={rid: tuple(v) for rid, v in usage.items()},
         kv_capacity=kv_capacity,
         batch_size=driver.scheduler.config.batch_size,
+        prm_busy=driver.prm_busy,
+        prm_wait=driver.prm_wait,
     )
 
 

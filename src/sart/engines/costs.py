@@ -57,6 +57,10 @@ class ModelSpec:
     kv_heads: int
     head_dim: int
     dtype_bytes: int = 2
+    heads: int | None = None
+    """Query heads (only the PRM cost model, which prices attention FLOPs, needs them)."""
+    context: int | None = None
+    """Tokens of context the model takes (``None``: not limited here)."""
 
     @property
     def weight_bytes(self) -> float:
@@ -101,6 +105,9 @@ class CostModel:
     """KV-cache tokens that fit in memory (``None``: unlimited)."""
     unit_steps: bool = False
     """The ``steps`` model: a decode step costs 1, a prefill 0."""
+    accelerator: Accelerator | None = None
+    """The kind of accelerator modelled (one of the group); ``None`` for ``steps``.
+    The simulator's PRM runs on one of the same kind (``sart.engines.prm_costs``)."""
 
     def prefill_time(self, prompt_tokens: int) -> float:
         if self.unit_steps:
@@ -162,6 +169,7 @@ def serving(
         params=model.params,
         step_overhead=overhead,
         kv_capacity_tokens=int(free // model.kv_bytes_per_token),
+        accelerator=accelerator,
     )
 
 

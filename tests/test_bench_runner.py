@@ -1,0 +1,109 @@
+"""The benchmark runner's PRM: free or priced, blocking or overlapped, own or shared device."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+import sart
+from sart.bench.runner import BenchConfig, RunRecord, run_bench, sim_prm
+from sart.types import Scoring
+
+SMALL = BenchConfig(methods=("sart",), ns=(4,), rates=(4.0,), num_requests=30)
+
+
+def run(**changes: object) -> RunRecord:
+    (record,) = run_bench(attrs.evolve(SMALL, **changes))
+    return record
+
+
+def test_the_default_prices_a_re_encoding_prm_on_its_own_device_overlapped() -> None:
+    config = BenchConfig()
+    assert (config.prm_cost, config.prm_device, config.scoring) == (
+        "reencode",
+        "own",
+        Scoring.OVERLAPPED,
+    )
+    # The steps model has no seconds to price a PRM in; a real engine's PRM is real.
+    assert BenchConfig(cost="steps").prm_cost == "free"
+    real = BenchConfig(engine="hf", model="m")
+    assert (real.prm_cost, real.prm_device) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"prm_cost": "cached"}, "prm_cost='cached' must be one of ('free', 'incremental'"),
+        ({"prm_device": "gpu1"}, "prm_device='gpu1' must be one of ('own', 'shared')"),
+        ({"cost": "steps", "prm_cost": "reencode"}, "prm_cost='reencode' must be 'free' under"),
+        ({"engine": "hf", "prm_cost": "free"}, "prm_cost='free' must be None for a real engine"),
+        ({"scoring": "lazy"}, "scoring='lazy' must be one of 'blocking', 'overlapped'"),
+        ({"poll_steps": 0}, "poll_steps=0 must be None or >= 1"),
+    ],
+)
+def test_bad_prm_settings_name_the_field(changes: dict, message: str) -> None:
+    with pytest.raises(sart.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        BenchConfig(**changes)
+
+
+@pytest.mark.parametrize("scoring", ["blocking", "overlapped"])
+def test_a_free_prm_reproduces_the_numbers_from_before_prm_pricing(scoring: str) -> None:
+    # Pinned from the commit before the PRM was priced (its default: a free ScriptedPRM).
+    config = attrs.evolve(SMALL, methods=("sart", "rebase"), prm_cost="free", scoring=scoring)
+    sart_run, rebase_run = run_bench(config)
+    assert sart_run.summary.e2e.p97 == 182.28820529989483
+    assert sart_run.summary.tokens_per_request == 8977.533333333333
+    assert rebase_run.summary.e2e.p97 == 345.6163796031242
+    assert rebase_run.summary.makespan == 346.27405460312417
+    assert (sart_run.prm_busy, sart_run.prm_wait, sart_run.prm_tokens) == (0.0, 0.0, None)
+
+
+def test_blocking_on_a_priced_prm_is_slower_than_overlapped() -> None:
+    overlapped, blocking = run(), run(scoring="blocking")
+    assert blocking.summary.e2e.p97 > overlapped.summary.e2e.p97
+    assert blocking.summary.e2e.p50 > overlapped.summary.e2e.p50
+    # Its own device and overlapped: decoding never waits; blocking: every PRM second is lost.
+    assert overlapped.prm_busy > 0 and overlapped.prm_wait == 0.0
+    assert blocking.prm_wait == pytest.approx(blocking.prm_busy, rel=0.02)
+    assert blocking.summary.prm_wait.mean > 0 == overlapped.summary.prm_wait.max
+    waits = [r.prm_wait_seconds for r in blocking.results]
+    assert blocking.summary.prm_wait.mean == pytest.approx(sum(waits) / len(waits))
+
+
+def test_a_prm_sharing_the_policys_device_holds_decoding_up_like_blocking() -> None:
+    shared, blocking = run(prm_device="shared"), run(scoring="blocking")
+    assert shared.prm_wait > 0
+    assert [r.timings for r in shared.results] == [r.timings for r in blocking.results]
+
+
+def test_incremental_reads_fewer_tokens_than_re_encoding() -> None:
+    reencode, incremental = run(), run(prm_cost="incremental")
+    assert reencode.prm_tokens is not None and incremental.prm_tokens is not None
+    # Not by L / (2T): gaokao's branches run to thousands of tokens, and one past the
+    # PRM's 4096-token context re-encodes its moving window at every check.
+    assert incremental.prm_tokens < 0.7 * reencode.prm_tokens
+    assert incremental.prm_busy < reencode.prm_busy
+
+
+def test_poll_steps_reaches_the_scheduler() -> None:
+    coarse, default = run(poll_steps=SMALL.interval), run()
+    # Chunks are no longer cut while a PRM call is in flight: fewer, longer decodes.
+    assert len(coarse.timeline) < len(default.timeline)
+
+
+def test_the_pricer_forgets_every_request_by_the_end_of_a_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sart.bench import runner
+
+    pricers = []
+
+    def spy(config: BenchConfig, prm: object) -> tuple:
+        priced, pricer = sim_prm(config, prm)  # type: ignore[arg-type]
+        pricers.append(pricer)
+        return priced, pricer
+
+    monkeypatch.setattr(runner, "sim_prm", spy)
+    run_bench(attrs.evolve(SMALL, prm_cost="incremental", methods=("sart", "rebase")))
+    assert len(pricers) == 2 and all(p.tokens > 0 for p in pricers)
+    assert all(p._cached == {} for p in pricers)  # released with each request's prefix
