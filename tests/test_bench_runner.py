@@ -107,3 +107,24 @@ def test_the_pricer_forgets_every_request_by_the_end_of_a_run(
     run_bench(attrs.evolve(SMALL, prm_cost="incremental", methods=("sart", "rebase")))
     assert len(pricers) == 2 and all(p.tokens > 0 for p in pricers)
     assert all(p._cached == {} for p in pricers)  # released with each request's prefix
+
+
+def test_sart_blocking_runs_blocking_checks_beside_overlapped_sart() -> None:
+    from sart.bench.report import ratios
+
+    config = attrs.evolve(SMALL, methods=("sc", "sart", "sart-blocking"))
+    sc, overlapped, blocking = run_bench(config)
+    assert (overlapped.prm_wait, blocking.method) == (0.0, "sart-blocking")
+    # Every call stalls the branches that are running (a call with none holds none up).
+    assert 0.9 * blocking.prm_busy < blocking.prm_wait <= blocking.prm_busy
+    assert blocking.summary.e2e.p97 > overlapped.summary.e2e.p97
+    # With blocking as the run's default, the two rows serve alike.
+    same = run_bench(attrs.evolve(config, scoring="blocking"))
+    assert same[1].results == same[2].results
+    (row,) = ratios([sc, overlapped, blocking])
+    assert row["sart_blocking_over_sart"] == pytest.approx(
+        blocking.summary.e2e.p97 / overlapped.summary.e2e.p97
+    )
+    assert row["sc_over_sart_blocking"] == pytest.approx(
+        sc.summary.e2e.p97 / blocking.summary.e2e.p97
+    )

@@ -22,7 +22,7 @@ from pathlib import Path
 import attrs
 
 from sart.answers import extract_answer
-from sart.bench.runner import METHODS, BenchConfig, RunRecord, plan, serve
+from sart.bench.runner import METHODS, BenchConfig, RunRecord, method_scoring, plan, serve
 from sart.bench.traces import Trace, TraceRequest
 from sart.driver import SyncDriver
 from sart.engines.base import Engine
@@ -108,7 +108,7 @@ def run_real(
                 prm,
                 batch_size=config.batch_size or 16,
                 admission=config.admission,
-                scoring=config.scoring,
+                scoring=method_scoring(method, config),
                 poll_steps=config.poll_steps,
             )
             record = serve(driver, requests, gold, method, n, rate)

@@ -96,7 +96,8 @@ def prm_pricing(config: BenchConfig) -> dict[str, Any] | None:
 
 
 def ratios(records: Sequence[RunRecord], field: str = "p97") -> list[dict[str, Any]]:
-    """For every rate and ``n``: SC / SART and Vanilla / SART of the E2E percentile."""
+    """For every rate and ``n``: SC / SART and Vanilla / SART of the E2E percentile, and
+    SC / SART-blocking and SART-blocking / SART when the run has blocking SART."""
     index = {(r.rate, r.method, r.n): getattr(r.summary.e2e, field) for r in records}
     out = []
     for (rate, method, n), value in index.items():
@@ -107,6 +108,10 @@ def ratios(records: Sequence[RunRecord], field: str = "p97") -> list[dict[str, A
         vanilla = index.get((rate, "vanilla", 1))
         row["sc_over_sart"] = sc / value if sc is not None else None
         row["vanilla_over_sart"] = vanilla / value if vanilla is not None else None
+        blocking = index.get((rate, "sart-blocking", n))
+        if blocking:
+            row["sc_over_sart_blocking"] = sc / blocking if sc is not None else None
+            row["sart_blocking_over_sart"] = blocking / value
         out.append(row)
     return out
 
@@ -202,15 +207,25 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         ratio_table = Table(
             title="P97 E2E latency ratios (above 1: SART is faster)", box=box.SIMPLE_HEAD
         )
-        for name in ("rate", "N", "SC / SART", "Vanilla / SART"):
+        blocking = any("sart_blocking_over_sart" in row for row in rows)
+        names = ["rate", "N", "SC / SART", "Vanilla / SART"]
+        if blocking:
+            names += ["SC / SART-blocking", "SART-blocking / SART"]
+        for name in names:
             ratio_table.add_column(name, justify="right")
         for row in rows:
-            ratio_table.add_row(
+            cells = [
                 "trace" if row["rate"] is None else _fmt(row["rate"], 0),
                 str(row["n"]),
                 _fmt(row["sc_over_sart"], 2),
                 _fmt(row["vanilla_over_sart"], 2),
-            )
+            ]
+            if blocking:
+                cells += [
+                    _fmt(row.get("sc_over_sart_blocking"), 2),
+                    _fmt(row.get("sart_blocking_over_sart"), 2),
+                ]
+            ratio_table.add_row(*cells)
         console.print(ratio_table)
     if any(r.kv_capacity and r.summary.peak_kv_tokens > r.kv_capacity for r in records):
         console.print(

@@ -42,13 +42,18 @@ METHODS: dict[str, Callable[[int, int], Policy]] = {
     "sart-no-prune": lambda n, t: sart_without_pruning(n, interval=t),
     "rebase": lambda n, t: rebase(n, interval=t),
     "sart": lambda n, t: sart(n, interval=t),
+    "sart-blocking": lambda n, t: sart(n, interval=t),
 }
+#: Methods that run with blocking checks whatever ``--scoring`` says, so that one run
+#: compares SART's two scoring modes side by side.
+BLOCKING_METHODS = frozenset({"sart-blocking"})
 SHORT_LABELS = {
     "vanilla": "Vanilla",
     "sc": "SC",
     "rebase": "Rebase",
     "sart-no-prune": "SART-noprune",
     "sart": "SART",
+    "sart-blocking": "SART-blocking",
 }
 LABELS = {
     "vanilla": "Vanilla",
@@ -56,7 +61,14 @@ LABELS = {
     "rebase": "Rebase",
     "sart-no-prune": "SART (w/o pruning)",
     "sart": "SART",
+    "sart-blocking": "SART (blocking checks)",
 }
+
+
+def method_scoring(method: str, config: BenchConfig) -> Scoring:
+    """How ``method``'s checks are scored: ``config.scoring``, but always blocking for
+    ``sart-blocking``."""
+    return Scoring.BLOCKING if method in BLOCKING_METHODS else config.scoring
 
 
 #: ``prm_cost`` choices: a PRM that costs nothing, or priced reading inputs one ``PRMInput`` way.
@@ -219,7 +231,7 @@ def run_method(
         prm,
         batch_size=batch_size,
         admission=config.admission,
-        scoring=config.scoring,
+        scoring=method_scoring(method, config),
         poll_steps=config.poll_steps,
     )
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
