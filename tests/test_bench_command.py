@@ -293,8 +293,10 @@ def test_scoring_reaches_a_real_engines_driver(
     monkeypatch.setattr("sart.registry.load_engine", lambda name: {"vllm": _StandInVLLM}[name])
     monkeypatch.setattr(real, "SyncDriver", Recording)
     assert main(_vllm_argv(tmp_path, "--scoring", "blocking")) == 0
-    assert modes == [sart.Scoring.BLOCKING] * 2  # vanilla and sc
+    # vanilla and sc warm up (results dropped), then run for the record
+    assert modes == [sart.Scoring.BLOCKING] * 4
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [run["method"] for run in doc["runs"]] == ["vanilla", "sc"]
     assert doc["config"]["scoring"] == "blocking"
     assert (doc["config"]["prm_cost"], doc["config"]["prm_pricing"]) == (None, None)
 

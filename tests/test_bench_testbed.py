@@ -50,6 +50,8 @@ def check_comparison(doc: dict) -> None:
     assert serving["model"].endswith("policy") and serving["prm"].endswith("prm")
     assert serving["sampling"] == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 256}
     assert serving["prm_options"]["aggregate"] == "last"
+    # The transformers PRM ran in a process of its own (the default), beside decoding.
+    assert serving["prm_process"] is True
     runs = {r["method"]: r for r in doc["runs"]}
     assert [(r["method"], r["n"]) for r in doc["runs"]] == [
         (m, 1 if m == "vanilla" else 4) for m in METHODS
@@ -81,6 +83,14 @@ def check_comparison(doc: dict) -> None:
 def test_bench_compares_every_method_on_the_testbed_with_transformers(tmp_path: Path) -> None:
     assert main(bench_argv("hf", tmp_path / "out")) == 0
     check_comparison(json.loads((tmp_path / "out" / "results.json").read_text()))
+
+
+def test_the_prm_may_run_in_the_drivers_process(tmp_path: Path) -> None:
+    argv = bench_argv("hf", tmp_path / "out", "--methods", "sart", "--prm-in-process")
+    assert main(argv) == 0
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert doc["serving"]["prm_process"] is False
+    assert all(r["prm_items"] > 0 for r in doc["runs"][0]["requests"])
 
 
 def test_a_testbed_run_records_a_trace_for_the_simulator(tmp_path: Path) -> None:

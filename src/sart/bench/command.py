@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -94,6 +95,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
         "when its rewards arrive; blocking: decoding waits for every PRM check "
         "(Algorithm 1 as written)",
+    )
+    p.add_argument(
+        "--prm-in-process",
+        action="store_true",
+        help="hf, vllm: run a transformers PRM in this process, on a worker thread, instead "
+        "of in a process of its own (the default: threads of one process share the "
+        "interpreter lock, so on CPUs a PRM thread barely runs beside decoding)",
     )
     p.add_argument(
         "--vllm-arg",
@@ -451,11 +459,19 @@ def _load_engine(args: argparse.Namespace, model: str, batch_size: int) -> Any:
 def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
     from sart.registry import load_prm
 
-    if args.prm_kind == "vllm-qwen":
+    if args.prm_kind == "vllm-qwen":  # vLLM runs it in its own engine process already
         return load_prm("vllm-qwen").from_engine_args(setup.prm, **setup.prm_options)
-    return load_prm(args.prm_kind).from_pretrained(
-        setup.prm, device=args.prm_device or args.device, **setup.prm_options
+    factory = functools.partial(
+        load_prm(args.prm_kind).from_pretrained,
+        setup.prm,
+        device=args.prm_device or args.device,
+        **setup.prm_options,
     )
+    if args.prm_in_process:
+        return factory()
+    from sart.prm.process import PRMProcess
+
+    return PRMProcess(factory)
 
 
 def _run_real(
@@ -476,24 +492,29 @@ def _run_real(
     progress.add_task("loading models", total=None)
     engine = _load_engine(args, setup.model, config.batch_size)
     prm = _load_prm(args, setup) if setup.prm else None
-    task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
-    records = run_real(
-        items, engine, prm, config, sampling, on_run=lambda record: progress.advance(task)
-    )
-    if args.record_trace:
-        if prm is None:
-            raise ConfigError("--record-trace needs --prm")
-        trace = record_trace(
-            items,
-            engine,
-            prm,
-            max(config.ns),
-            config.interval,
-            sampling,
-            config.rates[0],
-            config.seed,
+    try:
+        task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
+        records = run_real(
+            items, engine, prm, config, sampling, on_run=lambda record: progress.advance(task)
         )
-        trace.dump(args.record_trace)
+        if args.record_trace:
+            if prm is None:
+                raise ConfigError("--record-trace needs --prm")
+            trace = record_trace(
+                items,
+                engine,
+                prm,
+                max(config.ns),
+                config.interval,
+                sampling,
+                config.rates[0],
+                config.seed,
+            )
+            trace.dump(args.record_trace)
+    finally:
+        close = getattr(prm, "close", None)
+        if close is not None:
+            close()
     gold = {item.id: item.answer for item in items if item.answer is not None}
     # What was served and how it was sampled: accuracies are not comparable
     # across runs without it (a top-p cut changes the testbed's accuracy).
@@ -502,6 +523,7 @@ def _run_real(
         "prm": setup.prm,
         "prm_kind": args.prm_kind if setup.prm else None,
         "prm_options": setup.prm_options,
+        "prm_process": bool(setup.prm) and args.prm_kind != "vllm-qwen" and not args.prm_in_process,
         # Overlapped checks only overlap if the PRM has its own device (or cores).
         "prm_device": (
             args.prm_device or args.device if setup.prm and args.prm_kind != "vllm-qwen" else None

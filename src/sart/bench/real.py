@@ -84,6 +84,13 @@ def arrivals(count: int, rate: float, seed: int) -> list[float]:
     return out
 
 
+#: Requests served (all at once, results dropped) with every method before the
+#: measured runs: the first calls of an engine or a PRM pay one-off costs (vLLM's
+#: first steps, torch's first kernels) that would otherwise land on whichever
+#: method happens to run first.
+WARMUP_REQUESTS = 4
+
+
 def run_real(
     items: Sequence[PromptItem],
     engine: Engine,
@@ -92,30 +99,49 @@ def run_real(
     sampling: SamplingSettings,
     on_run: Callable[[RunRecord], object] | None = None,
 ) -> list[RunRecord]:
-    """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``."""
+    """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``, after
+    a warm-up of ``WARMUP_REQUESTS`` requests per method."""
     gold = {item.id: item.answer for item in items if item.answer is not None}
+    warmup = items[:WARMUP_REQUESTS]
+    for method, n in plan(config):
+        _serve(warmup, [0.0] * len(warmup), method, n, None, engine, prm, config, sampling, gold)
     records = []
     for rate in config.rates:
         times = arrivals(len(items), rate, config.seed)
         for method, n in plan(config):
-            policy = METHODS[method](n, config.interval)
-            requests = [
-                Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
-                for item, t in zip(items, times)
-            ]
-            driver = SyncDriver(
-                engine,
-                prm,
-                batch_size=config.batch_size or 16,
-                admission=config.admission,
-                scoring=method_scoring(method, config),
-                poll_steps=config.poll_steps,
-            )
-            record = serve(driver, requests, gold, method, n, rate)
+            record = _serve(items, times, method, n, rate, engine, prm, config, sampling, gold)
             records.append(record)
             if on_run is not None:
                 on_run(record)
     return records
+
+
+def _serve(
+    items: Sequence[PromptItem],
+    times: Sequence[float],
+    method: str,
+    n: int,
+    rate: float | None,
+    engine: Engine,
+    prm: PRM | None,
+    config: BenchConfig,
+    sampling: SamplingSettings,
+    gold: dict[str, str],
+) -> RunRecord:
+    policy = METHODS[method](n, config.interval)
+    requests = [
+        Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
+        for item, t in zip(items, times)
+    ]
+    driver = SyncDriver(
+        engine,
+        prm,
+        batch_size=config.batch_size or 16,
+        admission=config.admission,
+        scoring=method_scoring(method, config),
+        poll_steps=config.poll_steps,
+    )
+    return serve(driver, requests, gold, method, n, rate)
 
 
 class _ScoreEveryCheck(PruneRule):

@@ -282,13 +282,16 @@ def serve(
         driver.submit(request)
     usage: dict[str, list[tuple[float, int, int]]] = {}
     decodes = len(driver.timeline)
-    while driver.step():
-        if len(driver.timeline) != decodes and hasattr(engine, "usage"):
-            decodes = len(driver.timeline)
-            now = driver.timeline[-1].time
-            for rid in engine.prefixes:  # type: ignore[attr-defined]
-                live, kv = engine.usage(rid)  # type: ignore[attr-defined]
-                usage.setdefault(rid, []).append((now, live, kv))
+    try:
+        while driver.step():
+            if len(driver.timeline) != decodes and hasattr(engine, "usage"):
+                decodes = len(driver.timeline)
+                now = driver.timeline[-1].time
+                for rid in engine.prefixes:  # type: ignore[attr-defined]
+                    live, kv = engine.usage(rid)  # type: ignore[attr-defined]
+                    usage.setdefault(rid, []).append((now, live, kv))
+    finally:
+        driver.close()  # the PRM worker thread, if overlapped checks started one
     by_id = {res.request_id: res for res in driver.results}
     results = tuple(by_id[r.id] for r in requests)
     return RunRecord(

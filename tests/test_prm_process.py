@@ -1,0 +1,80 @@
+"""``PRMProcess``: a PRM in a child process answers as it would in this one, failures included."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import pytest
+
+import sart
+from sart.prm.process import PRMProcess
+from sart.testing import FakeEngine, ScriptedPRM, random_scripts
+
+_random = random_scripts(seed=4, median_length=40, every=8)
+#: A plain table (it pickles, unlike the cached function) for the child to rebuild.
+SCRIPT = {f"q{i}": [_random(sart.BranchId(f"q{i}", j)) for j in range(4)] for i in range(6)}
+
+
+def scripted(**kwargs: object) -> ScriptedPRM:
+    return ScriptedPRM(SCRIPT, every=8, **kwargs)
+
+
+class Broken:
+    """A PRM whose constructor fails (the child reports it and exits)."""
+
+    def __init__(self) -> None:
+        raise OSError("no weights here")
+
+    def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:  # pragma: no cover
+        return []
+
+
+def requests() -> list[sart.Request]:
+    return [
+        sart.Request(
+            f"q{i}", "p", sart.sart(4, interval=8), sampling=sart.SamplingSettings(max_tokens=90)
+        )
+        for i in range(6)
+    ]
+
+
+@pytest.fixture(scope="module")
+def remote():
+    with PRMProcess(functools.partial(scripted)) as prm:
+        yield prm
+
+
+def test_runs_give_the_same_results_as_the_prm_in_this_process(remote: PRMProcess) -> None:
+    here = sart.run(requests(), FakeEngine(SCRIPT), scripted(), batch_size=12)
+    there = sart.run(requests(), FakeEngine(SCRIPT), remote, batch_size=12)
+    assert there == here
+    assert all(r.ok for r in there)
+
+
+def test_failures_come_back_attributed_or_isolated() -> None:
+    failing = sart.BranchId("q1", 2)
+    for attribute in (True, False):
+        factory = functools.partial(scripted, fail_on=[failing], attribute_failures=attribute)
+        with PRMProcess(factory) as prm:
+            results = sart.run(requests(), FakeEngine(SCRIPT), prm, batch_size=12)
+            # Only the request whose branch makes the PRM fail fails, either way.
+            assert [r.request_id for r in results if not r.ok] == ["q1"]
+            assert "injected PRM failure" in (results[1].reason or "")
+            with pytest.raises(sart.PRMError if attribute else RuntimeError) as info:
+                prm.score([sart.ScoreItem(failing, "p", "x", 1, False)])
+            if attribute:
+                assert info.value.request_ids == frozenset({"q1"})
+
+
+def test_a_prm_that_cannot_start_says_why() -> None:
+    with pytest.raises(RuntimeError, match="OSError in the PRM process: no weights here"):
+        PRMProcess(Broken)
+
+
+def test_calls_after_close_fail_as_prm_errors() -> None:
+    prm = PRMProcess(functools.partial(scripted))
+    prm.close()
+    prm.close()  # idempotent
+    with pytest.raises(sart.PRMError, match="PRM process is gone"):
+        prm.score([])
