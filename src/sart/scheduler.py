@@ -393,13 +393,9 @@ class Scheduler:
             # after each Decode call, and the next Decode runs a full T steps.
             for req in self._active.values():
                 req.steps_since_check = 0
-        wanting = [
-            req
-            for req in self._active.values()
-            if req.newly_ended or req.steps_since_check >= req.policy.interval
-        ]
+        wanting = [req for req in self._active.values() if req.newly_ended or self._is_due(req)]
         if self.config.scoring is Scoring.BLOCKING:
-            checks = [self._take_check(req) for req in wanting]
+            checks = [self._take(self._next_check(req)) for req in wanting]
             items = [item for check in checks for item in self._score_items(check)]
             if items:  # every check waits for the rewards, as in Algorithm 1
                 self._send_score(checks, items)
@@ -409,13 +405,16 @@ class Scheduler:
             self._wanted.update((req.id, req) for req in wanting if not req.in_score)
             self._flush_checks(now)
 
-    def _take_check(self, req: RequestState) -> _Check:
-        """Snapshot what ``req``'s next check processes; the check is now under way."""
-        due = req.steps_since_check >= req.policy.interval
-        if due:
-            req.steps_since_check = 0
-        check = _Check(req, req.newly_ended, due)
-        req.newly_ended = []
+    def _next_check(self, req: RequestState) -> _Check:
+        """What ``req``'s check would process if it were taken now."""
+        return _Check(req, req.newly_ended, self._is_due(req))
+
+    @staticmethod
+    def _take(check: _Check) -> _Check:
+        """Start ``check``: the branches it processes and its due interval are its own now."""
+        if check.due:
+            check.req.steps_since_check = 0
+        check.req.newly_ended = []
         return check
 
     def _flush_checks(self, now: float) -> None:
@@ -423,18 +422,21 @@ class Scheduler:
         others' snapshot to the PRM unless a ``Score`` is already in flight."""
         busy = self._scoring is not None or bool(self._score_checks)
         sent: list[_Check] = []
+        items: list[ScoreItem] = []
         ready: list[_Check] = []
         for rid, req in list(self._wanted.items()):
             if req.ended:
                 del self._wanted[rid]
                 continue
-            wants = self._score_items(_Check(req, req.newly_ended, self._is_due(req)))
+            check = self._next_check(req)
+            wants = self._score_items(check)
             if wants and busy:
                 continue  # its snapshot is taken when the PRM is free: fresher rewards
             del self._wanted[rid]
-            (sent if wants else ready).append(self._take_check(req))
+            (sent if wants else ready).append(self._take(check))
+            items.extend(wants)
         if sent:
-            self._send_score(sent, [item for c in sent for item in self._score_items(c)])
+            self._send_score(sent, items)
         self._run_checks(ready, now)
 
     @staticmethod
