@@ -159,3 +159,62 @@ def test_scoring_is_validated_by_name() -> None:
         [sart.Request("a", "p", sart.vanilla())], FakeEngine(script), scoring="blocking"
     )
     assert result.ok
+
+
+# ---------------------------------------------------------------- ids and callbacks
+
+
+def test_a_run_with_repeated_ids_is_refused_before_anything_runs() -> None:
+    # Before: the second request's result took both places (or a ConfigError mid-run
+    # lost every result).
+    engine = FakeEngine(SCRIPT)
+    twice = [*requests(2), requests(1)[0]]
+    with pytest.raises(sart.ConfigError, match=r"repeated: \['q0'\]"):
+        sart.run(twice, engine, ScriptedPRM(SCRIPT, every=8))
+    assert engine.log == []
+    driver = sart.SyncDriver(engine, ScriptedPRM(SCRIPT, every=8), batch_size=4)
+    driver.submit(requests(1)[0])
+    with pytest.raises(sart.ConfigError, match="id='q0' must be unique"):
+        driver.submit(requests(1)[0])
+
+
+class CallbackBroke(Exception):
+    pass
+
+
+def test_an_exception_in_on_result_reaches_the_caller() -> None:
+    # Before: it failed the Finish command and was counted as a failed cleanup.
+    def on_result(result: sart.RequestResult) -> None:
+        raise CallbackBroke(result.request_id)
+
+    driver = sart.SyncDriver(
+        FakeEngine(SCRIPT), ScriptedPRM(SCRIPT, every=8), batch_size=12, on_result=on_result
+    )
+    with pytest.raises(CallbackBroke):
+        driver.run(requests())
+    assert driver.results  # recorded before the callback ran
+    assert driver.scheduler.statistics().failed_cleanups == 0
+
+
+def test_generate_returns_when_on_result_raises_and_serve_reports_it() -> None:
+    # Before: generate() waited for ever.
+    async def main() -> tuple[list, BaseException | None]:
+        driver = sart.AsyncDriver(
+            FakeStreamingEngine(SCRIPT),
+            ScriptedPRM(SCRIPT, every=8),
+            batch_size=12,
+            clock=sart.WallClock(),
+            on_result=lambda result: (_ for _ in ()).throw(CallbackBroke(result.request_id)),
+        )
+        server = asyncio.create_task(driver.serve())
+        outcomes = await asyncio.wait_for(
+            asyncio.gather(*(driver.generate(r) for r in requests(3)), return_exceptions=True),
+            timeout=30,
+        )
+        return outcomes, server.exception() if server.done() else None
+
+    outcomes, served = asyncio.run(main())
+    assert isinstance(served, CallbackBroke)
+    # The first finished request got its result; the others got the server's error.
+    assert any(isinstance(o, sart.RequestResult) for o in outcomes)
+    assert all(isinstance(o, (sart.RequestResult, CallbackBroke)) for o in outcomes)

@@ -431,3 +431,44 @@ def test_bad_prune_choices_fail_even_beyond_the_budget() -> None:
     )
     assert not result.ok
     assert "chose 99, not a branch index" in (result.reason or "")
+
+
+class AbortFailsOnce(FakeEngine):
+    """An engine whose first ``abort`` call raises (before changing anything)."""
+
+    def __init__(self, *args: object, fail_times: int = 1, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.fail_times = fail_times
+
+    def abort(self, branch_ids):  # type: ignore[no-untyped-def]
+        if self.fail_times:
+            self.fail_times -= 1
+            raise sart.EngineError("abort refused", {b.request_id for b in branch_ids})
+        super().abort(branch_ids)
+
+
+@pytest.mark.parametrize("fail_times", [1, 2, 10])
+def test_a_failed_abort_is_retried_and_loses_no_result(fail_times: int) -> None:
+    # Before: the engine kept decoding the branch the scheduler had ended, and the
+    # next decode raised SchedulerError ("not running"), losing every result.
+    script = {
+        f"q{i}": [
+            BranchScript(length=10 + 7 * j + i, answer="4", rewards=(0.9, 0.1)) for j in range(4)
+        ]
+        for i in range(3)
+    }
+    engine = AbortFailsOnce(script, max_branches=8, fail_times=fail_times)
+    driver = sart.SyncDriver(engine, ScriptedPRM(script, every=5), batch_size=8)
+    requests = [sart.Request(rid, "p", sart.sart(4, m=2, interval=5)) for rid in script]
+    results = driver.run(requests)
+    assert [r.request_id for r in results] == list(script)
+    assert all(r.ok for r in results)
+    failed = driver.scheduler.statistics().failed_cleanups
+    assert engine.peak_live <= 8  # a branch whose abort failed still held its slot
+    if fail_times <= sart.Scheduler.IDLE_ABORT_RETRIES:
+        assert failed == fail_times
+        # Retried until the engine let go, prefixes released after their branches.
+        assert engine.live_branches == frozenset()
+        assert engine.prefixes == frozenset()
+    else:  # an engine that keeps refusing is given up on, the results kept
+        assert 1 <= failed < fail_times

@@ -55,9 +55,7 @@ class AsyncDriver(DriverBase):
     async def run(self, requests: Iterable[Request] = ()) -> list[RequestResult]:
         """Submit ``requests``, serve until everything has finished, return the results
         in submission order."""
-        requests = list(requests)
-        for request in requests:
-            self.submit(request)
+        requests = self._submit_all(requests)
         try:
             while await self.step():
                 pass
@@ -66,13 +64,27 @@ class AsyncDriver(DriverBase):
         return self._results_of(requests)
 
     async def serve(self) -> None:
-        """Serve submissions until ``stop()`` is called and everything has finished."""
-        while True:
-            if not await self.step():
-                if self._stopping:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
+        """Serve submissions until ``stop()`` is called and everything has finished.
+
+        If serving fails (an ``on_result`` callback raised, a bug), every
+        ``generate()`` still waiting gets the exception rather than waiting for ever."""
+        try:
+            while True:
+                if not await self.step():
+                    if self._stopping:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+        except BaseException as exc:
+            futures, self._futures = self._futures, {}
+            for future in futures.values():
+                if future.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    future.cancel()
+                else:
+                    future.set_exception(exc)
+            raise
 
     def stop(self) -> None:
         self._stopping = True

@@ -7,10 +7,12 @@ answers it with exactly one event::
     StartBranches  -> Started   | Failed | Skipped
     Decode         -> Decoded   | Failed
     Score          -> Scored
-    Abort, ReleasePrefix, Finish -> Done | Failed
+    Abort, Finish  -> Done | Failed
+    ReleasePrefix  -> Done | Failed | Skipped
 
 ``Skipped`` answers a command the driver did not run because an earlier
-command of the same request failed in the same batch.
+command of the same request failed in the same batch (a prefix is not
+released while an abort of its branches failed; the scheduler asks again).
 
 Every command the scheduler emits carries an ``id`` (unique, increasing), and
 an answer names the id it answers, so answers may come in any order: with
@@ -75,11 +77,19 @@ class Abort:
     branches: tuple[BranchId, ...]
     id: int = _id()
 
+    @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(b.request_id for b in self.branches)
+
 
 @attrs.frozen
 class ReleasePrefix:
     request_id: str
     id: int = _id()
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset((self.request_id,))
 
 
 @attrs.frozen

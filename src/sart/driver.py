@@ -184,13 +184,22 @@ class DriverBase:
         self._open: set[str] = set()  # submitted, result not delivered
         self._busy_of: dict[str, float] = {}
         self._wait_of: dict[str, float] = {}
+        self._delivered: list[RequestResult] = []  # finished, not yet given to on_result
 
     @property
     def scoring(self) -> Scoring:
         return self.scheduler.config.scoring
 
     def submit(self, request: Request) -> None:
-        """Queue a request; it reaches the scheduler at ``request.arrival``."""
+        """Queue a request; it reaches the scheduler at ``request.arrival``.
+
+        Its id must differ from every request submitted and not finished yet
+        (``ConfigError`` now, rather than a failure once it arrives)."""
+        if request.id in self._open:
+            raise ConfigError(
+                f"id={request.id!r} must be unique: a request with this id is already "
+                "submitted and not finished"
+            )
         policy = request.policy
         if self.prm is None and (policy.scores_running or policy.scores_completed):
             raise ConfigError(
@@ -204,6 +213,18 @@ class DriverBase:
             )
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
         self._open.add(request.id)
+
+    def _submit_all(self, requests: Iterable[Request]) -> list[Request]:
+        """Submit a batch, refusing it whole (before anything runs) if two share an id:
+        results are returned by id, and one would hide the other."""
+        requests = list(requests)
+        seen: set[str] = set()
+        repeated = sorted({r.id for r in requests if r.id in seen or seen.add(r.id)})
+        if repeated:
+            raise ConfigError(f"request ids must be unique in one run; repeated: {repeated}")
+        for request in requests:
+            self.submit(request)
+        return requests
 
     def close(self) -> None:
         """Stop the PRM worker thread, if one was started (a later run starts another)."""
@@ -240,7 +261,11 @@ class DriverBase:
             if isinstance(cmd, Score):
                 self._score = yield _StartScore(cmd)
                 continue
-            ids = cmd.request_ids if isinstance(cmd, (Prefill, StartBranches)) else frozenset()
+            ids = (
+                cmd.request_ids
+                if isinstance(cmd, (Prefill, StartBranches, Abort, ReleasePrefix))
+                else frozenset()
+            )
             if ids & failed:  # an earlier command of this request failed
                 answers[cmd.id] = Skipped()
                 continue
@@ -257,6 +282,7 @@ class DriverBase:
         if answers:
             self.scheduler.handle(answers, self.clock.now())
         self._collect()  # a blocking (or instant) Score is answered within its step
+        self._deliver()
         return True
 
     def _collect(self) -> None:
@@ -379,9 +405,17 @@ class DriverBase:
             prm_wait_seconds=self._wait_of.pop(rid, 0.0),
         )
         self.results.append(result)
-        if self._on_result is not None:
-            self._on_result(result)
+        self._delivered.append(result)
         return Done()
+
+    def _deliver(self) -> None:
+        """Hand finished results to ``on_result``, outside the engine calls, so that an
+        exception in the user's callback reaches the caller instead of failing a
+        cleanup command."""
+        delivered, self._delivered = self._delivered, []
+        if self._on_result is not None:
+            for result in delivered:
+                self._on_result(result)
 
 
 class SyncDriver(DriverBase):
@@ -390,9 +424,7 @@ class SyncDriver(DriverBase):
     def run(self, requests: Iterable[Request] = ()) -> list[RequestResult]:
         """Submit ``requests``, run until everything submitted has finished, and
         return their results in submission order."""
-        requests = list(requests)
-        for request in requests:
-            self.submit(request)
+        requests = self._submit_all(requests)
         try:
             while self.step():
                 pass

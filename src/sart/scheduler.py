@@ -169,6 +169,11 @@ class Scheduler:
         self._wanted: dict[str, RequestState] = {}
         self._finished = 0
         self._failed_cleanups = 0
+        # Branches the scheduler ended whose Abort the engine failed to carry out: the
+        # engine may still decode them, so they hold a batch slot until it lets go.
+        self._unaborted: set[BranchId] = set()
+        self._unreleased: set[str] = set()  # prefixes not released because of those
+        self._idle_abort_retries = 0
 
     # ------------------------------------------------------------------ intake
 
@@ -227,6 +232,8 @@ class Scheduler:
             cmds = self._admit(now)
             if not cmds and self._running:
                 cmds = [self._decode_command()]
+            if not cmds and self._scoring is None:
+                cmds = self._retry_aborts()
         cmds = [attrs.evolve(cmd, id=next(self._ids)) for cmd in cmds]
         for cmd in cmds:
             self._inflight[cmd.id] = cmd
@@ -234,8 +241,32 @@ class Scheduler:
                 self._scoring = cmd.id
         return cmds
 
+    #: Aborts retried when nothing else runs, before the scheduler gives up on them.
+    IDLE_ABORT_RETRIES = 3
+
+    def _retry_aborts(self) -> list[Command]:
+        """Nothing else to do: ask again for aborts the engine failed, then for the
+        prefixes they held up (a branch would otherwise stay live in the engine after
+        the run), a bounded number of times."""
+        if not (self._unaborted or self._unreleased):
+            self._idle_abort_retries = 0
+            return []
+        if self._idle_abort_retries >= self.IDLE_ABORT_RETRIES:
+            # The engine keeps refusing: given up, counted in failed_cleanups.
+            self._unaborted.clear()
+            self._unreleased.clear()
+            return []
+        self._idle_abort_retries += 1
+        cmds: list[Command] = []
+        if self._unaborted:
+            cmds.append(Abort(tuple(sorted(self._unaborted))))
+        cmds.extend(ReleasePrefix(rid) for rid in sorted(self._unreleased))
+        return cmds
+
     def _admit(self, now: float) -> list[Command]:
-        free = self.config.batch_size - len(self._running) - len(self._reserved)
+        free = (
+            self.config.batch_size - len(self._running) - len(self._reserved) - len(self._unaborted)
+        )
         if free <= 0:
             return []
         starts: dict[str, list[BranchState]] = {}
@@ -320,7 +351,16 @@ class Scheduler:
                 self._on_score(cmd, event, now)
             elif isinstance(event, Failed):  # Abort, ReleasePrefix, Finish
                 self._failed_cleanups += 1
-            elif not isinstance(event, Done):
+                if isinstance(cmd, Abort):  # asked again when the engine next reports them
+                    self._unaborted.update(cmd.branches)
+            elif isinstance(event, Done):
+                if isinstance(cmd, Abort):
+                    self._unaborted.difference_update(cmd.branches)
+                elif isinstance(cmd, ReleasePrefix):
+                    self._unreleased.discard(cmd.request_id)
+            elif isinstance(event, Skipped) and isinstance(cmd, ReleasePrefix):
+                self._unreleased.add(cmd.request_id)  # after its branches' abort, retried
+            else:
                 raise SchedulerError(f"{type(cmd).__name__} answered by {event!r}")
 
     def _on_prefill(self, cmd: Prefill, event: Event, now: float) -> None:
@@ -369,8 +409,16 @@ class Scheduler:
         for req in self._active.values():
             if req.running:
                 req.steps_since_check += out.steps
+        retry: list[BranchId] = []
         for bid, delta in out.deltas.items():
             branch = self._running.get(bid)
+            if branch is None and bid in self._unaborted:
+                # Ended here, still live there: its tokens are dropped, its abort retried.
+                if delta.finish is None:
+                    retry.append(bid)
+                else:
+                    self._unaborted.discard(bid)
+                continue
             if branch is None:
                 raise SchedulerError(f"engine reported branch {bid} which is not running")
             branch.num_tokens += delta.new_tokens
@@ -388,6 +436,8 @@ class Scheduler:
                 del self._running[bid]
                 req.running -= 1
                 req.newly_ended.append(branch)
+        if retry:
+            self._outbox.append(Abort(tuple(retry)))
         if not self._running and self.config.admission is Admission.CHUNK:
             # Every branch ended before T steps: Algorithm 1 checks every request
             # after each Decode call, and the next Decode runs a full T steps.
