@@ -650,3 +650,24 @@ def test_batched_incremental_equals_one_by_one_testbed(
     full = make(incremental=False)
     for a, b in zip(full.step_rewards(checks[-1]), batched.step_rewards(checks[-1])):
         assert close(a, b, 1e-4)
+
+
+def test_custom_modelling_code_runs_only_when_trusted(tmp_path: Path) -> None:
+    # Before: from_pretrained defaulted to trust_remote_code=True, so any checkpoint's
+    # Python ran without the user asking.
+    import shutil
+
+    from sart import testbed
+
+    ours = tmp_path / "ours"
+    shutil.copytree(testbed.PRM_PATH, ours)
+    # Only sart's own testbed code: not remote code, loads as the shipped PRM does.
+    assert QwenMathPRM.from_pretrained(ours, **testbed.prm_kwargs()).model is not None
+    theirs = tmp_path / "theirs"
+    shutil.copytree(testbed.PRM_PATH, theirs)
+    code = theirs / "modeling_testbed_prm.py"
+    code.write_text(code.read_text() + "\n# someone else's code now\n")
+    with pytest.raises(sart.ConfigError, match="--trust-remote-code"):
+        QwenMathPRM.from_pretrained(theirs, **testbed.prm_kwargs())
+    trusted = QwenMathPRM.from_pretrained(theirs, trust_remote_code=True, **testbed.prm_kwargs())
+    assert trusted.model is not None

@@ -97,6 +97,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(Algorithm 1 as written)",
     )
     p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="hf, vllm: allow the model and the PRM to run modelling code their checkpoints "
+        "ship (needed by e.g. Qwen2.5-Math-PRM-7B; off by default, as in transformers and "
+        "vLLM: that code runs with your permissions)",
+    )
+    p.add_argument(
         "--prm-in-process",
         action="store_true",
         help="hf, vllm: run a transformers PRM in this process, on a worker thread, instead "
@@ -447,9 +454,10 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
 def _load_engine(args: argparse.Namespace, model: str, batch_size: int) -> Any:
     from sart.registry import load_engine
 
+    trust = {"trust_remote_code": True} if args.trust_remote_code else {}
     if args.engine == "hf":
-        return load_engine("hf").from_pretrained(model, device=args.device)
-    engine_args = {"max_num_seqs": batch_size, **vllm_engine_args(args.vllm_arg)}
+        return load_engine("hf").from_pretrained(model, device=args.device, **trust)
+    engine_args = {"max_num_seqs": batch_size, **trust, **vllm_engine_args(args.vllm_arg)}
     engine = load_engine("vllm").from_engine_args(model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
     engine.check_batch_size(batch_size)
@@ -459,12 +467,14 @@ def _load_engine(args: argparse.Namespace, model: str, batch_size: int) -> Any:
 def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
     from sart.registry import load_prm
 
+    trust = {"trust_remote_code": True} if args.trust_remote_code else {}
     if args.prm_kind == "vllm-qwen":  # vLLM runs it in its own engine process already
-        return load_prm("vllm-qwen").from_engine_args(setup.prm, **setup.prm_options)
+        return load_prm("vllm-qwen").from_engine_args(setup.prm, **trust, **setup.prm_options)
     factory = functools.partial(
         load_prm(args.prm_kind).from_pretrained,
         setup.prm,
         device=args.prm_device or args.device,
+        **trust,
         **setup.prm_options,
     )
     if args.prm_in_process:

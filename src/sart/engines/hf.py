@@ -121,11 +121,15 @@ class HFEngine:
         device: str = "cpu",
         dtype: Any = "auto",
         chat: bool = False,
+        trust_remote_code: bool = False,
         **model_kwargs: Any,
     ) -> HFEngine:
-        """Load a causal LM and its tokenizer from a local path or the hub."""
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **model_kwargs)
+        """Load a causal LM and its tokenizer from a local path or the hub
+        (``trust_remote_code=True`` runs modelling code the checkpoint ships)."""
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, **model_kwargs
+        )
         return cls(model.to(device), tokenizer, chat=chat)
 
     # ------------------------------------------------------------- contract

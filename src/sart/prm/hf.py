@@ -871,6 +871,21 @@ def _check_positions(model: Any, max_length: int) -> None:
         )
 
 
+def _ships_only_sart_code(path: str | Path) -> bool:
+    """Whether ``path`` is a local checkpoint whose only Python files are copies of
+    sart's own testbed PRM modelling code (so trusting them runs no foreign code)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return False
+    shipped = sorted(folder.glob("*.py"))
+    if not shipped:
+        return False
+    own = (
+        Path(__file__).resolve().parent.parent / "testbed" / "modeling_testbed_prm.py"
+    ).read_bytes()
+    return all(file.read_bytes() == own for file in shipped)
+
+
 def _load_kwargs(dtype: Any, trust_remote_code: bool, extra: Mapping[str, Any] | None) -> dict:
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **(extra or {})}
     if dtype is not None:
@@ -951,7 +966,7 @@ class QwenMathPRM(TransformersPRM):
         *,
         device: str | torch.device | None = None,
         dtype: Any = None,
-        trust_remote_code: bool = True,
+        trust_remote_code: bool = False,
         model_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> QwenMathPRM:
@@ -963,10 +978,28 @@ class QwenMathPRM(TransformersPRM):
         a standard architecture, ``AutoModel`` would give the bare model without
         the classification head). ``kwargs`` go to the constructor,
         ``model_kwargs`` to the model's ``from_pretrained``.
+
+        Custom code runs only if you ask for it (``trust_remote_code=True``, as
+        in transformers and vLLM): loading it executes whatever Python the
+        checkpoint ships. A checkpoint that needs it and is not trusted raises
+        ``ConfigError`` saying so. The one exception is a local checkpoint whose
+        only code is sart's own testbed PRM class, byte for byte (the shipped
+        testbed PRM, or one ``sart testbed train`` wrote): that is not remote
+        code.
         """
         from transformers import AutoConfig, AutoModel, AutoModelForTokenClassification
 
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        trust_remote_code = trust_remote_code or _ships_only_sart_code(path)
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        except ValueError as exc:
+            if "trust_remote_code" not in str(exc):
+                raise
+            raise ConfigError(
+                f"the PRM checkpoint {str(path)!r} ships its own modelling code, and loading "
+                "it runs that code: pass trust_remote_code=True (sart bench: "
+                "--trust-remote-code) if you trust its source"
+            ) from None
         custom = "AutoModel" in (getattr(config, "auto_map", None) or {})
         loader = AutoModel if custom else AutoModelForTokenClassification
         model = loader.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code, model_kwargs))
