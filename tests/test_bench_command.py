@@ -130,9 +130,9 @@ def test_trace_record_then_replay_under_the_steps_model(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "--n", "0"], "ns=(0,) must be non-empty, each >= 1"),
-        (["bench", "--requests", "0"], "num_requests=0 must be >= 1"),
-        (["bench", "--rate", "-1"], "rates=(-1.0,) must be non-empty, each > 0"),
+        (["bench", "--n", "0"], "--n (0,) must be non-empty, each >= 1"),
+        (["bench", "--requests", "0"], "--requests 0 must be >= 1"),
+        (["bench", "--rate", "-1"], "--rate (-1.0,) must be non-empty, each > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
         (["bench", "--model", "tpu"], "cost model 'tpu' must be one of ['8xh100-70b'"),
         (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
@@ -141,7 +141,7 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--prm-device", "cuda:1"], "--prm-device 'cuda:1': the simulator's PRM"),
         (
             ["bench", "--model", "steps", "--prm-cost", "incremental"],
-            "prm_cost='incremental' must be 'free' under cost='steps'",
+            "--prm-cost 'incremental' must be 'free' under cost='steps'",
         ),
     ],
 )
@@ -250,7 +250,7 @@ def test_bench_builds_vllm_with_max_num_seqs_equal_to_the_branch_budget(
     # A smaller max_num_seqs given explicitly is refused: vLLM's queue would decide.
     with pytest.raises(SystemExit):
         main(_vllm_argv(tmp_path, "--batch-size", "6", "--vllm-arg", "max_num_seqs=4"))
-    assert "batch_size=6 > max_num_seqs" in capsys.readouterr().err
+    assert "--batch-size 6 > max_num_seqs" in capsys.readouterr().err
 
 
 def test_vllm_args_are_refused_for_other_engines(
@@ -348,3 +348,99 @@ def test_a_real_engine_needs_prompts_unless_it_is_the_testbed(tmp_path: Path) ->
     defaults = defaults.sampling
     assert (defaults.temperature, defaults.max_tokens) == (REAL_TEMPERATURE, REAL_MAX_TOKENS)
     assert defaults.top_p == sart.SamplingSettings().top_p
+
+
+SMALL_BENCH = [
+    "bench",
+    "--methods",
+    "sc",
+    "sart",
+    "--n",
+    "4",
+    "--rate",
+    "1",
+    "2",
+    "--requests",
+    "20",
+    "--no-plots",
+]
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "results.json a directory"])
+def test_an_unwritable_out_is_refused_before_any_run(
+    tmp_path: Path, where: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # Before: found out after the whole run, with a raw traceback, everything lost.
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = {"a file": blocker, "under a file": blocker / "out", "results.json a directory": tmp_path}
+    if where == "results.json a directory":
+        (tmp_path / "results.json").mkdir()
+    ran = []
+    monkeypatch.setattr("sart.bench.command.run_method", lambda *a: ran.append(a))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL_BENCH, "--out", str(out[where])])
+    assert exit_info.value.code == 2
+    assert "--out" in capsys.readouterr().err
+    assert ran == []
+
+
+def test_ctrl_c_keeps_the_finished_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a KeyboardInterrupt traceback, and nothing written.
+    from sart.bench import command
+
+    real_run, calls = command.run_method, []
+
+    def interrupted_on_the_third(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run(*args)
+
+    monkeypatch.setattr(command, "run_method", interrupted_on_the_third)
+    assert main([*SMALL_BENCH, "--out", str(tmp_path)]) == 130
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["complete"] is False
+    assert [(r["method"], r["rate"]) for r in doc["runs"]] == [("sc", 1.0), ("sart", 1.0)]
+    assert not (tmp_path / ".results.json.tmp").exists()
+    # Uninterrupted, the same file says it is complete.
+    monkeypatch.setattr(command, "run_method", real_run)
+    assert main([*SMALL_BENCH, "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["complete"] is True and len(doc["runs"]) == 4
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--batch-size", "0"),
+        ("--interval", "0"),
+        ("--requests", "0"),
+        ("--n", "0"),
+        ("--rate", "-1"),
+    ],
+)
+def test_bad_values_are_refused_in_the_flags_words(
+    flags: tuple[str, str], capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    # Before: 0 was replaced by the default (a falsy check) and results.json said null;
+    # other errors named internal fields (ns=, rates=, num_requests=).
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", *flags, "--no-plots", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert f"{flags[0]} " in error
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_max_tokens_zero_is_refused_for_a_real_engine(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--engine", "hf", "--model", "testbed", "--max-tokens", "0"])
+    assert "--max-tokens 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"sart {sart.__version__}"

@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from sart import __version__
 from sart.bench.command import add_bench_parser, add_trace_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
@@ -78,6 +79,7 @@ def _row(r: RequestResult) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sart", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"sart {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)
     add_trace_parser(sub)

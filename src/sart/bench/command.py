@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import functools
 import json
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +259,36 @@ def _prm_flags(args: argparse.Namespace) -> dict[str, Any]:
     return flags
 
 
+#: ``BenchConfig`` fields -> the flags that set them, so errors use the user's words.
+FLAGS = {
+    "engine": "--engine",
+    "workload": "--workload",
+    "cost": "--model",
+    "methods": "--methods",
+    "ns": "--n",
+    "rates": "--rate",
+    "num_requests": "--requests",
+    "batch_size": "--batch-size",
+    "interval": "--interval",
+    "seed": "--seed",
+    "admission": "--admission",
+    "trace": "--trace",
+    "scoring": "--scoring",
+    "prm_cost": "--prm-cost",
+    "prm_device": "--prm-device",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+}
+
+
+def in_flags(exc: ConfigError) -> ConfigError:
+    """``exc`` in the words of the command line: "batch_size=0 must be ..." becomes
+    "--batch-size 0 must be ..." (messages about anything else are kept)."""
+    field, sep, rest = str(exc).partition("=")
+    return ConfigError(f"{FLAGS[field]} {rest}") if sep and field in FLAGS else exc
+
+
 def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         engine=args.engine,
@@ -267,9 +300,18 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         rates=tuple(dict.fromkeys(args.rates)),
         num_requests=args.requests,
         # A real engine has no cost model to size B from.
-        batch_size=args.batch_size or (None if args.engine == "sim" else REAL_BATCH_SIZE),
-        interval=args.interval
-        or (TESTBED_INTERVAL if args.model == TESTBED else _default_interval(args.trace)),
+        batch_size=(
+            args.batch_size
+            if args.batch_size is not None
+            else (None if args.engine == "sim" else REAL_BATCH_SIZE)
+        ),
+        interval=(
+            args.interval
+            if args.interval is not None
+            else TESTBED_INTERVAL
+            if args.model == TESTBED
+            else _default_interval(args.trace)
+        ),
         seed=args.seed,
         admission=Admission(args.admission),
         trace=args.trace,
@@ -295,6 +337,13 @@ def _default_interval(trace: str | None) -> int:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    try:
+        return _bench(args)
+    except ConfigError as exc:
+        raise in_flags(exc) from None
+
+
+def _bench(args: argparse.Namespace) -> int:
     config = _config(args)
     try:
         from rich.console import Console
@@ -308,24 +357,28 @@ def run_bench_command(args: argparse.Namespace) -> int:
     # A pipe or CI log gets a table wide enough not to wrap (rich assumes 80).
     console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
-        serving = None
-        if config.engine in ("hf", "vllm"):
-            records, gold, serving = _run_real(args, config, progress)
-        else:
-            records, gold = _run_sim(config, progress)
-    wall = time.perf_counter() - started
-    document = bench_json(config, records, gold, wall, serving)
-    (out / "results.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
+    sink = ResultsFile(out, config, bench_json)  # refuses an unwritable --out before any run
+    try:
+        with Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        ) as progress:
+            if config.engine in ("hf", "vllm"):
+                _run_real(args, config, progress, sink)
+            else:
+                _run_sim(config, progress, sink)
+    except KeyboardInterrupt:
+        sink.write(complete=False)
+        console.print(
+            f"interrupted: kept the {len(sink.records)} finished runs in {sink.path}", style="bold"
+        )
+        return 130
+    records, wall = sink.records, sink.elapsed()
+    document = sink.write(complete=True)
     plots = []
     if not args.no_plots:
         from sart.bench.plots import write_plots
@@ -353,18 +406,60 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_sim(config: BenchConfig, progress: Any) -> tuple[list[RunRecord], dict]:
+class ResultsFile:
+    """``results.json``, rewritten atomically (a reader never sees half a file) after
+    every finished run, so that an interrupted or failing benchmark keeps what
+    finished; ``complete`` says whether every run did."""
+
+    def __init__(self, out: Path, config: BenchConfig, document: Callable[..., dict]) -> None:
+        self.path = out / "results.json"
+        self.config = config
+        self.records: list[RunRecord] = []
+        self.gold: dict[float | None, dict[str, str]] = {}
+        self.serving: dict[str, Any] | None = None
+        self._document = document
+        self._started = time.perf_counter()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if self.path.is_dir():
+                raise IsADirectoryError(errno.EISDIR, "is a directory", str(self.path))
+            probe = out / ".results.json.tmp"
+            probe.write_text("", encoding="utf-8")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(
+                f"--out {str(out)!r}: cannot write {self.path.name} there ({exc.strerror or exc})"
+            ) from None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def add(self, record: RunRecord) -> None:
+        self.records.append(record)
+        self.write(complete=False)
+
+    def write(self, *, complete: bool) -> dict[str, Any]:
+        document = self._document(
+            self.config, self.records, self.gold, self.elapsed(), self.serving
+        )
+        document["complete"] = complete
+        temporary = self.path.with_name(".results.json.tmp")
+        temporary.write_text(json.dumps(document, indent=1), encoding="utf-8")
+        os.replace(temporary, self.path)
+        return document
+
+
+def _run_sim(config: BenchConfig, progress: Any, sink: ResultsFile) -> None:
     workloads = traces(config)
+    sink.gold = {rate: trace.gold() for rate, trace in workloads}
     pairs = plan(config)
     task = progress.add_task("simulating", total=len(workloads) * len(pairs))
-    records = []
     for rate, trace in workloads:
         for method, n in pairs:
             where = "trace" if rate is None else f"{rate:g} req/s"
             progress.update(task, description=f"{method} N={n} @ {where}")
-            records.append(run_method(trace, method, n, config, rate))
+            sink.add(run_method(trace, method, n, config, rate))
             progress.advance(task)
-    return records, {rate: trace.gold() for rate, trace in workloads}
 
 
 def vllm_engine_args(pairs: list[str]) -> dict[str, Any]:
@@ -445,7 +540,7 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
         top_p["top_p"] = 1.0
     sampling = SamplingSettings(
         temperature=default_temperature if args.temperature is None else args.temperature,
-        max_tokens=args.max_tokens or default_tokens,
+        max_tokens=default_tokens if args.max_tokens is None else args.max_tokens,
         **top_p,
     )
     return RealSetup(model, prm, prm_options, items, sampling)
@@ -485,8 +580,8 @@ def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
 
 
 def _run_real(
-    args: argparse.Namespace, config: BenchConfig, progress: Any
-) -> tuple[list[RunRecord], dict, dict[str, Any]]:
+    args: argparse.Namespace, config: BenchConfig, progress: Any, sink: ResultsFile
+) -> None:
     from sart.bench.real import record_trace, run_real
 
     setup = real_setup(args)
@@ -499,14 +594,20 @@ def _run_real(
         )
     if args.vllm_arg and args.engine != "vllm":
         raise ConfigError("--vllm-arg is only for --engine vllm")
+    gold = {item.id: item.answer for item in items if item.answer is not None}
+    sink.gold = dict.fromkeys(config.rates, gold)
+    sink.serving = _serving(args, setup)
     progress.add_task("loading models", total=None)
     engine = _load_engine(args, setup.model, config.batch_size)
     prm = _load_prm(args, setup) if setup.prm else None
+
+    def finished(record: RunRecord) -> None:
+        sink.add(record)
+        progress.advance(task)
+
     try:
         task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
-        records = run_real(
-            items, engine, prm, config, sampling, on_run=lambda record: progress.advance(task)
-        )
+        run_real(items, engine, prm, config, sampling, on_run=finished)
         if args.record_trace:
             if prm is None:
                 raise ConfigError("--record-trace needs --prm")
@@ -525,10 +626,13 @@ def _run_real(
         close = getattr(prm, "close", None)
         if close is not None:
             close()
-    gold = {item.id: item.answer for item in items if item.answer is not None}
-    # What was served and how it was sampled: accuracies are not comparable
-    # across runs without it (a top-p cut changes the testbed's accuracy).
-    serving = {
+
+
+def _serving(args: argparse.Namespace, setup: RealSetup) -> dict[str, Any]:
+    """What was served and how it was sampled: accuracies are not comparable across
+    runs without it (a top-p cut changes the testbed's accuracy)."""
+    sampling = setup.sampling
+    return {
         "model": setup.model,
         "prm": setup.prm,
         "prm_kind": args.prm_kind if setup.prm else None,
@@ -544,4 +648,3 @@ def _run_real(
             "max_tokens": sampling.max_tokens,
         },
     }
-    return records, dict.fromkeys(config.rates, gold), serving
