@@ -105,6 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Top-level modules of the optional extras -> the extra that installs them.
+EXTRAS = {
+    "torch": "hf",
+    "transformers": "hf",
+    "tokenizers": "hf",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "rich": "bench",
+    "matplotlib": "bench",
+    "httpx": "remote",
+    "fastapi": "server",
+    "uvicorn": "server",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -112,6 +127,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except SartError as exc:
         parser.exit(2, f"sart: error: {exc}\n")
+    except ModuleNotFoundError as exc:
+        # Wherever a command first needs an optional extra, say which one to install.
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        parser.exit(
+            2, f"sart: error: sart {args.command} needs {exc.name}: pip install 'sart[{extra}]'\n"
+        )
+    except OSError as exc:
+        if exc.filename is None:
+            raise
+        parser.exit(2, f"sart: error: {exc.filename}: {exc.strerror or exc}\n")
 
 
 if __name__ == "__main__":  # pragma: no cover
