@@ -36,7 +36,16 @@ _SCORE, _RELEASE, _CLOSE = "score", "release", "close"
 
 
 def _serve(conn: Any, factory: Callable[[], PRM]) -> None:
-    """The child's loop: build the PRM, then answer calls until told to close."""
+    """The child's loop (see ``_answer``); Ctrl-C reaches the whole process group, and
+    the parent, not the child, reports it."""
+    try:
+        _answer(conn, factory)
+    except KeyboardInterrupt:
+        return
+
+
+def _answer(conn: Any, factory: Callable[[], PRM]) -> None:
+    """Build the PRM, then answer calls until told to close."""
     try:
         prm = factory()
     except BaseException as exc:  # report why it could not start, then stop
@@ -58,7 +67,7 @@ def _serve(conn: Any, factory: Callable[[], PRM]) -> None:
                 if release is not None:
                     release(payload)
                 conn.send(("ok", None))
-        except BaseException as exc:
+        except Exception as exc:
             conn.send(("error", _describe(exc)))
 
 
