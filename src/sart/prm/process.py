@@ -48,7 +48,7 @@ def _answer(conn: Any, factory: Callable[[], PRM]) -> None:
     """Build the PRM, then answer calls until told to close."""
     try:
         prm = factory()
-    except BaseException as exc:  # report why it could not start, then stop
+    except Exception as exc:  # report why it could not start, then stop
         conn.send(("error", _describe(exc)))
         return
     conn.send(("ready", None))
