@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
 import pytest
 
 import sart
@@ -444,3 +445,22 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"sart {sart.__version__}"
+
+
+def test_failed_requests_get_a_column_of_their_own(capsys: pytest.CaptureFixture) -> None:
+    from rich.console import Console
+
+    from sart.bench.report import render
+    from sart.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(methods=("sc",), ns=(2,), rates=(1.0,), num_requests=10)
+    (record,) = run_bench(config)
+    console = Console(width=160, force_terminal=False)
+    render(config, [record], console)
+    assert "failed" not in capsys.readouterr().out  # the usual table, as before
+    broken = attrs.evolve(record, summary=attrs.evolve(record.summary, failed=3))
+    render(config, [broken], console)
+    header, row = [
+        line for line in capsys.readouterr().out.splitlines() if "SC" in line or "failed" in line
+    ][:2]
+    assert "failed" in header and " 3 " in row

@@ -60,8 +60,11 @@ class RunSummary:
 
     requests: int
     failed: int
+    """Requests that failed: counted here, left out of the latency distributions
+    (a failed request's latency measures its failure, not the method)."""
     accuracy: float | None
-    """Fraction of requests answered correctly (``None`` without gold answers)."""
+    """Fraction of requests answered correctly, failed ones included as wrong
+    (``None`` without gold answers)."""
     e2e: Distribution
     queueing: Distribution
     inference: Distribution
@@ -82,6 +85,8 @@ class RunSummary:
         gold: Mapping[str, str] | None = None,
     ) -> RunSummary:
         timings = [r.timings for r in results]
+        served = [r for r in results if r.ok]
+        latencies = [r.timings for r in served]
         accuracy = None
         if gold is not None and results:
             correct = sum(is_correct(r, gold.get(r.request_id)) for r in results)
@@ -90,16 +95,16 @@ class RunSummary:
             requests=len(results),
             failed=sum(1 for r in results if not r.ok),
             accuracy=accuracy,
-            e2e=Distribution.of([t.end_to_end for t in timings]),
-            queueing=Distribution.of([t.queueing for t in timings]),
-            inference=Distribution.of([t.inference for t in timings]),
+            e2e=Distribution.of([t.end_to_end for t in latencies]),
+            queueing=Distribution.of([t.queueing for t in latencies]),
+            inference=Distribution.of([t.inference for t in latencies]),
             tokens_per_request=(
                 sum(r.generated_tokens for r in results) / len(results) if results else 0.0
             ),
             peak_running_branches=max((s.running_branches for s in timeline), default=0),
             peak_kv_tokens=max((s.kv_tokens for s in timeline), default=0),
             makespan=max((t.finished for t in timings), default=0.0),
-            prm_wait=Distribution.of([r.prm_wait_seconds for r in results]),
+            prm_wait=Distribution.of([r.prm_wait_seconds for r in served]),
         )
 
 

@@ -167,10 +167,14 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         f"E2E latency in {unit}",
         box=box.SIMPLE_HEAD,
     )
+    # Failed requests are counted apart (and left out of the percentiles); the column
+    # appears only when a run had any, so that the usual table stays as it was.
+    failures = any(r.summary.failed for r in records)
     for name in (
         "rate",
         "method",
         "N",
+        *(["failed"] if failures else []),
         "acc %",
         "P50",
         "P90",
@@ -191,6 +195,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             "trace" if r.rate is None else _fmt(r.rate, 0),
             SHORT_LABELS[r.method],
             str(r.n),
+            *([f"[red]{s.failed}[/red]" if s.failed else "0"] if failures else []),
             _fmt(None if s.accuracy is None else 100 * s.accuracy),
             _time(s.e2e.p50),
             _time(s.e2e.p90),
