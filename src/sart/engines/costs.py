@@ -82,7 +82,8 @@ LLAMA_70B = ModelSpec(
 )
 
 
-def _positive(_inst: object, attr: attrs.Attribute, value: float) -> None:
+def non_negative(_inst: object, attr: attrs.Attribute, value: float) -> None:
+    """attrs validator: ``value >= 0`` (``ConfigError`` naming the field otherwise)."""
     config_check(value >= 0, attr.name, value, ">= 0")
 
 
@@ -91,15 +92,15 @@ class CostModel:
     """Prices decode steps and prefills; see the module docstring for the formulas."""
 
     name: str
-    weight_bytes: float = attrs.field(validator=_positive)
+    weight_bytes: float = attrs.field(validator=non_negative)
     """Weights read per decode step (all GPUs of the group)."""
-    kv_bytes_per_token: float = attrs.field(validator=_positive)
-    bandwidth: float = attrs.field(validator=_positive)
+    kv_bytes_per_token: float = attrs.field(validator=non_negative)
+    bandwidth: float = attrs.field(validator=non_negative)
     """Effective bytes/s of the group (datasheet x efficiency)."""
-    flops: float = attrs.field(validator=_positive)
+    flops: float = attrs.field(validator=non_negative)
     """Effective FLOP/s of the group (datasheet x efficiency)."""
-    params: float = attrs.field(validator=_positive)
-    step_overhead: float = attrs.field(validator=_positive)
+    params: float = attrs.field(validator=non_negative)
+    step_overhead: float = attrs.field(validator=non_negative)
     """Fixed seconds per decode step and per prefill."""
     kv_capacity_tokens: int | None = None
     """KV-cache tokens that fit in memory (``None``: unlimited)."""

@@ -56,7 +56,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from sart.engines.costs import H100, Accelerator, ModelSpec
+from sart.engines.costs import H100, Accelerator, ModelSpec, non_negative
 from sart.errors import config_check, enum_converter
 from sart.prm.base import ScoreItem
 
@@ -87,10 +87,6 @@ class Chunk:
     """Tokens already in the PRM's cache that these attend to."""
 
 
-def _non_negative(_inst: object, attr: attrs.Attribute, value: float) -> None:
-    config_check(value >= 0, attr.name, value, ">= 0")
-
-
 def _positive(_inst: object, attr: attrs.Attribute, value: float) -> None:
     config_check(value > 0, attr.name, value, "> 0")
 
@@ -105,9 +101,9 @@ class PRMCostModel:
     """Effective FLOP/s (datasheet x efficiency)."""
     bandwidth: float = attrs.field(validator=_positive)
     """Effective bytes/s (datasheet x efficiency)."""
-    call_overhead: float = attrs.field(validator=_non_negative)
+    call_overhead: float = attrs.field(validator=non_negative)
     """Fixed seconds per call."""
-    tail_tokens: int = attrs.field(default=8, validator=_non_negative)
+    tail_tokens: int = attrs.field(default=8, validator=non_negative)
     """``incremental``: tokens re-encoded per item besides the new ones."""
 
     def __attrs_post_init__(self) -> None:
