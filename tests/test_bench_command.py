@@ -16,7 +16,9 @@ from sart.testing import FakeEngine
 
 def bench(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "out"
-    argv = ["bench", "--requests", "12", "--n", "2", "4", "--rate", "2", "--out", str(out)]
+    # A trace holds its own requests and arrival times.
+    workload = [] if "--trace" in extra else ["--requests", "12", "--rate", "2"]
+    argv = ["bench", *workload, "--n", "2", "4", "--out", str(out)]
     assert main([*argv, *extra]) == 0
     return json.loads((out / "results.json").read_text())
 
@@ -155,6 +157,70 @@ def test_bad_flags_are_usage_errors(
     assert message in capsys.readouterr().err
 
 
+# Issue 13, case 7: flags a run does not use were ignored, yet recorded in
+# results.json as if they had shaped it.
+UNUSED_FLAGS = {
+    "rate with a trace": (
+        ["--trace", "{trace}", "--rate", "2"],
+        "--rate has no effect with --trace",
+    ),
+    "requests with a trace": (
+        ["--trace", "{trace}", "--requests", "9"],
+        "--requests has no effect with --trace",
+    ),
+    "workload with a trace": (
+        ["--trace", "{trace}", "--workload", "gaokao"],
+        "--workload has no effect with --trace",
+    ),
+    "sampling on the simulator": (
+        ["--temperature", "0.5"],
+        "--temperature has no effect with --engine sim (it is for the real engines",
+    ),
+    "a PRM on the simulator": (["--prm", "x"], "--prm has no effect with --engine sim"),
+    "workload on a real engine": (
+        ["--engine", "hf", "--model", "testbed", "--workload", "gaokao"],
+        "--workload has no effect with --engine hf (it is for --engine sim)",
+    ),
+    "trace on a real engine": (
+        ["--engine", "hf", "--model", "testbed", "--trace", "{trace}"],
+        "--trace has no effect with --engine hf",
+    ),
+    "requests with a prompt file": (
+        ["--engine", "hf", "--model", "testbed", "--prompts", "{trace}", "--requests", "3"],
+        "--requests has no effect with --prompts",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNUSED_FLAGS))
+def test_flags_a_run_does_not_use_are_refused(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["trace", "record", str(trace), "--requests", "3", "--n", "2"]) == 0
+    argv, message = UNUSED_FLAGS[case]
+    with pytest.raises(SystemExit) as info:
+        main(["bench", *(a.format(trace=trace) for a in argv), "--out", str(tmp_path / "o")])
+    assert info.value.code == 2
+    assert f"sart: error: {message}" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_a_replay_records_no_workload_rates_or_request_count(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    assert main(["trace", "record", str(trace), "--requests", "3", "--n", "4"]) == 0
+    doc = bench(tmp_path, "--trace", str(trace), "--methods", "sc", "--no-plots")
+    config = doc["config"]
+    assert (config["workload"], config["rates"], config["num_requests"]) == (None, None, None)
+    assert config["trace"] == str(trace)
+    generated = bench(tmp_path, "--methods", "sc", "--no-plots")["config"]
+    assert (generated["workload"], generated["rates"], generated["num_requests"]) == (
+        "gaokao",
+        [2.0],
+        12,
+    )
+
+
 def test_default_branch_budget_fits_the_kv_cache(tmp_path: Path) -> None:
     from sart.engines.costs import PRESETS
 
@@ -261,13 +327,19 @@ def test_vllm_args_are_refused_for_other_engines(
     argv[argv.index("vllm")] = "hf"
     with pytest.raises(SystemExit):
         main(argv)
-    assert "--vllm-arg is only for --engine vllm" in capsys.readouterr().err
+    assert (
+        "sart: error: --vllm-arg has no effect with --engine hf (it is for --engine vllm)"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--prm-cost", "free"], "--prm-cost free is for --engine sim"),
+        (
+            ["--prm-cost", "free"],
+            "--prm-cost has no effect with --engine vllm (it is for --engine sim)",
+        ),
         (["--prm-device", "shared"], "--prm-device shared is for --engine sim"),
     ],
 )

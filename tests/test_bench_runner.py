@@ -30,6 +30,19 @@ def test_the_default_prices_a_re_encoding_prm_on_its_own_device_overlapped() -> 
     assert (real.prm_cost, real.prm_device) == (None, None)
 
 
+def test_fields_a_source_does_not_use_default_to_none() -> None:
+    replay = BenchConfig(trace="t.jsonl")
+    assert (replay.workload, replay.rates, replay.num_requests) == (None, None, None)
+    real = BenchConfig(engine="hf", model="m")
+    assert (real.workload, real.rates, real.num_requests) == (None, (1.0, 4.0), 100)
+    generated = BenchConfig()
+    assert (generated.workload, generated.rates, generated.num_requests) == (
+        "gaokao",
+        (1.0, 4.0),
+        100,
+    )
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -39,6 +52,14 @@ def test_the_default_prices_a_re_encoding_prm_on_its_own_device_overlapped() -> 
         ({"engine": "hf", "prm_cost": "free"}, "prm_cost='free' must be None for a real engine"),
         ({"scoring": "lazy"}, "scoring='lazy' must be one of 'blocking', 'overlapped'"),
         ({"poll_steps": 0}, "poll_steps=0 must be None or >= 1"),
+        # Only the fields the run uses are set (results.json records the config).
+        ({"trace": "t.jsonl", "rates": (1.0,)}, "rates=(1.0,) has no effect with a trace"),
+        ({"trace": "t.jsonl", "num_requests": 5}, "num_requests=5 has no effect with a trace"),
+        ({"trace": "t.jsonl", "workload": "gaokao"}, "workload='gaokao' has no effect with a"),
+        ({"engine": "hf", "workload": "gaokao"}, "workload='gaokao' has no effect on engine"),
+        ({"engine": "hf", "trace": "t.jsonl"}, "trace='t.jsonl' must be None unless engine='sim'"),
+        ({"workload": None}, "workload=None: a simulated run needs a workload or a trace"),
+        ({"num_requests": None}, "num_requests=None must be >= 1"),
     ],
 )
 def test_bad_prm_settings_name_the_field(changes: dict, message: str) -> None:

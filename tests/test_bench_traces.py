@@ -166,7 +166,7 @@ BAD_LINES = {
     "no branches": ('{"id": "x", "arrival": 0, "answer": "1", "branches": []}', "no branches"),
     "negative arrival": (
         '{"id": "x", "arrival": -1, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
-        "arrival=-1.0",
+        "arrival=-1 must be in [0, 1e+09]",
     ),
     "infinite arrival": (
         '{"id": "x", "arrival": 1e999, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
@@ -179,7 +179,90 @@ BAD_LINES = {
     "bad reward": (
         '{"id": "x", "arrival": 0, "answer": "1",'
         ' "branches": [{"length": 3, "answer": "1", "rewards": [1.5]}]}',
-        "rewards",
+        "branches[0]: rewards[0]=1.5 must be in [0, 1]",
+    ),
+    # Issue 13, case 5: these loaded, then failed the PRM methods' requests only.
+    "NaN reward": (
+        '{"id": "x", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 3, "answer": "1", "rewards": [0.5, NaN]}]}',
+        "rewards[1]=nan must be in [0, 1]",
+    ),
+    "final reward above 1": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": 3, "answer": "1"},'
+        ' {"length": 3, "answer": "1", "final_reward": 1.2}]}',
+        "branches[1]: final_reward=1.2 must be in [0, 1]",
+    ),
+    "reward as text": (
+        '{"id": "x", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 3, "answer": "1", "final_reward": "0.5"}]}',
+        "final_reward must be a number, not a string",
+    ),
+    "more rewards than tokens": (
+        '{"id": "x", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 1, "answer": "1", "rewards": [0.5, 0.5]}]}',
+        "2 rewards for a branch of 1 tokens",
+    ),
+    # Absurd sizes are refused, not allocated or decoded.
+    "absurd length": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": 1e15, "answer": "1"}]}',
+        "length=1e+15 must be in [1, 16777216]",
+    ),
+    "absurd prompt": (
+        '{"id": "x", "arrival": 0, "answer": "1", "prompt_tokens": 99999999999,'
+        ' "branches": [{"length": 3, "answer": "1"}]}',
+        "prompt_tokens=99999999999",
+    ),
+    "fractional length": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": 2.5, "answer": "1"}]}',
+        "length must be a whole number, not 2.5",
+    ),
+    "boolean length": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": true, "answer": "1"}]}',
+        "length must be a whole number, not True",
+    ),
+    "zero interval": (
+        '{"id": "x", "arrival": 0, "answer": "1", "interval": 0,'
+        ' "branches": [{"length": 3, "answer": "1"}]}',
+        "interval=0",
+    ),
+    "absurd arrival": (
+        '{"id": "x", "arrival": 1e300, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
+        "arrival=1e+300",
+    ),
+    "huge integer": (
+        '{"id": "x", "arrival": ' + "9" * 5000 + ', "answer": "1", "branches": []}',
+        "not a trace line",
+    ),
+    "deep nesting": ("[" * 100_000 + "]" * 100_000, "not a trace line"),
+    "not an object": ("[1, 2, 3]", "the line must be a JSON object, not a list"),
+    "branch not an object": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": [3]}',
+        "branches[0]: a branch must be a JSON object, not a number",
+    ),
+    "too many branches": (
+        '{"id": "x", "arrival": 0, "answer": "1", "branches": ['
+        + ",".join(['{"length": 1, "answer": "1"}'] * 4097)
+        + "]}",
+        "4097 branches; at most 4096",
+    ),
+    # A misspelt optional key took its default without a word.
+    "misspelt key": (
+        '{"id": "x", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 3, "answer": "1", "final_rewards": 0.9}]}',
+        "unknown key 'final_rewards'",
+    ),
+    "answer as a list": (
+        '{"id": "x", "arrival": 0, "answer": ["1"], "branches": [{"length": 3, "answer": "1"}]}',
+        "answer must be a string, not a list",
+    ),
+    "empty id": (
+        '{"id": "", "arrival": 0, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',
+        "id must have 1 to",
+    ),
+    "lone surrogate": (
+        '{"id": "\\ud800", "arrival": 0, "answer": "1",'
+        ' "branches": [{"length": 3, "answer": "1"}]}',
+        "id is not valid Unicode text",
     ),
 }
 
@@ -196,11 +279,30 @@ def test_malformed_line_names_file_and_line(tmp_path: Path, case: str) -> None:
     assert words in message
 
 
-def test_duplicate_ids_are_refused(tmp_path: Path) -> None:
+def test_duplicate_ids_are_refused_naming_both_lines(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), json.dumps(GOOD_LINE)])
-    with pytest.raises(ConfigError, match="request 2 repeats the id 'ok'") as info:
+    with pytest.raises(ConfigError) as info:
         Trace.load(path)
-    assert str(path) in str(info.value)
+    assert str(info.value) == f"{path}:2: the id 'ok' is already line 1's"
+
+
+def test_invalid_utf8_names_the_line_and_byte(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(json.dumps(GOOD_LINE).encode() + b"\n" + b'{"id": "\xff"}\n')
+    with pytest.raises(ConfigError) as info:
+        Trace.load(path)
+    assert str(info.value) == f"{path}:2: not UTF-8 text (byte 9)"
+
+
+def test_a_line_over_the_size_limit_is_not_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sart.bench import traces
+
+    monkeypatch.setattr(traces, "MAX_LINE_BYTES", 100)
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), "x" * 1000])
+    with pytest.raises(ConfigError, match=f"{path}:2: a line longer than"):
+        Trace.load(path)
 
 
 def test_empty_file_is_refused(tmp_path: Path) -> None:

@@ -43,6 +43,11 @@ TESTBED_INTERVAL = 16
 """``T`` for the testbed: its traces are tens of tokens long, not thousands."""
 
 
+#: Defaults of flags that only some runs use, where the default is not None (given
+#: with its default value, such a flag changes nothing and is not refused).
+FLAG_DEFAULTS = {"prm_kind": "qwen", "device": "cpu"}
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -69,12 +74,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prm-kind",
         choices=["qwen", "shepherd", "vllm-qwen"],
-        default="qwen",
+        default=FLAG_DEFAULTS["prm_kind"],
         help="hf, vllm: Qwen2.5-Math-PRM style on transformers (default), Math-Shepherd "
         "style, or Qwen2.5-Math-PRM served by vLLM as a pooling model",
     )
     p.add_argument("--prompts", help="hf, vllm: JSONL prompt file ({'prompt', 'answer'} per line)")
-    p.add_argument("--device", default="cpu", help="hf: device of the model (default cpu)")
+    p.add_argument(
+        "--device", default=FLAG_DEFAULTS["device"], help="hf: device of the model (default cpu)"
+    )
     p.add_argument(
         "--prm-device",
         default=None,
@@ -149,8 +156,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--workload",
         choices=sorted(WORKLOADS),
-        default="gaokao",
-        help="generative workload preset (default gaokao)",
+        default=None,
+        help="sim: generative workload preset (default gaokao)",
     )
     p.add_argument(
         "--methods",
@@ -171,11 +178,18 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--rate",
         type=float,
         nargs="+",
-        default=[1.0, 4.0],
+        default=None,
         dest="rates",
-        help="arrival rates in requests/s (default 1 4)",
+        help="arrival rates in requests/s (default 1 4; not with --trace, whose arrivals "
+        "are replayed)",
     )
-    p.add_argument("--requests", type=int, default=200, help="requests per run (default 200)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="requests per run (default 200; not with --trace or --prompts, which hold "
+        "the requests)",
+    )
     p.add_argument(
         "--batch-size",
         type=int,
@@ -197,7 +211,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="refill freed slots between chunks (Algorithm 1) or at the next step",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--trace", help="replay this JSONL trace instead of generating a workload")
+    p.add_argument("--trace", help="sim: replay this JSONL trace instead of generating a workload")
     p.add_argument("--out", default="sart-bench", help="output directory (default sart-bench)")
     p.add_argument(
         "--json", action="store_true", help="print the summary JSON to stdout instead of the table"
@@ -236,10 +250,6 @@ def _prm_flags(args: argparse.Namespace) -> dict[str, Any]:
     """``--prm-cost`` and ``--prm-device`` as BenchConfig fields (the simulator's; on a
     real engine ``--prm-device`` is a torch device and the PRM takes real time)."""
     if args.engine != "sim":
-        if args.prm_cost is not None:
-            raise ConfigError(
-                f"--prm-cost {args.prm_cost} is for --engine sim; a real PRM takes real time"
-            )
         if args.prm_device in PRM_DEVICES:
             raise ConfigError(
                 f"--prm-device {args.prm_device} is for --engine sim; with --engine "
@@ -290,15 +300,22 @@ def in_flags(exc: ConfigError) -> ConfigError:
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
+    """The benchmark the flags describe; a flag given where it has no effect is refused
+    (ignored, it would be recorded in results.json as if it had shaped the runs)."""
+    uses = _uses(args)
+    for dest, used in uses.items():
+        value = getattr(args, dest)
+        if not used and value not in (None, False, [], FLAG_DEFAULTS.get(dest)):
+            raise ConfigError(f"{_flag(dest)} has no effect {_why_unused(dest, args)}")
     return BenchConfig(
         engine=args.engine,
         model=args.model,
-        workload=args.workload,
+        workload=args.workload or ("gaokao" if uses["workload"] else None),
         cost=args.model if args.engine == "sim" and args.model else "h100-14b",
         methods=tuple(dict.fromkeys(args.methods)),
         ns=tuple(sorted(set(args.ns or _default_ns(args.trace)))),
-        rates=tuple(dict.fromkeys(args.rates)),
-        num_requests=args.requests,
+        rates=tuple(dict.fromkeys(args.rates or DEFAULT_RATES)) if uses["rates"] else None,
+        num_requests=_requests(args) if uses["requests"] else None,
         # A real engine has no cost model to size B from.
         batch_size=(
             args.batch_size
@@ -321,6 +338,60 @@ def _config(args: argparse.Namespace) -> BenchConfig:
 
 
 DEFAULT_NS = (2, 4, 8)
+DEFAULT_RATES = (1.0, 4.0)
+DEFAULT_REQUESTS = 200
+
+
+def _requests(args: argparse.Namespace) -> int:
+    return DEFAULT_REQUESTS if args.requests is None else args.requests
+
+
+def _uses(args: argparse.Namespace) -> dict[str, bool]:
+    """Whether this run uses each flag that only some runs use (by ``dest``)."""
+    sim, trace = args.engine == "sim", args.trace is not None
+    real = not sim
+    generated = sim and not trace
+    testbed_questions = real and args.model == TESTBED and args.prompts is None
+    return {
+        "workload": generated,
+        "rates": not trace,
+        "requests": generated or testbed_questions,
+        "trace": sim,
+        "prm_cost": sim,
+        **dict.fromkeys(REAL_ONLY, real),
+        "vllm_arg": args.engine == "vllm",
+    }
+
+
+#: Flags of the real engines (hf and vllm) only, by ``dest``.
+REAL_ONLY = (
+    "prm",
+    "prm_kind",
+    "prompts",
+    "device",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "record_trace",
+    "trust_remote_code",
+    "prm_in_process",
+)
+
+
+def _flag(dest: str) -> str:
+    return {"rates": "--rate", "vllm_arg": "--vllm-arg"}.get(dest, "--" + dest.replace("_", "-"))
+
+
+def _why_unused(dest: str, args: argparse.Namespace) -> str:
+    if args.trace is not None and dest in ("workload", "rates", "requests"):
+        return "with --trace (the trace's own requests and arrival times are replayed)"
+    if dest == "requests" and args.prompts is not None:
+        return "with --prompts (each line of the file is one request)"
+    if dest == "vllm_arg":
+        return f"with --engine {args.engine} (it is for --engine vllm)"
+    if args.engine == "sim":
+        return "with --engine sim (it is for the real engines, hf and vllm)"
+    return f"with --engine {args.engine} (it is for --engine sim)"
 
 
 def _default_ns(trace: str | None) -> tuple[int, ...]:
@@ -525,7 +596,7 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
         if args.prompts is None:
             items = [
                 PromptItem(f"t{i}", q.prompt, q.answer)
-                for i, q in enumerate(tb.make_questions(args.seed, args.requests))
+                for i, q in enumerate(tb.make_questions(args.seed, _requests(args)))
             ]
     if args.prompts is not None:
         items = load_prompts(args.prompts)
@@ -592,8 +663,6 @@ def _run_real(
             f"--engine {args.engine} needs --prm PATH for methods "
             f"{[m for m in config.methods if m not in ('vanilla', 'sc')]}"
         )
-    if args.vllm_arg and args.engine != "vllm":
-        raise ConfigError("--vllm-arg is only for --engine vllm")
     gold = {item.id: item.answer for item in items if item.answer is not None}
     sink.gold = dict.fromkeys(config.rates, gold)
     sink.serving = _serving(args, setup)

@@ -81,6 +81,24 @@ def _tuple(value: Sequence) -> tuple:
     return tuple(value)
 
 
+def _optional_tuple(value: Sequence | None) -> tuple | None:
+    return None if value is None else tuple(value)
+
+
+# A field that a run does not use defaults to None, so that results.json never
+# records a setting as if it had shaped the run.
+def _default_workload(config: BenchConfig) -> str | None:
+    return "gaokao" if config.engine == "sim" and config.trace is None else None
+
+
+def _default_rates(config: BenchConfig) -> tuple[float, ...] | None:
+    return None if config.trace is not None else (1.0, 4.0)
+
+
+def _default_num_requests(config: BenchConfig) -> int | None:
+    return None if config.trace is not None else 100
+
+
 def _default_prm_cost(config: BenchConfig) -> str | None:
     # Re-encoding is what the paper's deployment did (vLLM serves its PRM as a
     # pooling model, which cannot reuse a cache); the ``steps`` model has no
@@ -103,21 +121,31 @@ class BenchConfig:
     ``vllm`` (a model served by vLLM in this process, wall clock)."""
     model: str | None = None
     """``hf``, ``vllm``: the model's path (``sim`` uses ``cost``)."""
-    workload: str = "gaokao"
+    trace: str | None = None
+    """Replay this JSONL trace instead of generating one per rate (``sim`` only)."""
+    workload: str | None = attrs.field(default=attrs.Factory(_default_workload, takes_self=True))
+    """The generated workload (default ``gaokao``); ``None``, and only ``None``, where
+    none is generated: replaying a trace, or on a real engine."""
     cost: str = "h100-14b"
     methods: tuple[str, ...] = attrs.field(
         default=("vanilla", "sc", "rebase", "sart-no-prune", "sart"), converter=_tuple
     )
     ns: tuple[int, ...] = attrs.field(default=(2, 4, 8), converter=_tuple)
-    rates: tuple[float, ...] = attrs.field(default=(1.0, 4.0), converter=_tuple)
-    num_requests: int = 100
+    rates: tuple[float, ...] | None = attrs.field(
+        default=attrs.Factory(_default_rates, takes_self=True), converter=_optional_tuple
+    )
+    """Arrival rates, one run each; ``None``, and only ``None``, replaying a trace
+    (whose own arrival times are replayed)."""
+    num_requests: int | None = attrs.field(
+        default=attrs.Factory(_default_num_requests, takes_self=True)
+    )
+    """Requests per generated run; ``None`` where they come from elsewhere (a trace,
+    a real engine's prompt file)."""
     batch_size: int | None = None
     """``B``; ``None`` sizes it to the model's KV capacity (``auto_batch_size``)."""
     interval: int = 400
     seed: int = 0
     admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
-    trace: str | None = None
-    """Replay this JSONL trace instead of generating one per rate."""
     scoring: Scoring = attrs.field(
         default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
     )
@@ -141,9 +169,9 @@ class BenchConfig:
         config_check(bool(self.methods), "methods", self.methods, "non-empty")
         config_check(bool(self.ns) and min(self.ns) >= 1, "ns", self.ns, "non-empty, each >= 1")
         config_check(
-            bool(self.rates) and min(self.rates) > 0, "rates", self.rates, "non-empty, each > 0"
+            self.engine in ("sim", "hf", "vllm"), "engine", self.engine, "'sim', 'hf' or 'vllm'"
         )
-        config_check(self.num_requests >= 1, "num_requests", self.num_requests, ">= 1")
+        self._check_sources()
         config_check(
             self.batch_size is None or self.batch_size >= 1,
             "batch_size",
@@ -151,10 +179,6 @@ class BenchConfig:
             "None (auto) or >= 1",
         )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
-        config_check(
-            self.engine in ("sim", "hf", "vllm"), "engine", self.engine, "'sim', 'hf' or 'vllm'"
-        )
-        workload(self.workload)
         cost_model(self.cost)
         config_check(
             self.poll_steps is None or self.poll_steps >= 1,
@@ -176,6 +200,44 @@ class BenchConfig:
             "prm_cost",
             self.prm_cost,
             f"'free' under cost={self.cost!r}, which counts decode steps, not seconds",
+        )
+
+    def _check_sources(self) -> None:
+        """Where requests come from -- a generated workload, a trace, or a real
+        engine's prompts -- and only the fields that source uses are set."""
+        unused = "has no effect " + (
+            "with a trace (its own requests and arrival times are replayed)"
+            if self.trace is not None
+            else f"on engine {self.engine!r} (it serves prompts, not a generated workload)"
+        )
+        config_check(
+            self.trace is None or self.engine == "sim",
+            "trace",
+            self.trace,
+            "None unless engine='sim'",
+        )
+        if self.workload is not None:
+            if self.engine != "sim" or self.trace is not None:
+                raise ConfigError(f"workload={self.workload!r} {unused}")
+            workload(self.workload)
+        elif self.engine == "sim" and self.trace is None:
+            raise ConfigError("workload=None: a simulated run needs a workload or a trace")
+        if self.trace is not None:
+            for name in ("rates", "num_requests"):
+                value = getattr(self, name)
+                if value is not None:
+                    raise ConfigError(f"{name}={value!r} {unused}")
+            return
+        config_check(
+            bool(self.rates) and min(self.rates or (0,)) > 0,
+            "rates",
+            self.rates,
+            "non-empty, each > 0",
+        )
+        # A real engine's requests may come from a prompt file (None), a workload's never.
+        optional = self.engine != "sim" and self.num_requests is None
+        config_check(
+            optional or (self.num_requests or 0) >= 1, "num_requests", self.num_requests, ">= 1"
         )
 
 

@@ -13,6 +13,10 @@ a branch whose ``length`` reaches ``max_tokens`` is truncated. Optional:
 ``prompt_tokens`` (default 256) and ``interval``, the ``T`` the rewards were
 recorded at (a replay uses it as its default ``T``).
 
+Every value is checked when a trace is read (``trace_lines``): a line that
+cannot be replayed is refused with ``file:line`` before anything runs; see
+``docs/reference/trace-format.md``.
+
 A trace is replayed exactly by ``SimEngine`` + ``ScriptedPRM`` through
 ``Trace.script()``: branch ``j`` of request ``r`` is line ``r``'s ``branches[j]``.
 """
@@ -20,13 +24,14 @@ A trace is replayed exactly by ``SimEngine`` + ``ScriptedPRM`` through
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import attrs
 
+from sart.bench.trace_lines import MAX_LINE_BYTES, TraceLineError, request_fields
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
 from sart.types import BranchId
@@ -59,35 +64,12 @@ class TraceRequest:
         return line
 
     @classmethod
-    def from_json(cls, line: dict, where: str = "trace") -> TraceRequest:
-        try:
-            branches = tuple(
-                BranchScript(
-                    length=int(b["length"]),
-                    answer=str(b["answer"]),
-                    rewards=tuple(float(r) for r in b.get("rewards", ())),
-                    final_reward=None
-                    if b.get("final_reward") is None
-                    else float(b["final_reward"]),
-                    filler="",
-                )
-                for b in line["branches"]
-            )
-            request = cls(
-                id=str(line["id"]),
-                arrival=float(line["arrival"]),
-                answer=str(line["answer"]),
-                branches=branches,
-                prompt_tokens=int(line.get("prompt_tokens", DEFAULT_PROMPT_TOKENS)),
-                interval=None if line.get("interval") is None else int(line["interval"]),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: not a trace request ({exc!r})") from exc
-        if not branches:
-            raise ConfigError(f"{where}: request {request.id!r} has no branches")
-        if not math.isfinite(request.arrival) or request.arrival < 0:
-            raise ConfigError(f"{where}: arrival={request.arrival!r} must be >= 0")
-        return request
+    def from_json(cls, line: object, where: str = "trace") -> TraceRequest:
+        """A request from one decoded JSON line; every value is checked first
+        (see ``trace_lines``) and a bad one named with ``where``."""
+        fields = request_fields(line, where)
+        branches = tuple(BranchScript(filler="", **b) for b in fields.pop("branches"))
+        return cls(branches=branches, **fields)
 
 
 def _branch_json(b: BranchScript) -> dict:
@@ -139,21 +121,26 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
+        """Read a JSONL trace; a line that cannot be replayed is refused with
+        ``path:line`` and the reason, before anything runs."""
         requests = []
+        lines: dict[str, int] = {}
         try:
-            f = open(path, encoding="utf-8")  # closed by the with below
+            f = open(path, "rb")  # closed by the with below; decoded line by line
         except OSError as exc:
             raise ConfigError(f"trace={str(path)!r}: {exc.strerror}") from exc
         with f:
-            for number, text in enumerate(f, 1):
-                if not text.strip():
-                    continue
+            for number, raw in enumerate(_lines(f), 1):
                 where = f"{path}:{number}"
-                try:
-                    line = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{where}: not JSON ({exc.msg})") from exc
-                requests.append(TraceRequest.from_json(line, where))
+                request = _parse(raw, where)
+                if request is None:
+                    continue
+                if request.id in lines:
+                    raise TraceLineError(
+                        f"{where}: the id {request.id!r} is already line {lines[request.id]}'s"
+                    )
+                lines[request.id] = number
+                requests.append(request)
         return cls.of(requests, where=str(path))
 
     @classmethod
@@ -205,6 +192,38 @@ class TraceScript:
         script = attrs.evolve(source, length=max(source.length, position + 1))
         self._forks[child] = script
         return script
+
+
+def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+    """The file's lines, ``None`` for one longer than ``MAX_LINE_BYTES`` (not read
+    further than that: a line is held in memory whole)."""
+    while True:
+        raw = f.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            yield None
+            return
+        yield raw
+
+
+def _parse(raw: bytes | None, where: str) -> TraceRequest | None:
+    """One line's request, ``None`` for a blank line."""
+    if raw is None:
+        raise TraceLineError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TraceLineError(f"{where}: not UTF-8 text (byte {exc.start + 1})") from None
+    if not text.strip():
+        return None
+    try:
+        line = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceLineError(f"{where}: not JSON ({exc.msg})") from None
+    except (ValueError, RecursionError) as exc:  # a 5000-digit number; [[[[...]]]]
+        raise TraceLineError(f"{where}: not a trace line ({exc.__class__.__name__})") from None
+    return TraceRequest.from_json(line, where)
 
 
 def replay_requests(trace: Trace | Sequence[TraceRequest]) -> list[TraceRequest]:
