@@ -46,3 +46,19 @@ def test_trace_record_into_an_unwritable_path_is_one_line(
         main(["trace", "record", str(target), "--requests", "5"])
     assert exit_info.value.code == 2
     assert f"sart: error: {target}" in capsys.readouterr().err
+
+
+def test_ctrl_c_in_any_command_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    # Before: a KeyboardInterrupt traceback (sart bench says what it kept, itself).
+    import sart.demo_models
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sart.demo_models, "build_demo_models", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo-models", str(tmp_path)])
+    assert exit_info.value.code == 130
+    assert capsys.readouterr().err == "sart: demo-models interrupted\n"

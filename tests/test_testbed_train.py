@@ -77,3 +77,39 @@ def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
     q = Question((1, 2))
     (rewards,) = prm.step_rewards([ScoreItem(BranchId("r", 0), q.prompt, clean_trace(q), 9, True)])
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
+
+
+def test_an_unwritable_out_is_refused_before_training(tmp_path: Path) -> None:
+    # Before: found out by save_pretrained, after the policy's minutes of training.
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    steps: list[str] = []
+    with pytest.raises(OSError) as info:
+        train(blocker / "weights", TrainConfig(), log=steps.append)
+    assert info.value.filename is not None and str(blocker) in str(info.value.filename)
+    assert steps == []  # nothing trained
+
+
+def test_an_interrupted_run_leaves_no_half_written_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sart.testbed import train as train_module
+
+    config = TrainConfig(
+        model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1),
+        policy_steps=2,
+        batch_size=4,
+        prm_rollouts=4,
+        max_digits=3,
+    )
+    (tmp_path / "manifest.json").write_text("{}")  # an earlier run's
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "train_prm", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path, config, log=lambda line: None)
+    # The policy was saved whole; no PRM directory, and no manifest vouching for either.
+    assert (tmp_path / "policy" / "model.safetensors").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]

@@ -125,6 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:
+        # Commands that keep partial work (sart bench) say so themselves; the rest
+        # end here, without a traceback.
+        parser.exit(130, f"sart: {args.command} interrupted\n")
     except SartError as exc:
         parser.exit(2, f"sart: error: {exc}\n")
     except ModuleNotFoundError as exc:

@@ -34,7 +34,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -371,6 +373,27 @@ def weight_hashes(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*.safetensors"))}
 
 
+def _check_writable(root: Path) -> None:
+    """Raise the ``OSError`` (naming the path) that saving into ``root`` would raise."""
+    root.mkdir(parents=True, exist_ok=True)
+    probe = root / ".write-probe"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def _save(target: Path, model: Any, tokenizer: Any) -> None:
+    """Save ``model`` and ``tokenizer`` into ``target`` all at once: written beside it
+    and renamed, so an interrupted run leaves a complete directory or none, never
+    a half-written one that would load (``sart testbed report --weights``)."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    if target.exists():
+        shutil.rmtree(target)
+    partial.rename(target)
+
+
 def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) -> dict[str, Any]:
     """Train both models into ``out`` (``policy/``, ``prm/``, ``manifest.json``).
 
@@ -379,15 +402,16 @@ def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) 
 
     config = config or TrainConfig()
     root = Path(out)
+    _check_writable(root)  # before minutes of training, not after
+    # Written last, the manifest says a directory's models are complete and from one run.
+    (root / "manifest.json").unlink(missing_ok=True)
     tokenizer = build_tokenizer()
     started = time.perf_counter()
     policy = train_policy(config, tokenizer, log)
     policy_seconds = time.perf_counter() - started
-    policy.save_pretrained(root / "policy")
-    tokenizer.save_pretrained(root / "policy")
+    _save(root / "policy", policy, tokenizer)
     prm = train_prm(config, root / "policy", tokenizer, log)
-    prm.save_pretrained(root / "prm")
-    tokenizer.save_pretrained(root / "prm")
+    _save(root / "prm", prm, tokenizer)
     manifest = {
         "config": config.to_json(),
         "seed": config.seed,
@@ -400,6 +424,8 @@ def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) 
         },
         "sha256": weight_hashes(root),
     }
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    partial = root / ".manifest.json.partial"
+    partial.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    os.replace(partial, root / "manifest.json")
     log(f"trained in {manifest['seconds']['total']:.0f}s -> {root}")
     return manifest
