@@ -198,6 +198,30 @@ def test_mkdocs_nav_pages_exist() -> None:
     assert not missing, f"mkdocs.yml nav names pages that do not exist under docs/: {missing}"
 
 
+def test_every_page_is_in_the_nav_and_linked_from_the_index() -> None:
+    pages = set(_nav_pages((ROOT / "mkdocs.yml").read_text(encoding="utf-8")))
+    on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
+    assert not on_disk - pages, f"pages missing from the mkdocs.yml nav: {on_disk - pages}"
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    unlinked = sorted(p for p in pages - {"index.md"} if f"]({p})" not in index)
+    assert not unlinked, f"docs/index.md does not link {unlinked}"
+
+
+def test_api_reference_names_every_registered_engine_and_prm() -> None:
+    from sart.registry import _ENGINES, _PRMS
+
+    text = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
+    for table in (_ENGINES, _PRMS):
+        for name, target in table.items():
+            if not (isinstance(target, str) and target.startswith("sart.")):
+                continue  # registered by a user (a docs block registers a class of its own)
+            module, _, cls = target.partition(":")
+            # By its module path, or by its public home (sart.testing re-exports the fakes).
+            paths = (f"`{module}.{cls}`", f"`sart.testing.{cls}`")
+            assert any(p in text for p in paths), f"docs/reference/api.md lacks {target}"
+            assert f'`"{name}"`' in text, f"docs/reference/api.md does not name {name!r}"
+
+
 def test_api_reference_names_every_public_name() -> None:
     text = (DOCS / "reference" / "api.md").read_text(encoding="utf-8")
     names = [f"sart.{n}" for n in sart.__all__] + [

@@ -1,13 +1,20 @@
 """``OpenAIEngine`` against a stand-in OpenAI server and, where vLLM is installed,
 against a real ``vllm serve``.
 
-``StandInServer`` is a tiny HTTP/1.1 server on 127.0.0.1 (its own thread and
-event loop) that streams ``/v1/completions`` as vLLM does: one token per SSE
-event, chunked transfer encoding, ``token_ids`` when ``return_token_ids`` is
-asked, cumulative usage with ``continuous_usage_stats``, a final usage chunk
-and ``data: [DONE]``. Its tokens are a function of (prompt, seed), so seeded
-branches are reproducible. It is a stand-in for a real server, not a model of
-vLLM's scheduling; the real tests below check that.
+``StandInServer`` is the application of a tiny OpenAI-compatible server, an
+``httpx`` handler that the engine reaches through ``httpx.MockTransport``. It
+streams ``/v1/completions`` as vLLM does: one token per SSE event,
+``token_ids`` when ``return_token_ids`` is asked, cumulative usage with
+``continuous_usage_stats``, a final usage chunk and ``data: [DONE]``. Its
+tokens are a function of (prompt, seed), so seeded branches are reproducible.
+It is a stand-in for a real server, not a model of vLLM's scheduling; the real
+tests below check that.
+
+``SocketServer`` serves the same application on a real socket at 127.0.0.1
+(its own thread and event loop), for what only a socket shows: a client's
+disconnect seen by the server (abort), and connections refused, dropped
+before the answer or reset mid-stream (retries and failures), where the
+errors are the ones httpx really raises.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -25,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -55,10 +63,11 @@ class StandInServer:
     ``token_delay``: seconds between tokens. ``token_ids``: honour
     ``return_token_ids``. ``usage``: honour ``continuous_usage_stats``.
     ``strict``: answer 400 to unknown (vLLM-only) fields. ``tokenize``: serve
-    ``/tokenize``. ``die_after``: close the connection abruptly after that many
-    tokens of every stream. ``drop_first``: close that many connections at once,
-    before answering.
+    ``/tokenize``. ``fail``: answer every completion request with this HTTP
+    status. ``error_after``: send an error object after that many tokens.
     """
+
+    _hosts = itertools.count()
 
     def __init__(
         self,
@@ -68,143 +77,62 @@ class StandInServer:
         usage: bool = True,
         strict: bool = False,
         tokenize: bool = True,
-        die_after: int | None = None,
-        drop_first: int = 0,
+        fail: int | None = None,
+        error_after: int | None = None,
     ) -> None:
         self.token_delay = token_delay
         self.token_ids = token_ids
         self.usage = usage
         self.strict = strict
         self.tokenize = tokenize
-        self.die_after = die_after
-        self.drop_first = drop_first
+        self.fail = fail
+        self.error_after = error_after
         self.requests: list[dict[str, Any]] = []
         """Every completion request: its body and ``X-Request-Id``."""
         self.running: set[str] = set()
         self.disconnected: list[str] = []
         """Streams whose client went away before the end."""
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._server: asyncio.base_events.Server | None = None
-        ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
-        self._thread.start()
-        ready.wait(5)
-
-    def _run(self, ready: threading.Event) -> None:
-        asyncio.set_event_loop(self._loop)
-
-        async def start() -> None:
-            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
-
-        self._loop.run_until_complete(start())
-        ready.set()
-        self._loop.run_forever()
-
-    def stop(self) -> None:
-        async def close() -> None:
-            if self._server is not None:
-                self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
-
-        asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
+        self.url = f"http://stand-in-{next(self._hosts)}"
 
     def completions(self, rid_prefix: str = "") -> list[dict[str, Any]]:
         return [r for r in self.requests if r["id"].startswith(rid_prefix)]
 
-    # ------------------------------------------------------------------ HTTP
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while await self._one(reader, writer):
-                pass
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode().split("\r\n")
-        method, path, _ = lines[0].split(" ", 2)
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        body = json.loads(await reader.readexactly(int(headers.get("content-length", 0))) or b"{}")
-        if path == "/tokenize" and method == "POST":
-            if not self.tokenize:
-                await self._json(writer, 404, {"detail": "Not Found"})
-                return True
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        path = request.url.path
+        if path == "/tokenize" and request.method == "POST" and self.tokenize:
             ids = [1] + [len(w) + 10 for w in body["prompt"].split()]
-            await self._json(writer, 200, {"count": len(ids), "max_model_len": 4096, "tokens": ids})
-            return True
+            return httpx.Response(
+                200, json={"count": len(ids), "max_model_len": 4096, "tokens": ids}
+            )
         if path != "/v1/completions":
-            await self._json(writer, 404, {"detail": "Not Found"})
-            return True
-        rid = headers.get("x-request-id", "")
-        if self.drop_first > 0:
-            self.drop_first -= 1
-            self.requests.append({"id": rid, "body": body, "dropped": True})
-            writer.transport.abort()  # a crash before any answer
-            return False
+            return httpx.Response(404, json={"detail": "Not Found"})
+        rid = request.headers.get("x-request-id", "")
         self.requests.append({"id": rid, "body": body})
+        if self.fail is not None:
+            return httpx.Response(self.fail, json={"error": {"message": "unavailable"}})
         if self.strict and ("return_token_ids" in body or "continuous_usage_stats" in str(body)):
-            await self._json(writer, 400, {"error": {"message": "unknown field"}})
-            return True
-        await self._stream(reader, writer, rid, body)
-        return False  # one stream per connection, like a closed SSE response
-
-    async def _json(self, writer: asyncio.StreamWriter, status: int, data: Any) -> None:
-        payload = json.dumps(data).encode()
-        writer.write(
-            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(payload)}\r\n\r\n".encode()
-            + payload
-        )
-        await writer.drain()
-
-    async def _stream(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        rid: str,
-        body: dict[str, Any],
-    ) -> None:
-        writer.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            return httpx.Response(400, json={"error": {"message": "unknown field"}})
+        events = self._events(rid, body)
+        return httpx.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=_Body(events)
         )
 
-        def send(data: str) -> None:
-            raw = f"data: {data}\n\n".encode()
-            writer.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
-
+    async def _events(self, rid: str, body: dict[str, Any]) -> AsyncGenerator[bytes, None]:
         tokens = self.tokens(body["prompt"], body.get("seed"))
         max_tokens = body["max_tokens"]
         with_ids = self.token_ids and body.get("return_token_ids")
         options = body.get("stream_options") or {}
         continuous = self.usage and options.get("continuous_usage_stats")
-        gone = asyncio.ensure_future(reader.read(1))  # EOF: the client disconnected
         self.running.add(rid)
-        n = 0
+        ended = False
         try:
-            while True:
-                n += 1
-                if self.die_after is not None and n > self.die_after:
-                    writer.transport.abort()
-                    return
+            for n, token in enumerate([*tokens, None], start=1):
                 await asyncio.sleep(self.token_delay)
-                if gone.done():
-                    self.disconnected.append(rid)
+                if self.error_after is not None and n > self.error_after:
+                    ended = True
+                    yield _sse({"object": "error", "message": "out of memory", "code": 500})
                     return
-                token = tokens[n - 1] if n <= len(tokens) else None
                 finish = None
                 if token is None or token == 0:
                     finish = "stop"
@@ -226,20 +154,17 @@ class StandInServer:
                 event["choices"] = [choice]
                 if continuous:
                     event["usage"] = {"completion_tokens": n}
-                send(json.dumps(event))
-                await writer.drain()
-                if finish is not None:
+                ended = finish is not None
+                yield _sse(event)
+                if ended:
                     break
             if options.get("include_usage"):
-                send(json.dumps({"id": rid, "choices": [], "usage": {"completion_tokens": n}}))
-            send("[DONE]")
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-        except ConnectionError:
-            self.disconnected.append(rid)
+                yield _sse({"id": rid, "choices": [], "usage": {"completion_tokens": n}})
+            yield b"data: [DONE]\n\n"
         finally:
             self.running.discard(rid)
-            gone.cancel()
+            if not ended:
+                self.disconnected.append(rid)
 
     @staticmethod
     def tokens(prompt: Any, seed: Any) -> list[int]:
@@ -249,14 +174,134 @@ class StandInServer:
         return [rng.randint(2, 99) for _ in range(length)] + [0]
 
 
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+class _Body(httpx.AsyncByteStream):
+    """A streamed response body; closing it closes its generator (the server sees the
+    client gone)."""
+
+    def __init__(self, pieces: AsyncGenerator[bytes, None]) -> None:
+        self._pieces = pieces
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._pieces
+
+    async def aclose(self) -> None:
+        await self._pieces.aclose()
+
+
+def transport(*servers: StandInServer) -> httpx.MockTransport:
+    """One ``MockTransport`` for stand-ins, each at its own host."""
+    by_host = {httpx.URL(s.url).host: s for s in servers}
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return await by_host[request.url.host].handle(request)
+
+    return httpx.MockTransport(handle)
+
+
+class SocketServer(StandInServer):
+    """The stand-in on a real socket (see the module docstring), one request per
+    connection. ``die_after``: reset the connection after that many tokens of every
+    stream. ``drop_first``: reset that many connections at once, before answering.
+    """
+
+    def __init__(self, *, die_after: int | None = None, drop_first: int = 0, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.die_after = die_after
+        self.drop_first = drop_first
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        ready.wait(5)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def start() -> None:
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+        self._loop.run_until_complete(start())
+        ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        async def close() -> None:
+            if self._server is not None:
+                self._server.close()
+            for task in asyncio.all_tasks():
+                if task is not asyncio.current_task():
+                    task.cancel()
+
+        asyncio.run_coroutine_threadsafe(close(), self._loop).result(5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+            method, path, _ = head[0].split(" ", 2)
+            fields = [line.split(":", 1) for line in head[1:] if ":" in line]
+            headers = httpx.Headers([(k, v.strip()) for k, v in fields])
+            content = await reader.readexactly(int(headers.get("content-length", 0)))
+            if self.drop_first > 0 and path == "/v1/completions":
+                self.drop_first -= 1
+                rid = headers.get("x-request-id", "")
+                self.requests.append({"id": rid, "body": json.loads(content), "dropped": True})
+                writer.transport.abort()  # a crash before any answer
+                return
+            request = httpx.Request(method, self.url + path, headers=headers, content=content)
+            await self._send(reader, writer, await self.handle(request))
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def _send(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, response: httpx.Response
+    ) -> None:
+        """Write ``response``, one chunk per piece of its body, until the client goes away."""
+        kind = response.headers.get("content-type", "application/json")
+        writer.write(
+            f"HTTP/1.1 {response.status_code} X\r\ncontent-type: {kind}\r\n"
+            "transfer-encoding: chunked\r\nconnection: close\r\n\r\n".encode()
+        )
+        gone = asyncio.ensure_future(reader.read(1))  # EOF: the client disconnected
+        sent = 0
+        try:
+            async for piece in response.stream:  # type: ignore[union-attr]
+                if gone.done():
+                    return
+                if self.die_after is not None and sent == self.die_after:
+                    writer.transport.abort()
+                    return
+                writer.write(f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                await writer.drain()
+                sent += 1
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        finally:
+            gone.cancel()
+            await response.stream.aclose()  # type: ignore[union-attr]
+
+
 @pytest.fixture
-def server() -> Iterator[StandInServer]:
-    s = StandInServer()
-    yield s
-    s.stop()
+def server() -> StandInServer:
+    return StandInServer()
 
 
-def engine(*servers: Any, **kwargs: Any) -> OpenAIEngine:
+def engine(*servers: StandInServer | str, **kwargs: Any) -> OpenAIEngine:
+    """An engine on stand-ins: through a ``MockTransport``, or over real sockets where
+    any of them is a ``SocketServer`` or a URL."""
+    if not any(isinstance(s, (str, SocketServer)) for s in servers):
+        kwargs["transport"] = transport(*servers)  # type: ignore[arg-type]
     urls = [s if isinstance(s, str) else s.url for s in servers]
     return OpenAIEngine(urls, "stand-in", **kwargs)
 
@@ -288,10 +333,7 @@ def test_passes_the_conformance_suite(mode: str) -> None:
         strict=mode == "strict",
         tokenize=mode != "text",
     )
-    try:
-        check_engine(lambda: SyncBridge(engine(s)))
-    finally:
-        s.stop()
+    check_engine(lambda: SyncBridge(engine(s)))
 
 
 def test_streams_tokens_text_and_finish_reasons(server: StandInServer) -> None:
@@ -320,46 +362,39 @@ def test_streams_tokens_text_and_finish_reasons(server: StandInServer) -> None:
     asyncio.run(scenario())
 
 
+def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:
+    """The deltas of one branch (seed 5) of the prompt "p q" (max_tokens=40)."""
+
+    async def scenario() -> list[Any]:
+        e = engine(*servers, **kwargs)
+        await e.prefill("a", "p q", sart.SamplingSettings(temperature=1.0, max_tokens=40))
+        await e.start_branches("a", [BranchSpec(0, 5)])
+        deltas = (await drain(e))[BranchId("a", 0)]
+        await e.release_prefix("a")
+        await e.aclose()
+        return deltas
+
+    return asyncio.run(scenario())
+
+
 def test_counts_tokens_from_usage_when_the_server_gives_no_ids() -> None:
-    server = StandInServer(token_ids=False)
-    try:
-
-        async def scenario() -> None:
-            e = engine(server)
-            await e.prefill("a", "p q", sart.SamplingSettings(temperature=1.0, max_tokens=40))
-            await e.start_branches("a", [BranchSpec(0, 5)])
-            deltas = (await drain(e))[BranchId("a", 0)]
-            # The EOS token has no text, yet usage counts it.
-            assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
-            assert all(d.token_ids == () for d in deltas)
-            await e.release_prefix("a")
-
-        asyncio.run(scenario())
-    finally:
-        server.stop()
+    deltas = one_branch(StandInServer(token_ids=False))
+    # The EOS token has no text, yet usage counts it.
+    assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
+    assert all(d.token_ids == () for d in deltas)
 
 
 def test_a_strict_server_gets_the_request_again_without_the_extensions() -> None:
     server = StandInServer(strict=True)
-    try:
-
-        async def scenario() -> None:
-            e = engine(server)
-            await e.prefill("a", "p q", sart.SamplingSettings(temperature=1.0, max_tokens=40))
-            await e.start_branches("a", [BranchSpec(0, 5)])
-            deltas = (await drain(e))[BranchId("a", 0)]
-            # Counted one per chunk with text, topped up by the final usage chunk.
-            assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
-            assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False]
-            await e.release_prefix("a")
-
-        asyncio.run(scenario())
-    finally:
-        server.stop()
+    deltas = one_branch(server)
+    # Counted one per chunk with text, topped up by the final usage chunk.
+    assert sum(d.new_tokens for d in deltas) == len(StandInServer.tokens("p q", 5))
+    assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False]
 
 
 def test_abort_closes_the_stream_and_the_server_sees_it() -> None:
-    server = StandInServer(token_delay=0.02)
+    # A real socket: the server must see the client's disconnect.
+    server = SocketServer(token_delay=0.02)
     try:
 
         async def scenario() -> None:
@@ -391,8 +426,9 @@ def test_abort_closes_the_stream_and_the_server_sees_it() -> None:
 
 
 def test_connection_errors_are_retried_on_another_server_without_duplicates() -> None:
-    flaky = StandInServer(drop_first=2)
-    good = StandInServer()
+    # Real sockets: a refused connection and dropped ones, as httpx reports them.
+    flaky = SocketServer(drop_first=2)
+    good = SocketServer()
     try:
 
         async def scenario() -> None:
@@ -418,6 +454,7 @@ def test_connection_errors_are_retried_on_another_server_without_duplicates() ->
 
 
 def test_no_server_left_fails_only_that_request() -> None:
+    # A real socket: nothing listens at the URL.
     async def scenario() -> None:
         e = engine(dead_url(), max_retries=1, tokenizer=_Words())
         await e.prefill("a", "p", sart.SamplingSettings(max_tokens=5))
@@ -432,38 +469,76 @@ def test_no_server_left_fails_only_that_request() -> None:
     asyncio.run(scenario())
 
 
+def test_busy_servers_send_the_branch_on_without_duplicates() -> None:
+    busy, down, good = StandInServer(fail=503), StandInServer(fail=502), StandInServer()
+    deltas = one_branch(busy, down, good, max_retries=2)
+    assert [t for d in deltas for t in d.token_ids] == StandInServer.tokens("p q", 5)
+    assert [len(s.requests) for s in (busy, down, good)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_an_error_answer_fails_its_request_without_a_retry(status: int) -> None:
+    # return_token_ids=False: a 400 is not taken for a rejection of the extensions.
+    bad, good = StandInServer(fail=status), StandInServer()
+
+    async def scenario() -> None:
+        e = engine(bad, good, return_token_ids=False)
+        await e.prefill("a", "p", sart.SamplingSettings(max_tokens=5))
+        await e.start_branches("a", [BranchSpec(0, 0)])
+        with pytest.raises(sart.EngineError, match=f"answered HTTP {status}") as info:
+            await drain(e)
+        assert info.value.request_ids == {"a"}
+        assert len(bad.requests) == 1 and not good.requests
+        await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+def test_an_error_event_mid_stream_fails_only_its_request() -> None:
+    server = StandInServer(error_after=2)
+
+    async def scenario() -> None:
+        e = engine(server)
+        await e.prefill("a", "p", sart.SamplingSettings(temperature=1.0, max_tokens=30))
+        await e.start_branches("a", [BranchSpec(0, 1)])
+        with pytest.raises(sart.EngineError, match="reported an error") as info:
+            await drain(e, chunk=1)
+        assert info.value.request_ids == {"a"}
+        assert len(server.requests) == 1  # never retried: it had streamed tokens
+        await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
 def test_branches_spread_over_servers_by_load() -> None:
     one, two = StandInServer(token_delay=0.01), StandInServer(token_delay=0.01)
-    try:
 
-        async def scenario() -> None:
-            e = engine(one, two)
-            sampling = sart.SamplingSettings(temperature=1.0, max_tokens=8)
-            await e.prefill("a", "p", sampling)
-            await e.start_branches("a", [BranchSpec(j, j) for j in range(6)])
-            await e.step(1)
-            assert [s.live for s in e.servers] == [3, 3]
-            assert len(one.running) == len(two.running) == 3
-            # Abort the three on server one: the next three go there.
-            on_one = [b for b in list(e._streams) if e.placement[b] == one.url]
-            await e.abort(on_one)
-            await e.prefill("b", "q", sampling)
-            await e.start_branches("b", [BranchSpec(j, j) for j in range(3)])
-            await e.step(1)
-            assert all(e.placement[BranchId("b", j)] == one.url for j in range(3))
-            await drain(e)
-            for rid in ("a", "b"):
-                await e.release_prefix(rid)
+    async def scenario() -> None:
+        e = engine(one, two)
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=8)
+        await e.prefill("a", "p", sampling)
+        await e.start_branches("a", [BranchSpec(j, j) for j in range(6)])
+        await e.step(1)
+        assert [s.live for s in e.servers] == [3, 3]
+        assert len(one.running) == len(two.running) == 3
+        # Abort the three on server one: the next three go there.
+        on_one = [b for b in list(e._streams) if e.placement[b] == one.url]
+        await e.abort(on_one)
+        await e.prefill("b", "q", sampling)
+        await e.start_branches("b", [BranchSpec(j, j) for j in range(3)])
+        await e.step(1)
+        assert all(e.placement[BranchId("b", j)] == one.url for j in range(3))
+        await drain(e)
+        for rid in ("a", "b"):
+            await e.release_prefix(rid)
 
-        asyncio.run(scenario())
-    finally:
-        one.stop()
-        two.stop()
+    asyncio.run(scenario())
 
 
 def test_a_server_dying_mid_stream_fails_only_its_request() -> None:
-    dying = StandInServer(die_after=3, token_delay=0.005)
-    good = StandInServer(token_delay=0.005)
+    # Real sockets: a connection reset mid-stream, as httpx reports it.
+    dying = SocketServer(die_after=3, token_delay=0.005)
+    good = SocketServer(token_delay=0.005)
     try:
 
         async def scenario() -> None:
@@ -492,43 +567,37 @@ def test_a_server_dying_mid_stream_fails_only_its_request() -> None:
         good.stop()
 
 
-def test_a_fork_continues_from_its_parents_ids(server: StandInServer) -> None:
-    async def scenario() -> None:
+def fork_after_three_tokens(server: StandInServer) -> tuple[Any, dict[str, Any]]:
+    """Branch 0 of "one two" (max_tokens=30) makes 3 tokens, then branch 1 forks from
+    it: the parent's delta and the fork's request body."""
+
+    async def scenario() -> tuple[Any, dict[str, Any]]:
         e = engine(server)
         await e.prefill("a", "one two", sart.SamplingSettings(temperature=1.0, max_tokens=30))
         await e.start_branches("a", [BranchSpec(0, 3)])
-        head = (await e.step(3)).deltas[BranchId("a", 0)].token_ids
+        parent = (await e.step(3)).deltas[BranchId("a", 0)]
         await e.start_branches("a", [BranchSpec(1, 9, parent=0)])
         await e.step(1)  # the fork's request goes out once its stream runs
         fork = server.completions("1_a-")[0]["body"]
-        # The server's own prompt ids (from the first chunk), then the parent's tokens.
-        assert fork["prompt"] == [1, *range(len("one two")), *head]
-        assert fork["max_tokens"] == 30 - 3 and fork["seed"] == 9
         await drain(e)
         await e.release_prefix("a")
+        return parent, fork
 
-    asyncio.run(scenario())
+    return asyncio.run(scenario())
+
+
+def test_a_fork_continues_from_its_parents_ids(server: StandInServer) -> None:
+    parent, fork = fork_after_three_tokens(server)
+    head = parent.token_ids
+    # The server's own prompt ids (from the first chunk), then the parent's tokens.
+    assert fork["prompt"] == [1, *range(len("one two")), *head]
+    assert fork["max_tokens"] == 30 - 3 and fork["seed"] == 9
 
 
 def test_a_fork_without_ids_continues_from_its_parents_text() -> None:
-    server = StandInServer(token_ids=False)
-    try:
-
-        async def scenario() -> None:
-            e = engine(server)
-            await e.prefill("a", "one two", sart.SamplingSettings(temperature=1.0, max_tokens=30))
-            await e.start_branches("a", [BranchSpec(0, 3)])
-            text = (await e.step(3)).deltas[BranchId("a", 0)].text
-            await e.start_branches("a", [BranchSpec(1, 9, parent=0)])
-            await e.step(1)
-            fork = server.completions("1_a-")[0]["body"]
-            assert fork["prompt"] == "one two" + text and fork["max_tokens"] == 27
-            await drain(e)
-            await e.release_prefix("a")
-
-        asyncio.run(scenario())
-    finally:
-        server.stop()
+    parent, fork = fork_after_three_tokens(StandInServer(token_ids=False))
+    text = parent.text
+    assert fork["prompt"] == "one two" + text and fork["max_tokens"] == 27
 
 
 def test_sart_end_to_end_on_the_stand_in(server: StandInServer) -> None:
@@ -768,27 +837,3 @@ def test_close_closes_the_http_client_from_synchronous_code() -> None:
         await engine.aclose()
 
     asyncio.run(inside_a_loop())
-
-
-@pytest.mark.parametrize("size", [1, 3, 1000])
-def test_sse_events_are_cut_at_cr_and_lf_only(size: int) -> None:
-    from sart.engines.openai import _sse_data
-
-    # A model can generate Unicode line separators; servers put them in JSON unescaped.
-    text = "a\u2028b\x85c\u2029d\x0be"
-    body = (
-        "data: " + json.dumps({"t": text}, ensure_ascii=False) + "\r\n\r\n"
-        ': a comment\rdata: {"u": 1}\n\ndata: [DONE]'
-    ).encode()
-
-    class Chunks(httpx.AsyncByteStream):
-        async def __aiter__(self) -> Any:
-            for i in range(0, len(body), size):
-                yield body[i : i + size]
-
-    async def read() -> list[str]:
-        return [d async for d in _sse_data(httpx.Response(200, stream=Chunks()))]
-
-    data = asyncio.run(read())
-    assert data == [json.dumps({"t": text}, ensure_ascii=False), '{"u": 1}', "[DONE]"]
-    assert json.loads(data[0])["t"] == text

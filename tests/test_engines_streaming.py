@@ -19,7 +19,7 @@ from sart.testing import (
     check_engine,
     random_scripts,
 )
-from sart.types import BranchId, FinishReason
+from sart.types import BranchId, FinishReason, SamplingSettings
 
 
 def test_passes_the_conformance_suite_through_the_bridge() -> None:
@@ -192,3 +192,74 @@ def test_a_start_that_fails_midway_leaves_nothing_started(exc: Exception) -> Non
         await engine.release_prefix("a")
 
     asyncio.run(scenario())
+
+
+def test_the_same_branch_twice_in_one_start_is_refused_and_nothing_starts() -> None:
+    # Once accepted: the second stream replaced the first in the books, whose task
+    # then streamed on with nobody to abort it.
+    async def scenario() -> None:
+        engine = FakeStreamingEngine({"a": [BranchScript(length=30)] * 3})
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100))
+        with pytest.raises(sart.EngineError, match=r"branches \[1\] of 'a' started twice") as info:
+            await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1), BranchSpec(1, 2)])
+        assert info.value.request_ids == {"a"}
+        assert engine.stats().live_branches == 0
+        assert asyncio.all_tasks() == {asyncio.current_task()}  # no stream was opened
+        await engine.start_branches("a", [BranchSpec(j, j) for j in range(3)])  # none was kept
+        out = await engine.step(100)
+        assert sorted(out.deltas) == [BranchId("a", j) for j in range(3)]
+        await engine.release_prefix("a")
+        assert engine.stats() == sart.EngineStats(0, 0)
+
+    asyncio.run(scenario())
+
+
+# ----------------------------------------------------------------- SyncBridge loops
+
+
+def test_a_bridge_on_a_borrowed_loop_leaves_it_and_its_engine_to_their_owner() -> None:
+    owner = SyncBridge(FakeStreamingEngine())
+    guest = SyncBridge(FakeStreamingEngine(), loop=owner.loop)
+    check_engine(lambda: SyncBridge(FakeStreamingEngine(), loop=owner.loop))
+    guest.close()
+    assert not owner.loop.is_closed()  # still the owner's to use
+    assert guest.prefill("r", "a b c", SamplingSettings(max_tokens=4)) == 3
+    owner.close()
+    assert owner.loop.is_closed()
+
+
+def test_build_makes_the_engine_while_the_bridges_loop_runs() -> None:
+    seen: list[asyncio.AbstractEventLoop] = []
+
+    def make() -> FakeStreamingEngine:
+        seen.append(asyncio.get_running_loop())  # raises unless a loop runs
+        return FakeStreamingEngine()
+
+    async def make_async() -> FakeStreamingEngine:
+        return make()
+
+    for factory in (make, make_async):
+        bridge = SyncBridge.build(factory)
+        assert seen[-1] is bridge.loop
+        assert bridge.supports_fork  # declared by the engine, carried by the bridge
+        check_engine(lambda b=bridge: SyncBridge(FakeStreamingEngine(), loop=b.loop))
+        bridge.close()
+        assert bridge.loop.is_closed()  # built by the bridge: its own to close
+
+
+def test_a_failed_build_closes_its_loop() -> None:
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def broken() -> None:
+        loops.append(asyncio.get_running_loop())
+        raise RuntimeError("no engine")
+
+    with pytest.raises(RuntimeError, match="no engine"):
+        SyncBridge.build(broken)
+    assert loops[0].is_closed()
+
+
+def test_engines_declare_their_capabilities() -> None:
+    assert isinstance(FakeEngine(), sart.ReportsUsage)
+    assert isinstance(FakeStreamingEngine(), sart.AsyncEngine)
+    assert not isinstance(SyncBridge(FakeStreamingEngine()), sart.ReportsUsage)

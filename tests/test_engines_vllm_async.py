@@ -44,10 +44,9 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         from sart.engines.vllm_async import VLLMAsyncEngine
 
         policy = build_demo_models(Path(tmp_path_factory.mktemp("demo")))["policy"]
-        b = SyncBridge(None)
-
-        async def build() -> Any:  # AsyncLLM starts its output handler on the running loop
-            return VLLMAsyncEngine.from_engine_args(
+        # AsyncLLM starts its output handler on the running loop: built on the bridge's.
+        b = SyncBridge.build(
+            lambda: VLLMAsyncEngine.from_engine_args(
                 str(policy),
                 dtype="float32",  # exact greedy comparisons
                 block_size=32,  # vLLM-CPU needs a multiple of 32
@@ -56,9 +55,7 @@ def bridge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
                 seed=0,
                 enforce_eager=True,
             )
-
-        b.engine = b.loop.run_until_complete(build())
-        b.supports_fork = True
+        )
         yield b
         b.close()  # shuts vLLM down and drains the loop (else exit hangs in ZeroMQ)
 
@@ -83,11 +80,8 @@ def fresh(bridge: Any, **kwargs: Any) -> Any:
     from sart.engines.vllm_async import VLLMAsyncEngine
 
     base = bridge.engine
-    w = SyncBridge.__new__(SyncBridge)
-    w.engine = VLLMAsyncEngine(base.async_llm, stats_recorder=base.stats_recorder, **kwargs)
-    w.loop = bridge.loop
-    w.supports_fork = True
-    return w
+    engine = VLLMAsyncEngine(base.async_llm, stats_recorder=base.stats_recorder, **kwargs)
+    return SyncBridge(engine, loop=bridge.loop)
 
 
 def run_to_end(engine: Any, chunk: int = 5) -> dict[BranchId, list[int]]:

@@ -24,20 +24,10 @@ transformers = pytest.importorskip("transformers")
 import sart  # noqa: E402
 from sart.demo_models import build_demo_models, build_tokenizer  # noqa: E402
 from sart.errors import ConfigError, PRMError  # noqa: E402
-from sart.prm.aggregate import (  # noqa: E402
-    NO_STEPS_REWARD,
-    aggregate,
-    check_aggregation,
-    split_steps,
-)
+from sart.prm.aggregate import NO_STEPS_REWARD, split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
-from sart.prm.hf import (  # noqa: E402
-    ContextLimit,
-    Encoded,
-    QwenMathPRM,
-    StepTagPRM,
-    fit_context,
-)
+from sart.prm.hf import QwenMathPRM, StepTagPRM  # noqa: E402
+from sart.prm.options import QwenMathOptions, StepTagOptions  # noqa: E402
 from sart.testing import BranchScript, FakeEngine  # noqa: E402
 from sart.types import BranchId  # noqa: E402
 
@@ -85,39 +75,6 @@ def close(a: list[float], b: list[float], tol: float) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= tol for x, y in zip(a, b))
 
 
-# ---------------------------------------------------------------- aggregation and steps
-
-
-def test_aggregations_by_hand() -> None:
-    rewards = [0.9, 0.5, 0.8]
-    assert aggregate(rewards, "last") == 0.8
-    assert aggregate(rewards, "min") == 0.5
-    assert aggregate(rewards, "prod") == pytest.approx(0.36)
-    assert aggregate(rewards, "mean") == pytest.approx(2.2 / 3)
-    assert aggregate(rewards) == 0.5  # min is the default
-    for how in ("last", "min", "prod", "mean"):
-        assert aggregate([], how) == NO_STEPS_REWARD
-        assert isinstance(aggregate([1, 0], how), float)
-    with pytest.raises(ConfigError, match="aggregate='max' must be one of"):
-        aggregate(rewards, "max")
-    with pytest.raises(ConfigError):
-        check_aggregation("median")
-
-
-def test_split_steps_drops_blank_pieces_and_keeps_the_partial_last_step() -> None:
-    assert split_steps("") == []
-    assert split_steps("\n\n \n\n") == []
-    assert split_steps("a\n\nb\n\nc") == ["a", "b", "c"]
-    assert split_steps("a\n\n\n\n\n\nb par") == ["a", "b par"]
-    assert split_steps("a\n\nb\n\n") == ["a", "b"]
-    assert split_steps("one\nline\n\ntwo") == ["one\nline", "two"]
-    # Growing text never changes a step that is followed by another.
-    text = "s1 x\n\n\n s2\n\n\n\n\ns3 end"
-    for n in range(len(text) + 1):
-        now, later = split_steps(text[:n]), split_steps(text)
-        assert now[:-1] == later[: max(len(now) - 1, 0)]
-
-
 # ---------------------------------------------------------------- tokenizer and loading
 
 
@@ -155,6 +112,48 @@ def test_max_length_beyond_the_model_positions_is_refused(qwen_parts: tuple[Any,
         qwen(qwen_parts, max_length=8192)
     with pytest.raises(ConfigError, match="overflow"):
         qwen(qwen_parts, overflow="truncate")
+
+
+def test_the_options_are_declared_once_and_checked_before_loading(
+    qwen_parts: tuple[Any, Any], tmp_path: Path
+) -> None:
+    assert QwenMathPRM.Options is QwenMathOptions and StepTagPRM.Options is StepTagOptions
+    prm = qwen(qwen_parts, window=64, aggregate="mean")
+    assert prm.options == QwenMathOptions(window=64, aggregate="mean")
+    assert prm.limit == prm.options.limit and prm.aggregate == "mean"
+    with pytest.raises(TypeError, match=r"QwenMathPRM\(\) got unexpected keyword.*'step_tag'"):
+        qwen(qwen_parts, step_tag="ки")
+    # a bad option fails before the (missing) checkpoint is even looked at
+    with pytest.raises(ConfigError, match="window=0"):
+        QwenMathPRM.from_pretrained(tmp_path / "missing", window=0)
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        StepTagPRM.from_pretrained(tmp_path / "missing", batch_size=0)
+
+
+def test_names_from_before_the_split_are_still_importable_here() -> None:
+    import sart.prm.hf as hf
+    from sart.prm import aggregate, formats, hf_cache, window
+
+    homes = {
+        window: ["OVERFLOW_MODES", "ContextLimit", "ContextOverflow", "Encoded", "fit_context"],
+        formats: ["QWEN_SYSTEM_PROMPT", "Span", "encode_item"],
+        aggregate: ["check_finite"],
+        hf_cache: ["CacheAPI"],
+    }
+    for home, names in homes.items():
+        for name in names:
+            assert getattr(hf, name) is getattr(home, name), name
+    assert {"QwenMathPRM", "StepTagPRM", "TransformersPRM"} <= set(hf.__all__)
+    assert all(hasattr(hf, name) for name in hf.__all__)
+
+
+def test_good_probability_is_the_softmax_good_column_in_float32() -> None:
+    from sart.prm.formats import good_probability
+
+    two_way = torch.tensor([[0.0, 0.0], [-1.0, 1.0], [3.0, -2.0]], dtype=torch.bfloat16)
+    got = good_probability(two_way)
+    expected = torch.softmax(two_way.float(), dim=-1)[:, 1].tolist()
+    assert got == expected and got[0] == 0.5 and got[1] > 0.5 > got[2]
 
 
 # ---------------------------------------------------------------- QwenMathPRM
@@ -336,27 +335,6 @@ def test_overflow_error_mode_fails_the_request(qwen_parts: tuple[Any, Any]) -> N
     with pytest.raises(PRMError, match="over max_length=128") as info:
         prm.score([item(response(1), "short"), item(response(20), "long")])
     assert info.value.request_ids == {"long"}
-
-
-def test_fit_context_by_hand() -> None:
-    enc = Encoded((1,) * 10, ((2,) * 5, (3,) * 5, (4,) * 5, (5,) * 5), (4, 4, 4, 4))
-    assert fit_context(enc, ContextLimit(30)) is enc
-    kept = fit_context(enc, ContextLimit(24))  # room for 14: the last two steps
-    assert kept.segments == enc.segments[2:] and kept.prefix == enc.prefix
-    assert kept.first_step == 2 and kept.positions() == [14, 19]
-    # stride 10: the window starts at step offset 10 whatever the room beyond 15 tokens
-    assert fit_context(enc, ContextLimit(27, window_stride=10)).first_step == 2
-    assert fit_context(enc, ContextLimit(27)).first_step == 1
-    # one huge last step: its end is kept, rating token included
-    huge = Encoded((1,) * 10, ((2,) * 5, tuple(range(100))), (4, 99))
-    kept = fit_context(huge, ContextLimit(20))
-    assert len(kept) == 20 and kept.segments == (tuple(range(90, 100)),) and kept.rating == (9,)
-    # a prefix longer than the context loses its beginning; steps get half the room
-    long_prefix = Encoded(tuple(range(50)), ((2,) * 5, (3,) * 20), (4, 19))
-    kept = fit_context(long_prefix, ContextLimit(32))
-    assert kept.prefix == tuple(range(34, 50)) and kept.segments == ((3,) * 16,)
-    with pytest.raises(Exception, match="over max_length=20"):
-        fit_context(enc, ContextLimit(20, overflow="error"))
 
 
 # ---------------------------------------------------------------- StepTagPRM

@@ -177,6 +177,38 @@ def test_the_registry_loads_it(prm: Any) -> None:
     assert sart.load_prm("vllm-qwen") is type(prm)
 
 
+def test_options_and_format_are_the_shared_ones(prm: Any) -> None:
+    import sart.prm.vllm as vllm_prm
+    from sart.prm import aggregate, formats, window
+    from sart.prm.options import VLLMQwenOptions
+
+    assert type(prm).Options is VLLMQwenOptions
+    assert prm.options.max_length == MAX_MODEL_LEN == prm.limit.max_length
+    assert type(prm.format) is formats.QwenFormat and prm.format.owner == "VLLMQwenPRM"
+    with pytest.raises(TypeError, match=r"VLLMQwenPRM\(\) got unexpected keyword.*'batch_size'"):
+        fresh(prm, batch_size=4)
+    # the names importable from here before the split still are
+    for home, names in {
+        window: ["ContextLimit", "Encoded"],
+        formats: ["QWEN_SYSTEM_PROMPT", "encode_item"],
+        aggregate: ["check_finite"],
+    }.items():
+        for name in names:
+            assert getattr(vllm_prm, name) is getattr(home, name), name
+    assert vllm_prm.DEFAULT_MAX_LENGTH == 4096 and vllm_prm.VLLMQwenPRM is type(prm)
+
+
+def test_bad_options_fail_before_the_engine_starts(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from sart.prm.vllm import VLLMQwenPRM
+
+    # the checkpoint does not exist: vLLM would fail on it, had it been started
+    with pytest.raises(ConfigError, match="window=0"):
+        VLLMQwenPRM.from_engine_args(tmp_path / "missing", window=0, max_model_len=512)
+    with pytest.raises(ConfigError, match="aggregate='max'"):
+        VLLMQwenPRM.from_engine_args(tmp_path / "missing", aggregate="max")
+
+
 # ---------------------------------------------------------------- rewards
 
 

@@ -21,7 +21,8 @@ from sart.demo_models import build_demo_models  # noqa: E402
 from sart.errors import ConfigError  # noqa: E402
 from sart.prm.aggregate import split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
-from sart.prm.hf import ContextLimit, Encoded, QwenMathPRM, fit_context  # noqa: E402
+from sart.prm.hf import QwenMathPRM  # noqa: E402
+from sart.prm.window import ContextLimit  # noqa: E402
 from sart.types import BranchId  # noqa: E402
 
 QUESTION = "What is 7 + 8?"
@@ -59,34 +60,6 @@ def qwen(parts: tuple[Any, Any], **kwargs: Any) -> QwenMathPRM:
 
 
 # ---------------------------------------------------------------- the windowing
-
-
-def test_window_by_hand() -> None:
-    enc = Encoded((1,) * 10, ((2,) * 5, (3,) * 5, (4,) * 5, (5,) * 5), (4, 4, 4, 4))
-    assert fit_context(enc, ContextLimit(64, window=20)) is enc  # the response fits
-    kept = fit_context(enc, ContextLimit(64, window=12))  # the last two steps
-    assert kept.prefix == enc.prefix and kept.segments == enc.segments[2:]
-    assert kept.first_step == 2 and kept.positions() == [14, 19]
-    # the start moves in jumps of window_stride, as with max_length
-    assert fit_context(enc, ContextLimit(64, window=17)).first_step == 1
-    assert fit_context(enc, ContextLimit(64, window=17, window_stride=10)).first_step == 2
-    # a long question is kept whole: the window counts response tokens only
-    long_prefix = attrs_evolve(enc, prefix=tuple(range(40)))
-    kept = fit_context(long_prefix, ContextLimit(64, window=12))
-    assert kept.prefix == tuple(range(40)) and kept.segments == enc.segments[2:]
-    # a last step longer than the window: its end, rating token included
-    huge = Encoded((1,) * 10, ((2,) * 5, tuple(range(100))), (4, 99))
-    kept = fit_context(huge, ContextLimit(64, window=8))
-    assert kept.segments == (tuple(range(92, 100)),) and kept.rating == (7,)
-    # max_length still applies after the window; first_step counts both cuts
-    kept = fit_context(enc, ContextLimit(20, window=15))
-    assert len(kept) == 20 and kept.first_step == 2 and kept.segments == enc.segments[2:]
-
-
-def attrs_evolve(enc: Encoded, **changes: Any) -> Encoded:
-    import attrs
-
-    return attrs.evolve(enc, **changes)
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, "64"])

@@ -12,7 +12,15 @@ from sart.answers import extract_answer
 from sart.async_driver import AsyncDriver
 from sart.clock import Clock, VirtualClock, WallClock
 from sart.driver import SyncDriver, TimelineSample, run
-from sart.engines.base import BranchDelta, BranchSpec, Engine, EngineStats, StepOutput
+from sart.engines.base import (
+    AsyncEngine,
+    BranchDelta,
+    BranchSpec,
+    Engine,
+    EngineStats,
+    ReportsUsage,
+    StepOutput,
+)
 from sart.errors import (
     ConfigError,
     EngineError,
@@ -67,6 +75,7 @@ __all__ = [
     "Admission",
     "AllDone",
     "AsyncDriver",
+    "AsyncEngine",
     "BestReward",
     "BranchDelta",
     "BranchId",
@@ -91,6 +100,7 @@ __all__ = [
     "Policy",
     "PricedPRM",
     "PruneRule",
+    "ReportsUsage",
     "Request",
     "RequestMeta",
     "RequestResult",

@@ -21,6 +21,7 @@ import attrs
 from sart.bench.traces import Trace
 from sart.bench.workloads import workload
 from sart.driver import SyncDriver, TimelineSample
+from sart.engines.base import ReportsUsage
 from sart.engines.costs import cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
@@ -338,7 +339,7 @@ def serve(
     kv_capacity: int | None = None,
 ) -> RunRecord:
     """Run ``requests`` through ``driver``, sampling each request's resource use after
-    every decode call (when the engine reports it: ``prefixes`` and ``usage``)."""
+    every decode call (when the engine reports it: ``ReportsUsage``)."""
     engine = driver.engine
     for request in requests:
         driver.submit(request)
@@ -346,11 +347,11 @@ def serve(
     decodes = len(driver.timeline)
     try:
         while driver.step():
-            if len(driver.timeline) != decodes and hasattr(engine, "usage"):
+            if len(driver.timeline) != decodes and isinstance(engine, ReportsUsage):
                 decodes = len(driver.timeline)
                 now = driver.timeline[-1].time
-                for rid in engine.prefixes:  # type: ignore[attr-defined]
-                    live, kv = engine.usage(rid)  # type: ignore[attr-defined]
+                for rid in engine.prefixes:
+                    live, kv = engine.usage(rid)
                     usage.setdefault(rid, []).append((now, live, kv))
     finally:
         driver.close()  # the PRM worker thread, if overlapped checks started one

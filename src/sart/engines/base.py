@@ -10,10 +10,16 @@ only in this order of life for each request::
     abort([branch ids])                           frees those branches' KV now
     release_prefix(request_id)                    after all its branches ended
 
-Forking a partial branch (Rebase needs it) is optional: an engine that sets
+``Engine`` is the synchronous contract, ``AsyncEngine`` the same one with
+``async`` methods (streaming engines; ``SyncBridge`` runs one under the
+synchronous driver).
+
+Optional capabilities are declared, not guessed: an engine that sets
 ``supports_fork = True`` accepts ``BranchSpec(parent=j)`` in
-``start_branches``. On vLLM/SGLang a fork is a new request whose prompt is
-prompt + the parent's tokens, served from the prefix cache.
+``start_branches`` (forking a partial branch; Rebase needs it; on vLLM/SGLang
+a fork is a new request whose prompt is prompt + the parent's tokens, served
+from the prefix cache), and an engine that implements ``ReportsUsage``
+reports each request's resource use.
 
 Failures: raising ``EngineError(request_ids=...)`` says the call failed only
 for those requests and changed nothing else; the driver fails them and goes
@@ -142,6 +148,57 @@ class Engine(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+
+@runtime_checkable
+class AsyncEngine(Protocol):
+    """The same contract for asynchronous engines (``StreamingEngine`` and its vLLM
+    ``AsyncLLM``, SGLang and OpenAI-server adapters), for ``AsyncDriver``; under the
+    synchronous driver, wrap one in ``sart.engines.streaming.SyncBridge``."""
+
+    async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        """As ``Engine.prefill``."""
+        ...
+
+    async def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        """As ``Engine.start_branches``."""
+        ...
+
+    async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        """As ``Engine.step``: returns once every live branch has made ``max_steps``
+        tokens or ended (or, with ``until_first_end``, at the first end)."""
+        ...
+
+    async def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        """As ``Engine.abort``."""
+        ...
+
+    async def release_prefix(self, request_id: str) -> None:
+        """As ``Engine.release_prefix``."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+
+# ------------------------------------------------------------ capabilities
+# Optional parts of the contract. An engine declares them (an attribute, or the
+# methods of a protocol below) and the driver and benchmarks ask for them by
+# these names, never by probing for whatever attribute happens to be there.
+
+
+@runtime_checkable
+class ReportsUsage(Protocol):
+    """An engine that reports each request's resource use (``sart bench`` samples it
+    after every decode call for the per-request memory plots)."""
+
+    @property
+    def prefixes(self) -> frozenset[str]:
+        """Requests whose prefix is held."""
+        ...
+
+    def usage(self, request_id: str) -> tuple[int, int]:
+        """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
+        ...
 
 
 def supports_fork(engine: object) -> bool:

@@ -3,10 +3,11 @@
 Public API in the manner of httpx's ``MockTransport``: every branch follows
 its ``BranchScript``; one decode step costs ``step_cost`` on the engine's
 ``VirtualClock`` (1.0 by default, so time is measured in steps). It checks the
-engine contract strictly and raises ``EngineMisuse`` (an ``AssertionError``)
-on a violation: touching an aborted or ended branch, starting a branch twice,
-releasing a prefix whose branches still run, exceeding ``max_branches``. It
-can inject failures for chosen requests or branches.
+engine contract strictly (with a strict ``PrefixLedger``) and raises
+``EngineMisuse`` (an ``AssertionError``) on a violation: touching an aborted
+or ended branch, starting a branch twice, releasing a prefix whose branches
+still run, exceeding ``max_branches``. It can inject failures for chosen
+requests or branches.
 """
 
 from __future__ import annotations
@@ -17,21 +18,10 @@ import attrs
 
 from sart.clock import VirtualClock
 from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.engines.ledger import EngineMisuse, Prefix, PrefixLedger
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
-
-
-class EngineMisuse(AssertionError):
-    """The engine contract was violated (a bug in the caller, not a request failure)."""
-
-
-@attrs.define
-class _Prefix:
-    tokens: int
-    sampling: SamplingSettings
-    started: set[int] = attrs.Factory(set)
-    live: set[int] = attrs.Factory(set)
 
 
 @attrs.define
@@ -83,59 +73,46 @@ class FakeEngine:
         """Every call, as ``(operation, args...)``, for tests to inspect."""
         self.peak_live = 0
         self.steps = 0
-        self._prefixes: dict[str, _Prefix] = {}
-        self._live: dict[BranchId, _Live] = {}
-        self._kv_tokens = 0
+        # Strict: misuse raises EngineMisuse, and releasing a prefix with live branches too.
+        self._ledger: PrefixLedger[None, _Live] = PrefixLedger(strict=True)
 
     # ------------------------------------------------------------- contract
 
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self.log.append(("prefill", request_id))
-        if request_id in self._prefixes:
-            raise EngineMisuse(f"prefill of {request_id!r}, whose prefix is already held")
+        self._ledger.check_prefill(request_id)
         if request_id in self.fail_prefill:
             raise EngineError(f"injected prefill failure for {request_id!r}", [request_id])
         tokens = max(1, len(prompt.split()) if isinstance(prompt, str) else len(prompt))
-        self._prefixes[request_id] = _Prefix(tokens=tokens, sampling=sampling)
-        self._kv_tokens += tokens
+        self._ledger.prefill(request_id, tokens, sampling, None)
         self.clock.advance(self._prefill_time(tokens))
         return tokens
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
         self.log.append(("start", request_id, tuple(b.index for b in branches)))
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            raise EngineMisuse(f"start_branches for {request_id!r}, which has no prefix")
-        indices = [b.index for b in branches]
-        again = prefix.started.intersection(indices)
-        if again or len(set(indices)) != len(indices):
+        prefix = self._ledger.check_start(request_id, branches)
+        live = len(self._live)
+        if self.max_branches is not None and live + len(branches) > self.max_branches:
             raise EngineMisuse(
-                f"branches {sorted(again or indices)} of {request_id!r} started twice"
+                f"starting {len(branches)} branches would exceed max_branches={self.max_branches} "
+                f"({live} live)"
             )
-        if self.max_branches is not None and len(self._live) + len(indices) > self.max_branches:
-            raise EngineMisuse(
-                f"starting {len(indices)} branches would exceed max_branches={self.max_branches} "
-                f"({len(self._live)} live)"
-            )
-        parents = {b.index: self._parent(request_id, b.parent) for b in branches}
         if request_id in self.fail_start:
             raise EngineError(f"injected start failure for {request_id!r}", [request_id])
         max_tokens = prefix.sampling.max_tokens
-        for index in indices:
-            bid = BranchId(request_id, index)
-            parent = parents[index]
-            if parent is None:
+        new: list[tuple[BranchSpec, _Live]] = []
+        for spec in branches:
+            bid = BranchId(request_id, spec.index)
+            if spec.parent is None:
                 script, pos = self.script(bid), 0
-            else:
+            else:  # a fork copies its parent's tokens (copy-on-fork)
+                parent = BranchId(request_id, spec.parent)
                 script, pos = self._fork_script(bid, parent), self._live[parent].pos
             if script.length <= max_tokens:
-                live = _Live(script=script, end=script.length, reason=FinishReason.STOP, pos=pos)
+                new.append((spec, _Live(script, script.length, FinishReason.STOP, pos)))
             else:
-                live = _Live(script=script, end=max_tokens, reason=FinishReason.LENGTH, pos=pos)
-            self._live[bid] = live
-            self._kv_tokens += pos  # a fork copies its parent's tokens (copy-on-fork)
-            prefix.started.add(index)
-            prefix.live.add(index)
+                new.append((spec, _Live(script, max_tokens, FinishReason.LENGTH, pos)))
+        self._ledger.start(request_id, new)
         self.peak_live = max(self.peak_live, len(self._live))
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
@@ -158,10 +135,9 @@ class FakeEngine:
             n = min(horizon, live.end - live.pos)
             text = live.script.text_span(live.pos, live.pos + n)
             live.pos += n
-            self._kv_tokens += n
             if live.pos == live.end:
                 deltas[bid] = BranchDelta(new_tokens=n, text=text, finish=live.reason, end_offset=n)
-                self._drop(bid)
+                self._ledger.end(bid)
             else:
                 deltas[bid] = BranchDelta(new_tokens=n, text=text)
         self.steps += horizon
@@ -170,34 +146,14 @@ class FakeEngine:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self.log.append(("abort", tuple(branch_ids)))
-        for bid in branch_ids:
-            if bid not in self._live:
-                raise EngineMisuse(f"abort of branch {bid}, which is not live")
-        for bid in branch_ids:
-            self._drop(bid)
+        self._ledger.abort(branch_ids)
 
     def release_prefix(self, request_id: str) -> None:
         self.log.append(("release", request_id))
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            raise EngineMisuse(f"release_prefix of {request_id!r}, which has no prefix")
-        if prefix.live:
-            raise EngineMisuse(
-                f"release_prefix of {request_id!r} while branches {sorted(prefix.live)} are live"
-            )
-        del self._prefixes[request_id]
-        self._kv_tokens -= prefix.tokens
+        self._ledger.release(request_id)
 
     def stats(self) -> EngineStats:
         return EngineStats(live_branches=len(self._live), kv_tokens=self._kv_tokens)
-
-    def _parent(self, request_id: str, parent: int | None) -> BranchId | None:
-        if parent is None:
-            return None
-        pid = BranchId(request_id, parent)
-        if pid not in self._live:
-            raise EngineMisuse(f"fork from branch {pid}, which is not live")
-        return pid
 
     def _fork_script(self, child: BranchId, parent: BranchId) -> BranchScript:
         """The child's behaviour: the script's ``fork`` if it has one (traces
@@ -221,25 +177,35 @@ class FakeEngine:
 
     def usage(self, request_id: str) -> tuple[int, int]:
         """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            return (0, 0)
-        live = [self._live[BranchId(request_id, j)] for j in prefix.live]
-        return (len(live), prefix.tokens + sum(b.pos for b in live))
+        return self._ledger.usage(request_id, _position)
 
     @property
     def prefixes(self) -> frozenset[str]:
         """Requests whose prefix is held."""
-        return frozenset(self._prefixes)
+        return frozenset(self._ledger.prefixes)
 
     @property
     def live_branches(self) -> frozenset[BranchId]:
         return frozenset(self._live)
 
-    def _drop(self, bid: BranchId) -> None:
-        live = self._live.pop(bid)
-        self._kv_tokens -= live.pos
-        self._prefixes[bid.request_id].live.discard(bid.index)
+    # The ledger's views under the names SimEngine's cost model reads.
+
+    @property
+    def _prefixes(self) -> Mapping[str, Prefix[None]]:
+        return self._ledger.prefixes
+
+    @property
+    def _live(self) -> Mapping[BranchId, _Live]:
+        return self._ledger.branches
+
+    @property
+    def _kv_tokens(self) -> int:
+        return self._ledger.kv_tokens(_position)
+
+
+def _position(live: _Live) -> int:
+    """A branch's own KV tokens: its position (a fork's inherited tokens included)."""
+    return live.pos
 
 
 __all__ = ["BranchScript", "EngineMisuse", "FakeEngine"]

@@ -44,25 +44,21 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         "the transformers engine needs torch and transformers: pip install 'sart[hf]'"
     ) from exc
 
+import attrs
+
 from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
-from sart.errors import EngineError
+from sart.engines.ledger import Prefix, PrefixLedger
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
-class _Prefix:
-    __slots__ = ("kv", "length", "live", "logits", "sampling", "started")
+@attrs.frozen(eq=False)
+class _PromptKV:
+    """A prefix's data: the prompt's KV (never written) and the next-token logits after it."""
 
-    def __init__(
-        self, kv: KV, logits: torch.Tensor, length: int, sampling: SamplingSettings
-    ) -> None:
-        self.kv = kv
-        self.logits = logits
-        self.length = length
-        self.sampling = sampling
-        self.started: set[int] = set()
-        self.live: set[int] = set()
+    kv: KV
+    logits: torch.Tensor
 
 
 class _Branch:
@@ -70,7 +66,7 @@ class _Branch:
 
     def __init__(
         self,
-        prefix: _Prefix,
+        prefix: Prefix[_PromptKV],
         kv: KV | None,
         logits: torch.Tensor,
         tokens: list[int],
@@ -85,10 +81,14 @@ class _Branch:
         self.generator = generator
 
     @property
+    def own(self) -> int:
+        """Tokens in this branch's own KV (generated and already forwarded)."""
+        return self.kv[0][0].shape[2] if self.kv else 0
+
+    @property
     def length(self) -> int:
-        """Tokens in this branch's KV (prefix + generated and already forwarded)."""
-        own = self.kv[0][0].shape[2] if self.kv else 0
-        return self.prefix.length + own
+        """Tokens in this branch's KV (prefix + its own)."""
+        return self.prefix.tokens + self.own
 
 
 class HFEngine:
@@ -108,8 +108,7 @@ class HFEngine:
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache (argument and output).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._prefixes: dict[str, _Prefix] = {}
-        self._branches: dict[BranchId, _Branch] = {}
+        self._ledger: PrefixLedger[_PromptKV, _Branch] = PrefixLedger()
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
 
@@ -135,43 +134,32 @@ class HFEngine:
     # ------------------------------------------------------------- contract
 
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        self._ledger.check_prefill(request_id)
         ids = self._prompt_ids(prompt)
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
-        kv = self._pairs(self._out_cache(out))
-        self._prefixes[request_id] = _Prefix(kv, out.logits[0, -1].float(), len(ids), sampling)
+        kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float())
+        self._ledger.prefill(request_id, len(ids), sampling, kv)
         return len(ids)
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
-        new: dict[BranchId, _Branch] = {}
+        prefix = self._ledger.check_start(request_id, branches)
+        new: list[tuple[BranchSpec, _Branch]] = []
         for spec in branches:
-            bid = BranchId(request_id, spec.index)
-            if spec.index in prefix.started or bid in new:
-                raise EngineError(f"branch {bid} started twice", [request_id])
             generator = torch.Generator(device=self.device).manual_seed(spec.seed)
             if spec.parent is None:
-                new[bid] = _Branch(prefix, None, prefix.logits, [], "", generator)
-                continue
-            parent = self._branches.get(BranchId(request_id, spec.parent))
-            if parent is None:
-                raise EngineError(f"fork of branch {spec.parent}, which is not live", [request_id])
-            new[bid] = _Branch(
-                prefix, parent.kv, parent.logits, list(parent.tokens), parent.text, generator
-            )
-        for bid, branch in new.items():  # all or nothing
-            self._branches[bid] = branch
-            prefix.started.add(bid.index)
-            prefix.live.add(bid.index)
+                branch = _Branch(prefix, None, prefix.data.logits, [], "", generator)
+            else:  # shares the parent's tensors as they are now (never written in place)
+                parent = self._ledger.branches[BranchId(request_id, spec.parent)]
+                tokens = list(parent.tokens)
+                branch = _Branch(prefix, parent.kv, parent.logits, tokens, parent.text, generator)
+            new.append((spec, branch))
+        self._ledger.start(request_id, new)
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         deltas = StepDeltas()
         steps = 0
-        while steps < max_steps and self._branches:
+        while steps < max_steps and self._ledger.branches:
             steps += 1
             ended = self._decode_one(steps, deltas)
             if ended and until_first_end:
@@ -179,36 +167,24 @@ class HFEngine:
         return deltas.output(steps)
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
-        for bid in branch_ids:
-            if bid not in self._branches:
-                raise EngineError(f"abort of branch {bid}, which is not live", [bid.request_id])
-        for bid in branch_ids:
-            self._drop(bid)
+        self._ledger.abort(branch_ids)  # dropping the branches drops their tensors
 
     def release_prefix(self, request_id: str) -> None:
-        prefix = self._prefixes.pop(request_id, None)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
-        for index in list(prefix.live):
-            self._drop(BranchId(request_id, index))
+        self._ledger.release(request_id)  # with any branch of it still live
 
     def stats(self) -> EngineStats:
-        kv = sum(p.length for p in self._prefixes.values())
-        kv += sum(b.length - b.prefix.length for b in self._branches.values())
-        return EngineStats(live_branches=len(self._branches), kv_tokens=kv)
+        return EngineStats(
+            live_branches=len(self._ledger.branches), kv_tokens=self._ledger.kv_tokens(_own)
+        )
 
     @property
     def prefixes(self) -> frozenset[str]:
         """Requests whose prefix is held."""
-        return frozenset(self._prefixes)
+        return frozenset(self._ledger.prefixes)
 
     def usage(self, request_id: str) -> tuple[int, int]:
         """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            return (0, 0)
-        live = [self._branches[BranchId(request_id, j)] for j in prefix.live]
-        return (len(live), prefix.length + sum(b.length - prefix.length for b in live))
+        return self._ledger.usage(request_id, _own)
 
     # ------------------------------------------------------------ decoding
 
@@ -216,7 +192,7 @@ class HFEngine:
         """Sample one token for every live branch, then forward the ones still live."""
         going: list[tuple[BranchId, _Branch, int]] = []
         ended = False
-        for bid, branch in list(self._branches.items()):
+        for bid, branch in list(self._ledger.branches.items()):
             token = self._sample(branch)
             branch.tokens.append(token)
             finish, delta = self._advance_text(branch, token)
@@ -225,7 +201,7 @@ class HFEngine:
                 finish = FinishReason.LENGTH
             if finish is not None:
                 deltas.end(bid, finish, step)
-                self._drop(bid)
+                self._ledger.end(bid)
                 ended = True
             else:
                 going.append((bid, branch, token))
@@ -268,14 +244,14 @@ class HFEngine:
     def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
-        layers = len(going[0][1].prefix.kv)
+        layers = len(going[0][1].prefix.data.kv)
         pairs: KV = []
         for layer in range(layers):
-            k0, v0 = going[0][1].prefix.kv[layer]
+            k0, v0 = going[0][1].prefix.data.kv[layer]
             keys = k0.new_zeros((len(going), k0.shape[1], width, k0.shape[3]))
             values = v0.new_zeros((len(going), v0.shape[1], width, v0.shape[3]))
             for row, (_, branch, _) in enumerate(going):
-                pk, pv = branch.prefix.kv[layer]
+                pk, pv = branch.prefix.data.kv[layer]
                 parts_k = [pk] + ([branch.kv[layer][0]] if branch.kv else [])
                 parts_v = [pv] + ([branch.kv[layer][1]] if branch.kv else [])
                 pad = width - lengths[row]  # left padding
@@ -340,6 +316,6 @@ class HFEngine:
             return [(layer.keys, layer.values) for layer in cache.layers]
         return [(k, v) for k, v in cache.to_legacy_cache()]  # transformers 4.x
 
-    def _drop(self, bid: BranchId) -> None:
-        branch = self._branches.pop(bid)
-        branch.prefix.live.discard(bid.index)
+
+def _own(branch: _Branch) -> int:
+    return branch.own

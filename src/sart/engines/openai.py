@@ -19,7 +19,8 @@ count of the branch's last chunk. By default (``return_token_ids=None``) both
 extensions are sent, and dropped for a server that rejects the request with
 400/422 (it is re-sent once without them; no token was streamed, so nothing
 is duplicated). ``return_token_ids=False`` never sends them (only the
-standard ``include_usage``), ``True`` always does.
+standard ``include_usage``), ``True`` always does. The stream's parsing and
+this accounting are pure functions, in ``sart.engines.openai_stream``.
 
 Prompt length (``prefill``): the ``tokenizer`` if given (its ``encode``), else
 the server's ``POST /tokenize`` (vLLM has it; its ``max_model_len`` also caps
@@ -66,8 +67,7 @@ Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
 from __future__ import annotations
 
 import asyncio
-import json
-import re
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -85,7 +85,9 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from sart.engines.base import BranchDelta, EngineStats
-from sart.engines.streaming import Chunk, StreamingEngine, _Prefix, _Stream
+from sart.engines.ledger import cap_max_tokens
+from sart.engines.openai_stream import Delta, Event, StreamError, StreamParser, Tally, Usage
+from sart.engines.streaming import BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -133,7 +135,15 @@ class _Progress:
 
 class OpenAIEngine(StreamingEngine):
     """A streaming engine over OpenAI-compatible ``/v1/completions`` servers
-    (see the module docstring)."""
+    (see the module docstring).
+
+    ``transport``: an ``httpx.AsyncBaseTransport`` for the engine's HTTP client,
+    instead of httpx's own connection pool: ``httpx.MockTransport(handler)`` in
+    tests, or an ``httpx.AsyncHTTPTransport`` of your own (proxy, local
+    address, TLS, connection limits: httpx then ignores the engine's). Every
+    server in ``base_urls`` is reached through it; ``aclose()`` closes it with
+    the client.
+    """
 
     supports_fork = True
 
@@ -149,6 +159,7 @@ class OpenAIEngine(StreamingEngine):
         tokenizer: Any = None,
         return_token_ids: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__()
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -166,6 +177,7 @@ class OpenAIEngine(StreamingEngine):
         self.extra_body = dict(extra_body or {})
         """Merged into every completion request, for server-specific sampling fields
         (vLLM's ``top_k``, ``min_p``, ``ignore_eos``...); sart's own fields win."""
+        self.transport = transport
         self.servers = [_Server(_base(u), extras=return_token_ids is not False) for u in urls]
         self._rr = 0
         self._client: httpx.AsyncClient | None = None
@@ -185,6 +197,7 @@ class OpenAIEngine(StreamingEngine):
                 headers=headers,
                 timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
+                transport=self.transport,
             )
         return self._client
 
@@ -210,21 +223,17 @@ class OpenAIEngine(StreamingEngine):
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        self._ledger.check_prefill(request_id)
         ids, max_len = await self._tokenize(prompt, request_id)
         tokens = len(ids) if ids is not None else _words(prompt)
-        max_tokens = sampling.max_tokens
-        if max_len is not None:
-            room = max_len - tokens
-            if room < 1:
-                raise EngineError(
-                    f"request {request_id!r}: a prompt of {tokens} tokens leaves no room in "
-                    f"the server's max_model_len={max_len}",
-                    [request_id],
-                )
-            max_tokens = min(max_tokens, room)
-        self._prefixes[request_id] = _Prefix(prompt, sampling, tokens)
+        max_tokens = cap_max_tokens(
+            request_id,
+            tokens,
+            sampling.max_tokens,
+            max_len,
+            f"the server's max_model_len={max_len}",
+        )
+        self._ledger.prefill(request_id, tokens, sampling, HeldPrompt(prompt))
         self._requests[request_id] = _Request(ids, max_tokens)
         return tokens
 
@@ -233,7 +242,7 @@ class OpenAIEngine(StreamingEngine):
         self._requests.pop(request_id, None)
 
     def stats(self) -> EngineStats:
-        kv = sum(p.tokens for p in self._prefixes.values())
+        kv = sum(p.tokens for p in self._ledger.prefixes.values())
         kv += sum(self._progress[bid].count for bid in self._streams if bid in self._progress)
         return EngineStats(live_branches=len(self._streams), kv_tokens=kv)
 
@@ -294,7 +303,9 @@ class OpenAIEngine(StreamingEngine):
             # The base cancelled it: wait until its response (and connection) is closed.
             await asyncio.wait([task], timeout=self.connect_timeout + 5.0)
 
-    def _take(self, streams: dict[BranchId, _Stream], steps: int) -> dict[BranchId, BranchDelta]:
+    def _take(
+        self, streams: dict[BranchId, BranchStream], steps: int
+    ) -> dict[BranchId, BranchDelta]:
         deltas = super()._take(streams, steps)
         for bid, delta in deltas.items():
             progress = self._progress.get(bid)
@@ -304,7 +315,7 @@ class OpenAIEngine(StreamingEngine):
                 progress.ids.extend(delta.token_ids)
         return deltas
 
-    def _forget(self, bid: BranchId) -> _Stream | None:
+    def _forget(self, bid: BranchId) -> BranchStream | None:
         self._progress.pop(bid, None)
         return super()._forget(bid)
 
@@ -345,10 +356,9 @@ class OpenAIEngine(StreamingEngine):
             index = self._pick(tried)
             server = self.servers[index]
             self.placement[branch] = server.url
-            streamed = [False]
             final: Chunk | None = None
             server.live += 1
-            attempt = self._post(server, branch, body, rid, root, streamed)
+            attempt = self._post(server, branch, body, rid, root)
             try:
                 async for chunk in attempt:
                     if chunk.finish is not None:
@@ -378,108 +388,58 @@ class OpenAIEngine(StreamingEngine):
             return
 
     async def _post(
-        self,
-        server: _Server,
-        branch: BranchId,
-        body: dict[str, Any],
-        rid: str,
-        root: bool,
-        streamed: list[bool],
+        self, server: _Server, branch: BranchId, body: dict[str, Any], rid: str, root: bool
     ) -> AsyncIterator[Chunk]:
         """One attempt: stream the completion from ``server``. Yields the finish
         chunk last, after the response is read to its end and closed."""
-        payload = dict(body)
-        extras = server.extras
-        if extras:
-            payload["return_token_ids"] = True
-            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        else:
-            payload["stream_options"] = {"include_usage": True}
-        counted = 0
+        extras = server.extras  # as sent: another attempt may drop them meanwhile
+        tally = Tally()
+        streamed = False
         final: Chunk | None = None
         try:
             async with self.client.stream(
                 "POST",
                 server.url + "/v1/completions",
-                json=payload,
+                json=_completion_payload(body, extras),
                 headers={"X-Request-Id": rid},
             ) as response:
                 if response.status_code >= 400:
                     detail = (await response.aread()).decode(errors="replace")[:500]
-                    if response.status_code in _RETRY_STATUS:
-                        raise _Retryable(f"HTTP {response.status_code}: {detail}")
-                    if (
-                        extras
-                        and self.return_token_ids is None
-                        and response.status_code in (400, 422)
-                    ):
-                        raise _Downgrade
-                    raise ServerError(
-                        f"{server.url} answered HTTP {response.status_code}: {detail}"
-                    )
-                done = False
-                async for data in _sse_data(response):
-                    # Read the body to its end (it ends right after [DONE]) rather than
-                    # break: no suspended iterator is left behind.
-                    if done or data == "[DONE]":
-                        done = True
-                        continue
-                    event = json.loads(data)
-                    if "error" in event or event.get("object") == "error":
-                        raise ServerError(f"{server.url} reported an error: {data[:500]}")
-                    usage = event.get("usage") or {}
-                    total = usage.get("completion_tokens")
-                    choices = event.get("choices") or []
-                    if not choices:  # the final usage chunk
-                        if final is not None and isinstance(total, int) and total > counted:
-                            final = attrs.evolve(
-                                final, count=final.tokens + total - counted, token_ids=()
-                            )
-                            counted = total
-                        continue
-                    choice = choices[0]
-                    if root and choice.get("prompt_token_ids"):
-                        request = self._requests.get(branch.request_id)
-                        if request is not None:
-                            request.ids = list(choice["prompt_token_ids"])
-                    text = choice.get("text") or ""
-                    ids = choice.get("token_ids")
-                    if ids is not None:
-                        chunk = Chunk(token_ids=tuple(ids), text=text)
-                        n = len(ids)
-                    else:
-                        if isinstance(total, int):
-                            n = max(0, total - counted)
-                        else:
-                            n = 1 if text else 0
-                        chunk = Chunk(text=text, count=n)
-                    counted += n
-                    reason = choice.get("finish_reason")
-                    if reason is not None:
-                        finish = _FINISH.get(reason)
-                        if finish is None:
-                            raise ServerError(
-                                f"{server.url} ended {branch} with finish_reason={reason!r}"
-                            )
-                        final = attrs.evolve(chunk, finish=finish)
-                        continue  # read on: a usage chunk and [DONE] may follow
-                    if n or text:
-                        streamed[0] = True
-                        yield chunk
+                    downgrade = extras and self.return_token_ids is None
+                    raise _error_answer(server.url, response.status_code, detail, downgrade)
+                async with contextlib.aclosing(_events(response)) as events:
+                    async for event in events:
+                        if isinstance(event, StreamError):
+                            raise ServerError(f"{server.url} {event.message}")
+                        if isinstance(event, Usage):
+                            if final is not None:
+                                final = tally.top_up(final, event)
+                            continue
+                        if not isinstance(event, Delta):  # [DONE]
+                            continue
+                        if root and event.prompt_token_ids:
+                            self._server_prompt_ids(branch.request_id, event.prompt_token_ids)
+                        chunk = tally.chunk(event)
+                        if event.finish_reason is not None:
+                            finish = _finish(event.finish_reason, server.url, branch)
+                            final = attrs.evolve(chunk, finish=finish)
+                            continue  # read on: a usage chunk and [DONE] may follow
+                        if chunk.tokens or chunk.text:
+                            streamed = True
+                            yield chunk
         except httpx.TransportError as exc:
-            if final is not None:  # it ended; only the stream's tail (usage, [DONE]) is lost
-                yield final
-                return
-            if streamed[0]:
-                raise ServerError(
-                    f"{server.url} broke the stream of {branch} after it produced tokens: {exc!r}"
-                ) from exc
-            raise _Retryable(repr(exc)) from exc
+            if final is None:
+                raise _cut_short(server.url, branch, streamed, exc) from exc
+            # It ended; only the stream's tail (usage, [DONE]) is lost.
         if final is None:
-            if streamed[0]:
-                raise ServerError(f"{server.url} ended the stream of {branch} without a reason")
-            raise _Retryable("the stream ended before any token")
+            raise _cut_short(server.url, branch, streamed, None)
         yield final
+
+    def _server_prompt_ids(self, request_id: str, ids: Sequence[int]) -> None:
+        """Keep the prompt's ids as the server tokenized them (forks send them)."""
+        request = self._requests.get(request_id)
+        if request is not None:
+            request.ids = list(ids)
 
     # ------------------------------------------------------------- tokenize
 
@@ -549,27 +509,60 @@ class _Closing:
         return chunk
 
 
-_SSE_LINE_END = re.compile(rb"\r\n|\r|\n")
-
-
-async def _sse_data(response: httpx.Response) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a server-sent-event stream (comments and other fields skipped).
-
-    Lines end at CR, LF or CRLF only, as the SSE format says. Not
-    ``httpx``'s ``aiter_lines``: like ``str.splitlines`` it also splits at
-    U+2028, U+0085 and other Unicode line boundaries, which a model can
-    generate and a server's JSON carries unescaped inside a string (seen with
-    vLLM: the event was cut in two and failed to parse). JSON escapes CR and
-    LF inside strings, so these three never split an event.
-    """
-    pending = b""
+async def _events(response: httpx.Response) -> AsyncIterator[Event]:
+    """The events of a completion's stream (see ``sart.engines.openai_stream``). The
+    body is read to its end (it ends right after ``[DONE]``): no suspended iterator
+    is left behind."""
+    parser = StreamParser()
     async for chunk in response.aiter_bytes():
-        *lines, pending = _SSE_LINE_END.split(pending + chunk)
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].decode("utf-8").strip()
-    if pending.startswith(b"data:"):
-        yield pending[5:].decode("utf-8").strip()
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.end():
+        yield event
+
+
+def _completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:
+    """The request's body, with the vLLM extensions (``return_token_ids``,
+    ``continuous_usage_stats``) if ``extras``, else only ``include_usage``."""
+    if not extras:
+        return {**body, "stream_options": {"include_usage": True}}
+    return {
+        **body,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+
+
+def _error_answer(url: str, status: int, detail: str, downgrade: bool) -> Exception:
+    """What an error answer (HTTP ``status`` >= 400) to a completion request means:
+    502/503/504 -> another server may take it; 400/422 while the extensions may be
+    dropped (``downgrade``) -> the same server again without them; else the
+    request fails."""
+    if status in _RETRY_STATUS:
+        return _Retryable(f"HTTP {status}: {detail}")
+    if downgrade and status in (400, 422):
+        return _Downgrade()
+    return ServerError(f"{url} answered HTTP {status}: {detail}")
+
+
+def _cut_short(
+    url: str, branch: BranchId, streamed: bool, exc: httpx.TransportError | None
+) -> Exception:
+    """What a stream that ended before its finish reason means (``exc``: the transport
+    error that ended it, if any): another server may take the branch if it streamed
+    no token yet; else its request fails (tokens must not be streamed twice)."""
+    if not streamed:
+        return _Retryable("the stream ended before any token" if exc is None else repr(exc))
+    if exc is None:
+        return ServerError(f"{url} ended the stream of {branch} without a reason")
+    return ServerError(f"{url} broke the stream of {branch} after it produced tokens: {exc!r}")
+
+
+def _finish(reason: str, url: str, branch: BranchId) -> FinishReason:
+    finish = _FINISH.get(reason)
+    if finish is None:
+        raise ServerError(f"{url} ended {branch} with finish_reason={reason!r}")
+    return finish
 
 
 def _base(url: str) -> str:

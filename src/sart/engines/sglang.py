@@ -137,24 +137,6 @@ async def _close(stream: Any) -> None:
             pass
 
 
-class SGLangBridge(SyncBridge):
-    """A ``SyncBridge`` on the SGLang engine's own event loop (see ``SGLangEngine.bridge``).
-
-    ``close()`` leaves a borrowed loop open: it belongs to ``sglang.Engine``.
-    """
-
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop | None) -> None:
-        super().__init__(engine)
-        self._borrowed = loop is not None
-        if loop is not None:
-            self.loop.close()
-            self.loop = loop
-
-    def close(self) -> None:
-        if not self._borrowed:
-            super().close()
-
-
 class SGLangEngine(StreamingEngine):
     """A streaming engine over an in-process ``sglang.Engine`` (see the module docstring).
 
@@ -219,13 +201,14 @@ class SGLangEngine(StreamingEngine):
         engine = sglang.Engine(model_path=model_path, **server_args)
         return cls(engine, tokenizer, chat=chat, rid_prefix=rid_prefix)
 
-    def bridge(self) -> SGLangBridge:
+    def bridge(self) -> SyncBridge:
         """A ``SyncBridge`` for the synchronous driver, on ``engine.loop`` when the
         engine has one (every call to one SGLang engine must use one loop)."""
         loop = getattr(self.engine, "loop", None)
         if not isinstance(loop, asyncio.AbstractEventLoop) or loop.is_closed():
             loop = None
-        return SGLangBridge(self, loop)
+        # On engine.loop the bridge is a guest: close() leaves the loop to sglang.Engine.
+        return SyncBridge(self) if loop is None else SyncBridge(self, loop=loop)
 
     # ------------------------------------------------------------- contract
 

@@ -17,20 +17,24 @@ same scheduler and policies run on them:
 - ``abort`` cancels the streams at once (the server frees their KV).
 
 A stream that raises fails its request (``EngineError`` naming it); the other
-branches carry on. ``SyncBridge`` runs a streaming engine under the
-synchronous driver (and under ``check_engine``) on a private event loop.
+branches carry on. The books of prompts and live streams, and the contract's
+checks, are a ``PrefixLedger``'s (``sart.engines.ledger``). ``SyncBridge``
+runs a streaming engine under the synchronous driver (and under
+``check_engine``) on a private event loop.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Sequence
+import inspect
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
 
 from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -56,8 +60,10 @@ class Chunk:
 
 
 @attrs.define
-class _Stream:
-    request_id: str
+class BranchStream:
+    """What ``StreamingEngine`` keeps of one live branch (the ledger's payload); adapters
+    that extend ``_take`` or ``_forget`` receive it."""
+
     task: asyncio.Task[None] | None = None
     # Tokens produced but not yet reported: (token id or None, text piece).
     pending: list[tuple[int | None, str]] = attrs.Factory(list)
@@ -69,13 +75,14 @@ class _Stream:
     wake: asyncio.Event = attrs.Factory(asyncio.Event)
 
 
-@attrs.define
-class _Prefix:
+@attrs.frozen
+class HeldPrompt:
+    """A prefix's data: the prompt, and for adapters that send token ids (``_hold_prompt``)
+    its ids and ``max_tokens`` capped by the context length."""
+
     prompt: Prompt
-    sampling: SamplingSettings
-    tokens: int
-    live: set[int] = attrs.Factory(set)
-    started: set[int] = attrs.Factory(set)
+    ids: tuple[int, ...] = ()
+    max_tokens: int = 0
 
 
 class StreamingEngine(abc.ABC):
@@ -89,10 +96,12 @@ class StreamingEngine(abc.ABC):
     supports_fork = True
 
     def __init__(self) -> None:
-        self._prefixes: dict[str, _Prefix] = {}
-        self._streams: dict[BranchId, _Stream] = {}
-        # Adapters that send token ids: each request's prompt ids and capped max_tokens.
-        self._inputs: dict[str, tuple[list[int], int]] = {}
+        self._ledger: PrefixLedger[HeldPrompt, BranchStream] = PrefixLedger()
+
+    @property
+    def _streams(self) -> Mapping[BranchId, BranchStream]:
+        """Live branches' streams."""
+        return self._ledger.branches
 
     # ---------------------------------------------------------- to implement
 
@@ -120,58 +129,39 @@ class StreamingEngine(abc.ABC):
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        self._ledger.check_prefill(request_id)
         tokens = await self._prompt_tokens(prompt)
         # The engine prefills with the first branch; its prefix cache serves the rest.
-        self._prefixes[request_id] = _Prefix(prompt, sampling, tokens)
+        self._ledger.prefill(request_id, tokens, sampling, HeldPrompt(prompt))
         return tokens
 
     async def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
-        inherited: dict[int, list[int]] = {}
-        for spec in branches:
-            if spec.index in prefix.started:
-                raise EngineError(
-                    f"branch {spec.index} of {request_id!r} started twice", [request_id]
-                )
-            if spec.parent is not None:
-                parent = self._streams.get(BranchId(request_id, spec.parent))
-                if parent is None:
-                    raise EngineError(
-                        f"fork of branch {spec.parent}, which is not live", [request_id]
-                    )
-                inherited[spec.index] = list(parent.generated)
-        opened: list[BranchId] = []
+        prefix = self._ledger.check_start(request_id, branches)
+        opened: list[tuple[BranchSpec, BranchStream]] = []
         try:
             for spec in branches:
                 bid = BranchId(request_id, spec.index)
-                stream = _Stream(request_id)
-                stream.generated = list(inherited.get(spec.index, ()))
-                stream.reported = len(stream.generated)
                 parent = None if spec.parent is None else BranchId(request_id, spec.parent)
+                inherited = [] if parent is None else list(self._streams[parent].generated)
+                stream = BranchStream(generated=inherited, reported=len(inherited))
                 chunks = self._open(
-                    bid, prefix.prompt, prefix.sampling, spec.seed, parent, tuple(stream.generated)
+                    bid, prefix.data.prompt, prefix.sampling, spec.seed, parent, tuple(inherited)
                 )
-                self._streams[bid] = stream
-                prefix.started.add(spec.index)
-                prefix.live.add(spec.index)
-                opened.append(bid)
                 stream.task = asyncio.ensure_future(self._pump(stream, chunks))
+                opened.append((spec, stream))
         except Exception as exc:
             # All or nothing: a start that fails has no effect, so the streams
             # opened before the failing one are stopped (the scheduler never
             # learns of them and would not abort them).
-            for bid in opened:
-                await self._stop(bid)
-                prefix.started.discard(bid.index)
+            for spec, stream in opened:
+                await self._stop(BranchId(request_id, spec.index), stream)
             if isinstance(exc, EngineError):
                 raise
             raise EngineError(
                 f"starting branches of {request_id!r} failed: {exc!r}", [request_id]
             ) from exc
+        # No await since the check: the ledger records exactly what was opened.
+        self._ledger.start(request_id, opened)
 
     async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         streams = dict(self._streams)
@@ -195,22 +185,17 @@ class StreamingEngine(abc.ABC):
         return StepOutput(steps=steps, deltas=self._take(streams, steps))
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:
-        for bid in branch_ids:
-            if bid not in self._streams:
-                raise EngineError(f"abort of branch {bid}, which is not live", [bid.request_id])
-        await asyncio.gather(*(self._stop(bid) for bid in branch_ids))
+        streams = self._ledger.abort(branch_ids)
+        await asyncio.gather(*(self._stop(bid, stream) for bid, stream in streams.items()))
 
     async def release_prefix(self, request_id: str) -> None:
-        self._inputs.pop(request_id, None)
-        prefix = self._prefixes.pop(request_id, None)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
-        await asyncio.gather(*(self._stop(BranchId(request_id, j)) for j in list(prefix.live)))
+        streams = self._ledger.release(request_id)  # with its branches still live
+        await asyncio.gather(*(self._stop(bid, stream) for bid, stream in streams.items()))
 
     def stats(self) -> EngineStats:
-        kv = sum(p.tokens for p in self._prefixes.values())
-        kv += sum(len(s.generated) for s in self._streams.values())
-        return EngineStats(live_branches=len(self._streams), kv_tokens=kv)
+        return EngineStats(
+            live_branches=len(self._streams), kv_tokens=self._ledger.kv_tokens(_generated)
+        )
 
     # -------------------------------------------------------------- helpers
 
@@ -219,8 +204,8 @@ class StreamingEngine(abc.ABC):
     ) -> tuple[list[int], int]:
         """A branch's prompt ids and ``max_tokens`` (held by ``_hold_prompt``); a fork
         sends the prompt + its parent's tokens and has that many tokens fewer."""
-        ids, max_tokens = self._inputs[branch.request_id]
-        return ids + list(prefix_tokens), max(1, max_tokens - len(prefix_tokens))
+        held = self._ledger.prefixes[branch.request_id].data
+        return [*held.ids, *prefix_tokens], max(1, held.max_tokens - len(prefix_tokens))
 
     def _hold_prompt(
         self,
@@ -235,20 +220,14 @@ class StreamingEngine(abc.ABC):
         and ``max_tokens`` capped so that prompt + output fit ``context_len``
         (the engine prefills with the first branch; its prefix cache serves the
         others). A prompt that leaves no room fails its request."""
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
-        room = sampling.max_tokens if context_len is None else context_len - len(ids)
-        if not ids or room < 1:
-            raise EngineError(
-                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
-                f"{context}",
-                [request_id],
-            )
-        self._inputs[request_id] = (ids, min(sampling.max_tokens, room))
-        self._prefixes[request_id] = _Prefix(prompt, sampling, len(ids))
+        self._ledger.check_prefill(request_id)
+        max_tokens = cap_max_tokens(request_id, len(ids), sampling.max_tokens, context_len, context)
+        self._ledger.prefill(
+            request_id, len(ids), sampling, HeldPrompt(prompt, tuple(ids), max_tokens)
+        )
         return len(ids)
 
-    async def _pump(self, stream: _Stream, chunks: AsyncIterator[Chunk]) -> None:
+    async def _pump(self, stream: BranchStream, chunks: AsyncIterator[Chunk]) -> None:
         """Move a stream's chunks into its buffer until it ends, fails or is cancelled."""
         try:
             async for chunk in chunks:
@@ -273,7 +252,9 @@ class StreamingEngine(abc.ABC):
             stream.wake.set()
 
     @staticmethod
-    def _horizon(streams: Iterable[_Stream], max_steps: int, until_first_end: bool) -> int | None:
+    def _horizon(
+        streams: Iterable[BranchStream], max_steps: int, until_first_end: bool
+    ) -> int | None:
         """The steps this call can report now, or ``None`` to wait for more tokens.
 
         A step engine advances every branch in lockstep, so the call may end at
@@ -293,7 +274,9 @@ class StreamingEngine(abc.ABC):
             return min(ends) if until_first_end else max(ends)
         return target
 
-    def _take(self, streams: dict[BranchId, _Stream], steps: int) -> dict[BranchId, BranchDelta]:
+    def _take(
+        self, streams: dict[BranchId, BranchStream], steps: int
+    ) -> dict[BranchId, BranchDelta]:
         deltas = {}
         for bid, stream in streams.items():
             taken, stream.pending = stream.pending[:steps], stream.pending[steps:]
@@ -311,34 +294,67 @@ class StreamingEngine(abc.ABC):
                 self._forget(bid)
         return deltas
 
-    async def _stop(self, bid: BranchId) -> None:
-        stream = self._forget(bid)
-        if stream is None:
-            return
-        if stream.task is not None and not stream.task.done():
+    async def _stop(self, bid: BranchId, stream: BranchStream | None = None) -> None:
+        """Forget a branch and cancel its stream on the engine if it still runs
+        (``stream``: one the ledger no longer or not yet holds)."""
+        forgotten = self._forget(bid)
+        stream = forgotten if forgotten is not None else stream
+        if stream is not None and stream.task is not None and not stream.task.done():
             stream.task.cancel()
             await self._cancel(bid)
 
-    def _forget(self, bid: BranchId) -> _Stream | None:
-        stream = self._streams.pop(bid, None)
-        prefix = self._prefixes.get(bid.request_id)
-        if prefix is not None:
-            prefix.live.discard(bid.index)
-        return stream
+    def _forget(self, bid: BranchId) -> BranchStream | None:
+        """Take a branch out of the books, if it is still there (adapters extend it to
+        drop their own state of the branch)."""
+        return self._ledger.end(bid) if bid in self._streams else None
 
-    def _failure(self, bid: BranchId, stream: _Stream) -> EngineError:
+    def _failure(self, bid: BranchId, stream: BranchStream) -> EngineError:
         return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
+
+
+def _generated(stream: BranchStream) -> int:
+    """A branch's own KV tokens: those reported so far (a fork's inherited ones included)."""
+    return len(stream.generated)
 
 
 class SyncBridge:
     """Runs an async engine (``StreamingEngine`` and friends) behind the synchronous
-    engine contract, on a private event loop: for the ``SyncDriver``,
-    ``check_engine`` and benchmarks."""
+    engine contract, on an event loop: for the ``SyncDriver``, ``check_engine`` and
+    benchmarks.
 
-    def __init__(self, engine: Any) -> None:
+    ``SyncBridge(engine)`` runs it on a private loop, which ``close()`` closes
+    (after closing the engine). ``SyncBridge(engine, loop=loop)`` runs it on a
+    loop that belongs to someone else, such as ``sglang.Engine``'s own loop or
+    another bridge's; ``close()`` then leaves the loop and the engine to their
+    owner. Engines that bind to the loop running when they are built
+    (vLLM's ``AsyncLLM``, ``sglang.Engine``) are built with
+    ``SyncBridge.build(factory)``, which calls ``factory`` on the bridge's loop.
+    """
+
+    def __init__(self, engine: Any, *, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.engine = engine
-        self.loop = asyncio.new_event_loop()
-        self.supports_fork = getattr(engine, "supports_fork", False)
+        self._owns_loop = loop is None
+        self.loop = asyncio.new_event_loop() if loop is None else loop
+        self.supports_fork = bool(getattr(engine, "supports_fork", False))
+
+    @classmethod
+    def build(cls, factory: Callable[[], Any]) -> SyncBridge:
+        """A bridge, on a loop of its own, over the engine ``factory()`` returns (or,
+        for an async factory, the engine it resolves to), called while that loop runs."""
+
+        async def make() -> Any:
+            made = factory()
+            return await made if inspect.isawaitable(made) else made
+
+        loop = asyncio.new_event_loop()
+        try:
+            engine = loop.run_until_complete(make())
+        except BaseException:
+            loop.close()
+            raise
+        bridge = cls(engine, loop=loop)
+        bridge._owns_loop = True
+        return bridge
 
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -371,9 +387,10 @@ class SyncBridge:
         (such as ``AsyncLLM``'s output handler, whose cancellation
         ``shutdown()`` only schedules) can leave a ZeroMQ socket open, and
         ZeroMQ's context then blocks the interpreter's exit forever.
-        Idempotent.
+        Idempotent. On a borrowed loop (``loop=``) it does nothing: the loop's
+        owner closes the engine and the loop.
         """
-        if self.loop.is_closed():
+        if not self._owns_loop or self.loop.is_closed():
             return
         try:
             if hasattr(self.engine, "aclose"):

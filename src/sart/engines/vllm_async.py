@@ -21,11 +21,12 @@ request: the next ``step`` raises ``EngineError`` naming it.
 
 ``AsyncLLM`` starts its output handler on the event loop that is running when
 it is built (or at its first ``generate``): build it, and run this engine, on
-one loop. Under the synchronous driver, create the ``SyncBridge`` first and
-build the engine inside ``bridge.loop.run_until_complete(...)``::
+one loop. Under the synchronous driver, let the bridge build it on its loop::
 
-    bridge = SyncBridge(None)
-    bridge.engine = bridge.loop.run_until_complete(build())  # from_engine_args inside
+    bridge = SyncBridge.build(lambda: VLLMAsyncEngine.from_engine_args(model, ...))
+
+and give further adapters over the same ``AsyncLLM`` that loop:
+``SyncBridge(VLLMAsyncEngine(bridge.engine.async_llm), loop=bridge.loop)``.
 
 ``AsyncLLM`` always runs vLLM's engine core in a child process; scripts need
 an ``if __name__ == "__main__":`` guard. Set ``max_num_seqs`` >= sart's
@@ -43,14 +44,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-# sart.engines.vllm raises the MissingDependencyError (with the extras) without vLLM.
-from sart.engines.vllm import _FINISH, VLLMInputs, VLLMStats, VLLMStatsRecorder  # isort: skip
+# vllm_common raises the MissingDependencyError (naming the extras) without vLLM.
+from sart.engines.vllm_common import (  # isort: skip
+    VLLMInputs,
+    VLLMStats,
+    VLLMStatsRecorder,
+    build_engine,
+    finish_reason,
+    sampling_params,
+    vllm_request_id,
+)
 from vllm.engine.arg_utils import AsyncEngineArgs  # isort: skip
 from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
 from sart.engines.streaming import Chunk, StreamingEngine
-from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
 
@@ -88,11 +96,9 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         As ``VLLMEngine.from_engine_args``: every engine argument passes
         through, prefix caching is on, a ``VLLMStatsRecorder`` is installed.
         """
-        args = AsyncEngineArgs(
-            model=model, enable_prefix_caching=enable_prefix_caching, **engine_args
+        llm, recorder = build_engine(
+            AsyncLLM, AsyncEngineArgs, model, enable_prefix_caching, stat_loggers, engine_args
         )
-        recorder = VLLMStatsRecorder()
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
         return cls(llm, tokenizer, chat=chat, stats_recorder=recorder)
 
     # ------------------------------------------------------------- contract
@@ -117,26 +123,18 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         prefix_tokens: Sequence[int],
     ) -> AsyncIterator[Chunk]:
         ids, max_tokens = self._branch_input(branch, prefix_tokens)
-        params = self._sampling_params(sampling, seed, max_tokens)
-        vid = str(branch)
+        params = sampling_params(sampling, seed, max_tokens)
         engine_input = self._engine_input(ids)
-        async for out in self.async_llm.generate(engine_input, params, vid):
+        async for out in self.async_llm.generate(engine_input, params, vllm_request_id(branch)):
             if not out.outputs:
                 continue
             completion = out.outputs[0]
-            finish = None
-            if out.finished:
-                finish = _FINISH.get(completion.finish_reason or "")
-                if finish is None:
-                    raise EngineError(
-                        f"vLLM ended branch {branch} with finish_reason="
-                        f"{completion.finish_reason!r} ({completion.stop_reason!r})",
-                        [branch.request_id],
-                    )
+            # vLLM ending it itself (abort, error) raises EngineError: its request fails.
+            finish = finish_reason(branch, completion) if out.finished else None
             yield Chunk(token_ids=tuple(completion.token_ids), text=completion.text, finish=finish)
 
     async def _cancel(self, branch: BranchId) -> None:
-        await self.async_llm.abort(str(branch))
+        await self.async_llm.abort(vllm_request_id(branch))
 
     async def _prompt_tokens(self, prompt: Prompt) -> int:
         return len(self._prompt_ids(prompt))

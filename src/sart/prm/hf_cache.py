@@ -1,0 +1,149 @@
+"""transformers KV caches as the transformers PRMs use them: pass, crop, merge, split.
+
+Needs torch and transformers; used by ``sart.prm.hf``, which re-exports
+``CacheAPI``. ``CacheAPI`` hides what differs between transformers 4.x and
+5.x (the argument's name, how a cache is cropped, where its tensors live);
+``stack_left_padded`` and ``cut_rows`` merge the caches of several rows into
+one batch (each row's positions right-aligned after zero left pads) and cut
+the batch back into one cache per row.
+
+Only a ``DynamicCache`` of plain layers can be merged and split
+(``CacheAPI.tensors`` is ``None`` for sliding windows, quantised, static or
+offloaded caches). A model's per-position cache state (``cache_state_key``,
+see ``sart.prm.hf``) is stacked and cut with the same two functions, along
+its positions' dimension.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import transformers
+
+__all__ = ["CacheAPI", "cut_rows", "stack_left_padded"]
+
+
+@attrs.frozen
+class CacheAPI:
+    """How a model's ``forward`` takes a KV cache: ``cache=`` in transformers 5.x,
+    ``past_key_values=`` in 4.x (and in custom code written for it, such as
+    Qwen2.5-Math-PRM's). Inspected once per model."""
+
+    argument: str
+
+    @classmethod
+    def of(cls, model: Any) -> CacheAPI:
+        try:
+            parameters = inspect.signature(model.forward).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        return cls("cache" if "cache" in parameters else "past_key_values")
+
+    @staticmethod
+    def new(model: Any) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=model.config)
+        except TypeError:  # transformers < 4.56 takes no config
+            return DynamicCache()
+
+    def returned(self, output: Any, passed: Any) -> Any:
+        """The cache after a forward: the one the output carries, under the same
+        name as the argument, if any (4.x causal LMs return it), else the one
+        passed in, which the model filled in place (token-classification
+        outputs and Qwen's custom code carry none)."""
+        value = getattr(output, self.argument, None)
+        if value is None or value is passed:
+            return passed
+        if isinstance(value, tuple):  # the legacy format, from old custom code
+            return transformers.DynamicCache.from_legacy_cache(value)
+        return value
+
+    @staticmethod
+    def crop(cache: Any, length: int) -> None:
+        """Keep the first ``length`` tokens. A negative ``crop`` argument means
+        "remove that many" in both 4.x and 5.x (5.x refuses positive ones)."""
+        remove = cache.get_seq_length() - length
+        if remove > 0:
+            cache.crop(-remove)
+        if cache.get_seq_length() != length:
+            raise RuntimeError(f"cache crop to {length} left {cache.get_seq_length()} tokens")
+
+    @staticmethod
+    def tensors(cache: Any) -> list[tuple[Any, Any]] | None:
+        """Each layer's (keys, values), ``[batch, heads, positions, head_dim]``, if
+        the cache is laid out so that rows can be merged and split: a
+        ``DynamicCache`` of plain ``DynamicLayer`` objects (transformers 5.x and
+        late 4.x) or of ``key_cache``/``value_cache`` lists (earlier 4.x).
+        ``None`` for any other (sliding windows, quantised, static, offloaded).
+        """
+        if type(cache) is not transformers.DynamicCache:
+            return None
+        layers = getattr(cache, "layers", None)
+        if layers is not None:
+            if not all(type(layer) is _DYNAMIC_LAYER and layer.is_initialized for layer in layers):
+                return None
+            out = [(layer.keys, layer.values) for layer in layers]
+        else:
+            keys, values = getattr(cache, "key_cache", None), getattr(cache, "value_cache", None)
+            if not isinstance(keys, list) or not isinstance(values, list):
+                return None
+            out = list(zip(keys, values))
+        lengths = {t.shape[-2] if t.dim() == 4 else -1 for pair in out for t in pair}
+        return out if out and len(lengths) == 1 and -1 not in lengths else None
+
+    @staticmethod
+    def fill(cache: Any, tensors: Sequence[tuple[Any, Any]]) -> Any:
+        """``cache``, new and empty, holding ``tensors`` (as ``tensors`` returns
+        them) as they are, not copied."""
+        layers = getattr(cache, "layers", None)
+        for i, (keys, values) in enumerate(tensors):
+            if layers is not None and i < len(layers) and type(layers[i]) is _DYNAMIC_LAYER:
+                _install(layers[i], keys, values)
+            else:  # 4.x lists: ``update`` appends a layer's first tensors as they are
+                cache.update(keys, values, i)
+        return cache
+
+
+_DYNAMIC_LAYER = getattr(transformers.cache_utils, "DynamicLayer", None)
+
+
+def _install(layer: Any, keys: Any, values: Any) -> None:
+    """Put tensors into an empty ``DynamicLayer`` as they are (its ``update``
+    would concatenate them to an empty tensor: a copy of the whole cache)."""
+    try:
+        layer.lazy_initialization(keys, values)  # sets the device and dtype
+    except TypeError:  # transformers 4.5x: lazy_initialization(key_states)
+        layer.lazy_initialization(keys)
+    layer.keys, layer.values = keys, values
+
+
+def stack_left_padded(parts: Sequence[Any], lengths: Sequence[int], dim: int) -> Any:
+    """Row ``r`` of the result is the first ``lengths[r]`` entries along ``dim`` of
+    ``parts[r]`` (a batch of one), right-aligned in ``max(lengths)``, zeros on the
+    left. Zeros, not garbage: a masked key gets weight 0, and 0 * NaN is NaN
+    (only the pads are zeroed: zeroing the whole tensor first costs a pass)."""
+    width = max(lengths)
+    shape = list(parts[0].shape)
+    shape[0], shape[dim] = len(parts), width
+    out = parts[0].new_empty(shape)
+    for r, (part, n) in enumerate(zip(parts, lengths)):
+        row = out[r]
+        row.narrow(dim - 1, 0, width - n).zero_()
+        row.narrow(dim - 1, width - n, n).copy_(part[0].narrow(dim - 1, 0, n))
+    return out
+
+
+def cut_rows(merged: Any, held: int, spans: Sequence[tuple[int, int]], dim: int) -> list[Any]:
+    """Row ``r`` of ``merged`` as a batch of one, its ``spans[r] = (past, new)``
+    positions only: from ``held - past`` (after the left pads) to ``held + new``
+    (before the right pads). Copied (``clone`` of a slice is compact): a view
+    would keep the whole batch alive."""
+    return [
+        merged[r : r + 1].narrow(dim, held - past, past + new).clone()
+        for r, (past, new) in enumerate(spans)
+    ]
