@@ -4,6 +4,14 @@ Like Gymnasium's ``check_env``: call it from your adapter's tests with a
 factory that builds a fresh engine. It drives the engine through the contract
 in ``sart.engines.base`` and raises ``AssertionError`` with a message saying
 which rule broke.
+
+Besides the life of well-behaved requests (prefill, branches, steps, aborts,
+release, determinism, forks), it checks misuse: every call out of contract
+(a second prefill, starting an index twice, aborting a branch that is not
+live, releasing an unknown prefix, ...) must be refused -- with an
+``EngineError`` naming only the request involved, or ``EngineMisuse`` from a
+strict test engine -- must change nothing, and must leave the engine serving
+its other requests.
 """
 
 from __future__ import annotations
@@ -11,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from sart.engines.base import BranchSpec, Engine, StepOutput, supports_fork
+from sart.engines.ledger import EngineMisuse
+from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 
@@ -35,6 +45,7 @@ def check_engine(
     again = _check_lifecycle(factory(), prompts, sampling, num_branches)
     _require(texts == again, "same prompts and seeds must give the same text on a fresh engine")
     _check_until_first_end(factory(), prompts[0], sampling, num_branches)
+    _check_misuse(factory(), prompts[0], sampling)
     engine = factory()
     if supports_fork(engine):
         _check_fork(engine, prompts[0], sampling)
@@ -187,3 +198,89 @@ def _check_fork(engine: Engine, prompt: Prompt, sampling: SamplingSettings) -> N
     _require(not live, "forked branches must end within max_tokens")
     engine.release_prefix("conf-f")
     _require(engine.stats().live_branches == 0, "no branch may stay live after a fork")
+
+
+def _check_misuse(engine: Engine, prompt: Prompt, sampling: SamplingSettings) -> None:
+    """Calls out of contract are refused, change nothing, and the engine goes on."""
+    idle = engine.step(4)
+    _require(
+        isinstance(idle, StepOutput) and idle.steps == 0 and not idle.deltas,
+        f"step() with no live branch must return StepOutput(steps=0, deltas={{}}), got {idle!r}",
+    )
+    base = engine.stats()
+    rid, other = "conf-m", "conf-none"
+    engine.prefill(rid, prompt, sampling)
+    engine.start_branches(rid, [BranchSpec(0, 11), BranchSpec(1, 12)])
+    held = engine.stats()
+    cases: list[tuple[str, str, Callable[[], object]]] = [
+        ("a second prefill of a held prefix", rid, lambda: engine.prefill(rid, prompt, sampling)),
+        (
+            "start_branches for a request with no prefix",
+            other,
+            lambda: engine.start_branches(other, [BranchSpec(0, 1)]),
+        ),
+        (
+            "start_branches of a branch index started before",
+            rid,
+            lambda: engine.start_branches(rid, [BranchSpec(1, 13)]),
+        ),
+        (
+            "start_branches of one index twice in one call",
+            rid,
+            lambda: engine.start_branches(rid, [BranchSpec(2, 14), BranchSpec(2, 15)]),
+        ),
+        (
+            "abort of a branch that was never started",
+            rid,
+            lambda: engine.abort([BranchId(rid, 7)]),
+        ),
+        (
+            "abort of one branch twice in one call",
+            rid,
+            lambda: engine.abort([BranchId(rid, 0), BranchId(rid, 0)]),
+        ),
+        ("release_prefix of a request with no prefix", other, lambda: engine.release_prefix(other)),
+    ]
+    if supports_fork(engine):
+        cases.append(
+            (
+                "a fork from a branch that is not live",
+                rid,
+                lambda: engine.start_branches(rid, [BranchSpec(3, 16, parent=7)]),
+            )
+        )
+    for rule, request_id, call in cases:
+        _require_refused(rule, request_id, call)
+        _require(engine.stats() == held, f"a refused {rule} must change nothing")
+    # Still serving: the request's branches run to their end and its prefix is freed.
+    live = {BranchId(rid, 0), BranchId(rid, 1)}
+    tokens: dict[BranchId, int] = {}
+    for _ in range(sampling.max_tokens + 1):
+        if not live:
+            break
+        live -= _check_step(engine.step(3), 3, live, sampling.max_tokens, tokens)
+    _require(not live, "after refused calls, the request's branches must still run to their end")
+    engine.release_prefix(rid)
+    end = engine.stats()
+    _require(
+        (end.live_branches, end.kv_tokens) == (base.live_branches, base.kv_tokens),
+        "after refused calls, releasing the request must free everything it held",
+    )
+
+
+def _require_refused(rule: str, request_id: str, call: Callable[[], object]) -> None:
+    try:
+        call()
+    except EngineMisuse:  # a strict test engine: a bug in the caller
+        return
+    except EngineError as exc:
+        _require(
+            exc.request_ids == {request_id},
+            f"{rule} must fail only request {request_id!r}, not {sorted(exc.request_ids)}",
+        )
+        return
+    except Exception as exc:
+        raise AssertionError(
+            f"engine contract: {rule} must raise EngineError naming {request_id!r}, not {exc!r}"
+        ) from exc
+    raise AssertionError(f"engine contract: {rule} must be refused")
