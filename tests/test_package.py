@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +22,32 @@ def test_import_sart_loads_no_engine_or_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+#: The pure core: it decides, never acts, and knows no adapter (docs/architecture.md).
+CORE = ("scheduler.py", "commands.py", "state.py", "views.py", "messages.py", "policies")
+
+
+def test_the_core_imports_no_adapter_module() -> None:
+    root = Path(sart.__file__).parent
+    files = [
+        p
+        for name in CORE
+        for p in ([root / name] if name.endswith(".py") else sorted((root / name).glob("*.py")))
+    ]
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            for name in names:
+                assert not name.startswith(("sart.engines", "sart.prm", "sart.bench")), (
+                    f"{path.relative_to(root)} imports {name}: the core must not know the adapters"
+                )
 
 
 def test_exported_names_exist_and_are_unique() -> None:

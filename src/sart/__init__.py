@@ -12,15 +12,7 @@ from sart.answers import extract_answer
 from sart.async_driver import AsyncDriver
 from sart.clock import Clock, VirtualClock, WallClock
 from sart.driver import SyncDriver, TimelineSample, run
-from sart.engines.base import (
-    AsyncEngine,
-    BranchDelta,
-    BranchSpec,
-    Engine,
-    EngineStats,
-    ReportsUsage,
-    StepOutput,
-)
+from sart.engines.base import AsyncEngine, Engine, EngineStats, ReportsUsage
 from sart.errors import (
     ConfigError,
     EngineError,
@@ -30,6 +22,7 @@ from sart.errors import (
     SchedulerError,
     UnknownComponentError,
 )
+from sart.messages import BranchDelta, BranchSpec, ScoreItem, StepOutput
 from sart.policies import (
     AllDone,
     BestReward,
@@ -49,7 +42,7 @@ from sart.policies import (
     self_consistency,
     vanilla,
 )
-from sart.prm.base import PRM, PricedPRM, ScoreItem
+from sart.prm.base import PRM, PricedPRM
 from sart.prm.priced import CostedPRM
 from sart.registry import load_engine, load_prm, register_engine, register_prm
 from sart.request import Request

@@ -27,8 +27,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from sart.engines.base import BranchSpec, StepOutput
-from sart.prm.base import ScoreItem
+from sart.messages import BranchSpec, ScoreItem, StepOutput
 from sart.request import Request
 from sart.results import RequestResult
 from sart.types import BranchId

@@ -61,9 +61,10 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import Engine, StepOutput, engine_clock, supports_fork
+from sart.engines.base import Engine, engine_clock, supports_fork
 from sart.errors import ConfigError, EngineError, PRMError
-from sart.prm.base import PRM, PricedPRM, ScoreItem
+from sart.messages import ScoreItem, StepOutput
+from sart.prm.base import PRM, PricedPRM
 from sart.request import Request
 from sart.results import RequestResult
 from sart.scheduler import Scheduler, SchedulerConfig

@@ -65,9 +65,8 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import BranchSpec
 from sart.errors import ConfigError, PRMError, SchedulerError, config_check, enum_converter
-from sart.prm.base import ScoreItem, validate_reward
+from sart.messages import BranchSpec, ScoreItem, validate_reward
 from sart.request import Request
 from sart.results import RequestResult
 from sart.state import BranchState, RequestMeta, RequestState

@@ -28,51 +28,14 @@ on. Any other exception fails every request the call involved.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
 
 from sart.clock import Clock
+from sart.messages import BranchDelta, BranchSpec, StepOutput
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
-
-
-@attrs.frozen
-class BranchSpec:
-    """A branch to start: its index within the request and its sampling seed."""
-
-    index: int
-    seed: int
-    parent: int | None = None
-    """Fork: start from this live branch's current state (its generated tokens
-    and their KV) instead of from the bare prefix. Only engines with
-    ``supports_fork = True`` accept it."""
-
-
-@attrs.frozen
-class BranchDelta:
-    """What one branch did during one ``step`` call."""
-
-    new_tokens: int
-    """Tokens generated in this call."""
-    text: str
-    """Their text."""
-    finish: FinishReason | None = None
-    """Set if the branch ended in this call (its KV is then already freed)."""
-    end_offset: int | None = None
-    """1-based step within this call at which it ended."""
-    token_ids: tuple[int, ...] = ()
-    """The new tokens' ids, for engines that have them (empty otherwise)."""
-
-
-@attrs.frozen
-class StepOutput:
-    """Result of one ``step`` call."""
-
-    steps: int
-    """Decode steps actually run (fewer than asked if the call ended early)."""
-    deltas: Mapping[BranchId, BranchDelta]
-    """Per live branch; a branch that made no progress may be absent."""
 
 
 class StepDeltas:
@@ -210,3 +173,17 @@ def engine_clock(engine: object) -> Clock | None:
     """The engine's own (virtual) clock, if it keeps one."""
     clock = getattr(engine, "clock", None)
     return clock if isinstance(clock, Clock) else None
+
+
+__all__ = [
+    "AsyncEngine",
+    "BranchDelta",
+    "BranchSpec",
+    "Engine",
+    "EngineStats",
+    "ReportsUsage",
+    "StepDeltas",
+    "StepOutput",
+    "engine_clock",
+    "supports_fork",
+]

@@ -2,28 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-import attrs
-
-from sart.errors import PRMError
-from sart.types import BranchId, Prompt
-
-
-@attrs.frozen
-class ScoreItem:
-    """One branch to score."""
-
-    branch: BranchId
-    prompt: Prompt
-    text: str
-    """The branch's response so far."""
-    num_tokens: int
-    """Tokens generated so far (lets a PRM or a script key on progress)."""
-    final: bool
-    """True when the branch has completed (this is its final score)."""
+from sart.messages import ScoreItem, validate_reward
 
 
 @runtime_checkable
@@ -60,17 +42,4 @@ class PricedPRM(Protocol):
     def cost(self, items: Sequence[ScoreItem]) -> float: ...
 
 
-def validate_reward(value: object, branch: BranchId) -> float:
-    """Return ``value`` as a float in [0, 1], or raise ``PRMError`` naming the branch."""
-    try:
-        reward = float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise PRMError(
-            f"PRM returned {value!r} for branch {branch}, not a number", [branch.request_id]
-        ) from None
-    if math.isnan(reward) or not 0.0 <= reward <= 1.0:
-        raise PRMError(
-            f"PRM returned reward {reward!r} for branch {branch}; rewards must be in [0, 1]",
-            [branch.request_id],
-        )
-    return reward
+__all__ = ["PRM", "PricedPRM", "ScoreItem", "validate_reward"]

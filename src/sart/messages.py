@@ -1,0 +1,88 @@
+"""What the core exchanges with engines and PRMs: plain data, no behaviour.
+
+The scheduler's commands (``sart.commands``) carry these values to a driver,
+which hands them to an engine or a PRM and brings their answers back:
+``BranchSpec`` (a branch to start), ``StepOutput`` / ``BranchDelta`` (what a
+decode call did), ``ScoreItem`` (a branch to score) and ``validate_reward``
+(the one check of a PRM's answer). They live in the core, beside the
+scheduler that reads them; the engine and PRM contracts
+(``sart.engines.base``, ``sart.prm.base``) re-export them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+
+from sart.errors import PRMError
+from sart.types import BranchId, FinishReason, Prompt
+
+
+@attrs.frozen
+class BranchSpec:
+    """A branch to start: its index within the request and its sampling seed."""
+
+    index: int
+    seed: int
+    parent: int | None = None
+    """Fork: start from this live branch's current state (its generated tokens
+    and their KV) instead of from the bare prefix. Only engines with
+    ``supports_fork = True`` accept it."""
+
+
+@attrs.frozen
+class BranchDelta:
+    """What one branch did during one ``step`` call."""
+
+    new_tokens: int
+    """Tokens generated in this call."""
+    text: str
+    """Their text."""
+    finish: FinishReason | None = None
+    """Set if the branch ended in this call (its KV is then already freed)."""
+    end_offset: int | None = None
+    """1-based step within this call at which it ended."""
+    token_ids: tuple[int, ...] = ()
+    """The new tokens' ids, for engines that have them (empty otherwise)."""
+
+
+@attrs.frozen
+class StepOutput:
+    """Result of one ``step`` call."""
+
+    steps: int
+    """Decode steps actually run (fewer than asked if the call ended early)."""
+    deltas: Mapping[BranchId, BranchDelta]
+    """Per live branch; a branch that made no progress may be absent."""
+
+
+@attrs.frozen
+class ScoreItem:
+    """One branch to score."""
+
+    branch: BranchId
+    prompt: Prompt
+    text: str
+    """The branch's response so far."""
+    num_tokens: int
+    """Tokens generated so far (lets a PRM or a script key on progress)."""
+    final: bool
+    """True when the branch has completed (this is its final score)."""
+
+
+def validate_reward(value: object, branch: BranchId) -> float:
+    """Return ``value`` as a float in [0, 1], or raise ``PRMError`` naming the branch."""
+    try:
+        reward = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise PRMError(
+            f"PRM returned {value!r} for branch {branch}, not a number", [branch.request_id]
+        ) from None
+    if math.isnan(reward) or not 0.0 <= reward <= 1.0:
+        raise PRMError(
+            f"PRM returned reward {reward!r} for branch {branch}; rewards must be in [0, 1]",
+            [branch.request_id],
+        )
+    return reward
