@@ -11,7 +11,7 @@ from sart.bench.command import add_bench_parser, add_trace_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
-from sart.errors import MissingDependencyError, SartError
+from sart.errors import EXTRAS, MissingDependencyError, SartError
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
@@ -103,21 +103,6 @@ def _parser() -> argparse.ArgumentParser:
     quick.set_defaults(func=_quickstart)
     add_testbed_parser(sub)
     return parser
-
-
-#: Top-level modules of the optional extras -> the extra that installs them.
-EXTRAS = {
-    "torch": "hf",
-    "transformers": "hf",
-    "tokenizers": "hf",
-    "vllm": "vllm",
-    "sglang": "sglang",
-    "rich": "bench",
-    "matplotlib": "bench",
-    "httpx": "remote",
-    "fastapi": "server",
-    "uvicorn": "server",
-}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -42,6 +42,21 @@ class MissingDependencyError(SartError, ImportError):
     """An optional dependency is missing; the message says which extra to install."""
 
 
+#: Top-level modules of the optional extras -> the extra that installs them.
+EXTRAS = {
+    "torch": "hf",
+    "transformers": "hf",
+    "tokenizers": "hf",
+    "vllm": "vllm",
+    "sglang": "sglang",
+    "rich": "bench",
+    "matplotlib": "bench",
+    "httpx": "remote",
+    "fastapi": "server",
+    "uvicorn": "server",
+}
+
+
 class _AttributedError(SartError):
     """An error that may name the requests it affects."""
 

@@ -1,4 +1,4 @@
-"""Lazy registries of engines and PRMs: a name maps to ``"module:attribute"``.
+"""Lazy registries of engines and PRMs: a name maps to ``"module:attribute"`` (or a class).
 
 Nothing is imported until ``load_engine``/``load_prm`` is called, so optional
 backends (torch, vLLM, SGLang) cost nothing until used. Users register their
@@ -12,12 +12,12 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from sart.errors import MissingDependencyError, UnknownComponentError
+from sart.errors import EXTRAS, MissingDependencyError, UnknownComponentError
 
 T = TypeVar("T")
 
-# Built-ins. Names whose module does not exist yet are added by the issues
-# that build them (vllm, sglang), never listed before they work.
+# Built-ins: every name here loads an adapter that exists and is tested (the API
+# reference must name each one: tests/test_docs.py).
 _ENGINES: dict[str, Any] = {
     "fake": "sart.engines.fake:FakeEngine",
     "sim": "sart.engines.sim:SimEngine",
@@ -34,8 +34,9 @@ _PRMS: dict[str, Any] = {
     "vllm-qwen": "sart.prm.vllm:VLLMQwenPRM",
 }
 
-# Which extra provides a third-party module, for the error message.
-_EXTRAS = {"torch": "hf", "transformers": "hf", "vllm": "vllm", "sglang": "sglang"}
+# Which extra provides a third-party module, for the error message (one table for
+# sart; a name here so that tests can swap it).
+_EXTRAS = EXTRAS
 
 
 def register_engine(name: str, target: str | type) -> None:
