@@ -14,14 +14,8 @@ import sart  # noqa: E402
 from sart.bench.real import arrivals, load_prompts, record_trace  # noqa: E402
 from sart.bench.traces import Trace  # noqa: E402
 from sart.cli import main  # noqa: E402
-from sart.demo_models import build_demo_models  # noqa: E402
 from sart.engines.hf import HFEngine  # noqa: E402
 from sart.testing import ScriptedPRM  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_demo_models(tmp_path_factory.mktemp("demo"))
 
 
 def test_prompt_files_are_checked(tmp_path: Path) -> None:
@@ -50,7 +44,7 @@ def test_arrivals_are_seeded_and_increasing() -> None:
 
 
 def test_bench_on_the_transformers_engine(
-    demo: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    demo_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "out"
     argv = [
@@ -58,9 +52,9 @@ def test_bench_on_the_transformers_engine(
         "--engine",
         "hf",
         "--model",
-        str(demo["policy"]),
+        str(demo_models["policy"]),
         "--prompts",
-        str(demo["prompts"]),
+        str(demo_models["prompts"]),
         "--methods",
         "vanilla",
         "sc",
@@ -88,7 +82,7 @@ def test_bench_on_the_transformers_engine(
 
 
 def test_bench_hf_needs_a_prm_for_sart(
-    demo: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    demo_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit):
         main(
@@ -97,9 +91,9 @@ def test_bench_hf_needs_a_prm_for_sart(
                 "--engine",
                 "hf",
                 "--model",
-                str(demo["policy"]),
+                str(demo_models["policy"]),
                 "--prompts",
-                str(demo["prompts"]),
+                str(demo_models["prompts"]),
                 "--methods",
                 "sart",
                 "--out",
@@ -109,9 +103,9 @@ def test_bench_hf_needs_a_prm_for_sart(
     assert "needs --prm PATH" in capsys.readouterr().err
 
 
-def test_record_trace_from_a_real_run(demo: dict[str, Path], tmp_path: Path) -> None:
-    engine = HFEngine.from_pretrained(str(demo["policy"]), dtype=torch.float32)
-    items = load_prompts(demo["prompts"])[:3]
+def test_record_trace_from_a_real_run(demo_models: dict[str, Path], tmp_path: Path) -> None:
+    engine = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+    items = load_prompts(demo_models["prompts"])[:3]
     sampling = sart.SamplingSettings(temperature=1.0, max_tokens=10)
     prm = ScriptedPRM(every=4)
     trace = record_trace(items, engine, prm, n=3, interval=4, sampling=sampling, rate=100.0)

@@ -14,26 +14,27 @@ import pytest
 pytest.importorskip("vllm")
 
 from sart.cli import main
-from sart.demo_models import build_demo_models
 
 
 def test_bench_serves_every_method_on_vllm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    demo_models: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    demo = build_demo_models(tmp_path / "demo")
     out = tmp_path / "out"
     argv = [
         "bench",
         "--engine",
         "vllm",
         "--model",
-        str(demo["policy"]),
+        str(demo_models["policy"]),
         "--prm",
-        str(demo["qwen-prm"]),
+        str(demo_models["qwen-prm"]),
         "--prompts",
-        str(demo["prompts"]),
+        str(demo_models["prompts"]),
         "--methods",
         "vanilla",
         "sc",

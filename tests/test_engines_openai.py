@@ -15,25 +15,22 @@ tests below check that.
 disconnect seen by the server (abort), and connections refused, dropped
 before the answer or reset mid-stream (retries and failures), where the
 errors are the ones httpx really raises.
+
+The real server is the session's ``vllm serve`` (``conftest.vllm_server``);
+the scenarios every real adapter shares run against it in
+``test_engines_scenarios.py``, and the real tests here check what only a
+server shows (its prompt ids, aborts on a client's disconnect).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib.util
 import itertools
 import json
-import os
 import random
-import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
@@ -41,20 +38,20 @@ import pytest
 httpx = pytest.importorskip("httpx")
 
 import sart  # noqa: E402
+from adapters import (  # noqa: E402
+    PROMPTS,
+    VLLM_SERVER_MAX_MODEL_LEN,
+    free_port,
+    pruning_workload,
+    server_metric,
+)
 from sart.engines.base import BranchSpec  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
-from sart.engines.scripts import BranchScript, ScriptTable  # noqa: E402
 from sart.engines.streaming import SyncBridge  # noqa: E402
-from sart.testing import ScriptedPRM, check_engine  # noqa: E402
-from sart.types import BranchId, BranchStatus, FinishReason  # noqa: E402
+from sart.testing import check_engine  # noqa: E402
+from sart.types import BranchId, FinishReason  # noqa: E402
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandInServer:
@@ -601,11 +598,7 @@ def test_a_fork_without_ids_continues_from_its_parents_text() -> None:
 
 
 def test_sart_end_to_end_on_the_stand_in(server: StandInServer) -> None:
-    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
-    ids = [f"q{i}" for i in range(3)]
-    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=2)
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=12)
-    requests = [sart.Request(rid, "p " + rid, sart.sart(4, interval=2), sampling) for rid in ids]
+    requests, prm = pruning_workload([f"p q{i}" for i in range(3)], every=2, max_tokens=12)
     bridge = SyncBridge(engine(server))
     results = sart.run(requests, bridge, prm, batch_size=8)
     assert all(r.ok for r in results), [r.reason for r in results]
@@ -620,106 +613,16 @@ class _Words:
 
 # --------------------------------------------------------------- real vLLM tests
 
-VLLM_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-    # One unpinned OpenMP thread: by default vLLM-CPU pins a thread to every core,
-    # and on a 2-core machine the test process (the client) then starves; a slow
-    # client let aborted branches run to their end before the abort reached vLLM.
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-}
-PROMPTS = ("Step 1: add 3 and 4.", "Step 1: add 12 and 7. Then check it: 12 + 7 =")
-
-
-@pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed here")
-    from sart.demo_models import build_demo_models
-
-    root = tmp_path_factory.mktemp("demo")
-    policy = build_demo_models(root)["policy"]
-    port = free_port()
-    log = (root / "vllm-serve.log").open("w")
-    cmd = [
-        # `vllm serve` reads the version of a distribution named "vllm", which
-        # vllm-cpu is not; its deprecated module entry point skips that.
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(policy),
-        "--served-model-name",
-        "demo",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        "4096",  # room for branches that outlive an abort (the tiny model is fast)
-        "--max-num-seqs",
-        "64",
-        "--enforce-eager",
-        "--seed",
-        "0",
-    ]
-    env = {**os.environ, **VLLM_ENV}
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"vllm serve exited ({proc.returncode}):\n"
-                    + (root / "vllm-serve.log").read_text()[-4000:]
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm serve did not become healthy in 240 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    """A vLLM Prometheus metric from ``/metrics``, summed over its series (``labels``:
-    a substring the series' labels must contain)."""
-    text = httpx.get(url + "/metrics", timeout=5).text
-    series = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)
-    return sum(float(v) for lab, v in series if labels in lab)
-
 
 def running(url: str) -> float:
-    return metric(url, "vllm:num_requests_running")
+    return server_metric(url, "vllm:num_requests_running")
 
 
 def finished(url: str, reason: str = "length") -> float:
     """Requests that vLLM finished for ``reason`` (``stop``, ``length``...). Not the sum
     over reasons: vLLM counts a request aborted on a client's disconnect under
     ``abort`` too, depending on when the abort reaches its engine core."""
-    return metric(url, "vllm:request_success_total", f'finished_reason="{reason}"')
-
-
-def test_real_passes_the_conformance_suite(vllm_server: str) -> None:
-    check_engine(lambda: SyncBridge(OpenAIEngine(vllm_server, "demo")), prompts=PROMPTS)
+    return server_metric(url, "vllm:request_success_total", f'finished_reason="{reason}"')
 
 
 def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
@@ -728,7 +631,7 @@ def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
         sampling = sart.SamplingSettings(temperature=1.0, max_tokens=10, seed=1)
         n = await e.prefill("a", PROMPTS[0], sampling)
         ids, max_len = await e._tokenize(PROMPTS[0], "a")
-        assert n == len(ids) and max_len == 4096
+        assert n == len(ids) and max_len == VLLM_SERVER_MAX_MODEL_LEN
         await e.start_branches("a", [BranchSpec(0, 1), BranchSpec(1, 2)])
         deltas = await drain(e)
         for got in deltas.values():
@@ -751,14 +654,14 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
         sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens, seed=1)
         await e.prefill("a", PROMPTS[1], sampling)
         finished0 = finished(vllm_server)
-        tokens0 = metric(vllm_server, "vllm:generation_tokens_total")
+        tokens0 = server_metric(vllm_server, "vllm:generation_tokens_total")
         await e.start_branches("a", [BranchSpec(j, 10 + j) for j in range(width)])
         await e.step(1)
         # vLLM's engine runs ahead of what its API server has streamed (from 100 to
         # over 13,000 of the 128,000 tokens were made before the client saw a token
         # of every branch, in three quiet runs): what an abort can save depends on
         # what is left when it lands, so measure that.
-        made_before = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
+        made_before = server_metric(vllm_server, "vllm:generation_tokens_total") - tokens0
         done_before = finished(vllm_server) - finished0
         await e.abort([BranchId("a", j) for j in range(cut)])
         assert e.stats().live_branches == width - cut
@@ -779,48 +682,11 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str) -> None:
         # few hundred tokens each (those in flight).
         ran_out = finished(vllm_server) - finished0
         assert width - cut <= ran_out <= width - cut + done_before + 1
-        made = metric(vllm_server, "vllm:generation_tokens_total") - tokens0
+        made = server_metric(vllm_server, "vllm:generation_tokens_total") - tokens0
         assert (width - cut) * max_tokens <= made
         assert made - made_before <= (width - cut) * max_tokens + cut * 500
 
     asyncio.run(scenario())
-
-
-def test_real_sart_end_to_end(vllm_server: str) -> None:
-    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
-    ids = [f"q{i}" for i in range(4)]
-    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=8)
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=32)
-    requests = [
-        sart.Request(rid, PROMPTS[i % 2], sart.sart(4, interval=8), sampling=sampling)
-        for i, rid in enumerate(ids)
-    ]
-    bridge = SyncBridge(OpenAIEngine(vllm_server, "demo"))
-    results = sart.run(requests, bridge, prm, batch_size=8)
-    assert all(r.ok for r in results), [r.reason for r in results]
-    assert all(r.num_completed >= 1 for r in results)
-    statuses = [b.status for r in results for b in r.branches]
-    assert statuses.count(BranchStatus.PRUNED) >= 4
-    assert all(b.num_tokens <= 32 for r in results for b in r.branches)
-    assert bridge.stats().live_branches == 0
-    for _ in range(100):
-        if running(vllm_server) == 0:
-            break
-        time.sleep(0.05)
-    assert running(vllm_server) == 0
-
-
-def test_real_rebase_forks(vllm_server: str) -> None:
-    table = ScriptTable({"r": [BranchScript(rewards=(r,)) for r in (0.9, 0.1, 0.1)]})
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=24, seed=11)
-    (result,) = sart.run(
-        [sart.Request("r", PROMPTS[1], sart.rebase(3, temperature=0.1, interval=8), sampling)],
-        SyncBridge(OpenAIEngine(vllm_server, "demo")),
-        ScriptedPRM(table, every=8),
-        batch_size=3,
-    )
-    assert result.ok
-    assert all(b.num_tokens <= 24 and b.status.is_ended for b in result.branches)
 
 
 def test_close_closes_the_http_client_from_synchronous_code() -> None:

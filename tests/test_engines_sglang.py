@@ -1,21 +1,9 @@
 """``SGLangEngine`` against a stand-in for ``sglang.Engine`` and, opt-in, a real SGLang.
 
-``SGLangStandIn`` is a stand-in that follows the signatures of ``sglang.Engine``
-read from SGLang's ``python/sglang/srt/entrypoints/engine.py``
-(``async_generate(prompt=None, sampling_params=None, input_ids=None, ...,
-stream=False, ..., rid=None, ...)``, awaited, returning an async generator of
-chunks when ``stream=True``; ``server_args``; ``loop``; ``tokenizer_manager``)
-and ``python/sglang/srt/managers/tokenizer_manager.py`` (``abort_request(rid="",
-abort_all=False)``, ``tokenizer``, ``context_len``, and the chunk format:
-``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", ...}}``, cumulative by default, deltas with
-``incremental_streaming_output``). It is not SGLang: its tokens are a function
-of (input ids, seed, position), it streams them in random bursts, and it
-knows nothing of batching or KV.
-
-SGLang is not installed in CI (its wheels need CUDA), so the adapter's module
-is imported with a stand-in ``sglang`` module in ``sys.modules`` (the module
-only checks that ``sglang`` exists; wrapping an engine does not import it).
+The stand-in (``sglang_standin.SGLangStandIn``) follows ``sglang.Engine``'s
+signatures; it is not SGLang (see its module). The scenarios every real adapter
+shares run on it in ``test_engines_scenarios.py``; this file holds the
+SGLang-specific ones.
 
 The real tests run only where ``sglang`` is importable, a CUDA GPU is present
 and ``SART_SGLANG_MODEL`` names a model::
@@ -27,216 +15,30 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.machinery
 import importlib.util
 import os
-import random
 import sys
 import types
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 import sart
+from adapters import PROMPTS, check_pruned, pruning_workload
 from sart.engines.base import BranchSpec
 from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
 from sart.types import BranchId, BranchStatus, FinishReason
-
-EOS = 2
-
-
-class _WordTokenizer:
-    """A stand-in tokenizer: one id per word (3 + its length), special token 1 first."""
-
-    def encode(self, text: str) -> list[int]:
-        return [1] + [3 + len(w) for w in text.split()]
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = False, tokenize: bool = True
-    ) -> list[int]:
-        assert add_generation_prompt and tokenize
-        return [1, 90] + [3 + len(w) for w in messages[-1]["content"].split()] + [91]
-
-
-class _TokenizerManagerStandIn:
-    """``engine.tokenizer_manager``: ``abort_request`` records the rids it is given."""
-
-    def __init__(self, owner: SGLangStandIn, context_len: int) -> None:
-        self.owner = owner
-        self.tokenizer = _WordTokenizer()
-        self.context_len = context_len
-        self.aborted: list[str] = []
-
-    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        self.aborted.append(rid)
-        self.owner.running.discard(rid)
-
-
-class SGLangStandIn:
-    """A stand-in that follows the signatures of ``sglang.Engine`` read from
-    ``python/sglang/srt/entrypoints/engine.py`` (see the module docstring), not SGLang.
-
-    ``length``: tokens until EOS (the last one, id 2, text ""); ``max_new_tokens``
-    ends a request sooner as ``"length"``. ``burst``: most tokens per chunk;
-    ``delay``: seconds before each chunk.
-    ``incremental``: ``server_args.incremental_streaming_output``. Keys of
-    ``fail_after`` / ``abort_after`` end a rid (e.g. ``":1_a"``): that request's
-    stream raises, or ends with ``finish_reason {"type": "abort"}``, after that
-    many tokens; ``lengths`` gives such rids their own ``length``. ``scripted``:
-    every request streams exactly these chunks instead.
-    """
-
-    def __init__(
-        self,
-        *,
-        length: int = 16,
-        burst: int = 4,
-        incremental: bool = False,
-        context_len: int = 4096,
-        fail_after: Mapping[str, int] | None = None,
-        abort_after: Mapping[str, int] | None = None,
-        lengths: Mapping[str, int] | None = None,
-        scripted: list[dict] | None = None,
-        delay: float = 0.0,
-        loop: asyncio.AbstractEventLoop | None = None,
-        **server_args: Any,
-    ) -> None:
-        self.length = length
-        self.delay = delay
-        self.burst = burst
-        self.fail_after = dict(fail_after or {})
-        self.abort_after = dict(abort_after or {})
-        self.lengths = dict(lengths or {})
-        self.scripted = scripted
-        server_args.setdefault("max_running_requests", None)
-        self.server_args = types.SimpleNamespace(
-            incremental_streaming_output=incremental, **server_args
-        )
-        self.tokenizer_manager = _TokenizerManagerStandIn(self, context_len)
-        self.loop = loop
-        self.calls: list[dict[str, Any]] = []
-        self.running: set[str] = set()
-        self.completed: set[str] = set()
-        self.shut_down = False
-
-    async def async_generate(
-        self,
-        prompt: str | list[str] | None = None,
-        sampling_params: dict | list[dict] | None = None,
-        input_ids: list[int] | list[list[int]] | None = None,
-        image_data: Any = None,
-        return_logprob: bool | list[bool] | None = False,
-        stream: bool = False,
-        rid: str | list[str] | None = None,
-        **rest: Any,
-    ) -> dict | AsyncIterator[dict]:
-        self.calls.append(
-            {
-                "prompt": prompt,
-                "sampling_params": dict(sampling_params or {}),
-                "input_ids": list(input_ids or []),
-                "stream": stream,
-                "rid": rid,
-            }
-        )
-        assert isinstance(rid, str) and stream is True, "the adapter streams single requests"
-        self.running.add(rid)
-        if self.scripted is not None:
-            return self._replay(self.scripted, rid)
-        return self._stream(list(input_ids or []), dict(sampling_params or {}), rid)
-
-    async def _replay(self, chunks: list[dict], rid: str) -> AsyncIterator[dict]:
-        for chunk in chunks:
-            await asyncio.sleep(0)
-            yield chunk
-        self.running.discard(rid)
-
-    def shutdown(self) -> None:
-        self.shut_down = True
-
-    def tokens(self, input_ids: list[int], seed: int, length: int | None = None) -> list[int]:
-        """The request's tokens: a function of its input ids and seed."""
-        rng = random.Random(repr((input_ids, seed)))
-        return [rng.randint(3, 60) for _ in range((length or self.length) - 1)] + [EOS]
-
-    async def _stream(self, input_ids: list[int], params: dict, rid: str) -> AsyncIterator[dict]:
-        length = next((n for key, n in self.lengths.items() if rid.endswith(key)), None)
-        tokens = self.tokens(input_ids, params.get("sampling_seed", 0), length)
-        budget = params.get("max_new_tokens", 128)
-        end = min(len(tokens), budget)
-        fail = next((n for key, n in self.fail_after.items() if rid.endswith(key)), None)
-        abort = next((n for key, n in self.abort_after.items() if rid.endswith(key)), None)
-        rng = random.Random(repr((input_ids, params)))
-        incremental = self.server_args.incremental_streaming_output
-        done: list[int] = []
-        text = ""
-        try:
-            while len(done) < end:
-                await asyncio.sleep(self.delay)
-                if rid not in self.running:  # aborted: SGLang sends an abort finish
-                    raise AssertionError(f"the adapter read the stream of aborted {rid}")
-                new = tokens[len(done) : len(done) + rng.randint(1, self.burst)][: end - len(done)]
-                if fail is not None and len(done) + len(new) >= fail:
-                    raise RuntimeError(f"stand-in stream of {rid} broke")
-                reason = None
-                if abort is not None and len(done) + len(new) >= abort:
-                    reason = {"type": "abort", "message": "out of memory", "status_code": 503}
-                elif len(done) + len(new) == end:
-                    if end == len(tokens):
-                        reason = {"type": "stop", "matched": EOS}
-                    else:
-                        reason = {"type": "length", "length": end}
-                piece = "".join("" if t == EOS else f"t{t} " for t in new)
-                done += new
-                text += piece
-                meta = {
-                    "id": rid,
-                    "finish_reason": reason,
-                    "prompt_tokens": len(input_ids),
-                    "completion_tokens": len(done),
-                    "cached_tokens": 0,
-                }
-                if reason is not None:  # SGLang drops a request's state before its last chunk
-                    self.completed.add(rid)
-                    self.running.discard(rid)
-                if incremental:
-                    yield {"text": piece, "output_ids": list(new), "meta_info": meta}
-                else:
-                    yield {"text": text, "output_ids": list(done), "meta_info": meta}
-                if reason is not None:
-                    return
-        finally:
-            self.running.discard(rid)
-
-
-# ----------------------------------------------------------- the module, on the stand-in
-
-
-def _standin_sglang_module() -> types.ModuleType:
-    """A stand-in ``sglang`` module: ``sglang.Engine`` is ``SGLangStandIn``."""
-    module = types.ModuleType("sglang")
-    module.__spec__ = importlib.machinery.ModuleSpec("sglang", None)
-    module.Engine = SGLangStandIn  # type: ignore[attr-defined]
-    return module
-
-
-def _forget_adapter_module() -> None:
-    sys.modules.pop("sart.engines.sglang", None)
-    engines = sys.modules.get("sart.engines")
-    if engines is not None and hasattr(engines, "sglang"):
-        delattr(engines, "sglang")
+from sglang_standin import EOS, SGLangStandIn, adapter_module, forget_adapter_module
 
 
 @pytest.fixture
-def mod(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def mod() -> Iterator[Any]:
     """``sart.engines.sglang`` imported with the stand-in ``sglang`` module."""
-    monkeypatch.setitem(sys.modules, "sglang", _standin_sglang_module())
-    _forget_adapter_module()
-    yield importlib.import_module("sart.engines.sglang")
-    _forget_adapter_module()
+    with adapter_module() as module:
+        yield module
 
 
 def drain(engine: Any, chunk: int = 3) -> dict[BranchId, Any]:
@@ -253,14 +55,14 @@ def drain(engine: Any, chunk: int = 3) -> dict[BranchId, Any]:
 
 def test_import_without_sglang_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "sglang", None)  # import and find_spec now see no sglang
-    _forget_adapter_module()
+    forget_adapter_module()
     try:
         with pytest.raises(sart.MissingDependencyError, match=r"pip install 'sart\[sglang\]'"):
             importlib.import_module("sart.engines.sglang")
         with pytest.raises(sart.MissingDependencyError, match=r"sart\[sglang\]"):
             sart.load_engine("sglang")
     finally:
-        _forget_adapter_module()
+        forget_adapter_module()
 
 
 def test_from_args_without_sglang_says_what_to_install(
@@ -482,12 +284,7 @@ def test_bridge_borrows_the_engines_loop(mod: Any) -> None:
 
 
 def _pruning_workload(n: int = 3) -> tuple[list[sart.Request], ScriptedPRM]:
-    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
-    ids = [f"q{i}" for i in range(n)]
-    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=4)
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=24)
-    requests = [sart.Request(rid, "p " + rid, sart.sart(4, interval=4), sampling) for rid in ids]
-    return requests, prm
+    return pruning_workload([f"p q{i}" for i in range(n)], every=4, max_tokens=24)
 
 
 def _check_pruned(results: list[sart.RequestResult], standin: SGLangStandIn, engine: Any) -> None:
@@ -550,7 +347,6 @@ def test_the_async_driver_runs_it_and_aborts_pruned_branches(mod: Any) -> None:
 # --------------------------------------------------------------- real SGLang, opt-in
 
 MODEL = os.environ.get("SART_SGLANG_MODEL")
-PROMPTS = ("Step 1: add 3 and 4.", "Step 1: add 12 and 7. Then check it: 12 + 7 =")
 
 
 def _cuda() -> bool:
@@ -570,7 +366,7 @@ REAL = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def real() -> Iterator[Any]:
     """One real ``sglang.Engine`` for the module, deterministic so that seeds repeat."""
-    _forget_adapter_module()
+    forget_adapter_module()
     from sart.engines.sglang import SGLangEngine
 
     engine = SGLangEngine.from_args(
@@ -596,23 +392,12 @@ def test_real_passes_the_conformance_suite(real: Any) -> None:
 def test_real_sart_end_to_end(real: Any) -> None:
     from sart.engines.sglang import SGLangEngine
 
-    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
-    ids = [f"q{i}" for i in range(4)]
-    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=8)
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=32)
-    requests = [
-        sart.Request(rid, PROMPTS[i % 2], sart.sart(4, interval=8), sampling=sampling)
-        for i, rid in enumerate(ids)
-    ]
+    requests, prm = pruning_workload([PROMPTS[i % 2] for i in range(4)], every=8, max_tokens=32)
     adapter = SGLangEngine(real.engine)
     adapter.check_batch_size(16)
     bridge = adapter.bridge()
     results = sart.run(requests, bridge, prm, batch_size=16)
-    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
-    assert all(r.num_completed >= 1 for r in results)
-    statuses = [b.status for r in results for b in r.branches]
-    assert statuses.count(BranchStatus.PRUNED) >= 4
-    assert all(b.num_tokens <= 32 for r in results for b in r.branches)
+    check_pruned(results, max_tokens=32)
     assert bridge.stats().live_branches == 0
     manager = real.engine.tokenizer_manager
     bridge.loop.run_until_complete(asyncio.sleep(0.5))  # let SGLang confirm the aborts

@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import sart  # noqa: E402
-from sart.demo_models import build_demo_models, build_tokenizer  # noqa: E402
+from sart.demo_models import build_tokenizer  # noqa: E402
 from sart.errors import ConfigError, PRMError  # noqa: E402
 from sart.prm.aggregate import NO_STEPS_REWARD, split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
@@ -47,20 +47,15 @@ def item(text: str, rid: str = "r", index: int = 0, final: bool = False, prompt:
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_demo_models(tmp_path_factory.mktemp("demo"))
+def qwen_parts(demo_models: dict[str, Path]) -> tuple[Any, Any]:
+    model = transformers.AutoModelForTokenClassification.from_pretrained(demo_models["qwen-prm"])
+    return model, transformers.AutoTokenizer.from_pretrained(demo_models["qwen-prm"])
 
 
 @pytest.fixture(scope="module")
-def qwen_parts(paths: dict[str, Path]) -> tuple[Any, Any]:
-    model = transformers.AutoModelForTokenClassification.from_pretrained(paths["qwen-prm"])
-    return model, transformers.AutoTokenizer.from_pretrained(paths["qwen-prm"])
-
-
-@pytest.fixture(scope="module")
-def shepherd_parts(paths: dict[str, Path]) -> tuple[Any, Any]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(paths["shepherd-prm"])
-    return model, transformers.AutoTokenizer.from_pretrained(paths["shepherd-prm"])
+def shepherd_parts(demo_models: dict[str, Path]) -> tuple[Any, Any]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(demo_models["shepherd-prm"])
+    return model, transformers.AutoTokenizer.from_pretrained(demo_models["shepherd-prm"])
 
 
 def qwen(parts: tuple[Any, Any], **kwargs: Any) -> QwenMathPRM:
@@ -78,10 +73,10 @@ def close(a: list[float], b: list[float], tol: float) -> bool:
 # ---------------------------------------------------------------- tokenizer and loading
 
 
-def test_tokenizer_loaded_from_disk_is_the_saved_one(paths: dict[str, Path]) -> None:
+def test_tokenizer_loaded_from_disk_is_the_saved_one(demo_models: dict[str, Path]) -> None:
     saved = build_tokenizer()
     for name in ("qwen-prm", "shepherd-prm"):
-        loaded = transformers.AutoTokenizer.from_pretrained(paths[name])
+        loaded = transformers.AutoTokenizer.from_pretrained(demo_models[name])
         sample = f"<|im_start|>user\n{QUESTION}<|im_end|>\n{response(2)} ки +<extra_0>"
         assert loaded.encode(sample) == saved.encode(sample)
         assert len(loaded.encode("<extra_0>", add_special_tokens=False)) == 1
@@ -99,11 +94,13 @@ def test_without_torch_the_module_says_which_extra_to_install() -> None:
     assert "pip install 'sart[hf]'" in out.stdout
 
 
-def test_from_pretrained_loads_the_token_classifier_on_a_device(paths: dict[str, Path]) -> None:
-    prm = QwenMathPRM.from_pretrained(paths["qwen-prm"], device="cpu", dtype=torch.float32)
+def test_from_pretrained_loads_the_token_classifier_on_a_device(
+    demo_models: dict[str, Path],
+) -> None:
+    prm = QwenMathPRM.from_pretrained(demo_models["qwen-prm"], device="cpu", dtype=torch.float32)
     assert isinstance(prm.model, transformers.LlamaForTokenClassification)
     assert prm.device == torch.device("cpu")
-    step = StepTagPRM.from_pretrained(paths["shepherd-prm"], device="cpu", max_length=1024)
+    step = StepTagPRM.from_pretrained(demo_models["shepherd-prm"], device="cpu", max_length=1024)
     assert isinstance(step.model, transformers.LlamaForCausalLM)
 
 
@@ -259,8 +256,8 @@ def test_token_id_prompts_are_refused_naming_the_request(qwen_parts: tuple[Any, 
     assert prm.cached_branches == []  # refused before any work
 
 
-def test_non_finite_rewards_name_the_branch(qwen_parts: tuple[Any, Any], paths: dict) -> None:
-    model = transformers.AutoModelForTokenClassification.from_pretrained(paths["qwen-prm"])
+def test_non_finite_rewards_name_the_branch(qwen_parts: tuple[Any, Any], demo_models: dict) -> None:
+    model = transformers.AutoModelForTokenClassification.from_pretrained(demo_models["qwen-prm"])
     with torch.no_grad():
         model.score.weight.fill_(float("nan"))
     prm = QwenMathPRM(model, qwen_parts[1])
@@ -386,13 +383,13 @@ def test_step_tag_prm_refuses_bad_tokens(shepherd_parts: tuple[Any, Any]) -> Non
 # ---------------------------------------------------------------- in a sart run
 
 
-def test_a_sart_run_with_the_demo_qwen_prm(paths: dict[str, Path]) -> None:
+def test_a_sart_run_with_the_demo_qwen_prm(demo_models: dict[str, Path]) -> None:
     text = "\n\n".join(f"Step {i}: {i} + {i} = {2 * i}." for i in range(1, 7)) + " \\boxed{12}"
     script = {
         f"q{r}": [BranchScript(length=40 + 8 * j, text=text, answer="12") for j in range(4)]
         for r in range(2)
     }
-    prm = QwenMathPRM.from_pretrained(paths["qwen-prm"])
+    prm = QwenMathPRM.from_pretrained(demo_models["qwen-prm"])
     requests = [sart.Request(rid, QUESTION, sart.sart(4, interval=8)) for rid in script]
     results = sart.run(requests, FakeEngine(script), prm, batch_size=8)
     assert [r.ok for r in results] == [True, True]

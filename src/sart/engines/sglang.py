@@ -98,6 +98,7 @@ if importlib.util.find_spec("sglang") is None:
         "is not installed"
     )
 
+from sart.engines.prompts import prompt_ids  # noqa: E402
 from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
 
@@ -314,17 +315,10 @@ class SGLangEngine(StreamingEngine):
         return finish
 
     def _prompt_ids(self, request_id: str, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
+        if isinstance(prompt, str) and self.tokenizer is None:
             raise EngineError(
                 f"request {request_id!r}: a text prompt needs a tokenizer, and the SGLang "
                 "engine has none (skip_tokenizer_init?); pass tokenizer= or token ids",
                 [request_id],
             )
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
+        return prompt_ids(self.tokenizer, prompt, self.chat)

@@ -70,8 +70,8 @@ Streaming alternatives: ``sart.engines.vllm_async.VLLMAsyncEngine`` over
 vLLM's asyncio ``AsyncLLM`` (one ``generate`` per branch, ``abort`` per
 request; for the asyncio driver), and ``sart.engines.openai.OpenAIEngine``,
 the same over HTTP for any OpenAI-compatible server (``vllm serve``,
-SGLang's server). What the two vLLM adapters share (prompts, sampling
-parameters, request ids, finish reasons, stats) is in
+SGLang's server). What the two vLLM adapters share (``from_engine_args``,
+prompts, sampling parameters, request ids, finish reasons, stats) is in
 ``sart.engines.vllm_common``; the prefix and branch books, with their checks,
 are ``sart.engines.ledger``'s.
 
@@ -99,7 +99,6 @@ from sart.engines.vllm_common import (  # isort: skip
     VLLMStats,
     VLLMStatsRecorder,
     branch_of,
-    build_engine,
     finish_reason,
     sampling_params,
     vllm_request_id,
@@ -125,6 +124,8 @@ class VLLMEngine(VLLMInputs):
     """A step-based engine over a vLLM V1 ``LLMEngine`` (see the module docstring)."""
 
     supports_fork = True
+    _engine_class = LLMEngine  # what from_engine_args builds
+    _args_class = EngineArgs
 
     def __init__(
         self,
@@ -140,39 +141,6 @@ class VLLMEngine(VLLMInputs):
         self._ledger: PrefixLedger[_PromptIds, list[int]] = PrefixLedger()
         self._errors: dict[str, str] = {}  # request id -> why vLLM ended a branch of it
         self._warned = False
-
-    @classmethod
-    def from_engine_args(
-        cls,
-        model: str,
-        *,
-        tokenizer: Any = None,
-        chat: bool = False,
-        enable_prefix_caching: bool = True,
-        stat_loggers: Sequence[Any] = (),
-        **engine_args: Any,
-    ) -> VLLMEngine:
-        """Build a vLLM ``LLMEngine`` from ``EngineArgs(model=model, **engine_args)``
-        and wrap it.
-
-        Every ``EngineArgs`` field passes through: ``tensor_parallel_size``,
-        ``data_parallel_size``, ``gpu_memory_utilization``, ``max_num_seqs``
-        (set it to at least sart's ``batch_size``), ``block_size`` (a multiple
-        of 32 on CPU), ``dtype``, ``max_model_len``, ``enforce_eager``...
-        Prefix caching is on unless ``enable_prefix_caching=False``; without it
-        each branch recomputes and holds its own copy of the prompt's KV. A
-        ``VLLMStatsRecorder`` is installed, besides your ``stat_loggers``, so
-        that ``vllm_stats()`` reads vLLM's scheduler stats.
-
-        The engine core runs in this process when the environment has
-        ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (faster to start, simpler to
-        debug), else in a child process (vLLM's default); scripts that use
-        the latter need an ``if __name__ == "__main__":`` guard.
-        """
-        llm_engine, recorder = build_engine(
-            LLMEngine, EngineArgs, model, enable_prefix_caching, stat_loggers, engine_args
-        )
-        return cls(llm_engine, tokenizer, chat=chat, stats_recorder=recorder)
 
     # ------------------------------------------------------------- contract
 

@@ -49,7 +49,6 @@ from sart.engines.vllm_common import (  # isort: skip
     VLLMInputs,
     VLLMStats,
     VLLMStatsRecorder,
-    build_engine,
     finish_reason,
     sampling_params,
     vllm_request_id,
@@ -66,6 +65,8 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     """A streaming engine over a vLLM V1 ``AsyncLLM`` (see the module docstring)."""
 
     supports_fork = True
+    _engine_class = AsyncLLM  # what from_engine_args builds
+    _args_class = AsyncEngineArgs
 
     def __init__(
         self,
@@ -78,28 +79,6 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         super().__init__()
         self.async_llm = async_llm
         self._configure(async_llm, tokenizer, chat, stats_recorder)
-
-    @classmethod
-    def from_engine_args(
-        cls,
-        model: str,
-        *,
-        tokenizer: Any = None,
-        chat: bool = False,
-        enable_prefix_caching: bool = True,
-        stat_loggers: Sequence[Any] = (),
-        **engine_args: Any,
-    ) -> VLLMAsyncEngine:
-        """Build an ``AsyncLLM`` from ``AsyncEngineArgs(model=model, **engine_args)``
-        and wrap it (call it with the event loop that will run the engine running).
-
-        As ``VLLMEngine.from_engine_args``: every engine argument passes
-        through, prefix caching is on, a ``VLLMStatsRecorder`` is installed.
-        """
-        llm, recorder = build_engine(
-            AsyncLLM, AsyncEngineArgs, model, enable_prefix_caching, stat_loggers, engine_args
-        )
-        return cls(llm, tokenizer, chat=chat, stats_recorder=recorder)
 
     # ------------------------------------------------------------- contract
 

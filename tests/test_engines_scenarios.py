@@ -1,0 +1,519 @@
+"""The scenarios every real engine adapter must pass, run against each of them.
+
+The adapters: ``HFEngine`` on the demo policy; ``VLLMEngine`` and
+``VLLMAsyncEngine`` on vLLM (where it is installed, one engine of each per
+session); ``OpenAIEngine`` against a real ``vllm serve`` (also where vLLM is);
+``SGLangEngine`` on its stand-in (``sglang_standin``). Async adapters run
+behind ``SyncBridge``. Each ``Adapter`` below says how to make a fresh
+synchronous engine over its backend, what the backend itself says (its own
+greedy decode, how many requests it runs) and which scenarios cannot apply to
+it (``lacks``: they are skipped with the reason). What only one adapter does
+is tested in its own file (``test_engines_<name>.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+import sart
+from adapters import (
+    PROMPTS,
+    VLLM_ENGINE_ARGS,
+    VLLM_SERVER_MAX_MODEL_LEN,
+    check_pruned,
+    fresh_vllm,
+    fresh_vllm_async,
+    pruning_workload,
+    run_to_end,
+    sart_requests,
+    server_metric,
+)
+from sart.engines.base import BranchSpec, ReportsUsage, supports_fork
+from sart.engines.scripts import BranchScript, ScriptTable
+from sart.engines.streaming import SyncBridge
+from sart.testing import ScriptedPRM, check_engine
+from sart.types import BranchId, BranchStatus, FinishReason
+
+GREEDY_FORKS = "greedy forks"
+STOP_STRINGS = "stop strings"
+GREEDY = "greedy"
+CONTEXT = "context limit"
+TOKEN_PROMPT_CONTEXT = "context limit on token prompts"
+VOCABULARY = "vocabulary"
+
+
+class Adapter:
+    """One adapter under test, over a backend built once (see the subclasses)."""
+
+    context_len: int | None = None
+    """The context (prompt + output tokens) the backend has, checked at prefill."""
+    lacks: ClassVar[Mapping[str, str]] = {}
+    """Scenarios that cannot apply to this adapter, with the reason."""
+
+    def __init__(self, demo_models: dict[str, Path] | None = None) -> None:
+        self.made: list[Any] = []
+        self.vocab: int | None = None
+        """The backend's vocabulary size (the demo policy's): it refuses larger ids."""
+        if demo_models is not None:
+            config = json.loads((demo_models["policy"] / "config.json").read_text())
+            self.vocab = config["vocab_size"]
+
+    def require(self, feature: str) -> None:
+        if feature in self.lacks:
+            pytest.skip(self.lacks[feature])
+
+    def fresh(self) -> Any:
+        """A new synchronous engine over the backend (kept, to close after the test)."""
+        engine = self._fresh()
+        self.made.append(engine)
+        return engine
+
+    def _fresh(self) -> Any:
+        raise NotImplementedError
+
+    def encode(self, text: str) -> list[int]:
+        """The prompt's ids, as the adapter feeds them to the backend."""
+        raise NotImplementedError
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        """The backend's own greedy decode of ``prompt_ids``, with no sart in between."""
+        raise NotImplementedError
+
+    def backend_runs(self, n: int) -> None:
+        """Check that the backend runs ``n`` requests (waiting for it where it runs on
+        its own); a no-op where the backend cannot tell."""
+
+    def after_test(self) -> None:
+        """Close what ``fresh`` made; check that the backend holds no request."""
+        self.made.clear()
+
+
+def declared_capacity(engine: Any) -> int | None:
+    """The KV capacity the adapter (behind a ``SyncBridge`` or not) declares."""
+    adapter = engine.engine if isinstance(engine, SyncBridge) else engine
+    return getattr(adapter, "kv_capacity", None)
+
+
+class HF(Adapter):
+    lacks: ClassVar[Mapping[str, str]] = {
+        CONTEXT: "HFEngine does not check prompts against the model's context"
+    }
+
+    def __init__(self, demo_models: dict[str, Path]) -> None:
+        super().__init__(demo_models)
+        import torch
+
+        from sart.engines.hf import HFEngine
+
+        self.base = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+
+    def _fresh(self) -> Any:
+        return type(self.base)(self.base.model, self.base.tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.base.tokenizer(text)["input_ids"])
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        import torch
+
+        model, tokenizer = self.base.model, self.base.tokenizer
+        expected = model.generate(
+            torch.tensor([prompt_ids]),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+        )[0, len(prompt_ids) :].tolist()
+        eos = next(iter(self.base.eos_ids))
+        if eos in expected:  # generate pads after EOS; the branch stops at it
+            expected = expected[: expected.index(eos) + 1]
+        return expected
+
+
+def greedy_params(max_tokens: int) -> Any:
+    """vLLM's own ``SamplingParams`` for a greedy decode, reported once at its end."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+
+class VLLM(Adapter):
+    context_len = VLLM_ENGINE_ARGS["max_model_len"]
+
+    def __init__(self, engine: Any, demo_models: dict[str, Path]) -> None:
+        super().__init__(demo_models)
+        self.base = engine
+
+    def _fresh(self) -> Any:
+        return fresh_vllm(self.base)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.base.tokenizer.encode(text))
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        llm = self.base.llm_engine
+        llm.add_request("raw-greedy", {"prompt_token_ids": prompt_ids}, greedy_params(max_tokens))
+        final: list[int] = []
+        while llm.has_unfinished_requests():
+            for out in llm.step():
+                if out.finished:
+                    final = list(out.outputs[0].token_ids)
+        return final
+
+    def backend_runs(self, n: int) -> None:
+        llm = self.base.llm_engine
+        if not llm.has_unfinished_requests():
+            llm.step()  # vLLM's scheduler counts the last aborts at its next step
+        assert self.base.vllm_stats().running == n
+
+    def after_test(self) -> None:
+        super().after_test()
+        assert not self.base.llm_engine.has_unfinished_requests(), "requests left in vLLM"
+
+
+class VLLMAsync(Adapter):
+    context_len = VLLM_ENGINE_ARGS["max_model_len"]
+
+    def __init__(self, bridge: Any, demo_models: dict[str, Path]) -> None:
+        super().__init__(demo_models)
+        self.bridge = bridge
+
+    def _fresh(self) -> Any:
+        return fresh_vllm_async(self.bridge)
+
+    def settle(self, seconds: float = 0.0) -> None:
+        """Let cancelled streams and vLLM's output handler run on the bridge's loop."""
+        self.bridge.loop.run_until_complete(asyncio.sleep(seconds))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.bridge.engine.tokenizer.encode(text))
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        llm = self.bridge.engine.async_llm
+        params = greedy_params(max_tokens)
+
+        async def go() -> list[int]:
+            final: list[int] = []
+            async for out in llm.generate({"prompt_token_ids": prompt_ids}, params, "raw-greedy"):
+                final = list(out.outputs[0].token_ids)
+            return final
+
+        return self.bridge.loop.run_until_complete(go())
+
+    def backend_runs(self, n: int, timeout: float = 10.0) -> None:
+        stats = None
+        for _ in range(int(timeout / 0.02)):
+            stats = self.bridge.engine.vllm_stats()
+            if stats is not None and stats.running + stats.waiting == n:
+                break
+            self.settle(0.02)
+        assert stats is not None and stats.running + stats.waiting == n
+        assert self.bridge.engine.async_llm.get_num_unfinished_requests() == n
+
+    def after_test(self) -> None:
+        super().after_test()
+        self.settle()
+        unfinished = self.bridge.engine.async_llm.get_num_unfinished_requests()
+        assert unfinished == 0, "requests left in vLLM"
+
+
+class OpenAI(Adapter):
+    context_len = VLLM_SERVER_MAX_MODEL_LEN
+    lacks: ClassVar[Mapping[str, str]] = {
+        TOKEN_PROMPT_CONTEXT: "OpenAIEngine learns the server's context only when the "
+        "server tokenizes a prompt: token prompts are not checked at prefill"
+    }
+
+    def __init__(self, url: str, demo_models: dict[str, Path]) -> None:
+        super().__init__(demo_models)
+        self.url = url
+
+    def _fresh(self) -> Any:
+        from sart.engines.openai import OpenAIEngine
+
+        return SyncBridge(OpenAIEngine(self.url, "demo"))
+
+    def encode(self, text: str) -> list[int]:
+        import httpx
+
+        body = {"model": "demo", "prompt": text}
+        return httpx.post(self.url + "/tokenize", json=body, timeout=10).json()["tokens"]
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        import httpx
+
+        body = {
+            "model": "demo",
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+        }
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        return response.json()["choices"][0]["token_ids"]
+
+    def backend_runs(self, n: int) -> None:
+        # The server decodes ahead of what it has streamed: only "none" is stable.
+        if n == 0:
+            for _ in range(100):
+                if server_metric(self.url, "vllm:num_requests_running") == 0:
+                    break
+                time.sleep(0.05)
+            assert server_metric(self.url, "vllm:num_requests_running") == 0
+
+    def after_test(self) -> None:
+        for bridge in self.made:
+            bridge.close()
+        super().after_test()
+        self.backend_runs(0)
+
+
+class SGLangOnTheStandIn(Adapter):
+    context_len = 4096  # SGLangStandIn's default
+    lacks: ClassVar[Mapping[str, str]] = {
+        GREEDY: "the stand-in has no model: no greedy decode to compare with",
+        GREEDY_FORKS: "the stand-in's tokens are a function of a request's input ids "
+        "and seed: a fork does not continue as its parent does",
+        STOP_STRINGS: "the stand-in does not apply stop strings",
+        VOCABULARY: "the stand-in has no vocabulary",
+    }
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        self.module = module
+        self.standins: list[Any] = []
+
+    def _fresh(self) -> Any:
+        from sglang_standin import SGLangStandIn
+
+        standin = SGLangStandIn(length=400, burst=3, delay=0.0005)
+        self.standins.append(standin)
+        return self.module.SGLangEngine(standin).bridge()
+
+    def backend_runs(self, n: int) -> None:
+        assert sum(len(s.running) for s in self.standins) == n
+
+    def after_test(self) -> None:
+        for bridge in self.made:
+            bridge.close()
+        super().after_test()
+        self.backend_runs(0)
+        self.standins.clear()
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm", "vllm-async", "openai", "sglang-stand-in"])
+def adapter(request: pytest.FixtureRequest) -> Iterator[Adapter]:
+    name = request.param
+    if name == "sglang-stand-in":
+        from sglang_standin import adapter_module
+
+        with adapter_module() as module:
+            yield SGLangOnTheStandIn(module)
+        return
+    demo_models = request.getfixturevalue("demo_models")
+    if name == "hf":
+        yield HF(demo_models)
+    elif name == "vllm":
+        yield VLLM(request.getfixturevalue("vllm_engine"), demo_models)
+    elif name == "vllm-async":
+        yield VLLMAsync(request.getfixturevalue("vllm_async_bridge"), demo_models)
+    else:
+        pytest.importorskip("httpx")
+        yield OpenAI(request.getfixturevalue("vllm_server"), demo_models)
+
+
+@pytest.fixture(autouse=True)
+def _leaves_the_backend_empty(adapter: Adapter) -> Iterator[None]:
+    yield
+    adapter.after_test()
+
+
+# ------------------------------------------------------------------- scenarios
+
+
+def test_passes_the_conformance_suite(adapter: Adapter) -> None:
+    check_engine(adapter.fresh, prompts=PROMPTS)
+
+
+@pytest.mark.parametrize("with_neighbours", [False, True])
+def test_greedy_equals_the_backends_own_decode(adapter: Adapter, with_neighbours: bool) -> None:
+    adapter.require(GREEDY)
+    e = adapter.fresh()
+    greedy = sart.SamplingSettings(temperature=0.0, max_tokens=24)
+    n = e.prefill("a", PROMPTS[0], greedy)
+    e.start_branches("a", [BranchSpec(0, 1)])
+    if with_neighbours:  # batched with sampled branches of another, longer prompt
+        e.prefill("b", PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=30))
+        e.start_branches("b", [BranchSpec(0, 5), BranchSpec(1, 6)])
+    ids = run_to_end(e)[BranchId("a", 0)]
+    for rid in ("a", "b") if with_neighbours else ("a",):
+        e.release_prefix(rid)
+    prompt = adapter.encode(PROMPTS[0])
+    assert len(prompt) == n
+    assert ids == adapter.greedy(prompt, 24)
+
+
+def test_seeded_branches_are_reproducible_and_differ(adapter: Adapter) -> None:
+    def sample() -> dict[BranchId, list[int]]:
+        e = adapter.fresh()
+        e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=1.0, max_tokens=12))
+        e.start_branches("a", [BranchSpec(0, 100), BranchSpec(1, 101)])
+        out = run_to_end(e, chunk=3)
+        e.release_prefix("a")
+        return out
+
+    first, again = sample(), sample()
+    assert first == again
+    assert first[BranchId("a", 0)] != first[BranchId("a", 1)]
+
+
+def test_abort_frees_the_branch_in_the_backend(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    e.prefill("a", PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=400, seed=3))
+    e.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+    prompt_len = e.stats().kv_tokens
+    out = e.step(2)
+    assert all(d.new_tokens == 2 for d in out.deltas.values())
+    assert e.stats().kv_tokens == prompt_len + 3 * 2
+    adapter.backend_runs(3)
+    e.abort([BranchId("a", 1)])
+    capacity = declared_capacity(e)
+    assert e.stats() == sart.EngineStats(2, prompt_len + 2 * 2, capacity)
+    out = e.step(3)
+    assert set(out.deltas) == {BranchId("a", 0), BranchId("a", 2)}
+    assert all(d.new_tokens == 3 for d in out.deltas.values())
+    adapter.backend_runs(2)  # the backend dropped it; the others go on
+    e.release_prefix("a")  # aborts the other two
+    assert e.stats() == sart.EngineStats(0, 0, capacity)
+    adapter.backend_runs(0)
+
+
+def test_max_tokens_truncates(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    e.prefill("a", PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=6, seed=3))
+    e.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+    e.step(3)
+    out = e.step(10)
+    for delta in out.deltas.values():
+        assert delta.finish in (FinishReason.LENGTH, FinishReason.STOP)
+        if delta.finish is FinishReason.LENGTH:
+            assert delta.new_tokens == 3 and delta.end_offset == 3
+    e.release_prefix("a")
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
+
+
+def test_stop_strings_end_the_branch_and_are_cut(adapter: Adapter) -> None:
+    adapter.require(STOP_STRINGS)
+    e = adapter.fresh()
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=24))
+    e.start_branches("a", [BranchSpec(0, 0)])
+    text = "".join(d.text for _ in range(30) for d in e.step(1).deltas.values())
+    e.release_prefix("a")
+    assert len(text) > 6
+    stop = text[3:6]
+    e.prefill("b", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=24, stop=(stop,)))
+    e.start_branches("b", [BranchSpec(0, 0)])
+    deltas = []
+    while e.stats().live_branches:
+        deltas.extend(e.step(4).deltas.values())
+    e.release_prefix("b")
+    assert deltas[-1].finish is FinishReason.STOP
+    assert "".join(d.text for d in deltas) == text[: text.index(stop)]
+
+
+def test_a_fork_continues_from_its_parent(adapter: Adapter) -> None:
+    adapter.require(GREEDY_FORKS)
+    e = adapter.fresh()
+    assert supports_fork(e)
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10))
+    e.start_branches("a", [BranchSpec(0, 0)])
+    head = e.step(4).deltas[BranchId("a", 0)].token_ids
+    e.start_branches("a", [BranchSpec(1, 1, parent=0)])
+    if isinstance(e, ReportsUsage):
+        assert e.usage("a")[0] == 2
+    rest = run_to_end(e)
+    e.release_prefix("a")
+    # Greedy: the fork continues exactly as its parent does, within the same budget.
+    assert rest[BranchId("a", 1)] == rest[BranchId("a", 0)]
+    assert len(head) + len(rest[BranchId("a", 0)]) <= 10
+
+
+def test_sart_end_to_end_prunes_branches_in_the_backend(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    requests, prm = pruning_workload([PROMPTS[i % 2] for i in range(4)], every=8, max_tokens=32)
+    results = sart.run(requests, e, prm, batch_size=8)
+    check_pruned(results, max_tokens=32)
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
+    adapter.backend_runs(0)
+
+
+def test_a_failing_prm_fails_only_its_request(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    prm = ScriptedPRM(every=4, fail_on={BranchId("q0", 1)})
+    results = sart.run(sart_requests(2, max_tokens=16), e, prm, batch_size=4)
+    assert [r.ok for r in results] == [False, True]
+    assert all(b.status is BranchStatus.FAILED for b in results[0].branches)
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
+
+
+def test_rebase_forks_into_the_freed_slots(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    table = ScriptTable({"r": [BranchScript(rewards=(r,)) for r in (0.9, 0.1, 0.1)]})
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=24, seed=11)
+    (result,) = sart.run(
+        [sart.Request("r", PROMPTS[1], sart.rebase(3, temperature=0.1, interval=8), sampling)],
+        e,
+        ScriptedPRM(table, every=8),
+        batch_size=3,
+    )
+    assert result.ok
+    assert all(b.num_tokens <= 24 and b.status.is_ended for b in result.branches)
+    statuses = [b.status for b in result.branches]
+    assert statuses[1:3] == [BranchStatus.PRUNED, BranchStatus.PRUNED]
+    forks = result.branches[3:]
+    assert forks, "branch 0 should have been forked into the freed slots"
+    # A fork owns its parent's tokens (8 or more) and continues within the same max_tokens;
+    # Rebase may prune forks again at later checks.
+    assert all(8 < b.num_tokens for b in forks)
+    assert any(b.status.is_completed for b in forks)
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
+
+
+@pytest.mark.parametrize("kind", ["text", "token ids"])
+def test_a_prompt_too_long_fails_only_its_request(adapter: Adapter, kind: str) -> None:
+    adapter.require(CONTEXT)
+    if kind == "token ids":
+        adapter.require(TOKEN_PROMPT_CONTEXT)
+    assert adapter.context_len is not None
+    # Every repetition of a prompt is at least one token.
+    huge: Any = (PROMPTS[1] + " ") * adapter.context_len
+    if kind == "token ids":
+        huge = tuple(range(5, 300)) * (adapter.context_len // 295 + 1)
+    e = adapter.fresh()
+    with pytest.raises(sart.EngineError) as info:
+        e.prefill("huge", huge, sart.SamplingSettings(max_tokens=4))
+    assert info.value.request_ids == {"huge"}
+    assert e.stats().kv_tokens == 0
+
+
+def test_a_request_the_backend_refuses_fails_only_its_request(adapter: Adapter) -> None:
+    adapter.require(VOCABULARY)
+    assert adapter.vocab is not None
+    e = adapter.fresh()
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=16)
+    requests = [
+        sart.Request("bad", (5, 6, adapter.vocab + 100), sart.sart(2, interval=4), sampling),
+        sart.Request("good", PROMPTS[0], sart.sart(2, interval=4), sampling=sampling),
+    ]
+    results = sart.run(requests, e, ScriptedPRM(every=4), batch_size=4)
+    assert [r.ok for r in results] == [False, True]
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
