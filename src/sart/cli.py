@@ -1,4 +1,5 @@
-"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``, ``testbed``."""
+"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``, ``testbed``,
+``serve``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.serve.command import add_serve_parser
 from sart.testbed.command import add_parser as add_testbed_parser
 from sart.types import BranchStatus, SamplingSettings
 
@@ -102,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     quick.add_argument("--seed", type=int, default=0, help="scenario seed")
     quick.set_defaults(func=_quickstart)
     add_testbed_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -52,8 +52,9 @@ EXTRAS = {
     "rich": "bench",
     "matplotlib": "bench",
     "httpx": "remote",
-    "fastapi": "server",
-    "uvicorn": "server",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
 }
 
 

@@ -1,0 +1,327 @@
+"""The HTTP layer: a FastAPI app with OpenAI's endpoints over a ``Service``.
+
+==============================  =========================================================
+``POST /v1/completions``        one prompt (text or token ids) -> the chosen branch
+``POST /v1/chat/completions``   messages, rendered with the policy tokenizer's chat
+                                template -> the chosen branch as the assistant's message
+``GET /v1/models``              the served names, with sart's defaults and limits
+``GET /health``                 200 while the driver runs, 503 once it has failed
+``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
+==============================  =========================================================
+
+Each request is checked in this order, and refused at the first fault with
+OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``):
+the API key (401), the body size (413), JSON and field types (400), the
+model (404), the policy and sampling fields against the server's limits
+(400), the queue (429). Nothing a request holds can load a model, import a
+module or render a template of its own: names resolve against what was
+fixed at start.
+
+``--api-key`` works as vLLM's: every ``/v1`` route needs ``Authorization:
+Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open, as
+vLLM leaves them, for load balancers and Prometheus (bind to a private
+address, the default ``127.0.0.1``, if their numbers are private).
+
+**Disconnects.** While a request runs, its handler also watches the
+connection (as vLLM's ``with_cancellation``): when the client goes away the
+request is cancelled and every branch of it aborted in the engine.
+
+**Streaming** (``stream=true``). Which branch answers is known only when the
+request finishes: the selector picks among the completed branches by PRM
+reward or vote, and any running branch may still be pruned or stopped.
+Streaming a branch's tokens as they come would show text that is then
+withdrawn, which OpenAI's protocol cannot express. So the stream opens at
+once (a first chunk carrying the assistant role, for chat), sends an SSE
+comment (``: keep-alive``) every ``keepalive`` seconds while the request is
+undecided — clients ignore comments; proxies and load balancers see a live
+connection, and a closed one is noticed — then the chosen answer in one
+chunk, a last chunk with ``finish_reason`` and the ``sart`` field, the
+usage chunk if ``stream_options.include_usage``, and ``[DONE]``. An error
+after the stream opened is sent as an ``{"error": ...}`` event, which the
+``openai`` client raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request as HTTPRequest
+
+from sart.errors import ConfigError
+from sart.request import Request
+from sart.serve import protocol
+from sart.serve.config import Backend, ServeConfig
+from sart.serve.methods import get_method, method_names
+from sart.serve.protocol import Refused
+from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
+
+
+def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) -> FastAPI:
+    """The server's ASGI app. ``backend`` may be a function that builds it: it is then
+    called when the app starts, on its event loop (engines such as vLLM's
+    ``AsyncLLM`` bind to the loop that builds them)."""
+    get_method(config.method)  # an unknown default is refused now, not per request
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served = backend() if callable(backend) else backend
+        service = Service(served.engine, served.prm, config)
+        service.start()
+        app.state.service = service
+        try:
+            yield
+        finally:
+            await service.stop()
+            if served.close is not None:
+                served.close()
+
+    app = FastAPI(title="sart serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.config = config
+    app.state.created = int(time.time())
+
+    @app.exception_handler(Refused)
+    async def _refused(http: HTTPRequest, exc: Refused) -> JSONResponse:
+        _service(http).metrics.reject(exc.status)
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        body = protocol.error_body(str(exc), exc.status, exc.param)
+        return JSONResponse(body, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(http: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(
+            protocol.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code
+        )
+
+    @app.exception_handler(Exception)
+    async def _crashed(http: HTTPRequest, exc: Exception) -> JSONResponse:
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return JSONResponse(protocol.error_body(message, 500), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest) -> Response:
+        return await _complete(http, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest) -> Response:
+        return await _complete(http, chat=True)
+
+    @app.get("/v1/models")
+    async def models(http: HTTPRequest) -> JSONResponse:
+        _authorize(http)
+        return JSONResponse(protocol.models_body(config, app.state.created, method_names()))
+
+    @app.get("/health")
+    async def health(http: HTTPRequest) -> Response:
+        if _service(http).healthy:
+            return Response(status_code=200)
+        return JSONResponse(protocol.error_body("the driver is not running", 503), 503)
+
+    @app.get("/metrics")
+    async def metrics(http: HTTPRequest) -> Response:
+        registry = _service(http).metrics.registry
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ------------------------------------------------------------------- a request
+
+
+def _service(http: HTTPRequest) -> Service:
+    return http.app.state.service
+
+
+def _authorize(http: HTTPRequest) -> None:
+    key = http.app.state.config.api_key
+    if key is None:
+        return
+    scheme, _, given = http.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(
+        given.strip().encode(), key.encode()
+    ):
+        raise Refused("a valid API key is required: Authorization: Bearer KEY", None, 401)
+
+
+async def _read_body(http: HTTPRequest, limit: int) -> bytes:
+    declared = http.headers.get("content-length", "")
+    too_large = f"the request body is larger than {limit} bytes (the server's --max-body-bytes)"
+    if declared.isdigit() and int(declared) > limit:
+        raise Refused(too_large, None, 413)
+    chunks, size = [], 0
+    async for piece in http.stream():
+        size += len(piece)
+        if size > limit:
+            raise Refused(too_large, None, 413)
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
+    service = _service(http)
+    config: ServeConfig = http.app.state.config
+    _authorize(http)
+    body = await _read_body(http, config.max_body_bytes)
+    shape = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    request = protocol.parse(shape, body)
+    plan = protocol.plan(request, config)
+    prompt = _chat_prompt(service, request) if chat else protocol.completion_prompt(request)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    try:
+        job = Request(rid, prompt, **plan.request_kwargs)
+        service.submit(job, protocol.question(request) if chat else None)
+    except ConfigError as exc:
+        raise Refused(str(exc), protocol.field_of(str(exc))) from None
+    except QueueFull as exc:
+        raise Refused(str(exc), None, 429) from None
+    except ServiceStopped as exc:
+        raise Refused(str(exc), None, 503) from None
+    reply = _Reply(rid, int(time.time()), request.model, plan.method, chat)
+    if plan.stream:
+        return _EventStream(
+            _events(service, reply, config.keepalive, plan.include_usage),
+            on_close=lambda: service.cancel(rid),
+        )
+    try:
+        outcome = await _unless_disconnected(http, service.result(rid))
+    finally:
+        service.cancel(rid)  # a no-op once the result was taken
+    if outcome is None:  # the client left; nobody reads this
+        return Response(status_code=499)
+    if not outcome.result.ok:
+        return _failed(outcome)
+    return JSONResponse(reply.body(outcome))
+
+
+def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> tuple[int, ...]:
+    tokenizer = service.engine.tokenizer
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise Refused("this server's model has no chat template: use /v1/completions", "messages")
+    ids = tokenizer.apply_chat_template(
+        protocol.chat_messages(request), add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding (a mapping), 4.x a list.
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    if not ids:
+        raise Refused("the chat template rendered no tokens", "messages")
+    return tuple(ids)
+
+
+async def _unless_disconnected(http: HTTPRequest, waiting: Any) -> Outcome | None:
+    """Await ``waiting``, or cancel it if the client disconnects first (``None`` then)."""
+    job = asyncio.ensure_future(waiting)
+    watch = asyncio.ensure_future(_disconnect(http))
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not job.done():
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+    return None if job.cancelled() else job.result()
+
+
+async def _disconnect(http: HTTPRequest) -> None:
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _failed(outcome: Outcome) -> JSONResponse:
+    message = f"the request failed: {outcome.result.reason}"
+    return JSONResponse(protocol.error_body(message, 500), status_code=500)
+
+
+@attrs.frozen
+class _Reply:
+    """What every answer to one request shares."""
+
+    id: str
+    created: int
+    model: str
+    method: str
+    chat: bool
+
+    def body(self, outcome: Outcome) -> dict[str, Any]:
+        return protocol.completion_body(
+            self.id, self.created, self.model, self.method, outcome, chat=self.chat
+        )
+
+    def chunk(self, **fields: Any) -> bytes:
+        return _sse(protocol.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
+
+
+def _sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+async def _events(
+    service: Service, reply: _Reply, keepalive: float, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed request (see the module docstring)."""
+    job = asyncio.ensure_future(service.result(reply.id))
+    try:
+        if reply.chat:
+            yield reply.chunk(role=True, text="")
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=keepalive)
+            if done:
+                break
+            yield KEEPALIVE
+        try:
+            outcome = job.result()
+        except Exception as exc:
+            yield _sse(protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
+            yield DONE
+            return
+        if not outcome.result.ok:
+            yield _sse(protocol.error_body(f"the request failed: {outcome.result.reason}", 500))
+            yield DONE
+            return
+        yield reply.chunk(text=outcome.result.text or "")
+        sart_field = {"sart": protocol.extension(reply.method, outcome)}
+        yield reply.chunk(finish=protocol.finish_reason(outcome), extra=sart_field)
+        if include_usage:
+            yield _sse(
+                protocol.usage_chunk(reply.id, reply.created, reply.model, outcome, chat=reply.chat)
+            )
+        yield DONE
+    finally:
+        if not job.done():
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends: finished, failed, or
+    torn down because the client left (even before its first event)."""
+
+    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None]) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()

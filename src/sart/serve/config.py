@@ -1,0 +1,133 @@
+"""What a server fixes at start: ``ServeConfig`` (names, defaults, limits, access) and
+``Backend`` (the engine and PRM it serves).
+
+Everything a request may change (method, branches, sampling) has a default
+and, where it costs the server, a limit here. Nothing here can be changed by
+a request: models, PRMs and methods are fixed when the server starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from sart.errors import config_check, enum_converter
+from sart.prm.base import PRM
+from sart.types import Admission, Scoring
+
+
+def _positive_int(field: str) -> Callable[[object, attrs.Attribute, int], None]:
+    def check(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+        config_check(ok, field, value, "an int >= 1")
+
+    return check
+
+
+def _check_models(_inst: object, _attr: attrs.Attribute, value: tuple[str, ...]) -> None:
+    config_check(
+        bool(value) and all(isinstance(v, str) and v for v in value),
+        "models",
+        value,
+        "one or more non-empty names",
+    )
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(_finite(value) and value >= 0, "temperature", value, ">= 0")
+
+
+def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(_finite(value) and 0 < value <= 1, "top_p", value, "in (0, 1]")
+
+
+def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(
+        _finite(value) and value > 0,
+        "keepalive",
+        value,
+        "a number of seconds > 0",
+    )
+
+
+def _check_api_key(_inst: object, _attr: attrs.Attribute, value: str | None) -> None:
+    # The key itself never appears in a message.
+    config_check(
+        value is None or (isinstance(value, str) and value != ""),
+        "api_key",
+        "...",
+        "a non-empty str or None",
+    )
+
+
+@attrs.frozen
+class ServeConfig:
+    """A server's fixed settings: served model names, per-request defaults and limits,
+    the scheduler's settings, and access control."""
+
+    models: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_models)
+    """Names the server answers to in ``model`` (the first one is listed first)."""
+    method: str = "sart"
+    """The method of requests that name none (``sart.serve.method_names()``)."""
+    n: int = attrs.field(default=8, validator=_positive_int("n"))
+    """Branches of requests that do not say (methods with one branch ignore it)."""
+    max_n: int = attrs.field(default=32, validator=_positive_int("max_n"))
+    """The most branches one request may ask for."""
+    interval: int = attrs.field(default=400, validator=_positive_int("interval"))
+    """``T``, decode steps between checks, for requests that do not say."""
+    max_tokens: int = attrs.field(default=16384, validator=_positive_int("max_tokens"))
+    """Tokens per branch for requests that do not say."""
+    max_tokens_limit: int = attrs.field(
+        default=attrs.Factory(lambda self: self.max_tokens, takes_self=True),
+        validator=_positive_int("max_tokens_limit"),
+    )
+    """The most tokens per branch a request may ask for (default: ``max_tokens``)."""
+    temperature: float = attrs.field(default=0.6, validator=_check_temperature)
+    """Sampling temperature of requests that do not say."""
+    top_p: float = attrs.field(default=0.95, validator=_check_top_p)
+    """Nucleus mass of requests that do not say."""
+    batch_size: int = attrs.field(default=64, validator=_positive_int("batch_size"))
+    """``B``: the most branches decoding at once, over all requests."""
+    scoring: Scoring = attrs.field(
+        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
+    )
+    """Whether decoding goes on while the PRM scores (see ``sart.Scoring``)."""
+    admission: Admission = attrs.field(
+        default=Admission.CHUNK, converter=enum_converter(Admission, "admission")
+    )
+    """When freed batch slots are refilled (see ``sart.Admission``)."""
+    max_queue: int = attrs.field(default=1024, validator=_positive_int("max_queue"))
+    """The most requests waiting to be scheduled; past it a request gets 429 at once."""
+    api_key: str | None = attrs.field(default=None, repr=False, validator=_check_api_key)
+    """Bearer key that ``/v1/*`` requests must carry (``None``: open)."""
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("max_body_bytes"))
+    """Largest request body accepted (413 past it)."""
+    keepalive: float = attrs.field(default=5.0, validator=_check_keepalive)
+    """Seconds between SSE keep-alive comments while a streamed request is undecided."""
+
+    def __attrs_post_init__(self) -> None:
+        config_check(self.n <= self.max_n, "n", self.n, f"<= max_n={self.max_n}")
+        config_check(
+            self.max_tokens <= self.max_tokens_limit,
+            "max_tokens",
+            self.max_tokens,
+            f"<= max_tokens_limit={self.max_tokens_limit}",
+        )
+
+
+@attrs.frozen
+class Backend:
+    """What a server serves, fixed for its life: the engine (any sart engine, sync or
+    async), the PRM (``None``: only methods that need no rewards), and what to call
+    when the server stops."""
+
+    engine: Any
+    prm: PRM | None = None
+    close: Callable[[], None] | None = None

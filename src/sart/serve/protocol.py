@@ -1,0 +1,497 @@
+"""The OpenAI-compatible request and response shapes, and sart's extension fields.
+
+Requests are pydantic models in strict mode that forbid unknown fields, as
+OpenAI's API does: a wrong type, a typo (``alpah``) or a field sart does not
+implement is a 400 naming the field, never silently ignored. sart's own
+fields sit at the top level of the body, the way vLLM takes its extensions
+(``extra_body`` in the ``openai`` client puts them there):
+
+- ``method``: ``vanilla``, ``sc``, ``sart``, ``sart-no-prune``, ``rebase``,
+  or a name the operator registered (``sart.serve.register_method``);
+- ``m``, ``alpha``, ``beta``, ``interval``: the policy's fields;
+- ``selector``: ``best-reward``, ``majority`` or ``weighted``.
+
+**What ``n`` means.** sart samples ``N`` branches and answers with *one*,
+the chosen branch: the semantics of OpenAI's legacy ``best_of`` ("generate
+``best_of`` completions server-side and return the best"), so ``best_of`` is
+the number of branches. ``n`` is the number of *choices* in OpenAI's API;
+sart returns one, so ``n`` keeps that meaning and must be 1, except in a
+request that names its ``method``: there ``n`` is the method's number of
+branches (``extra_body={"method": "sart", "n": 8}``), which is what sart's
+docs and ``sart bench`` call ``n`` (``best_of``, if also given, must agree).
+A plain OpenAI client asking ``n=4`` gets a 400 saying so, rather than one
+choice where it expected four. Neither given: the server's default for the
+method (``--n``; always 1 for ``vanilla``).
+
+Responses are OpenAI's, with the chosen branch as the only choice
+(``finish_reason`` ``stop`` or ``length`` as that branch ended),
+``usage.completion_tokens`` counting the tokens of *every* branch (what was
+computed, as OpenAI bills ``best_of``), and a ``sart`` field: the method and
+policy, the chosen branch's index and answer, each branch's status, tokens
+and reward, and the queue, inference and PRM times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any, Literal
+
+import attrs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sart.errors import ConfigError
+from sart.serve.config import ServeConfig
+from sart.serve.methods import PolicyFields, build_policy
+from sart.serve.service import Outcome
+from sart.types import BranchStatus, Prompt, SamplingSettings
+
+
+class Refused(Exception):
+    """A request the server refuses: HTTP ``status`` (400 unless said), a message naming
+    ``param``, the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+
+
+# ------------------------------------------------------------------- requests
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+    """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+
+
+class _Body(_Strict):
+    """Fields both endpoints take."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    best_of: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # sart's extension fields (``extra_body``)
+    method: str | None = None
+    m: int | None = None
+    alpha: float | None = None
+    beta: int | None = None
+    interval: int | None = None
+    selector: str | None = None
+    # OpenAI fields sart does not implement: accepted only at their neutral values.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Body):
+    """``POST /v1/completions``: one prompt, text or token ids."""
+
+    prompt: str | list[int] = Field(min_length=1)
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Body):
+    """``POST /v1/chat/completions``: messages, rendered with the policy's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+#: Fields sart does not implement -> the values that mean "not used".
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "frequency_penalty": (None, 0, 0.0),
+    "presence_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+}
+"""``response_format`` is accepted as ``{"type": "text"}`` only."""
+
+#: How a field's expected type is said when a value does not fit it.
+_EXPECTED = {
+    "prompt": "a string or a non-empty list of token ids",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {role, content} messages",
+    "content": "a string or a list of {type: text, text} parts",
+}
+_TYPE_WORDS = {
+    "float_type": "a number",
+    "int_type": "an integer",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
+def parse(model: type[_Body], body: bytes) -> Any:
+    """``body`` as ``model``, or ``Refused`` naming the first field at fault."""
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise Refused(*_describe(exc)) from None
+    for field, neutral in NEUTRAL.items():
+        value = getattr(request, field, None)
+        if value not in neutral:
+            raise Refused(f"{field}={_short(value)} is not supported by sart serve", field)
+    response_format = getattr(request, "response_format", None)
+    if response_format not in (None, {"type": "text"}):
+        raise Refused(
+            f"response_format={_short(response_format)} is not supported by sart serve "
+            "(only {'type': 'text'})",
+            "response_format",
+        )
+    return request
+
+
+def _describe(exc: ValidationError) -> tuple[str, str | None]:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    if first["type"] == "json_invalid":
+        return f"the body is not valid JSON: {first['msg']}", None
+    if not loc:
+        return "the body must be a JSON object", None
+    param = loc[0]
+    # The field's path without pydantic's union tags ('str', 'list[int]').
+    path = [p for p in loc if p.isdigit() or p.isidentifier()]
+    path = [p for p in path if p not in ("str", "int", "float", "bool")]
+    where = ".".join(path)
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        return f"{where} is not a field sart serve takes (unknown field)", param
+    if kind == "missing":
+        return f"{where} is required", param
+    value = _short(first.get("input"))
+    leaf = next((p for p in reversed(path) if not p.isdigit()), param)
+    union = len({tuple(e["loc"][:1]) for e in errors}) == 1 and len(errors) > 1
+    if leaf in _EXPECTED and (union or kind in _TYPE_WORDS):
+        return f"{where}={value} must be {_EXPECTED[leaf]}", param
+    if kind in _TYPE_WORDS:
+        return f"{where}={value} must be {_TYPE_WORDS[kind]}", param
+    if kind == "literal_error":
+        return f"{where}={value} must be {first['ctx']['expected']}", param
+    return f"{where}={value}: {first['msg']}", param
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def policy_fields(request: _Body) -> PolicyFields:
+    """The policy fields of a request, with ``n`` and ``best_of`` resolved (see the
+    module docstring): ``best_of`` is the number of branches; ``n`` is too in a
+    request that names its method (the two must then agree), and otherwise OpenAI's
+    number of choices, which must be 1."""
+    n, best_of = request.n, request.best_of
+    if request.method is None:
+        if n not in (None, 1):
+            raise Refused(
+                f"n={n} asks for {n} choices, and sart serve returns one (the chosen branch): "
+                f"to sample {n} branches, give best_of={n}, or name the method and its n "
+                f"(extra_body={{'method': 'sart', 'n': {n}}})",
+                "n",
+            )
+        branches = best_of
+    else:
+        if n is not None and best_of is not None and n != best_of:
+            raise Refused(
+                f"n={n} and best_of={best_of} disagree: give the number of branches once", "n"
+            )
+        branches = n if n is not None else best_of
+    return PolicyFields(
+        method=request.method,
+        n=branches,
+        m=request.m,
+        alpha=request.alpha,
+        beta=request.beta,
+        interval=request.interval,
+        selector=request.selector,
+    )
+
+
+@attrs.frozen
+class Plan:
+    """What a valid request asks the server to run."""
+
+    method: str
+    request_kwargs: dict[str, Any]
+    """``sart.Request`` arguments but ``id`` and ``prompt``."""
+    stream: bool
+    include_usage: bool
+
+
+def plan(request: _Body, config: ServeConfig) -> Plan:
+    """Check ``request`` against the server's models, defaults and limits, and build
+    its policy and sampling settings (``Refused`` naming the field otherwise)."""
+    if request.model not in config.models:
+        raise Refused(
+            f"model={request.model!r} is not served here (served: {list(config.models)})",
+            "model",
+            status=404,
+        )
+    max_tokens = request.max_tokens
+    completion_tokens = getattr(request, "max_completion_tokens", None)
+    if completion_tokens is not None:
+        max_tokens = completion_tokens
+    field = "max_completion_tokens" if completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = config.max_tokens
+    elif max_tokens > config.max_tokens_limit:
+        raise Refused(
+            f"{field}={max_tokens} must be <= {config.max_tokens_limit} (the server's "
+            "--max-tokens-limit)",
+            field,
+        )
+    fields = policy_fields(request)
+    if fields.n is not None and fields.n > config.max_n:
+        name = "best_of" if request.best_of is not None else "n"
+        raise Refused(f"{name}={fields.n} must be <= {config.max_n} (the server's --max-n)", name)
+    stop = request.stop
+    try:
+        method, policy = build_policy(
+            fields,
+            method=config.method,
+            n=config.n,
+            max_n=config.max_n,
+            interval=config.interval,
+        )
+        sampling = SamplingSettings(
+            temperature=config.temperature if request.temperature is None else request.temperature,
+            top_p=config.top_p if request.top_p is None else request.top_p,
+            max_tokens=max_tokens,
+            seed=request.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        )
+    except ConfigError as exc:
+        raise Refused(str(exc), field_of(str(exc))) from None
+    options = request.stream_options
+    if options is not None and not request.stream:
+        raise Refused("stream_options is only allowed with stream=true", "stream_options")
+    return Plan(
+        method=method,
+        request_kwargs={"policy": policy, "sampling": sampling},
+        stream=bool(request.stream),
+        include_usage=bool(options is not None and options.include_usage),
+    )
+
+
+def field_of(message: str) -> str | None:
+    """The field a ``ConfigError`` message starts with (``"m=9 must be <= n=8"`` -> m)."""
+    head = message.split("=", 1)[0]
+    return head if head.isidentifier() else None
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as a chat template reads them (text parts joined)."""
+    out = []
+    for message in request.messages:
+        content = message.content
+        if not isinstance(content, str):
+            content = "".join(part.text for part in content)
+        out.append({"role": message.role, "content": content})
+    return out
+
+
+def question(request: ChatCompletionRequest) -> str:
+    """What a PRM reads as the question of a chat: the last user message."""
+    users = [m for m in chat_messages(request) if m["role"] == "user"]
+    return users[-1]["content"] if users else chat_messages(request)[-1]["content"]
+
+
+def completion_prompt(request: CompletionRequest) -> Prompt:
+    prompt = request.prompt
+    if isinstance(prompt, list):
+        if any(t < 0 for t in prompt):
+            raise Refused("prompt token ids must be >= 0", "prompt")
+        return tuple(prompt)
+    return prompt
+
+
+# ------------------------------------------------------------------- responses
+
+
+def finish_reason(outcome: Outcome) -> str:
+    """OpenAI's ``finish_reason`` of the chosen branch."""
+    result = outcome.result
+    chosen = result.branches[result.chosen] if result.chosen is not None else None
+    return "length" if chosen is not None and chosen.status is BranchStatus.TRUNCATED else "stop"
+
+
+def usage(outcome: Outcome) -> dict[str, int]:
+    """Prompt tokens once (the branches share them), completion tokens of every branch."""
+    generated = outcome.result.generated_tokens
+    return {
+        "prompt_tokens": outcome.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": outcome.prompt_tokens + generated,
+    }
+
+
+def extension(method: str, outcome: Outcome) -> dict[str, Any]:
+    """The ``sart`` field of a response."""
+    result = outcome.result
+    timings = result.timings
+    return {
+        "method": method,
+        "policy": result.policy,
+        "n": len(result.branches),
+        "chosen": result.chosen,
+        "answer": result.answer,
+        "branches": [
+            {
+                "index": b.index,
+                "status": b.status.name.lower(),
+                "tokens": b.num_tokens,
+                "reward": b.reward,
+                "answer": b.answer,
+            }
+            for b in result.branches
+        ],
+        "queue_time": timings.queueing,
+        "inference_time": timings.inference,
+        "prm_time": result.prm_seconds,
+        "prm_wait_time": result.prm_wait_seconds,
+    }
+
+
+def completion_body(
+    rid: str, created: int, model: str, method: str, outcome: Outcome, *, chat: bool
+) -> dict[str, Any]:
+    text = outcome.result.text or ""
+    if chat:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason(outcome),
+        }
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason(outcome),
+        }
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": usage(outcome),
+        "sart": extension(method, outcome),
+    }
+
+
+def chunk(
+    rid: str,
+    created: int,
+    model: str,
+    *,
+    chat: bool,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One streamed chunk with one choice (or none, for the usage chunk: ``extra``
+    holding ``usage`` and ``text is None``, ``finish is None``, ``role`` false)."""
+    if chat:
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+    if extra:
+        body.update(extra)
+    return body
+
+
+def usage_chunk(rid: str, created: int, model: str, outcome: Outcome, *, chat: bool) -> dict:
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(outcome),
+    }
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape, typed as vLLM types them (``RefusedError``...)."""
+    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def models_body(config: ServeConfig, created: int, methods: Sequence[str]) -> dict[str, Any]:
+    """``GET /v1/models``, with sart's defaults and limits under ``sart``."""
+    limits = {
+        "methods": list(methods),
+        "method": config.method,
+        "n": config.n,
+        "max_n": config.max_n,
+        "interval": config.interval,
+        "max_tokens": config.max_tokens,
+        "max_tokens_limit": config.max_tokens_limit,
+    }
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "sart", "sart": limits}
+            for name in config.models
+        ],
+    }

@@ -1,0 +1,222 @@
+"""``Service``: the driver behind the HTTP layer — admission, cancellation, results, metrics.
+
+One ``sart.AsyncDriver`` serves every request on the server's event loop,
+over a ``ServingEngine`` (sync engines on a worker thread, cancellation) and
+the PRM (timed; a ``PRMProcess`` runs it in its own process). ``submit``
+and ``result`` are what a handler calls:
+
+- the request is refused at once (``QueueFull``, HTTP 429) when
+  ``max_queue`` requests already wait for a slot, so latency stays bounded;
+- if the handler is cancelled (its client disconnected) or calls ``cancel``,
+  the request is cancelled in the engine and every branch of it is aborted (see
+  ``sart.serve.engine``); its result is counted as ``cancelled``;
+- the result comes back with its prompt length, for ``usage``.
+
+The driver keeps a history of results and of its resource timeline, which
+a benchmark wants and a server does not: the service drops both as each
+request finishes, so memory stays flat however long the server runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import attrs
+
+from sart.async_driver import AsyncDriver
+from sart.clock import WallClock
+from sart.engines.base import supports_fork
+from sart.errors import ConfigError, SartError
+from sart.prm.base import PRM
+from sart.request import Request
+from sart.results import RequestResult
+from sart.serve.config import ServeConfig
+from sart.serve.engine import ServingEngine
+from sart.serve.metrics import ServeMetrics, gauge_table
+from sart.serve.prm import ServedPRM
+
+
+class QueueFull(SartError):
+    """``max_queue`` requests already wait for a slot."""
+
+
+class ServiceStopped(SartError):
+    """The service is not running (starting, stopping, or its driver failed)."""
+
+
+@attrs.frozen
+class Outcome:
+    """A finished request, as the HTTP layer answers it."""
+
+    result: RequestResult
+    prompt_tokens: int
+
+
+class Service:
+    """Runs an ``AsyncDriver`` for the server; see the module docstring."""
+
+    def __init__(self, engine: Any, prm: PRM | None, config: ServeConfig) -> None:
+        self.config = config
+        self.metrics = ServeMetrics(self._gauges)
+        self.engine = ServingEngine(engine, on_prefill=self._prefilled)
+        self.prm = None if prm is None else ServedPRM(prm, self.metrics.observe_prm)
+        self.driver = AsyncDriver(
+            self.engine,
+            self.prm,
+            batch_size=config.batch_size,
+            admission=config.admission,
+            scoring=config.scoring,
+            clock=WallClock(),
+            on_result=self._finished,
+        )
+        self._task: asyncio.Task[None] | None = None
+        self._waiting: set[str] = set()  # accepted, not prefilled, not cancelled
+        self._running: set[str] = set()  # prefilled, not finished
+        self._max_tokens: dict[str, int] = {}  # of each request in flight
+        # Accepted and not yet taken by result() or cancel(): each request's outcome,
+        # set by the driver's on_result (so that the outcome, its prompt length and
+        # the metrics are all settled in one place, when the driver delivers it).
+        self._futures: dict[str, asyncio.Future[Outcome]] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start serving (on the running event loop)."""
+        self._task = asyncio.create_task(self.driver.serve(), name="sart-driver")
+        self._task.add_done_callback(self._driver_ended)
+
+    def _driver_ended(self, task: asyncio.Task[None]) -> None:
+        """If the driver failed, every request still waiting gets its exception."""
+        error = None if task.cancelled() else task.exception()
+        for future in self._futures.values():
+            if not future.done():
+                future.set_exception(error or ServiceStopped("the server stopped"))
+
+    @property
+    def healthy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is still in flight, let the driver finish, stop it."""
+        if self._task is None:
+            return
+        for request_id in list(self._futures):
+            self.cancel(request_id)
+        self.driver.stop()
+        try:
+            await asyncio.wait_for(self._task, timeout)
+        except asyncio.TimeoutError:
+            pass  # wait_for cancelled it
+        except Exception:
+            pass  # the driver failed; /health has been saying so
+        finally:
+            self.driver.close()
+            self.engine.close()
+
+    # ------------------------------------------------------------ requests
+
+    def check(self, request: Request) -> None:
+        """Refuse, before it runs, a request this server cannot serve (``ConfigError``):
+        a policy that needs a PRM when there is none, or forks on an engine that cannot."""
+        policy = request.policy
+        if self.prm is None and (policy.scores_running or policy.scores_completed):
+            raise ConfigError(
+                f"method with policy {policy.name!r} needs PRM rewards, and this server has no "
+                "PRM (start it with --prm); methods that need none: vanilla, sc"
+            )
+        if policy.prune.forks and not supports_fork(self.engine):
+            raise ConfigError(
+                f"policy {policy.name!r} forks branches, which this server's engine cannot do"
+            )
+
+    def submit(self, request: Request, question: str | None = None) -> str:
+        """Accept ``request`` (its ``arrival`` is set to now) and return its id; then
+        ``await result(id)``, or ``cancel(id)``. Raises ``ServiceStopped``,
+        ``ConfigError`` (see ``check``) or ``QueueFull`` without accepting it.
+
+        ``question``: the text the PRM sees as the prompt, for a request whose
+        prompt is token ids (a chat rendered by its template)."""
+        if not self.healthy:
+            raise ServiceStopped("the server is not serving")
+        self.check(request)
+        if len(self._waiting) >= self.config.max_queue:
+            raise QueueFull(
+                f"{len(self._waiting)} requests are waiting for a slot (the server's "
+                f"--max-queue is {self.config.max_queue}); retry later"
+            )
+        rid = request.id
+        self.driver.submit(attrs.evolve(request, arrival=self.driver.clock.now()))
+        self._futures[rid] = asyncio.get_running_loop().create_future()
+        self._waiting.add(rid)
+        self._max_tokens[rid] = request.sampling.max_tokens
+        if question is not None and self.prm is not None:
+            self.prm.ask(rid, question)
+        return rid
+
+    async def result(self, request_id: str) -> Outcome:
+        """Wait for an accepted request's result. If the caller is cancelled (its client
+        disconnected), the request is cancelled: every branch of it is aborted."""
+        future = self._futures[request_id]
+        try:
+            # Shielded: the request ends by the engine's abort (cancel), not by a
+            # cancellation that would only stop waiting for it.
+            outcome = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            self.cancel(request_id)
+            raise
+        finally:
+            if future.done():
+                self._futures.pop(request_id, None)
+        return outcome
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel an accepted request unless it has finished: a waiting one is refused
+        when its turn comes, a running one has its branches aborted at the next
+        decode call (see ``sart.serve.engine``). Idempotent."""
+        future = self._futures.pop(request_id, None)
+        if future is None or future.done():  # taken, or finished as the client left
+            return
+        self._waiting.discard(request_id)
+        self.engine.cancel(request_id)
+        future.cancel()
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _prefilled(self, request_id: str) -> None:
+        self._waiting.discard(request_id)
+        self._running.add(request_id)
+
+    def _finished(self, result: RequestResult) -> None:
+        rid = result.request_id
+        cancelled = self.engine.cancelled(rid)
+        prompt_tokens = self.engine.prompt_tokens.get(rid)
+        if prompt_tokens is None and self.prm is not None:
+            self.prm.forget(rid)  # never prefilled: the PRM is never told to release it
+        prompt_tokens = prompt_tokens or 0
+        self.engine.forget(rid)
+        self._waiting.discard(rid)
+        self._running.discard(rid)
+        max_tokens = self._max_tokens.pop(rid, 1)
+        self.metrics.observe(result, cancelled=cancelled, max_tokens=max_tokens)
+        self.metrics.prompt_tokens.inc(prompt_tokens)
+        future = self._futures.get(rid)
+        if future is not None and not future.done():
+            future.set_result(Outcome(result, prompt_tokens))
+        # A server keeps no history (the driver keeps one for benchmarks).
+        self.driver.results.clear()
+        self.driver.timeline.clear()
+
+    def _gauges(self) -> dict[str, tuple[str, float]]:
+        stats = self.driver.scheduler.statistics()
+        engine = self.engine.stats()
+        return gauge_table(
+            {
+                "sart:num_requests_running": len(self._running),
+                "sart:num_requests_waiting": len(self._waiting),
+                "sart:num_branches_running": stats.running_branches,
+                "sart:num_branches_waiting": stats.queued_branches,
+                "sart:engine_live_branches": engine.live_branches,
+                "sart:kv_tokens": engine.kv_tokens,
+            }
+        )

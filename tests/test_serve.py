@@ -1,0 +1,414 @@
+"""``sart serve`` in this process, on scripted engines: policies from request fields,
+disconnects, the bounded queue, limits and failures.
+
+A server runs on 127.0.0.1 in a thread (uvicorn, the real app); clients are the
+official ``openai`` client and ``httpx``. The engines are sart's public
+``FakeEngine`` made slow (a wall-clock sleep per decode step), so that a request
+is still running when its client leaves. The testbed model behind the
+``sart serve`` command is in ``tests/test_serve_testbed.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+import uvicorn  # noqa: E402
+
+import sart  # noqa: E402
+from sart.engines.streaming import SyncBridge  # noqa: E402
+from sart.errors import ConfigError, EngineError  # noqa: E402
+from sart.serve import Backend, ServeConfig, create_app, register_method  # noqa: E402
+from sart.serve.engine import ServingEngine  # noqa: E402
+from sart.serve.methods import PolicyFields, build_policy  # noqa: E402
+from sart.serve.metrics import SavedTokens  # noqa: E402
+from sart.serve.protocol import CompletionRequest, Refused, parse, policy_fields  # noqa: E402
+from sart.testing import (  # noqa: E402
+    BranchScript,
+    FakeEngine,
+    FakeStreamingEngine,
+    ScriptedPRM,
+    check_engine,
+)
+
+MODEL = "fake"
+
+
+class SlowEngine(FakeEngine):
+    """``FakeEngine`` whose decode steps take wall-clock time; a prompt's first word sets
+    its branches' length (``"long"``: more than any test waits for), ``"boom"`` fails
+    the prefill."""
+
+    def __init__(self, seconds_per_step: float = 0.002) -> None:
+        super().__init__(self._script)
+        self.seconds_per_step = seconds_per_step
+        self.prompts: dict[str, object] = {}
+        self.prefilled: list[str] = []
+        self.aborted: list[sart.BranchId] = []
+
+    def _script(self, branch: sart.BranchId) -> BranchScript:
+        prompt = self.prompts[branch.request_id]
+        length = 10**6 if str(prompt).startswith("long") else 12 + branch.index
+        return BranchScript(length=length, answer=str(branch.index % 2), rewards=(0.9,))
+
+    def prefill(self, request_id, prompt, sampling):  # type: ignore[no-untyped-def]
+        if prompt == "boom":
+            raise EngineError("the engine refused this prompt", request_ids=[request_id])
+        self.prompts[request_id] = prompt
+        self.prefilled.append(request_id)
+        return super().prefill(request_id, prompt, sampling)
+
+    def step(self, max_steps, until_first_end=False):  # type: ignore[no-untyped-def]
+        output = super().step(min(max_steps, 4), until_first_end)
+        time.sleep(self.seconds_per_step * output.steps)
+        return output
+
+    def abort(self, branch_ids):  # type: ignore[no-untyped-def]
+        self.aborted.extend(branch_ids)
+        super().abort(branch_ids)
+
+
+class Served:
+    """A server in a thread, its engine, and clients."""
+
+    def __init__(self, app, engine: SlowEngine) -> None:  # type: ignore[no-untyped-def]
+        self.engine = engine
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Served:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+        assert not self.thread.is_alive(), "server did not stop"
+
+    def openai(self, key: str | None = "key") -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0)
+
+    def post(self, path: str, body: object, timeout: float = 30) -> httpx.Response:
+        headers = {"Authorization": "Bearer key"}
+        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=timeout)
+
+    def metric(self, name: str, labels: str = "") -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
+        found = re.search(pattern, text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    def wait_for(self, check: Callable[[], bool], timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(engine: SlowEngine | None = None, **settings: object) -> Served:
+        engine = engine or SlowEngine()
+        config = ServeConfig(models=(MODEL,), api_key="key", **settings)  # type: ignore[arg-type]
+        prm = ScriptedPRM(lambda branch: BranchScript(rewards=(0.9,)), every=4)
+        served = Served(create_app(config, Backend(engine, prm)), engine).__enter__()
+        started.append(served)
+        return served
+
+    yield start
+    for served in started:
+        served.__exit__()
+
+
+def body(prompt: str = "short", **fields: object) -> dict[str, object]:
+    return {"model": MODEL, "prompt": prompt, **fields}
+
+
+def leave_after(served: Served, seconds: float) -> None:
+    """A client that sends a long request and leaves after ``seconds``."""
+    with pytest.raises(httpx.ReadTimeout):
+        served.post("/v1/completions", body("long", method="vanilla"), timeout=seconds)
+
+
+# ------------------------------------------------------------------ policies from fields
+
+
+def test_a_method_and_its_fields_build_the_policy() -> None:
+    def policy(**fields: object) -> tuple[str, sart.Policy]:
+        return build_policy(
+            PolicyFields(**fields),  # type: ignore[arg-type]
+            method="sart",
+            n=8,
+            max_n=16,
+            interval=16,
+        )
+
+    name, p = policy()
+    assert (name, p.n, p.interval, p.name) == ("sart", 8, 16, "sart(n=8,m=4)")
+    name, p = policy(method="sart", n=6, m=2, alpha=0.3, beta=1, interval=5)
+    assert (p.n, p.interval, p.stop.m, p.prune.alpha, p.prune.beta) == (6, 5, 2, 0.3, 1)
+    assert policy(method="vanilla")[1].n == 1  # the server's default n does not apply
+    name, p = policy(method="sc", n=4, selector="weighted")
+    assert isinstance(p.select, sart.WeightedVote) and p.name.endswith("select=weighted")
+    refusals = {
+        "method='best'": dict(method="best"),
+        "n=17 must be <= 16": dict(n=17),
+        "n=2 must be 1: method 'vanilla'": dict(method="vanilla", n=2),
+        "alpha=0.2 does not apply to method 'sc'": dict(method="sc", alpha=0.2),
+        "m=9 must be <= n=8": dict(m=9),
+        "selector='best' must be one of": dict(selector="best"),
+        "selector='majority' does not apply": dict(method="vanilla", selector="majority"),
+    }
+    for message, fields in refusals.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            policy(**fields)
+
+
+def test_a_registered_method_is_served_by_name() -> None:
+    register_method("wide-sc", lambda n, interval: sart.self_consistency(2 * n, interval))
+    _, p = build_policy(
+        PolicyFields(method="wide-sc", n=3), method="sart", n=8, max_n=16, interval=4
+    )
+    assert p.n == 6
+
+
+@pytest.mark.parametrize(
+    ("fields", "branches"),
+    [
+        ({}, None),
+        ({"n": 1}, None),
+        ({"best_of": 4}, 4),
+        ({"n": 1, "best_of": 3}, 3),
+        ({"method": "sart", "n": 4}, 4),
+        ({"method": "sart", "n": 4, "best_of": 4}, 4),
+    ],
+)
+def test_n_is_branches_only_where_the_method_is_named(fields: dict, branches: int) -> None:
+    request = parse(CompletionRequest, httpx.Request("POST", "/", json=body(**fields)).content)
+    assert policy_fields(request).n == branches
+
+
+def test_n_above_one_without_a_method_is_refused_not_reinterpreted() -> None:
+    for fields, message in [
+        ({"n": 3}, "n=3 asks for 3 choices"),
+        ({"n": 3, "best_of": 3}, "n=3 asks for 3 choices"),
+        ({"method": "sc", "n": 3, "best_of": 4}, "n=3 and best_of=4 disagree"),
+    ]:
+        request = parse(CompletionRequest, httpx.Request("POST", "/", json=body(**fields)).content)
+        with pytest.raises(Refused, match=message):
+            policy_fields(request)
+
+
+def test_server_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="n=9 must be <= max_n=8"):
+        ServeConfig(models=("m",), n=9, max_n=8)
+    with pytest.raises(ConfigError, match="max_tokens=10 must be <= max_tokens_limit=5"):
+        ServeConfig(models=("m",), max_tokens=10, max_tokens_limit=5)
+    with pytest.raises(ConfigError, match="models"):
+        ServeConfig(models=())
+    assert "secret" not in repr(ServeConfig(models=("m",), api_key="secret"))
+
+
+# ------------------------------------------------------------------ the engine and metrics
+
+
+@pytest.mark.parametrize("inner", [FakeEngine, FakeStreamingEngine])
+def test_the_serving_engine_keeps_the_engine_contract(inner: type) -> None:
+    check_engine(lambda: SyncBridge(ServingEngine(inner())))
+
+
+def test_a_cancelled_request_is_refused_by_its_next_engine_call_only() -> None:
+    async def main() -> None:
+        engine = ServingEngine(FakeEngine(lambda b: BranchScript(length=50)))
+        sampling = sart.SamplingSettings(max_tokens=100)
+        for rid in ("a", "b"):
+            await engine.prefill(rid, "p", sampling)
+            await engine.start_branches(rid, [sart.BranchSpec(0, 0), sart.BranchSpec(1, 1)])
+        engine.cancel("a")
+        engine.cancel("later")
+        with pytest.raises(EngineError) as refused:
+            await engine.step(4)
+        assert refused.value.request_ids == {"a"}  # "later" holds nothing: not refused
+        with pytest.raises(EngineError):
+            await engine.prefill("later", "p", sampling)
+        await engine.abort([sart.BranchId("a", 0), sart.BranchId("a", 1)])
+        await engine.release_prefix("a")
+        output = await engine.step(4)  # "b" decodes on
+        assert {bid.request_id for bid in output.deltas} == {"b"}
+        assert engine.stats().live_branches == 2
+        engine.close()
+
+    asyncio.run(main())
+
+
+def test_tokens_saved_count_what_longer_completed_branches_ran_past_the_cut() -> None:
+    saved = SavedTokens()
+
+    def result(*branches: tuple[sart.BranchStatus, int]) -> sart.RequestResult:
+        outcomes = tuple(
+            sart.BranchOutcome(i, status, tokens, None, None, None)
+            for i, (status, tokens) in enumerate(branches)
+        )
+        return sart.RequestResult(
+            "r", sart.RequestStatus.COMPLETED, 0, "", "", outcomes, sart.Timings(0, 0, 1)
+        )
+
+    done, cut = sart.BranchStatus.FINISHED, sart.BranchStatus.PRUNED
+    assert saved.add(result((done, 10), (done, 30)), max_tokens=100) == 0  # nothing cut
+    # Cut at 20: completed lengths above 20 are 30 and 50, mean 40: 20 more tokens.
+    assert saved.add(result((done, 50), (cut, 20)), max_tokens=100) == 20
+    # Cut at 60: nothing completed ran longer; nothing is claimed.
+    assert saved.add(result((done, 10), (sart.BranchStatus.STOPPED, 60)), max_tokens=100) == 0
+    # Lengths count at most to the request's max_tokens: min(50, 40) - 35 = 5.
+    assert saved.add(result((done, 10), (cut, 35)), max_tokens=40) == 5
+
+
+# ------------------------------------------------------------------ serving
+
+
+def test_the_openai_client_gets_the_chosen_branch_and_every_branchs_outcome(serve) -> None:
+    served = serve()
+    reply = served.openai().completions.create(
+        model=MODEL, prompt="short", extra_body={"method": "sc", "n": 3}
+    )
+    extension = reply.model_extra["sart"]
+    assert [b["status"] for b in extension["branches"]] == ["finished"] * 3
+    assert [b["tokens"] for b in extension["branches"]] == [12, 13, 14]
+    assert reply.usage.completion_tokens == 12 + 13 + 14  # every branch is paid for
+    assert extension["answer"] == "0"  # majority: branches 0 and 2 answer "0"
+    assert reply.choices[0].text.endswith("\\boxed{0}")
+    assert reply.choices[0].finish_reason == "stop"
+    capped = served.openai().completions.create(model=MODEL, prompt="short", max_tokens=5)
+    assert capped.choices[0].finish_reason == "length"
+    assert {b["status"] for b in capped.model_extra["sart"]["branches"]} <= {
+        "truncated",
+        "pruned",
+        "stopped",
+    }
+
+
+def test_a_disconnected_client_has_every_branch_aborted(serve) -> None:
+    served = serve()
+    engine = served.engine
+    with pytest.raises(httpx.ReadTimeout):
+        served.post("/v1/completions", body("long", method="sc", n=4), timeout=0.5)
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)
+    assert engine.stats().live_branches == 0 and not engine.prefixes
+    (rid,) = engine.prefilled
+    assert sorted(b.index for b in engine.aborted if b.request_id == rid) == [0, 1, 2, 3]
+    assert served.metric("sart:branches_failed_total", '{cause="cancelled"}') == 4
+    assert served.metric("sart:engine_live_branches") == 0
+    # Nothing else is disturbed: the server serves on.
+    reply = served.openai().completions.create(model=MODEL, prompt="short")
+    assert reply.model_extra["sart"]["answer"] is not None
+
+
+def test_a_disconnected_stream_has_every_branch_aborted(serve) -> None:
+    served = serve(keepalive=0.05)
+    engine = served.engine
+    request = {**body("long", method="sart", n=3), "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json=request,
+        headers={"Authorization": "Bearer key"},
+        timeout=10,
+    ) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": keep-alive"  # undecided: the stream is kept alive
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)
+    assert engine.stats().live_branches == 0
+    assert len(engine.aborted) == 3
+
+
+def test_a_request_cancelled_while_queued_never_reaches_the_engine(serve) -> None:
+    served = serve(batch_size=1)
+    blocker = threading.Thread(target=leave_after, args=(served, 1.5))
+    blocker.start()
+    served.wait_for(lambda: served.metric("sart:num_requests_running") == 1)
+    with pytest.raises(httpx.ReadTimeout):  # waits behind the blocker, then leaves
+        served.post("/v1/completions", body("short", method="vanilla"), timeout=0.3)
+    blocker.join()
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 2)
+    assert len(served.engine.prefilled) == 1  # only the blocker was ever prefilled
+    assert served.engine.stats().live_branches == 0
+
+
+def test_past_the_queue_limit_requests_get_429_at_once(serve) -> None:
+    served = serve(batch_size=1, max_queue=1)
+    clients = [threading.Thread(target=leave_after, args=(served, 1.5)) for _ in range(2)]
+    clients[0].start()
+    served.wait_for(lambda: served.metric("sart:num_requests_running") == 1)
+    clients[1].start()
+    served.wait_for(lambda: served.metric("sart:num_requests_waiting") == 1)
+    start = time.monotonic()
+    with pytest.raises(openai.RateLimitError, match="max-queue"):
+        served.openai().completions.create(model=MODEL, prompt="short")
+    assert time.monotonic() - start < 1.0
+    for client in clients:
+        client.join()
+    assert served.metric("sart:requests_rejected_total", '{code="429"}') == 1
+
+
+def test_an_engine_failure_fails_its_request_only(serve) -> None:
+    served = serve()
+    with pytest.raises(openai.InternalServerError, match="the engine refused this prompt"):
+        served.openai().completions.create(model=MODEL, prompt="boom")
+    assert served.openai().completions.create(model=MODEL, prompt="short").choices[0].text
+    assert served.metric("sart:requests_total", '{status="failed"}') == 1
+
+
+def test_the_body_size_is_limited(serve) -> None:
+    served = serve(max_body_bytes=300)
+    response = served.post("/v1/completions", body("x" * 400))
+    assert response.status_code == 413 and "--max-body-bytes" in response.json()["error"]["message"]
+    assert served.post("/v1/completions", body("short")).status_code == 200
+
+
+def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
+    engine = SlowEngine()
+    config = ServeConfig(models=(MODEL,), method="sc")
+    with Served(create_app(config, Backend(engine)), engine) as served:
+        response = served.post("/v1/completions", body("short", method="sart", n=2))
+        assert response.status_code == 400 and "has no PRM" in response.json()["error"]["message"]
+        assert served.post("/v1/completions", body("short")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--n", "0"], "n=0 must be an int >= 1"),
+        (["--n", "40"], "n=40 must be <= max_n=32"),
+        (["--method", "best"], "--method='best' must be one of"),
+        (["--model", "./no/such/model"], "--model='./no/such/model': no such file or directory"),
+        (["--max-tokens", "300", "--max-tokens-limit", "200"], "max_tokens=300 must be <="),
+    ],
+)
+def test_sart_serve_refuses_bad_flags_before_loading_anything(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err

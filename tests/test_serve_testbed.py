@@ -1,0 +1,529 @@
+"""``sart serve --model testbed``, as a user runs it: the command in its own process on
+127.0.0.1, the shipped testbed model and PRM, the official ``openai`` client.
+
+One server serves the whole module (it starts in a few seconds); each test
+reads the metrics it checks as differences. The load test runs 64 concurrent
+clients: a bounded version in the default suite, a longer one with ``--slow``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+import httpx  # noqa: E402
+
+import sart  # noqa: E402
+from sart import testbed as tb  # noqa: E402
+
+KEY = "sk-test-key"
+QUESTIONS = tb.make_questions(7, 40)
+
+
+class Server:
+    """``sart serve`` in a child process."""
+
+    def __init__(self, *flags: str) -> None:
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="sart-serve-", suffix=".log")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("SART_API_KEY", None)
+        command = [sys.executable, "-m", "sart.cli", "serve", "--port", "0", *flags]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while True:
+            text = Path(self.log.name).read_text()
+            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", text)
+            if found:
+                self.url = found.group(1)
+                break
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.process.kill()
+                raise AssertionError(f"sart serve did not start:\n{text}")
+            time.sleep(0.1)
+
+    def stop(self) -> tuple[int, str]:
+        """Stop it as Ctrl-C does; its exit code and its log."""
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout=30), Path(self.log.name).read_text()
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError("sart serve did not stop on SIGINT") from None
+        finally:
+            self.log.close()
+
+    def client(self, key: str | None = KEY, **options: object) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **options)
+
+    def metrics(self) -> dict[str, float]:
+        """The ``sart:`` samples; a counter not yet counted reads 0."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        found = re.findall(r"^(sart:\S+) (\S+)$", text, re.M)
+        return collections.defaultdict(float, {name: float(value) for name, value in found})
+
+    def wait_for(self, check: Callable[[dict[str, float]], bool], timeout: float = 20) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            if check(metrics):
+                return metrics
+            assert time.monotonic() < deadline, f"timed out; metrics: {metrics}"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    served = Server("--api-key", KEY, "--batch-size", "32", "--keepalive", "0.2")
+    yield served
+    code, log = served.stop()
+    assert code == 0, log
+    assert "Traceback" not in log and "ERROR" not in log, log
+
+
+CANCELLED = 'sart:requests_total{status="cancelled"}'
+IDLE = (
+    "sart:num_requests_running",
+    "sart:num_requests_waiting",
+    "sart:num_branches_running",
+    "sart:engine_live_branches",
+)
+
+
+def idle(metrics: dict[str, float]) -> bool:
+    return all(metrics[name] == 0 for name in IDLE)
+
+
+# ------------------------------------------------------------------ the API
+
+
+def test_health_and_metrics_are_open_models_need_the_key(server: Server) -> None:
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert "sart:num_branches_running" in httpx.get(f"{server.url}/metrics").text
+    (model,) = server.client().models.list().data
+    assert model.id == "testbed"
+    assert model.model_extra["sart"]["method"] == "sart"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+
+
+def test_a_completion_answers_with_the_chosen_branch(server: Server) -> None:
+    question = QUESTIONS[0]
+    reply = server.client().completions.create(model="testbed", prompt=question.prompt)
+    extension = reply.model_extra["sart"]
+    branches = extension["branches"]
+    assert (extension["method"], extension["policy"], len(branches)) == ("sart", "sart(n=8,m=4)", 8)
+    chosen = branches[extension["chosen"]]
+    assert chosen["status"] in ("finished", "truncated")
+    assert reply.choices[0].finish_reason == (
+        "stop" if chosen["status"] == "finished" else "length"
+    )
+    assert extension["answer"] == chosen["answer"] == sart.extract_answer(reply.choices[0].text)
+    assert reply.usage.completion_tokens == sum(b["tokens"] for b in branches)
+    assert reply.usage.prompt_tokens == len(question.prompt.split())
+    assert {b["status"] for b in branches} <= {"finished", "truncated", "pruned", "stopped"}
+    assert all(b["reward"] is not None for b in branches if b["status"] == "finished")
+    assert extension["queue_time"] >= 0 and extension["inference_time"] > 0
+
+
+def test_chat_uses_the_chat_template_and_extra_body_picks_the_policy(server: Server) -> None:
+    question = QUESTIONS[1]
+    reply = server.client().chat.completions.create(
+        model="testbed",
+        messages=[{"role": "user", "content": question.prompt}],
+        extra_body={"method": "sc", "n": 4, "interval": 8},
+        seed=3,
+    )
+    extension = reply.model_extra["sart"]
+    assert (extension["policy"], len(extension["branches"])) == ("self-consistency(n=4)", 4)
+    assert reply.choices[0].message.role == "assistant"
+    assert tb.grade(question, reply.choices[0].message.content) == (
+        extension["answer"] == question.answer
+    )
+    # The testbed's template is its prompt and a space: the same tokens as the prompt.
+    assert reply.usage.prompt_tokens == len(question.prompt.split())
+    again = server.client().chat.completions.create(
+        model="testbed",
+        messages=[{"role": "user", "content": question.prompt}],
+        extra_body={"method": "sc", "n": 4, "interval": 8},
+        seed=3,
+    )
+    assert again.model_extra["sart"]["branches"] == extension["branches"]  # seeded
+
+
+def test_vanilla_and_the_other_methods_by_name(server: Server) -> None:
+    client = server.client()
+    prompt = QUESTIONS[2].prompt
+    for method, policy in [
+        ("vanilla", "vanilla"),
+        ("sart-no-prune", "sart-no-prune(n=4,m=2)"),
+        ("rebase", "rebase(n=4)"),
+        ("sart", "sart(n=4,m=1)"),
+    ]:
+        extra = {"method": method} if method == "vanilla" else {"method": method, "n": 4}
+        if method == "sart":
+            extra.update(m=1, alpha=0.2, beta=1, selector="majority")
+            policy += ",select=majority"
+        reply = client.completions.create(model="testbed", prompt=prompt, extra_body=extra)
+        assert reply.model_extra["sart"]["policy"] == policy
+    reply = client.completions.create(model="testbed", prompt=prompt, best_of=3)
+    assert len(reply.model_extra["sart"]["branches"]) == 3  # best_of: branches of the default
+
+
+def test_streaming_with_the_openai_client(server: Server) -> None:
+    question = QUESTIONS[3]
+    chunks = list(
+        server.client().chat.completions.create(
+            model="testbed",
+            messages=[{"role": "user", "content": question.prompt}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = next(c for c in reversed(chunks) if c.choices)
+    assert last.choices[0].finish_reason in ("stop", "length")
+    assert last.model_extra["sart"]["answer"] == sart.extract_answer(text)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == sum(
+        b["tokens"] for b in last.model_extra["sart"]["branches"]
+    )
+    pieces = list(
+        server.client().completions.create(model="testbed", prompt=question.prompt, stream=True)
+    )
+    assert "".join(p.choices[0].text for p in pieces).endswith("}")
+
+
+def test_a_stream_is_kept_alive_until_its_answer_is_decided(server: Server) -> None:
+    # A prompt that is not a question: the testbed babbles until max_tokens.
+    request = {"model": "testbed", "prompt": "hello world", "method": "sc", "n": 8, "seed": 1}
+    request["stream"] = True  # seed 1: four of the branches run to max_tokens (about 1 s)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json=request, headers=headers, timeout=30
+    ) as stream:
+        lines = [line for line in stream.iter_lines() if line]
+    keepalives = [i for i, line in enumerate(lines) if line == ": keep-alive"]
+    data = [i for i, line in enumerate(lines) if line.startswith("data: {")]
+    assert keepalives and data and max(keepalives) < min(data)
+    assert lines[-1] == "data: [DONE]"
+    final = json.loads(lines[data[-1]][len("data: ") :])
+    assert final["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+# ------------------------------------------------------------------ refusals
+
+BAD_INPUTS = [
+    # (what, body or raw bytes, headers, status, param, message fragment)
+    ("no key", {"model": "testbed", "prompt": "x"}, {}, 401, None, "API key"),
+    (
+        "wrong key",
+        {"model": "testbed", "prompt": "x"},
+        {"Authorization": "Bearer no"},
+        401,
+        None,
+        "API key",
+    ),
+    ("malformed JSON", b'{"model": "testbed", "prompt": ', None, 400, None, "not valid JSON"),
+    ("not an object", b"[1, 2]", None, 400, None, "JSON object"),
+    ("missing prompt", {"model": "testbed"}, None, 400, "prompt", "prompt is required"),
+    (
+        "prompt type",
+        {"model": "testbed", "prompt": 5},
+        None,
+        400,
+        "prompt",
+        "prompt=5 must be a string or",
+    ),
+    (
+        "prompt list of str",
+        {"model": "testbed", "prompt": ["a", "b"]},
+        None,
+        400,
+        "prompt",
+        "must be a string or",
+    ),
+    (
+        "temperature type",
+        {"model": "testbed", "prompt": "x", "temperature": "hot"},
+        None,
+        400,
+        "temperature",
+        "temperature='hot' must be a number",
+    ),
+    (
+        "temperature range",
+        {"model": "testbed", "prompt": "x", "temperature": -1},
+        None,
+        400,
+        "temperature",
+        "temperature=-1",
+    ),
+    (
+        "n as a string",
+        {"model": "testbed", "prompt": "x", "method": "sc", "n": "4"},
+        None,
+        400,
+        "n",
+        "n='4' must be an integer",
+    ),
+    (
+        "n over the limit",
+        {"model": "testbed", "prompt": "x", "method": "sc", "n": 33},
+        None,
+        400,
+        "n",
+        "n=33 must be <= 32",
+    ),
+    (
+        "n choices",
+        {"model": "testbed", "prompt": "x", "n": 2},
+        None,
+        400,
+        "n",
+        "asks for 2 choices",
+    ),
+    (
+        "max_tokens over the limit",
+        {"model": "testbed", "prompt": "x", "max_tokens": 257},
+        None,
+        400,
+        "max_tokens",
+        "max_tokens=257 must be <= 256",
+    ),
+    (
+        "max_tokens zero",
+        {"model": "testbed", "prompt": "x", "max_tokens": 0},
+        None,
+        400,
+        "max_tokens",
+        "max_tokens=0 must be >= 1",
+    ),
+    (
+        "unknown model",
+        {"model": "gpt-4", "prompt": "x"},
+        None,
+        404,
+        "model",
+        "model='gpt-4' is not served",
+    ),
+    (
+        "unknown method",
+        {"model": "testbed", "prompt": "x", "method": "best"},
+        None,
+        400,
+        "method",
+        "method='best' must be one of",
+    ),
+    (
+        "a typo",
+        {"model": "testbed", "prompt": "x", "alpah": 0.3},
+        None,
+        400,
+        "alpah",
+        "unknown field",
+    ),
+    (
+        "option of another method",
+        {"model": "testbed", "prompt": "x", "method": "sc", "alpha": 0.3},
+        None,
+        400,
+        "alpha",
+        "does not apply to method 'sc'",
+    ),
+    (
+        "m above n",
+        {"model": "testbed", "prompt": "x", "method": "sart", "n": 4, "m": 5},
+        None,
+        400,
+        "m",
+        "m=5 must be <= n=4",
+    ),
+    (
+        "unsupported field",
+        {"model": "testbed", "prompt": "x", "logprobs": 2},
+        None,
+        400,
+        "logprobs",
+        "not supported",
+    ),
+    (
+        "a code path",
+        {"model": "testbed", "prompt": "x", "method": "os:system"},
+        None,
+        400,
+        "method",
+        "must be one of",
+    ),
+    (
+        "a chat template",
+        {
+            "model": "testbed",
+            "messages": [{"role": "user", "content": "x"}],
+            "chat_template": "{{x}}",
+        },
+        None,
+        400,
+        "chat_template",
+        "unknown field",
+    ),
+    (
+        "a bad role",
+        {"model": "testbed", "messages": [{"role": "root", "content": "x"}]},
+        None,
+        400,
+        "messages",
+        "messages.0.role='root' must be",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "param", "fragment"),
+    [case[1:] for case in BAD_INPUTS],
+    ids=[case[0] for case in BAD_INPUTS],
+)
+def test_bad_input_is_refused_naming_the_field(
+    server: Server,
+    body: object,
+    headers: dict | None,
+    status: int,
+    param: str | None,
+    fragment: str,
+) -> None:
+    path = (
+        "/v1/chat/completions"
+        if isinstance(body, dict) and "messages" in body
+        else "/v1/completions"
+    )
+    headers = {"Authorization": f"Bearer {KEY}"} if headers is None else headers
+    send = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{server.url}{path}", headers=headers, timeout=30, **send)
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["param"]) == (status, status, param)
+    assert fragment in error["message"]
+
+
+def test_bad_input_leaves_the_server_serving(server: Server) -> None:
+    for case in BAD_INPUTS[:4]:
+        body = case[1]
+        send = {"content": body} if isinstance(body, bytes) else {"json": body}
+        httpx.post(f"{server.url}/v1/completions", timeout=30, **send)
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").completions.create(model="testbed", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="n=99 must be <= 32"):
+        server.client().completions.create(
+            model="testbed", prompt="x", extra_body={"method": "sc", "n": 99}
+        )
+    assert server.client().completions.create(model="testbed", prompt=QUESTIONS[4].prompt).choices
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+# ------------------------------------------------------------------ disconnects
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_client_that_leaves_has_its_branches_aborted(server: Server, stream: bool) -> None:
+    before = server.wait_for(idle)
+    request = {"model": "testbed", "prompt": "hello world", "method": "sc", "n": 8, "seed": 1}
+    request["stream"] = stream
+    payload = json.dumps(request).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        # The testbed babbles up to 256 tokens per branch for this prompt (most reach
+        # it; about 1 s): leave while it runs.
+        server.wait_for(lambda m: m["sart:engine_live_branches"] > 0)
+    after = server.wait_for(lambda m: m[CANCELLED] == before[CANCELLED] + 1 and idle(m))
+
+    def delta(name: str) -> float:
+        return after[name] - before[name]
+
+    # Every branch still running when the client left was aborted (some may have ended
+    # by themselves before); nothing is left in the engine (idle above).
+    aborted = delta('sart:branches_failed_total{cause="cancelled"}')
+    ended = sum(
+        delta(f'sart:branches_finished_total{{finish_reason="{r}"}}') for r in ("stop", "length")
+    )
+    assert aborted > 0 and aborted + ended == 8
+    made = after["sart:generation_tokens_total"] - before["sart:generation_tokens_total"]
+    assert 0 < made < 8 * 256  # cut short, not run to max_tokens
+
+
+# ------------------------------------------------------------------ load
+
+
+async def _load(server: Server, clients: int, each: int, plan: Callable[[int], dict]) -> list:
+    """``clients`` concurrent clients, each sending ``each`` requests one after the
+    other; returns (client, sequence, question, reply) per request."""
+    client = openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1",
+        api_key=KEY,
+        max_retries=0,
+        timeout=600,
+        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=clients)),
+    )
+
+    async def one(c: int) -> list:
+        out = []
+        for k in range(each):
+            question = QUESTIONS[(c * each + k) % len(QUESTIONS)]
+            reply = await client.completions.create(
+                model="testbed", prompt=question.prompt, extra_body=plan(c)
+            )
+            out.append((c, k, question, reply))
+        return out
+
+    async with client:
+        done = await asyncio.gather(*(one(c) for c in range(clients)))
+    return [row for rows in done for row in rows]
+
+
+def _check_load(server: Server, before: dict, rows: list, clients: int, each: int) -> float:
+    assert len(rows) == clients * each
+    assert len({(c, k) for c, k, _, _ in rows}) == clients * each  # none lost
+    assert len({reply.id for *_, reply in rows}) == clients * each  # none duplicated
+    graded = [tb.grade(question, reply.choices[0].text) for _, _, question, reply in rows]
+    for _, _, question, reply in rows:  # each reply answers its own question
+        assert reply.usage.prompt_tokens == len(question.prompt.split())
+        assert reply.model_extra["sart"]["answer"] == sart.extract_answer(reply.choices[0].text)
+    after = server.wait_for(idle)
+    done = 'sart:requests_total{status="completed"}'
+    assert after[done] - before[done] == clients * each
+    return sum(graded) / len(graded)
+
+
+def test_64_concurrent_clients(server: Server) -> None:
+    methods = [{"method": "vanilla"}, {"method": "sc", "n": 4}, {"method": "sart", "n": 4}]
+    before = server.wait_for(idle)
+    rows = asyncio.run(_load(server, 64, 2, lambda c: methods[c % 3]))
+    accuracy = _check_load(server, before, rows, 64, 2)
+    assert accuracy > 0.6  # real answers (vanilla alone is about 0.75 on these)
+
+
+@pytest.mark.slow
+def test_64_concurrent_clients_with_sart_n8(server: Server) -> None:
+    before = server.wait_for(idle)
+    rows = asyncio.run(_load(server, 64, 4, lambda c: {"method": "sart", "n": 8}))
+    accuracy = _check_load(server, before, rows, 64, 4)
+    assert accuracy > 0.9
