@@ -54,6 +54,16 @@ def test_head_fit_is_the_logistic_regression_of_the_outcomes() -> None:
     assert loss == pytest.approx(bce + penalty, abs=1e-4)
 
 
+#: A training run of seconds: the smallest model and data that exercise every stage.
+TINY = TrainConfig(
+    model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1),
+    policy_steps=3,
+    batch_size=4,
+    prm_rollouts=8,
+    max_digits=3,
+)
+
+
 def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
     from sart.prm.base import ScoreItem
     from sart.prm.hf import QwenMathPRM
@@ -61,13 +71,7 @@ def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
     from sart.testbed.tasks import Question, clean_trace
     from sart.types import BranchId
 
-    config = TrainConfig(
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1),
-        policy_steps=3,
-        batch_size=4,
-        prm_rollouts=8,
-        max_digits=3,
-    )
+    config = TINY
     lines: list[str] = []
     manifest = train(tmp_path, config, log=lines.append)
     assert set(manifest["sha256"]) == {"policy/model.safetensors", "prm/model.safetensors"}
@@ -95,13 +99,7 @@ def test_an_interrupted_run_leaves_no_half_written_models(
 ) -> None:
     from sart.testbed import train as train_module
 
-    config = TrainConfig(
-        model=ModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1),
-        policy_steps=2,
-        batch_size=4,
-        prm_rollouts=4,
-        max_digits=3,
-    )
+    config = TINY
     (tmp_path / "manifest.json").write_text("{}")  # an earlier run's
 
     def interrupted(*args: object, **kwargs: object) -> None:
