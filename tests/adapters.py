@@ -8,9 +8,16 @@ files import, in the manner of ``strategies.py``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
+import signal
 import socket
-from collections.abc import Sequence
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import sart
@@ -123,3 +130,85 @@ def server_metric(url: str, name: str, labels: str = "") -> float:
     text = httpx.get(url + "/metrics", timeout=5).text
     series = re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} ([0-9.e+-]+)$", text, re.M)
     return sum(float(v) for lab, v in series if labels in lab)
+
+
+VLLM_SERVER_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    # One unpinned OpenMP thread: by default vLLM-CPU pins a thread to every core,
+    # and on a 2-core machine the test process (the client) then starves; a slow
+    # client let aborted branches run to their end before the abort reached vLLM.
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+
+@contextlib.contextmanager
+def vllm_serve(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
+    """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
+    block ends, its output in ``log_path``; yields its URL once healthy. (Also used
+    by ``benchmarks/gateway.py``.)"""
+    import httpx
+
+    port = free_port()
+    cmd = [
+        # `vllm serve` reads the version of a distribution named "vllm", which
+        # vllm-cpu is not; its deprecated module entry point skips that.
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "demo",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        str(VLLM_SERVER_MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(VLLM_MAX_NUM_SEQS),
+        "--enforce-eager",
+        "--seed",
+        "0",
+        # vLLM-CPU 0.32 crashes on a seeded request whose prefill is chunked
+        # ("CPU Generator does not use offset"), which long prompts arriving
+        # together cause: prefills whole, in a budget that holds them.
+        "--no-enable-chunked-prefill",
+        "--max-num-batched-tokens",
+        "8192",
+        *flags,
+    ]
+    env = {**os.environ, **VLLM_SERVER_ENV}
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 240
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"vllm serve exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("vllm serve did not become healthy in 240 s")
+                time.sleep(0.5)
+            yield url
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

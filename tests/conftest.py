@@ -6,19 +6,15 @@ tests marked ``@pytest.mark.slow``, which are skipped otherwise.
 
 The session fixtures build what costs seconds once for the whole run: the
 demo models (``sart.demo_models``), one vLLM engine, one ``AsyncLLM`` and one
-``vllm serve`` over the demo policy. Tests wrap fresh adapters around the vLLM
-engines (``adapters.fresh_vllm``, ``adapters.fresh_vllm_async``) and leave
-them with no request. The vLLM ones are skipped where vLLM is not installed.
+``vllm serve`` over the demo policy (and a second one for tests of a fleet).
+Tests wrap fresh adapters around the vLLM engines (``adapters.fresh_vllm``,
+``adapters.fresh_vllm_async``) and leave them with no request. The vLLM ones
+are skipped where vLLM is not installed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +25,7 @@ from hypothesis import settings
 from adapters import (
     VLLM_ENGINE_ARGS,
     VLLM_ENV,
-    VLLM_MAX_NUM_SEQS,
-    VLLM_SERVER_MAX_MODEL_LEN,
-    free_port,
+    vllm_serve,
 )
 
 settings.register_profile("default", deadline=None, print_blob=True)
@@ -112,78 +106,31 @@ def vllm_async_bridge(demo_models: dict[str, Path]) -> Iterator[Any]:
     bridge.close()  # shuts vLLM down and drains the loop (else exit hangs in ZeroMQ)
 
 
-VLLM_SERVER_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
-    # One unpinned OpenMP thread: by default vLLM-CPU pins a thread to every core,
-    # and on a 2-core machine the test process (the client) then starves; a slow
-    # client let aborted branches run to their end before the abort reached vLLM.
-    "OMP_NUM_THREADS": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-}
-
-
 @pytest.fixture(scope="session")
 def vllm_server(
     tmp_path_factory: pytest.TempPathFactory, demo_models: dict[str, Path]
 ) -> Iterator[str]:
-    """The URL of a ``vllm serve`` of the demo policy, served as model ``demo``."""
-    pytest.importorskip("vllm")
-    httpx = pytest.importorskip("httpx")
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
-    log = log_path.open("w")
-    cmd = [
-        # `vllm serve` reads the version of a distribution named "vllm", which
-        # vllm-cpu is not; its deprecated module entry point skips that.
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(demo_models["policy"]),
-        "--served-model-name",
-        "demo",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--block-size",
-        "32",
-        "--max-model-len",
-        str(VLLM_SERVER_MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(VLLM_MAX_NUM_SEQS),
-        "--enforce-eager",
-        "--seed",
-        "0",
-    ]
-    env = {**os.environ, **VLLM_SERVER_ENV}
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(
-                    f"vllm serve exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
-                )
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("vllm serve did not become healthy in 240 s")
-            time.sleep(0.5)
+    """The URL of a ``vllm serve`` of the demo policy, served as model ``demo``, with
+    vLLM's explicit abort endpoint (``--enable-scale-out``)."""
+    with serve_vllm(tmp_path_factory, demo_models["policy"], "--enable-scale-out") as url:
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_server_pair(
+    tmp_path_factory: pytest.TempPathFactory, demo_models: dict[str, Path], vllm_server: str
+) -> Iterator[tuple[str, str]]:
+    """Two ``vllm serve`` of the demo policy (the session's one and one more), for a
+    gateway in front of a fleet."""
+    with serve_vllm(tmp_path_factory, demo_models["policy"], "--enable-scale-out") as url:
+        yield vllm_server, url
+
+
+@contextlib.contextmanager
+def serve_vllm(tmp_path_factory: pytest.TempPathFactory, model: Path, *flags: str) -> Iterator[str]:
+    """``adapters.vllm_serve`` with its log in a temporary directory of the session."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("httpx")
+    log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
+    with vllm_serve(model, log, *flags) as url:
+        yield url

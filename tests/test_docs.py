@@ -145,6 +145,7 @@ def test_doc_code_blocks_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 OPTIONAL_MODULES = frozenset(
     {"torch", "transformers", "tokenizers", "vllm", "sglang", "fastapi", "uvicorn", "httpx"}
     | {"rich", "matplotlib"}
+    | {"math_verify", "datasets"}
 )
 
 

@@ -274,3 +274,23 @@ def test_extract_returning_a_non_string_fails_the_request() -> None:
     (result,) = sart.run([sart.Request("r0", "p", policy)], FakeEngine(script))
     assert not result.ok
     assert "answers must be str" in (result.reason or "")
+
+
+def test_check_servable_names_the_request_the_policy_and_what_is_missing() -> None:
+    from sart.driver import check_servable
+
+    class NoFork(FakeEngine):
+        supports_fork = False
+
+    sart_request = sart.Request("q", "p", sart.sart(4))
+    with pytest.raises(sart.ConfigError) as no_prm:
+        check_servable(sart_request, None, FakeEngine(), no_prm="start it with --prm")
+    message = str(no_prm.value)
+    assert f"{sart_request.policy.name!r}" in message and "'q'" in message
+    assert message.endswith("needs PRM rewards; start it with --prm")
+    with pytest.raises(sart.ConfigError, match="forks branches; NoFork does not support forking"):
+        check_servable(sart.Request("r", "p", sart.rebase(2)), ScriptedPRM(), NoFork())
+    check_servable(sart.Request("v", "p", sart.vanilla()), None, NoFork())  # needs neither
+    # The asyncio driver refuses the same way, at submit.
+    with pytest.raises(sart.ConfigError, match="the driver has no PRM"):
+        sart.AsyncDriver(FakeEngine(), batch_size=4).submit(sart_request)

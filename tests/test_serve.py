@@ -22,10 +22,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
 import sart  # noqa: E402
-from sart.engines.streaming import SyncBridge  # noqa: E402
+from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
 from sart.errors import ConfigError, EngineError  # noqa: E402
 from sart.serve import Backend, ServeConfig, create_app, register_method  # noqa: E402
 from sart.serve.engine import ServingEngine  # noqa: E402
@@ -39,6 +38,7 @@ from sart.testing import (  # noqa: E402
     ScriptedPRM,
     check_engine,
 )
+from serving import Served  # noqa: E402
 
 MODEL = "fake"
 
@@ -75,51 +75,6 @@ class SlowEngine(FakeEngine):
     def abort(self, branch_ids):  # type: ignore[no-untyped-def]
         self.aborted.extend(branch_ids)
         super().abort(branch_ids)
-
-
-class Served:
-    """A server in a thread, its engine, and clients."""
-
-    def __init__(self, app, engine: SlowEngine) -> None:  # type: ignore[no-untyped-def]
-        self.engine = engine
-        self.server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> Served:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
-        assert not self.thread.is_alive(), "server did not stop"
-
-    def openai(self, key: str | None = "key") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or "none", max_retries=0)
-
-    def post(self, path: str, body: object, timeout: float = 30) -> httpx.Response:
-        headers = {"Authorization": "Bearer key"}
-        return httpx.post(f"{self.url}{path}", json=body, headers=headers, timeout=timeout)
-
-    def metric(self, name: str, labels: str = "") -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        pattern = rf"^{re.escape(name)}{re.escape(labels)} (\S+)$"
-        found = re.search(pattern, text, re.M)
-        return float(found.group(1)) if found else 0.0
-
-    def wait_for(self, check: Callable[[], bool], timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while not check():
-            assert time.monotonic() < deadline, "timed out"
-            time.sleep(0.02)
 
 
 @pytest.fixture
@@ -256,6 +211,54 @@ def test_a_cancelled_request_is_refused_by_its_next_engine_call_only() -> None:
         assert {bid.request_id for bid in output.deltas} == {"b"}
         assert engine.stats().live_branches == 2
         engine.close()
+
+    asyncio.run(main())
+
+
+class StallingEngine(StreamingEngine):
+    """Streams of request ``a`` make one token then stall until aborted; the others make
+    ten tokens, slowly, then stop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled: list[sart.BranchId] = []
+
+    async def _open(self, branch, prompt, sampling, seed, parent, prefix_tokens):  # type: ignore[no-untyped-def]
+        if branch.request_id == "a":
+            yield Chunk(token_ids=(1,), text="x")
+            await asyncio.Event().wait()  # until cancelled
+        for _ in range(9):
+            await asyncio.sleep(0.01)
+            yield Chunk(token_ids=(2,), text="y")
+        yield Chunk(token_ids=(3,), text="z", finish=sart.FinishReason.STOP)
+
+    async def _cancel(self, branch: sart.BranchId) -> None:
+        self.cancelled.append(branch)
+
+
+def test_a_cancel_aborts_an_async_engines_branches_during_its_step() -> None:
+    async def main() -> None:
+        inner = StallingEngine()
+        engine = ServingEngine(inner)
+        sampling = sart.SamplingSettings(max_tokens=100)
+        for rid, width in (("a", 2), ("b", 1)):
+            await engine.prefill(rid, "p", sampling)
+            await engine.start_branches(rid, [sart.BranchSpec(j, j) for j in range(width)])
+        step = asyncio.ensure_future(engine.step(50))
+        await asyncio.sleep(0.02)
+        assert not step.done()  # a's branches stall it
+        engine.cancel("a")
+        output = await asyncio.wait_for(step, 5)  # a's branches were aborted meanwhile
+        assert sorted(inner.cancelled) == [sart.BranchId("a", 0), sart.BranchId("a", 1)]
+        assert {bid.request_id for bid in output.deltas} == {"b"}
+        with pytest.raises(EngineError) as refused:
+            await engine.step(4)
+        assert refused.value.request_ids == {"a"}
+        # The driver's abort: already done in the engine, not asked twice.
+        await engine.abort([sart.BranchId("a", 0), sart.BranchId("a", 1)])
+        await engine.release_prefix("a")
+        await engine.release_prefix("b")
+        assert inner.stats().live_branches == 0
 
     asyncio.run(main())
 

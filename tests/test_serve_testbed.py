@@ -9,18 +9,9 @@ clients: a bounded version in the default suite, a longer one with ``--slow``.
 from __future__ import annotations
 
 import asyncio
-import collections
 import json
-import os
-import re
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -32,60 +23,9 @@ import httpx  # noqa: E402
 
 import sart  # noqa: E402
 from sart import testbed as tb  # noqa: E402
+from serving import KEY, Server  # noqa: E402
 
-KEY = "sk-test-key"
 QUESTIONS = tb.make_questions(7, 40)
-
-
-class Server:
-    """``sart serve`` in a child process."""
-
-    def __init__(self, *flags: str) -> None:
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="sart-serve-", suffix=".log")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        env.pop("SART_API_KEY", None)
-        command = [sys.executable, "-m", "sart.cli", "serve", "--port", "0", *flags]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while True:
-            text = Path(self.log.name).read_text()
-            found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", text)
-            if found:
-                self.url = found.group(1)
-                break
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.process.kill()
-                raise AssertionError(f"sart serve did not start:\n{text}")
-            time.sleep(0.1)
-
-    def stop(self) -> tuple[int, str]:
-        """Stop it as Ctrl-C does; its exit code and its log."""
-        self.process.send_signal(signal.SIGINT)
-        try:
-            return self.process.wait(timeout=30), Path(self.log.name).read_text()
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            raise AssertionError("sart serve did not stop on SIGINT") from None
-        finally:
-            self.log.close()
-
-    def client(self, key: str | None = KEY, **options: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, **options)
-
-    def metrics(self) -> dict[str, float]:
-        """The ``sart:`` samples; a counter not yet counted reads 0."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        found = re.findall(r"^(sart:\S+) (\S+)$", text, re.M)
-        return collections.defaultdict(float, {name: float(value) for name, value in found})
-
-    def wait_for(self, check: Callable[[dict[str, float]], bool], timeout: float = 20) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            metrics = self.metrics()
-            if check(metrics):
-                return metrics
-            assert time.monotonic() < deadline, f"timed out; metrics: {metrics}"
-            time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from sart.messages import BranchDelta, BranchSpec, ScoreItem, StepOutput
 from sart.policies import (
     AllDone,
     BestReward,
+    Equivalence,
+    ExactMatch,
     FirstM,
     MajorityVote,
     NoPrune,
@@ -82,6 +84,8 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineStats",
+    "Equivalence",
+    "ExactMatch",
     "FinishReason",
     "FirstM",
     "Limits",

@@ -12,7 +12,7 @@ from sart.bench.command import add_bench_parser, add_trace_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
-from sart.errors import EXTRAS, MissingDependencyError, SartError
+from sart.errors import EXTRAS, SartError, install_hint, needs_extra
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
@@ -53,10 +53,8 @@ def _quickstart(args: argparse.Namespace) -> int:
 
 
 def _demo_models(args: argparse.Namespace) -> int:
-    try:
+    with needs_extra("sart demo-models", "hf"):
         from sart.demo_models import build_demo_models
-    except ImportError as exc:  # pragma: no cover - only without the extra
-        raise MissingDependencyError("demo-models needs pip install 'sart[hf]'") from exc
     paths = build_demo_models(args.directory, seed=args.seed)
     for name, path in paths.items():
         print(f"{name:>13}: {path}")
@@ -124,9 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = EXTRAS.get((exc.name or "").split(".")[0])
         if extra is None:
             raise
-        parser.exit(
-            2, f"sart: error: sart {args.command} needs {exc.name}: pip install 'sart[{extra}]'\n"
-        )
+        needs = f"sart {args.command} needs {exc.name}: {install_hint(extra)}"
+        parser.exit(2, f"sart: error: {needs}\n")
     except OSError as exc:
         if exc.filename is None:
             raise

@@ -135,6 +135,29 @@ class _PendingScore:
         return self._outcome if self._outcome is not None else self.future.result()
 
 
+def check_servable(
+    request: Request,
+    prm: PRM | None,
+    engine: object,
+    *,
+    no_prm: str = "the driver has no PRM (prm=None): pass one to it",
+) -> None:
+    """Refuse (``ConfigError``) a request that ``prm`` and ``engine`` cannot run: its
+    policy needs PRM rewards and ``prm`` is ``None``, or it forks branches and the
+    engine cannot fork. ``no_prm`` ends the first message: what the caller (the
+    driver, a server) lacks and how to give it one."""
+    policy = request.policy
+    if prm is None and (policy.scores_running or policy.scores_completed):
+        raise ConfigError(
+            f"request {request.id!r} uses policy {policy.name!r}, which needs PRM rewards; {no_prm}"
+        )
+    if policy.prune.forks and not supports_fork(engine):
+        raise ConfigError(
+            f"request {request.id!r} uses policy {policy.name!r}, which forks branches; "
+            f"{type(engine).__name__} does not support forking"
+        )
+
+
 class DriverBase:
     """What the synchronous and the asyncio drivers share: intake, the loop, the mapping
     from commands to engine/PRM calls and back to events, and result bookkeeping.
@@ -201,17 +224,7 @@ class DriverBase:
                 f"id={request.id!r} must be unique: a request with this id is already "
                 "submitted and not finished"
             )
-        policy = request.policy
-        if self.prm is None and (policy.scores_running or policy.scores_completed):
-            raise ConfigError(
-                f"prm=None but request {request.id!r} uses policy {policy.name!r}, which needs "
-                "PRM rewards; pass a PRM to the driver"
-            )
-        if policy.prune.forks and not supports_fork(self.engine):
-            raise ConfigError(
-                f"request {request.id!r} uses policy {policy.name!r}, which forks branches; "
-                f"{type(self.engine).__name__} does not support forking"
-            )
+        check_servable(request, self.prm, self.engine)
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
         self._open.add(request.id)
 

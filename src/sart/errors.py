@@ -17,13 +17,21 @@ Engine and PRM errors never escape the driver: they fail the affected requests,
 which end with ``RequestStatus.FAILED`` and the reason, and the rest carry on.
 ``AssertionError`` is the exception: it means a bug (the fake engine raises
 ``EngineMisuse`` on protocol violations), and the driver lets it through.
+
+The helpers below raise them the same way everywhere: ``config_check``,
+``int_at_least`` and ``enum_converter`` for settings, ``needs_extra`` around
+imports from an optional extra.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Iterable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:  # hints only: the error tree imports nothing at run time
+    import attrs
 
 
 class SartError(Exception):
@@ -55,7 +63,32 @@ EXTRAS = {
     "fastapi": "serve",
     "uvicorn": "serve",
     "prometheus_client": "serve",
+    "math_verify": "eval",
+    "datasets": "eval",
 }
+
+
+def install_hint(*extras: str) -> str:
+    """The command that installs an extra (alternatives joined by "or"):
+    ``pip install 'sart[hf]'``."""
+    return "pip install " + " or ".join(f"'sart[{extra}]'" for extra in extras)
+
+
+@contextlib.contextmanager
+def needs_extra(what: str, *extras: str) -> Iterator[None]:
+    """Around imports from an optional extra: an ``ImportError`` in the block becomes
+    ``MissingDependencyError`` saying that ``what`` needs the missing module and the
+    ``install_hint`` of ``extras``, with the import's own message (a version mismatch
+    shows there)."""
+    try:
+        yield
+    except MissingDependencyError:
+        raise  # a nested guard already said what to install
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{what} needs {exc.name or 'an optional module'}: {install_hint(*extras)} "
+            f"(importing it failed with: {exc})"
+        ) from exc
 
 
 class _AttributedError(SartError):
@@ -88,6 +121,21 @@ def config_check(ok: bool, field: str, value: object, rule: str) -> None:
     """Raise ``ConfigError("field=value must be rule")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{field}={value!r} must be {rule}")
+
+
+def int_at_least(
+    low: int, *, optional: bool = False, rule: str | None = None
+) -> Callable[[object, attrs.Attribute, object], None]:
+    """An attrs validator: the value is an int ``>= low`` (or ``None`` if ``optional``),
+    else ``ConfigError("field=value must be rule")``, the field named by attrs.
+    ``rule`` defaults to ``">= low"`` (``"None or an int >= low"`` if ``optional``)."""
+    rule = rule or (f"None or an int >= {low}" if optional else f">= {low}")
+
+    def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
+        ok = (optional and value is None) or (isinstance(value, int) and value >= low)
+        config_check(ok, attr.name, value, rule)
+
+    return check
 
 
 E = TypeVar("E", bound=enum.Enum)

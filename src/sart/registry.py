@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from sart.errors import EXTRAS, MissingDependencyError, UnknownComponentError
+from sart.errors import EXTRAS, MissingDependencyError, UnknownComponentError, install_hint
 
 T = TypeVar("T")
 
@@ -90,6 +90,6 @@ def _load(table: dict[str, Any], name: str, kind: str) -> Any:
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").split(".")[0]
         extra = _EXTRAS.get(missing)
-        hint = f"; install it with: pip install 'sart[{extra}]'" if extra else ""
+        hint = f"; install it with: {install_hint(extra)}" if extra else ""
         raise MissingDependencyError(f"{kind} {name!r} needs the module {missing!r}{hint}") from exc
     return getattr(module, attr)

@@ -65,7 +65,7 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.errors import ConfigError, PRMError, SchedulerError, config_check, enum_converter
+from sart.errors import ConfigError, PRMError, SchedulerError, enum_converter, int_at_least
 from sart.messages import BranchSpec, ScoreItem, validate_reward
 from sart.request import Request
 from sart.results import RequestResult
@@ -84,24 +84,11 @@ from sart.views import Limits, RequestView
 T = TypeVar("T")
 
 
-def _check_batch_size(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-    config_check(isinstance(value, int) and value >= 1, "batch_size", value, ">= 1")
-
-
-def _check_poll_steps(_inst: object, _attr: attrs.Attribute, value: int | None) -> None:
-    config_check(
-        value is None or (isinstance(value, int) and value >= 1),
-        "poll_steps",
-        value,
-        "None or an int >= 1",
-    )
-
-
 @attrs.frozen
 class SchedulerConfig:
     """Settings of the scheduler (per-request settings live in each request's ``Policy``)."""
 
-    batch_size: int = attrs.field(validator=_check_batch_size)
+    batch_size: int = attrs.field(validator=int_at_least(1))
     """``B``: the most branches decoding at once."""
     admission: Admission = attrs.field(
         default=Admission.CHUNK, converter=enum_converter(Admission, "admission")
@@ -111,7 +98,7 @@ class SchedulerConfig:
         default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
     )
     """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
-    poll_steps: int | None = attrs.field(default=None, validator=_check_poll_steps)
+    poll_steps: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     """With overlapped scoring, the longest decode chunk while a ``Score`` is in flight;
     ``None``: an eighth of the shortest interval among running requests."""
 

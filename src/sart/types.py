@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, int_at_least
 
 #: A prompt is text, or token ids when the caller has tokenised it already.
 Prompt = str | tuple[int, ...]
@@ -115,19 +115,6 @@ def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     config_check(0.0 < value <= 1.0, "top_p", value, "in (0, 1]")
 
 
-def _check_max_tokens(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-    config_check(isinstance(value, int) and value >= 1, "max_tokens", value, ">= 1")
-
-
-def _check_seed(_inst: object, _attr: attrs.Attribute, value: int | None) -> None:
-    config_check(
-        value is None or (isinstance(value, int) and value >= 0),
-        "seed",
-        value,
-        "None or an int >= 0",
-    )
-
-
 @attrs.frozen
 class SamplingSettings:
     """How each branch samples. Branch ``j`` of a request uses seed ``seed + j``."""
@@ -136,9 +123,9 @@ class SamplingSettings:
     """Sampling temperature; 0.6 is DeepSeek-R1's recommendation for reasoning."""
     top_p: float = attrs.field(default=0.95, validator=_check_top_p)
     """Nucleus sampling mass."""
-    max_tokens: int = attrs.field(default=16384, validator=_check_max_tokens)
+    max_tokens: int = attrs.field(default=16384, validator=int_at_least(1))
     """Cap on generated tokens per branch; reaching it ends the branch as ``TRUNCATED``."""
-    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    seed: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
     """Base seed; ``None`` derives a stable one from the request id."""
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """Stop strings; generating one ends the branch as ``FINISHED``."""

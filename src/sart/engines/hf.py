@@ -35,17 +35,13 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-try:
+import attrs
+
+from sart.errors import needs_extra
+
+with needs_extra("the transformers engine", "hf"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from sart.errors import MissingDependencyError
-
-    raise MissingDependencyError(
-        "the transformers engine needs torch and transformers: pip install 'sart[hf]'"
-    ) from exc
-
-import attrs
 
 from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
 from sart.engines.ledger import Prefix, PrefixLedger

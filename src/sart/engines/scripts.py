@@ -16,16 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, int_at_least
 from sart.types import BranchId
 
 #: Default reward when a script has none: 0.5 is not below the paper's alpha,
 #: so unscripted branches are never pruned in phase 1.
 NEUTRAL_REWARD = 0.5
-
-
-def _check_length(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-    config_check(isinstance(value, int) and value >= 1, "length", value, ">= 1")
 
 
 def _check_rewards(_inst: object, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
@@ -38,7 +34,7 @@ def _check_rewards(_inst: object, _attr: attrs.Attribute, value: tuple[float, ..
 class BranchScript:
     """One scripted branch."""
 
-    length: int = attrs.field(default=16, validator=_check_length)
+    length: int = attrs.field(default=16, validator=int_at_least(1))
     """Tokens until EOS. Beyond ``max_tokens`` the branch is truncated instead."""
     answer: str = "42"
     """The answer the default text ends with (as ``\\boxed{answer}``)."""

@@ -88,14 +88,13 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from sart.errors import ConfigError, EngineError, MissingDependencyError
+from sart.errors import ConfigError, EngineError, MissingDependencyError, install_hint, needs_extra
 
-_INSTALL = "pip install 'sart[sglang]'"
+_WHAT = "the SGLang engine (CUDA GPUs only)"
 
 if importlib.util.find_spec("sglang") is None:
     raise MissingDependencyError(
-        f"the SGLang engine needs SGLang (a CUDA GPU): {_INSTALL}; the module 'sglang' "
-        "is not installed"
+        f"{_WHAT} needs sglang: {install_hint('sglang')} (the module 'sglang' is not installed)"
     )
 
 from sart.engines.prompts import prompt_ids  # noqa: E402
@@ -110,13 +109,8 @@ class SGLangRequestError(RuntimeError):
 
 
 def _import_sglang() -> Any:
-    try:
+    with needs_extra(_WHAT, "sglang"):
         import sglang
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"the SGLang engine needs SGLang (a CUDA GPU): {_INSTALL}; importing it "
-            f"failed with: {exc}"
-        ) from exc
     return sglang
 
 

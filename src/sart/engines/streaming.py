@@ -168,6 +168,9 @@ class StreamingEngine(abc.ABC):
         if not streams:
             return StepOutput(steps=0, deltas={})
         while True:
+            # A branch aborted while this call waits (a task of the same loop may abort)
+            # is no longer waited for, nor reported.
+            streams = {bid: s for bid, s in streams.items() if bid in self._streams}
             errors = [bid for bid, s in streams.items() if s.error is not None]
             if errors:
                 raise self._failure(errors[0], streams[errors[0]])

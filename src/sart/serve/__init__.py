@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sart.errors import MissingDependencyError
+from sart.errors import MissingDependencyError, install_hint
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import SELECTORS, method_names, register_method
 
@@ -46,9 +46,8 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in SERVE_MODULES:
             raise
-        raise MissingDependencyError(
-            f"sart serve needs {exc.name}: pip install 'sart[serve]'"
-        ) from exc
+        needs = f"sart serve needs {exc.name}: {install_hint('serve')}"
+        raise MissingDependencyError(needs) from exc
     return create(config, backend)
 
 

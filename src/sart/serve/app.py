@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import secrets
 import time
@@ -85,7 +86,9 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
         finally:
             await service.stop()
             if served.close is not None:
-                served.close()
+                closing = served.close()
+                if inspect.isawaitable(closing):  # e.g. the gateway's HTTP client
+                    await closing
 
     app = FastAPI(title="sart serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config = config

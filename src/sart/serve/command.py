@@ -8,11 +8,16 @@ helpers, the same flags); ``--engine`` picks the adapter:
 - ``hf`` (default): transformers, on ``--device``; its calls run on a
   worker thread so that the event loop keeps answering;
 - ``vllm``: vLLM's ``LLMEngine`` in this process (the same worker thread);
-- ``vllm-async``: vLLM's ``AsyncLLM``, awaited on the server's event loop.
-
-Gateway mode (``--engine openai --upstream URL ...``: sart in front of
-existing vLLM or SGLang servers, all branches of a request on one upstream)
-is the next milestone: it slots in as one more loader below.
+- ``vllm-async``: vLLM's ``AsyncLLM``, awaited on the server's event loop;
+- ``openai``: the gateway, sart in front of running vLLM or SGLang servers
+  (``--upstream URL [URL ...]``, all serving one model): ``OpenAIEngine``
+  streams each branch from them, all branches of a request from one upstream
+  (``--placement request``, the default), chosen by load. ``--model`` is the
+  upstreams' model name (default: the first one the first upstream lists);
+  ``--tokenizer`` (default ``--model`` where it is a local directory) gives the
+  chat template and exact token counts, else the upstream's ``/tokenize``
+  counts and chat requests are refused. The PRM runs here (``--prm``;
+  ``--prm testbed`` is the shipped testbed PRM).
 """
 
 from __future__ import annotations
@@ -42,9 +47,10 @@ from sart.serve.methods import method_names
 from sart.types import Scoring
 
 DEFAULT_PORT = 8000
-ENGINES = ("hf", "vllm", "vllm-async")
+ENGINES = ("hf", "vllm", "vllm-async", "openai")
 """Engines ``sart serve`` runs (the simulator and the fake engine are not servers)."""
 API_KEY_ENV = "SART_API_KEY"
+UPSTREAM_KEY_ENV = "SART_UPSTREAM_API_KEY"
 LOOP_BOUND = frozenset({"vllm-async"})
 """Engines built on the server's event loop, when it starts."""
 
@@ -60,9 +66,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("model")
     g.add_argument(
         "--model",
-        default=TESTBED,
+        default=None,
         help="a model directory or hub id, or 'testbed' (the default: the shipped tiny "
-        "reasoning model and its PRM, see docs/testbed.md)",
+        "reasoning model and its PRM, see docs/testbed.md); --engine openai: the "
+        "upstreams' model name (default: the first one the first upstream lists)",
     )
     g.add_argument(
         "--served-model-name",
@@ -70,12 +77,17 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="names clients give in 'model' (default: --model as given)",
     )
-    g.add_argument("--engine", choices=ENGINES, default="hf", help="the engine (default hf)")
+    g.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="hf",
+        help="the engine (default hf); openai: a gateway in front of --upstream servers",
+    )
     g.add_argument(
         "--prm",
         default=None,
-        help="the PRM's directory or hub id (testbed: its own PRM). Without one only "
-        "methods that need no rewards run (vanilla, sc)",
+        help="the PRM's directory or hub id, or 'testbed' (--model testbed: its own PRM). "
+        "Without one only methods that need no rewards run (vanilla, sc)",
     )
     g.add_argument(
         "--prm-kind",
@@ -113,6 +125,43 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="MODULE",
         help="import this module at start, e.g. one that calls "
         "sart.serve.register_method (repeatable)",
+    )
+
+    g = p.add_argument_group("gateway (--engine openai)")
+    g.add_argument(
+        "--upstream",
+        nargs="+",
+        default=[],
+        metavar="URL",
+        help="OpenAI-compatible servers of one model (vllm serve, SGLang's launch_server), "
+        "e.g. http://10.0.0.5:8000",
+    )
+    g.add_argument(
+        "--upstream-api-key",
+        default=None,
+        help=f"the upstreams' API key (default ${UPSTREAM_KEY_ENV} if set)",
+    )
+    g.add_argument(
+        "--placement",
+        choices=["request", "branch"],
+        default="request",
+        help="request (default): every branch of a request on one upstream, so its prompt "
+        "is prefilled once and cached; branch: each branch on the least-loaded upstream",
+    )
+    g.add_argument(
+        "--upstream-abort",
+        choices=["disconnect", "explicit"],
+        default="disconnect",
+        help="how a pruned branch is aborted upstream: disconnect (default: its stream is "
+        "closed; vLLM and SGLang abort it) or explicit (also POST vLLM's "
+        "/inference/v1/abort_requests, served with --enable-scale-out; for upstreams "
+        "behind a proxy that does not pass disconnects on)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer directory or hub id for chat templates and token counts "
+        "(default: --model where it is a local directory)",
     )
 
     g = p.add_argument_group("requests: defaults and limits")
@@ -212,7 +261,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
-    """The ``ServeConfig`` the flags describe (testbed defaults under ``--model testbed``)."""
+    """The ``ServeConfig`` the flags describe (testbed defaults under ``--model testbed``;
+    ``args.model`` resolved, see ``_setup``)."""
     testbed = args.model == TESTBED
     max_tokens = args.max_tokens or (TESTBED_MAX_TOKENS if testbed else 16384)
     method = args.method or ("sart" if has_prm else "sc")
@@ -242,23 +292,32 @@ def _first(value: float | None, default: float) -> float:
 
 
 def _setup(args: argparse.Namespace) -> RealSetup:
-    """Model and PRM paths (the testbed's, under ``--model testbed``)."""
+    """Model and PRM paths (the testbed's, under ``--model testbed``); resolves
+    ``args.model`` (the gateway asks its upstream for it)."""
     from sart.types import SamplingSettings
 
-    model, prm, options = args.model, args.prm, {}
-    _check_path("--model", model)
-    _check_path("--prm", prm)
-    if args.model == TESTBED:
-        from sart import testbed as tb
+    if args.engine == "openai":
+        if not args.upstream:
+            raise ConfigError("--engine openai needs --upstream URL [URL ...]")
+        args.model = args.model or _upstream_model(args.upstream[0], _upstream_key(args))
+    elif args.upstream:
+        raise ConfigError(f"--upstream is for --engine openai, not --engine {args.engine}")
+    args.model = args.model or TESTBED
+    local_testbed = args.model == TESTBED and args.engine != "openai"
+    _check_path("--model", None if args.engine == "openai" else args.model)
+    _check_path("--prm", args.prm)
+    _check_path("--tokenizer", args.tokenizer)
+    from sart import testbed as tb
 
-        model = str(tb.POLICY_PATH)
-        if prm is None:
-            if args.prm_kind != "qwen":
-                raise ConfigError(
-                    f"--prm-kind {args.prm_kind}: the testbed PRM runs on transformers only "
-                    "(--prm-kind qwen, the default)"
-                )
-            prm, options = str(tb.PRM_PATH), tb.prm_kwargs()
+    model = str(tb.POLICY_PATH) if local_testbed else args.model
+    prm, options = args.prm, {}
+    if prm == TESTBED or (prm is None and local_testbed):
+        if args.prm_kind != "qwen":
+            raise ConfigError(
+                f"--prm-kind {args.prm_kind}: the testbed PRM runs on transformers only "
+                "(--prm-kind qwen, the default)"
+            )
+        prm, options = str(tb.PRM_PATH), tb.prm_kwargs()
     return RealSetup(model, prm, options, [], SamplingSettings())
 
 
@@ -281,9 +340,11 @@ def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], B
                 _stop(engine, "shutdown")
                 raise
 
-        def close() -> None:
+        def close() -> Any:
             _stop(prm, "close")
             _stop(engine, "shutdown")
+            aclose = getattr(engine, "aclose", None)  # the gateway: its HTTP client
+            return aclose() if aclose is not None else None
 
         return Backend(engine, prm, close)
 
@@ -306,7 +367,56 @@ def _check_path(flag: str, value: str | None) -> None:
         raise ConfigError(f"{flag}={value!r}: no such file or directory")
 
 
+def _upstream_key(args: argparse.Namespace) -> str | None:
+    return args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None
+
+
+def _upstream_model(url: str, api_key: str | None) -> str:
+    """The first model ``url``'s ``/v1/models`` lists."""
+    import httpx
+
+    from sart.engines.openai import _base
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(_base(url) + "/v1/models", headers=headers, timeout=10)
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"--upstream {url}: could not read its model from /v1/models ({exc}); "
+            "name it with --model"
+        ) from None
+
+
+def _gateway(args: argparse.Namespace, model: str) -> Any:
+    """``OpenAIEngine`` over ``--upstream``, with the tokenizer if one is given or local."""
+    from sart.registry import load_engine
+
+    tokenizer = None
+    source = args.tokenizer or (model if Path(model).expanduser().is_dir() else None)
+    if source is not None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError(
+                f"--tokenizer {source}: loading it needs transformers (pip install "
+                f"'sart[hf]'): {exc}"
+            ) from None
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
+    return load_engine("openai")(
+        args.upstream,
+        model,
+        api_key=_upstream_key(args),
+        tokenizer=tokenizer,
+        affinity=args.placement == "request",
+        explicit_abort=args.upstream_abort == "explicit",
+    )
+
+
 def _build_engine(args: argparse.Namespace, model: str) -> Any:
+    if args.engine == "openai":
+        return _gateway(args, model)
     if args.engine in ("hf", "vllm"):
         return _load_engine(args, model, args.batch_size)
     from sart.registry import load_engine

@@ -9,7 +9,7 @@ a request: models, PRMs and methods are fixed when the server starts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
@@ -130,4 +130,5 @@ class Backend:
 
     engine: Any
     prm: PRM | None = None
-    close: Callable[[], None] | None = None
+    close: Callable[[], Awaitable[None] | None] | None = None
+    """Called (and awaited, if it returns an awaitable) on the server's loop as it stops."""

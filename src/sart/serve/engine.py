@@ -18,9 +18,14 @@ answers HTTP. Two things stand between that driver and an engine:
   request and aborts every branch of it in the engine (their KV is freed),
   while the other requests carry on. A cancelled request that waits for a
   slot is refused at its prefill and costs nothing; one with running branches
-  is refused at the next decode call, so its branches leave the engine
-  within one decode chunk (at most ``T``, or ``poll_steps`` while a PRM check
-  is in flight).
+  is refused at the next decode call. A step-based engine's decode call
+  cannot be interrupted, so there its branches leave the engine within one
+  decode chunk (at most ``T``, or ``poll_steps`` while a PRM check is in
+  flight). An async engine's call can wait much longer (a streaming step
+  waits until every branch has made its tokens, with Self-Consistency until
+  some branch ends), so there a cancel aborts the request's branches in the
+  engine at once, during the call, and the driver learns of it at the next
+  call as above (its own abort of those branches is then already done).
 
 It also keeps what the HTTP layer needs from the engine without touching it
 while it runs on the worker thread: each request's prompt length
@@ -66,12 +71,16 @@ class ServingEngine:
         self._busy = False  # a call is running on the worker thread
         self._live: dict[str, set[int]] = {}
         self._cancelled: set[str] = set()
+        self._aborted: set[BranchId] = set()  # by a cancel, before the driver's abort
+        self._cancel_wake = asyncio.Event()
 
     # ------------------------------------------------------------- cancellation
 
     def cancel(self, request_id: str) -> None:
-        """Refuse ``request_id``'s next engine call, so that the driver aborts it."""
+        """Refuse ``request_id``'s next engine call, so that the driver aborts it (an
+        async engine's branches are aborted at once)."""
         self._cancelled.add(request_id)
+        self._cancel_wake.set()
 
     def cancelled(self, request_id: str) -> bool:
         return request_id in self._cancelled
@@ -81,6 +90,7 @@ class ServingEngine:
         self._cancelled.discard(request_id)
         self.prompt_tokens.pop(request_id, None)
         self._live.pop(request_id, None)
+        self._aborted = {bid for bid in self._aborted if bid.request_id != request_id}
 
     def _refuse(self, request_id: str) -> None:
         if request_id in self._cancelled:
@@ -105,14 +115,20 @@ class ServingEngine:
         doomed = [rid for rid in self._cancelled if self._live.get(rid)]
         if doomed:
             raise EngineError(CANCELLED, request_ids=doomed)
-        output: StepOutput = await self._call(self.inner.step, max_steps, until_first_end)
+        if self._sync:
+            output: StepOutput = await self._call(self.inner.step, max_steps, until_first_end)
+        else:
+            output = await self._async_step(max_steps, until_first_end)
         for bid, delta in output.deltas.items():
             if delta.finish is not None:
                 self._ended(bid)
         return output
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:
-        await self._call(self.inner.abort, branch_ids, slow=False)
+        left = [bid for bid in branch_ids if bid not in self._aborted]
+        self._aborted.difference_update(branch_ids)
+        if left:
+            await self._call(self.inner.abort, left, slow=False)
         for bid in branch_ids:
             self._ended(bid)
 
@@ -133,6 +149,31 @@ class ServingEngine:
             self._thread.shutdown(wait=True)
 
     # ------------------------------------------------------------- plumbing
+
+    async def _async_step(self, max_steps: int, until_first_end: bool) -> StepOutput:
+        """The async engine's step; a cancel meanwhile aborts the cancelled requests'
+        branches in the engine now (the step then no longer waits for them)."""
+        step = asyncio.ensure_future(self.inner.step(max_steps, until_first_end))
+        try:
+            while True:
+                self._cancel_wake.clear()
+                wake = asyncio.ensure_future(self._cancel_wake.wait())
+                await asyncio.wait({step, wake}, return_when=asyncio.FIRST_COMPLETED)
+                wake.cancel()
+                if step.done():
+                    return step.result()
+                doomed = [
+                    BranchId(rid, index)
+                    for rid in self._cancelled
+                    for index in sorted(self._live.get(rid, ()))
+                    if BranchId(rid, index) not in self._aborted
+                ]
+                if doomed:
+                    await self.inner.abort(doomed)
+                    self._aborted.update(doomed)
+        finally:
+            if not step.done():  # this call itself was cancelled
+                step.cancel()
 
     def _ended(self, bid: BranchId) -> None:
         live = self._live.get(bid.request_id)

@@ -112,74 +112,54 @@ class ServeMetrics:
 
     def __init__(self, gauges: Callable[[], dict[str, tuple[str, float]]]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        registry = self.registry
         self.registry.register(_Gauges(gauges))
-        self.requests = Counter(
-            "sart:requests", "Requests finished, by status.", ["status"], registry=registry
+        counter, histogram = self._counter, self._histogram
+        self.requests = counter("sart:requests", "Requests finished, by status.", "status")
+        self.rejected = counter(
+            "sart:requests_rejected", "Requests refused before running, by HTTP status.", "code"
         )
-        self.rejected = Counter(
-            "sart:requests_rejected",
-            "Requests refused before running, by HTTP status.",
-            ["code"],
-            registry=registry,
-        )
-        self.finished = Counter(
+        self.finished = counter(
             "sart:branches_finished",
             "Completed branches, by finish reason (stop: EOS or a stop string; length: "
             "max_tokens).",
-            ["finish_reason"],
-            registry=registry,
+            "finish_reason",
         )
-        self.pruned = Counter("sart:branches_pruned", "Branches pruned.", registry=registry)
-        self.stopped = Counter(
-            "sart:branches_stopped",
-            "Branches stopped because their request had enough completed.",
-            registry=registry,
+        self.pruned = counter("sart:branches_pruned", "Branches pruned.")
+        self.stopped = counter(
+            "sart:branches_stopped", "Branches stopped because their request had enough completed."
         )
-        self.failed = Counter(
+        self.failed = counter(
             "sart:branches_failed",
             "Branches failed, by cause (error; cancelled: the client disconnected).",
-            ["cause"],
-            registry=registry,
+            "cause",
         )
-        self.prompt_tokens = Counter(
-            "sart:prompt_tokens", "Prompt tokens prefilled.", registry=registry
+        self.prompt_tokens = counter("sart:prompt_tokens", "Prompt tokens prefilled.")
+        self.generation_tokens = counter(
+            "sart:generation_tokens", "Tokens generated, by every branch."
         )
-        self.generation_tokens = Counter(
-            "sart:generation_tokens", "Tokens generated, by every branch.", registry=registry
-        )
-        self.tokens_saved = Counter(
+        self.tokens_saved = counter(
             "sart:tokens_saved",
             "Estimated tokens not generated thanks to pruning and early stopping, against "
             "running every branch to its end (a conservative estimate).",
-            registry=registry,
         )
-        self.prm_items = Counter("sart:prm_items", "Branches scored by the PRM.", registry=registry)
-        self.prm_latency = Histogram(
-            "sart:prm_latency_seconds",
-            "Duration of one PRM call.",
-            buckets=PRM_BUCKETS,
-            registry=registry,
+        self.prm_items = counter("sart:prm_items", "Branches scored by the PRM.")
+        self.prm_latency = histogram(
+            "sart:prm_latency_seconds", "Duration of one PRM call.", PRM_BUCKETS
         )
-        self.e2e = Histogram(
-            "sart:e2e_request_latency_seconds",
-            "From arrival to answer.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.queue = Histogram(
-            "sart:request_queue_time_seconds",
-            "From arrival to prefill.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.inference = Histogram(
-            "sart:request_inference_time_seconds",
-            "From prefill to answer.",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
+        self.e2e = histogram("sart:e2e_request_latency_seconds", "From arrival to answer.")
+        self.queue = histogram("sart:request_queue_time_seconds", "From arrival to prefill.")
+        self.inference = histogram("sart:request_inference_time_seconds", "From prefill to answer.")
         self._saved = SavedTokens()
+
+    def _counter(self, name: str, doc: str, *labels: str) -> Counter:
+        """A counter on this server's registry, with ``labels``."""
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _histogram(
+        self, name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS
+    ) -> Histogram:
+        """A histogram on this server's registry (latency buckets unless told)."""
+        return Histogram(name, doc, buckets=buckets, registry=self.registry)
 
     def observe_prm(self, seconds: float, items: int) -> None:
         self.prm_latency.observe(seconds)

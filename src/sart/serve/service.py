@@ -26,8 +26,8 @@ import attrs
 
 from sart.async_driver import AsyncDriver
 from sart.clock import WallClock
-from sart.engines.base import supports_fork
-from sart.errors import ConfigError, SartError
+from sart.driver import check_servable
+from sart.errors import SartError
 from sart.prm.base import PRM
 from sart.request import Request
 from sart.results import RequestResult
@@ -35,6 +35,9 @@ from sart.serve.config import ServeConfig
 from sart.serve.engine import ServingEngine
 from sart.serve.metrics import ServeMetrics, gauge_table
 from sart.serve.prm import ServedPRM
+
+#: What a request that needs PRM rewards is told when the server has none.
+_NO_PRM = "this server has no PRM (start it with --prm); methods that need none: vanilla, sc"
 
 
 class QueueFull(SartError):
@@ -118,17 +121,10 @@ class Service:
 
     def check(self, request: Request) -> None:
         """Refuse, before it runs, a request this server cannot serve (``ConfigError``):
-        a policy that needs a PRM when there is none, or forks on an engine that cannot."""
-        policy = request.policy
-        if self.prm is None and (policy.scores_running or policy.scores_completed):
-            raise ConfigError(
-                f"method with policy {policy.name!r} needs PRM rewards, and this server has no "
-                "PRM (start it with --prm); methods that need none: vanilla, sc"
-            )
-        if policy.prune.forks and not supports_fork(self.engine):
-            raise ConfigError(
-                f"policy {policy.name!r} forks branches, which this server's engine cannot do"
-            )
+        a policy that needs a PRM when there is none, or forks on an engine that cannot
+        (``sart.driver.check_servable``, with the server's own hint)."""
+        # The wrapped engine, so that the message names the engine the user chose.
+        check_servable(request, self.prm, self.engine.inner, no_prm=_NO_PRM)
 
     def submit(self, request: Request, question: str | None = None) -> str:
         """Accept ``request`` (its ``arrival`` is set to now) and return its id; then

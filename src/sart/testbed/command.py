@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from sart.errors import MissingDependencyError
+from sart.errors import needs_extra
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,18 +41,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    try:
+    with needs_extra("sart testbed", "hf"):
         if args.testbed_command == "train":
             from sart.testbed.train import TrainConfig, train
 
             train(args.out, TrainConfig(seed=args.seed, threads=args.threads))
             return 0
         from sart.testbed.report import ReportConfig, calibrate
-    except ImportError as exc:  # pragma: no cover - only without the extra
-        raise MissingDependencyError(
-            f"sart testbed needs torch and transformers ({exc.name} is missing); "
-            "install them with: pip install 'sart[hf]'"
-        ) from exc
     weights = Path(args.weights) if args.weights else None
     result = calibrate(
         ReportConfig(n=args.n, questions=args.questions, seed=args.seed),

@@ -1,0 +1,71 @@
+"""Votes that count answers by meaning: ``MathVerifyEquivalence`` for the selectors.
+
+Pass it to a vote::
+
+    MajorityVote(equivalence=MathVerifyEquivalence())
+    WeightedVote(equivalence=MathVerifyEquivalence())
+
+and ``\\frac{1}{2}``, ``\\dfrac12``, ``\\frac{2}{4}`` and ``0.5`` are one answer.
+``key`` first folds what is only typography (``\\dfrac``/``\\tfrac`` to
+``\\frac``, ``\\left``/``\\right``, the ``\\!`` thin space, runs of
+whitespace), so identical answers cost a dict lookup; ``same(a, b)`` then asks
+math-verify whether ``b`` is ``a``, with ``a`` the representative of a group
+already formed (first seen in completion order). Each answer is parsed once
+per process (a cache), and compared with at most one representative per group.
+
+The grouping is deterministic: the votes place answers in completion order,
+and math-verify is a pure function of the two texts, except that a parse or
+comparison past ``timeout`` counts as different. Cost: see
+``docs/how-to/grading.md``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import attrs
+
+from sart.eval.mathverify import MathVerify, boxed
+from sart.policies.equivalence import Equivalence
+
+_FRAC = re.compile(r"\\[dt]frac(?![A-Za-z])")
+# \left. and \right. are invisible delimiters: the dot goes with them.
+_DELIMITER_SIZE = re.compile(r"\\(?:left|right)(?![A-Za-z])\.?")
+_SPACE = re.compile(r"\s+")
+
+
+def typographic_key(answer: str) -> str:
+    """``answer`` without typography that cannot change its meaning: ``\\dfrac`` and
+    ``\\tfrac`` as ``\\frac``, no ``\\left``/``\\right``, no ``\\!``, whitespace runs
+    as one space, no outer whitespace."""
+    text = _FRAC.sub(r"\\frac", answer)
+    text = _DELIMITER_SIZE.sub("", text).replace("\\!", "")
+    return _SPACE.sub(" ", text).strip()
+
+
+@attrs.frozen
+class MathVerifyEquivalence(Equivalence):
+    """Answers are the same when math-verify verifies one against the other."""
+
+    timeout: int = 5
+    """Seconds for each parse and each comparison; a timeout counts as different."""
+    workers: int = 1
+    """Worker processes for calls made off the main thread."""
+    _verifier: MathVerify = attrs.field(init=False, eq=False, repr=False)
+
+    @_verifier.default
+    def _make_verifier(self) -> MathVerify:
+        return MathVerify(self.timeout, self.workers)
+
+    def key(self, answer: str) -> str:
+        return typographic_key(answer)
+
+    def same(self, a: str, b: str) -> bool:
+        return self._verifier.verify(boxed(a), boxed(b))
+
+    def close(self) -> None:
+        """Stop the worker processes, if any were started."""
+        self._verifier.close()
+
+
+__all__ = ["MathVerifyEquivalence", "typographic_key"]

@@ -1,0 +1,163 @@
+"""The gateway (``sart serve --engine openai``): sart in front of OpenAI-compatible servers.
+
+Here the upstreams are stand-in servers on real sockets
+(``openai_standin.SocketServer``), the app runs in a thread (``serving.Served``)
+and the client is the official ``openai`` client: request affinity, a
+client's disconnect reaching the upstreams, and the command's flags. In front
+of two real ``vllm serve`` it runs in ``test_serve_vllm.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from openai_standin import SocketServer  # noqa: E402
+from sart.engines.openai import OpenAIEngine  # noqa: E402
+from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
+from sart.testing import BranchScript, ScriptedPRM  # noqa: E402
+from serving import Served  # noqa: E402
+
+MODEL = "stand-in"
+
+
+@pytest.fixture
+def upstreams() -> Iterator[Callable[..., list[SocketServer]]]:
+    started: list[SocketServer] = []
+
+    def start(count: int = 2, **kwargs: object) -> list[SocketServer]:
+        servers = [SocketServer(**kwargs) for _ in range(count)]  # type: ignore[arg-type]
+        started.extend(servers)
+        return servers
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def gateway() -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(servers: list[SocketServer], **engine_kwargs: object) -> Served:
+        engine = OpenAIEngine([s.url for s in servers], MODEL, **engine_kwargs)  # type: ignore[arg-type]
+        config = ServeConfig(models=(MODEL,), max_tokens=64, max_tokens_limit=64)
+        prm = ScriptedPRM(lambda branch: BranchScript(rewards=(0.9,)), every=4)
+        served = Served(create_app(config, Backend(engine, prm, engine.aclose)), engine)
+        started.append(served.__enter__())
+        return served
+
+    yield start
+    for served in started:
+        served.__exit__()
+
+
+def by_request(servers: list[SocketServer]) -> dict[str, set[str]]:
+    """Each sart request id -> the upstreams its branches streamed from (the stand-in
+    records ``X-Request-Id: {index}_{request id}-{hex}``)."""
+    homes: dict[str, set[str]] = collections.defaultdict(set)
+    for server in servers:
+        for request in server.requests:
+            rid = request["id"].split("_", 1)[1].rsplit("-", 1)[0]
+            homes[rid].add(server.url)
+    return homes
+
+
+@pytest.mark.parametrize("placement", ["request", "branch"])
+def test_the_branches_of_a_request_stream_from_one_upstream(
+    upstreams, gateway, placement: str
+) -> None:
+    servers = upstreams(token_delay=0.002)
+    served = gateway(servers, affinity=placement == "request")
+    client = served.openai()
+
+    def ask(i: int) -> str:
+        reply = client.completions.create(
+            model=MODEL, prompt=f"question {i}", extra_body={"method": "sc", "n": 4}
+        )
+        assert reply.usage.completion_tokens > 0
+        return reply.choices[0].text
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert len(answers) == 16
+    homes = by_request(servers)
+    assert len(homes) == 16
+    assert all(len(s.requests) >= 8 for s in servers)  # both upstreams took work
+    if placement == "request":
+        assert all(len(urls) == 1 for urls in homes.values())
+    else:
+        assert any(len(urls) == 2 for urls in homes.values())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_leaves_has_its_branches_aborted_upstream(
+    upstreams, gateway, stream: bool
+) -> None:
+    servers = upstreams(token_delay=0.5, abort_endpoint=True)
+    served = gateway(servers, explicit_abort=True)
+    client = served.openai()
+
+    def leave() -> None:
+        with pytest.raises((openai.APITimeoutError, openai.APIConnectionError)):
+            reply = client.with_options(timeout=1.5).completions.create(
+                model=MODEL,
+                prompt="long question",
+                stream=stream,
+                extra_body={"method": "sc", "n": 3},
+            )
+            for _ in reply if stream else ():
+                pass
+
+    thread = threading.Thread(target=leave)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive()
+    deadline = time.monotonic() + 10
+    while any(s.running for s in servers):
+        assert time.monotonic() < deadline, "the upstream streams were not closed"
+        time.sleep(0.02)
+    sent = [r["id"] for s in servers for r in s.requests]
+    assert len(sent) == 3
+    # Every branch was cut short upstream, and asked to abort explicitly.
+    assert sorted(r for s in servers for r in s.disconnected) == sorted(sent)
+    asked = [rid for s in servers for call in s.abort_calls for rid in call]
+    assert sorted(asked) == sorted(f"cmpl-{rid}-0" for rid in sent)
+    served.wait_for(lambda: served.metric("sart:num_requests_running") == 0)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--engine", "openai"], "--engine openai needs --upstream URL"),
+        (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
+        (
+            ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
+            "could not read its model from /v1/models",
+        ),
+        (
+            ["--engine", "openai", "--upstream", "http://127.0.0.1:9", "--model", "m",
+             "--tokenizer", "./no/such/dir"],
+            "--tokenizer='./no/such/dir': no such file or directory",
+        ),
+    ],
+)  # fmt: skip
+def test_gateway_flags_are_checked_before_anything_starts(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["serve", *flags])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
