@@ -263,3 +263,12 @@ def test_engines_declare_their_capabilities() -> None:
     assert isinstance(FakeEngine(), sart.ReportsUsage)
     assert isinstance(FakeStreamingEngine(), sart.AsyncEngine)
     assert not isinstance(SyncBridge(FakeStreamingEngine()), sart.ReportsUsage)
+
+
+def test_a_bridge_shows_its_engines_tokenizer() -> None:
+    # sart serve takes the chat template from it (SGLang runs behind a bridge).
+    engine = FakeStreamingEngine(lambda branch: BranchScript(length=3))
+    with SyncBridge(engine) as bridge:
+        assert bridge.tokenizer is None
+        engine.tokenizer = object()  # type: ignore[attr-defined]
+        assert bridge.tokenizer is engine.tokenizer  # type: ignore[attr-defined]

@@ -404,6 +404,7 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
         (["--method", "best"], "--method='best' must be one of"),
         (["--model", "./no/such/model"], "--model='./no/such/model': no such file or directory"),
         (["--max-tokens", "300", "--max-tokens-limit", "200"], "max_tokens=300 must be <="),
+        (["--engine", "sglang", "--model", "m", "--sglang-arg", "tp"], "--sglang-arg='tp' must be"),
     ],
 )
 def test_sart_serve_refuses_bad_flags_before_loading_anything(
@@ -415,3 +416,30 @@ def test_sart_serve_refuses_bad_flags_before_loading_anything(
         main(["serve", *flags])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_sart_serve_on_sglang_without_sglang_says_what_to_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import importlib.util
+
+    from sart.cli import main
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here")
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--engine", "sglang", "--model", "m"])
+    assert info.value.code == 2
+    assert "pip install 'sart[sglang]'" in capsys.readouterr().err
+
+
+def test_an_async_engine_behind_a_bridge_is_served(serve) -> None:
+    # A bridge's loop cannot run inside the server's: all its calls go to the worker
+    # thread (as SGLang's and AsyncLLM's bridges are served).
+    bridge = SyncBridge(FakeStreamingEngine(lambda branch: BranchScript(length=5 + branch.index)))
+    served = serve(bridge)
+    reply = served.openai().completions.create(
+        model=MODEL, prompt="short", extra_body={"method": "sc", "n": 3}
+    )
+    assert len(reply.model_extra["sart"]["branches"]) == 3
+    assert reply.usage.completion_tokens == 5 + 6 + 7

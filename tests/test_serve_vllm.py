@@ -1,7 +1,8 @@
-"""The gateway for real: ``sart serve --engine openai`` in its own process in front of two
-``vllm serve`` (``conftest.vllm_server_pair``, the demo policy), called with the
-official ``openai`` client. Skipped where vLLM is not installed (CI runs it in its
-vLLM environment).
+"""``sart serve`` on real vLLM, called with the official ``openai`` client: the gateway
+(``--engine openai``, in its own process) in front of two ``vllm serve``
+(``conftest.vllm_server_pair``, the demo policy), and the app on the test process's
+vLLM engines (as ``--engine vllm`` and ``vllm-async`` run them). Skipped where vLLM is not
+installed (CI runs it in its vLLM environment).
 
 What only real upstreams show: each request's branches share their prompt's KV
 through vLLM's prefix cache (``vllm:prefix_cache_hits``) when they all go to
@@ -14,8 +15,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,8 +25,9 @@ pytest.importorskip("vllm")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from adapters import server_metric  # noqa: E402
-from serving import KEY, Server  # noqa: E402
+from adapters import fresh_vllm, fresh_vllm_async, server_metric  # noqa: E402
+from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
+from serving import KEY, Served, Server  # noqa: E402
 
 WORDS = "add the two numbers then check the sum carry one digit step result".split()
 
@@ -112,3 +115,47 @@ def test_a_client_that_leaves_has_every_branch_aborted_upstream(
         assert time.monotonic() < deadline, "branches still running upstream"
         time.sleep(0.05)
     gateway.wait_for(lambda m: m['sart:requests_total{status="cancelled"}'] >= 1)
+
+
+# ------------------------------------------------- vLLM in the server's process
+
+
+@pytest.fixture(params=["vllm", "vllm-async"])
+def in_process(
+    request: pytest.FixtureRequest, vllm_engine: Any, vllm_async_bridge: Any
+) -> Iterator[tuple[Served, Callable[[], int]]]:
+    """The app in this process (``serving.Served``) on the session's vLLM engine
+    (``LLMEngine``, or ``AsyncLLM`` behind its bridge, as ``sart serve --engine vllm``
+    and ``vllm-async`` run them), and a function counting vLLM's unfinished requests."""
+    if request.param == "vllm":
+        engine = fresh_vllm(vllm_engine)
+        unfinished = vllm_engine.llm_engine.get_num_unfinished_requests
+    else:
+        engine = fresh_vllm_async(vllm_async_bridge)
+        unfinished = vllm_async_bridge.engine.async_llm.get_num_unfinished_requests
+    config = ServeConfig(models=("demo",), max_tokens=24, max_tokens_limit=900, batch_size=32)
+    served = Served(create_app(config, Backend(engine, None)), engine).__enter__()
+    yield served, unfinished
+    served.__exit__()
+
+
+def test_in_process_vllm_answers_and_a_client_that_leaves_frees_its_branches(
+    in_process: tuple[Served, Callable[[], int]],
+) -> None:
+    served, unfinished = in_process
+    reply = served.openai().completions.create(
+        model="demo", prompt="Step 1: add 3 and 4.", extra_body={"method": "sc", "n": 4}
+    )
+    assert len(reply.model_extra["sart"]["branches"]) == 4
+    with pytest.raises((openai.APITimeoutError, openai.APIConnectionError)):
+        served.openai().with_options(timeout=1.0).completions.create(
+            model="demo",
+            prompt=long_prompt(7, words=100),
+            max_tokens=900,
+            extra_body={"method": "sc", "n": 16},
+        )
+    # vLLM's running set empties (its KV is freed with it), and the request is
+    # counted as cancelled: it was still running when the client left.
+    served.wait_for(lambda: served.metric('sart:requests_total{status="cancelled"}') >= 1)
+    served.wait_for(lambda: unfinished() == 0, timeout=20)
+    served.wait_for(lambda: served.metric("sart:engine_live_branches") == 0)

@@ -533,8 +533,9 @@ def _run_sim(config: BenchConfig, progress: Any, sink: ResultsFile) -> None:
             progress.advance(task)
 
 
-def vllm_engine_args(pairs: list[str]) -> dict[str, Any]:
-    """``["tensor_parallel_size=2", "dtype=bfloat16"]`` -> EngineArgs keyword arguments.
+def vllm_engine_args(pairs: list[str], flag: str = "--vllm-arg") -> dict[str, Any]:
+    """``["tensor_parallel_size=2", "dtype=bfloat16"]`` -> EngineArgs keyword arguments
+    (or SGLang's ``ServerArgs``: ``flag`` names the option in errors).
 
     A value is parsed as JSON when it can be (numbers, ``true``, lists), else kept
     as a string."""
@@ -542,7 +543,7 @@ def vllm_engine_args(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--vllm-arg={pair!r} must be KEY=VALUE")
+            raise ConfigError(f"{flag}={pair!r} must be KEY=VALUE")
         try:
             value = json.loads(raw)
         except json.JSONDecodeError:

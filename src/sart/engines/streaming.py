@@ -359,6 +359,11 @@ class SyncBridge:
         bridge._owns_loop = True
         return bridge
 
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer, if it has one (a server's chat template comes from it)."""
+        return getattr(self.engine, "tokenizer", None)
+
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
 

@@ -9,6 +9,9 @@ helpers, the same flags); ``--engine`` picks the adapter:
   worker thread so that the event loop keeps answering;
 - ``vllm``: vLLM's ``LLMEngine`` in this process (the same worker thread);
 - ``vllm-async``: vLLM's ``AsyncLLM``, awaited on the server's event loop;
+- ``sglang``: ``sglang.Engine`` in this process (``--sglang-arg`` passes its
+  ``ServerArgs``); it runs its calls on its own event loop, which the worker
+  thread drives (``SGLangEngine.bridge()``);
 - ``openai``: the gateway, sart in front of running vLLM or SGLang servers
   (``--upstream URL [URL ...]``, all serving one model): ``OpenAIEngine``
   streams each branch from them, all branches of a request from one upstream
@@ -47,7 +50,7 @@ from sart.serve.methods import method_names
 from sart.types import Scoring
 
 DEFAULT_PORT = 8000
-ENGINES = ("hf", "vllm", "vllm-async", "openai")
+ENGINES = ("hf", "vllm", "vllm-async", "sglang", "openai")
 """Engines ``sart serve`` runs (the simulator and the fake engine are not servers)."""
 API_KEY_ENV = "SART_API_KEY"
 UPSTREAM_KEY_ENV = "SART_UPSTREAM_API_KEY"
@@ -117,6 +120,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="vllm, vllm-async: an engine argument (repeatable); max_num_seqs defaults to "
         "--batch-size",
+    )
+    g.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sglang: a ServerArgs field (repeatable), e.g. tp_size=2; "
+        "max_running_requests defaults to --batch-size",
     )
     g.add_argument(
         "--plugin",
@@ -337,18 +348,30 @@ def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], B
             try:
                 prm = prm_job.result() if prm_job is not None else None
             except BaseException:
-                _stop(engine, "shutdown")
+                closing = _shutdown(engine)
+                if closing is not None:
+                    closing.close()  # nothing was opened yet: no need to run it
                 raise
 
         def close() -> Any:
             _stop(prm, "close")
-            _stop(engine, "shutdown")
-            aclose = getattr(engine, "aclose", None)  # the gateway: its HTTP client
-            return aclose() if aclose is not None else None
+            return _shutdown(engine)
 
         return Backend(engine, prm, close)
 
     return load
+
+
+def _shutdown(engine: Any) -> Any:
+    """Stop what ``engine`` holds: the gateway's HTTP client (returned, to be awaited on
+    the server's loop), vLLM's engine core, or SGLang's through its bridge."""
+    if hasattr(engine, "aclose"):
+        return engine.aclose()
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    elif hasattr(engine, "close"):
+        engine.close()
+    return None
 
 
 def _stop(thing: object, method: str) -> None:
@@ -420,6 +443,14 @@ def _build_engine(args: argparse.Namespace, model: str) -> Any:
     if args.engine in ("hf", "vllm"):
         return _load_engine(args, model, args.batch_size)
     from sart.registry import load_engine
+
+    if args.engine == "sglang":
+        server_args = {
+            "max_running_requests": args.batch_size,
+            **({"trust_remote_code": True} if args.trust_remote_code else {}),
+            **vllm_engine_args(args.sglang_arg, "--sglang-arg"),
+        }
+        return load_engine("sglang").from_args(model, **server_args).bridge()
 
     trust = {"trust_remote_code": True} if args.trust_remote_code else {}
     engine_args = {"max_num_seqs": args.batch_size, **trust, **vllm_engine_args(args.vllm_arg)}

@@ -7,7 +7,9 @@ answers HTTP. Two things stand between that driver and an engine:
   computes for tens of milliseconds; called on the event loop it would stall
   every connection meanwhile. Their prefill and decode calls run here on one
   worker thread (``sart-engine``); their quick bookkeeping calls (start
-  branches, abort, release) run on the loop, saving thread hops. The driver
+  branches, abort, release) run on the loop, saving thread hops, except a
+  ``SyncBridge``'s (an async engine on a loop of its own, such as SGLang's),
+  which all run on the worker thread. The driver
   awaits each call before the next, so the engine is never used by two threads
   at once. Async engines (``StreamingEngine`` adapters) are awaited as they
   are.
@@ -42,6 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sart.engines.base import BranchSpec, EngineStats, StepOutput, supports_fork
+from sart.engines.streaming import SyncBridge
 from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
@@ -67,6 +70,9 @@ class ServingEngine:
         self._thread = (
             concurrent.futures.ThreadPoolExecutor(1, "sart-engine") if self._sync else None
         )
+        # A bridge runs an async engine on its own loop, which cannot run inside the
+        # server's running loop: every one of its calls goes to the worker thread.
+        self._quick_on_loop = not isinstance(engine, SyncBridge)
         self._stats = engine.stats()
         self._busy = False  # a call is running on the worker thread
         self._live: dict[str, set[int]] = {}
@@ -186,7 +192,7 @@ class ServingEngine:
         (start, abort, release) on the loop, which saves two thread hops per request."""
         if self._thread is None:
             return await fn(*args)
-        if not slow:
+        if not slow and self._quick_on_loop:
             return fn(*args)
         self._busy = True
         try:
