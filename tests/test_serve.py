@@ -405,6 +405,25 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
         (["--model", "./no/such/model"], "--model='./no/such/model': no such file or directory"),
         (["--max-tokens", "300", "--max-tokens-limit", "200"], "max_tokens=300 must be <="),
         (["--engine", "sglang", "--model", "m", "--sglang-arg", "tp"], "--sglang-arg='tp' must be"),
+        (["--engine", "openai"], "--engine openai needs --upstream URL"),
+        (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
+        (
+            ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
+            "could not read its model from /v1/models",
+        ),
+        (
+            [
+                "--engine",
+                "openai",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--model",
+                "m",
+                "--tokenizer",
+                "./no/such/dir",
+            ],
+            "--tokenizer='./no/such/dir': no such file or directory",
+        ),
     ],
 )
 def test_sart_serve_refuses_bad_flags_before_loading_anything(

@@ -2,8 +2,9 @@
 
 Here the upstreams are stand-in servers on real sockets
 (``openai_standin.SocketServer``), the app runs in a thread (``serving.Served``)
-and the client is the official ``openai`` client: request affinity, a
-client's disconnect reaching the upstreams, and the command's flags. In front
+and the client is the official ``openai`` client: request affinity and a
+client's disconnect reaching the upstreams (the command's flags are checked with
+the others in ``test_serve.py``). In front
 of two real ``vllm serve`` it runs in ``test_serve_vllm.py``.
 """
 
@@ -134,30 +135,3 @@ def test_a_client_that_leaves_has_its_branches_aborted_upstream(
     asked = [rid for s in servers for call in s.abort_calls for rid in call]
     assert sorted(asked) == sorted(f"cmpl-{rid}-0" for rid in sent)
     served.wait_for(lambda: served.metric("sart:num_requests_running") == 0)
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--engine", "openai"], "--engine openai needs --upstream URL"),
-        (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
-        (
-            ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
-            "could not read its model from /v1/models",
-        ),
-        (
-            ["--engine", "openai", "--upstream", "http://127.0.0.1:9", "--model", "m",
-             "--tokenizer", "./no/such/dir"],
-            "--tokenizer='./no/such/dir': no such file or directory",
-        ),
-    ],
-)  # fmt: skip
-def test_gateway_flags_are_checked_before_anything_starts(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from sart.cli import main
-
-    with pytest.raises(SystemExit) as info:
-        main(["serve", *flags])
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
