@@ -177,6 +177,10 @@ UNUSED_FLAGS = {
         "--temperature has no effect with --engine sim (it is for the real engines",
     ),
     "a PRM on the simulator": (["--prm", "x"], "--prm has no effect with --engine sim"),
+    "preemption on a real engine": (
+        ["--engine", "hf", "--model", "testbed", "--no-preemption"],
+        "--no-preemption has no effect with --engine hf (it is for --engine sim)",
+    ),
     "workload on a real engine": (
         ["--engine", "hf", "--model", "testbed", "--workload", "gaokao"],
         "--workload has no effect with --engine hf (it is for --engine sim)",

@@ -7,12 +7,13 @@ the preset's KV capacity, and track the peak KV-cache use of a run.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sart.engines.base import BranchSpec
-from sart.engines.costs import PRESETS
+from sart.engines.costs import PRESETS, CostModel
 from sart.engines.sim import SimEngine
 from sart.testing import BranchScript, check_engine
 from sart.types import SamplingSettings
@@ -192,3 +193,75 @@ def test_peak_kv_matches_a_step_by_step_reference(
         engine.step(max_steps, until_first_end=until_first_end)
     assert not engine.live_branches
     assert engine.peak_kv_tokens == reference_peak(prompts, lengths_a, lengths_b, b_at)
+
+
+# ------------------------------------------------------------------ preemption
+
+
+def tight(capacity: int) -> CostModel:
+    """The h100-14b model with room for only ``capacity`` KV tokens."""
+    return attrs.evolve(PRESETS["h100-14b"], kv_capacity_tokens=capacity)
+
+
+def serve_all(engine: SimEngine, chunk: int) -> list[tuple[float, dict]]:
+    """Decode every live branch to its end in calls of ``chunk`` steps: each call's
+    clock time and what it reported."""
+    calls = []
+    while engine.stats().live_branches:
+        before = engine.clock.now()
+        out = engine.step(chunk)
+        calls.append((engine.clock.now() - before, dict(out.deltas)))
+    return calls
+
+
+def run(lengths: list[int], prompt: int, cost: CostModel | str, preemption: bool, chunk: int):
+    engine = SimEngine(
+        {"r": [BranchScript(length=n) for n in lengths]}, cost=cost, preemption=preemption
+    )
+    engine.prefill("r", (0,) * prompt, SAMPLING)
+    engine.start_branches("r", [BranchSpec(j, j) for j in range(len(lengths))])
+    return engine, serve_all(engine, chunk)
+
+
+lengths_st = st.lists(st.integers(1, 60), min_size=1, max_size=12)
+
+
+@settings(max_examples=60)
+@given(lengths=lengths_st, prompt=st.integers(1, 50), chunk=st.integers(1, 40))
+def test_with_room_for_everything_preemption_changes_nothing(lengths, prompt, chunk) -> None:
+    with_, calls = run(lengths, prompt, "h100-14b", True, chunk)
+    _, without = run(lengths, prompt, "h100-14b", False, chunk)
+    assert calls == without  # bit-identical times and deltas
+    assert with_.preemptions == 0
+
+
+@settings(max_examples=60)
+@given(
+    lengths=lengths_st,
+    prompt=st.integers(1, 50),
+    chunk=st.integers(1, 40),
+    spare=st.integers(0, 80),
+)
+def test_a_tight_cache_preempts_but_never_overflows_or_changes_tokens(
+    lengths, prompt, chunk, spare
+) -> None:
+    # Room for the prompt, the longest branch and then some: any single branch fits.
+    capacity = prompt + max(lengths) + spare
+    engine, calls = run(lengths, prompt, tight(capacity), True, chunk)
+    _, ample = run(lengths, prompt, "h100-14b", True, chunk)
+    assert [deltas for _, deltas in calls] == [deltas for _, deltas in ample]
+    assert engine.peak_kv_tokens <= capacity
+    if prompt + sum(lengths) <= capacity:
+        assert engine.preemptions == 0
+    if engine.preemptions:
+        # Recomputation and fewer branches per step cost time, never save it.
+        assert sum(t for t, _ in calls) > sum(t for t, _ in ample)
+
+
+def test_the_newest_branch_is_preempted_and_resumes_when_one_ends() -> None:
+    # Prompt 10 and room for 35 more: the three branches need 20 + 20 + 5 = 45 at
+    # their fullest, so the newest ones wait and resume as the others end.
+    engine, calls = run([20, 20, 5], 10, tight(45), True, 20)
+    assert engine.preemptions >= 1
+    assert engine.peak_kv_tokens <= 45
+    assert sum(d.new_tokens for _, deltas in calls for d in deltas.values()) == 45

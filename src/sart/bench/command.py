@@ -45,7 +45,7 @@ TESTBED_INTERVAL = 16
 
 #: Defaults of flags that only some runs use, where the default is not None (given
 #: with its default value, such a flag changes nothing and is not refused).
-FLAG_DEFAULTS = {"prm_kind": "qwen", "device": "cpu"}
+FLAG_DEFAULTS = {"prm_kind": "qwen", "device": "cpu", "preemption": True}
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,6 +88,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="where the PRM runs. sim: 'own' (its own accelerator, of the policy's kind; "
         "the default) or 'shared' (the policy's: a PRM call holds decoding up); "
         "hf PRMs: a torch device (default: --device)",
+    )
+    p.add_argument(
+        "--no-preemption",
+        dest="preemption",
+        action="store_false",
+        help="sim: price runs whose KV outgrows the model's capacity as if memory were "
+        "unlimited (flagged '!'), instead of modelling vLLM's preemption",
     )
     p.add_argument(
         "--prm-cost",
@@ -286,6 +293,7 @@ FLAGS = {
     "scoring": "--scoring",
     "prm_cost": "--prm-cost",
     "prm_device": "--prm-device",
+    "preemption": "--no-preemption",
     "max_tokens": "--max-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",
@@ -305,7 +313,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
     uses = _uses(args)
     for dest, used in uses.items():
         value = getattr(args, dest)
-        if not used and value not in (None, False, [], FLAG_DEFAULTS.get(dest)):
+        given = value is False if dest == "preemption" else value not in (None, False, [])
+        if not used and given and value != FLAG_DEFAULTS.get(dest):
             raise ConfigError(f"{_flag(dest)} has no effect {_why_unused(dest, args)}")
     return BenchConfig(
         engine=args.engine,
@@ -333,6 +342,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         admission=Admission(args.admission),
         trace=args.trace,
         scoring=Scoring(args.scoring),
+        preemption=args.preemption,
         **_prm_flags(args),
     )
 
@@ -358,6 +368,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "requests": generated or testbed_questions,
         "trace": sim,
         "prm_cost": sim,
+        "preemption": sim,
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
     }
@@ -379,7 +390,9 @@ REAL_ONLY = (
 
 
 def _flag(dest: str) -> str:
-    return {"rates": "--rate", "vllm_arg": "--vllm-arg"}.get(dest, "--" + dest.replace("_", "-"))
+    return {"rates": "--rate", "vllm_arg": "--vllm-arg", "preemption": "--no-preemption"}.get(
+        dest, "--" + dest.replace("_", "-")
+    )
 
 
 def _why_unused(dest: str, args: argparse.Namespace) -> str:

@@ -34,6 +34,7 @@ def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str,
         "n": record.n,
         "rate": record.rate,
         "kv_capacity": record.kv_capacity,
+        "preemptions": record.preemptions,
         "batch_size": record.batch_size,
         "summary": summary_json(record.summary),
         # Run totals; the per-request wait is in summary.prm_wait and each request.
@@ -191,6 +192,8 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         peak = _fmt(s.peak_kv_tokens, 0)
         if r.kv_capacity and s.peak_kv_tokens > r.kv_capacity:
             peak = f"[red]{peak}![/red]"
+        elif r.preemptions:
+            peak = f"{peak} [yellow]p{r.preemptions}[/yellow]"
         table.add_row(
             "trace" if r.rate is None else _fmt(r.rate, 0),
             SHORT_LABELS[r.method],
@@ -236,4 +239,9 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         console.print(
             "[red]![/red] peak KV above the model's KV capacity: on a real engine "
             "those runs would preempt; lower --batch-size."
+        )
+    if any(r.preemptions for r in records):
+        console.print(
+            "[yellow]pK[/yellow]: the engine preempted K branches for want of KV (freed, "
+            "recomputed when resumed, as vLLM does); their latency includes it."
         )

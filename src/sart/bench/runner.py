@@ -162,6 +162,10 @@ class BenchConfig:
     )
     """``sim``: the PRM on its ``own`` accelerator (default) or ``shared`` with the
     policy (a call holds decoding up); ``None`` on a real engine."""
+    preemption: bool = True
+    """``sim``: model vLLM's preemption when the live branches' KV outgrows the cost
+    model's capacity (``SimEngine``); ``False`` prices such runs as if memory were
+    unlimited (and flags them)."""
 
     def __attrs_post_init__(self) -> None:
         for m in self.methods:
@@ -264,6 +268,9 @@ class RunRecord:
     """Seconds decoding stood still waiting for the PRM (``SyncDriver.prm_wait``)."""
     prm_tokens: int | None = None
     """Tokens the priced PRM read (``None``: not priced)."""
+    preemptions: int | None = None
+    """Branches the simulated engine preempted for want of KV (``None``: a real engine,
+    whose preemptions are its own)."""
 
 
 def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
@@ -286,7 +293,7 @@ def run_method(
         raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
     policy = METHODS[method](n, config.interval)
     script = trace.script()
-    engine = SimEngine(script, cost=config.cost)
+    engine = SimEngine(script, cost=config.cost, preemption=config.preemption)
     prm, pricer = sim_prm(config, ScriptedPRM(script, every=trace.interval or config.interval))
     batch_size = config.batch_size or auto_batch_size(config, trace)
     driver = SyncDriver(
@@ -304,7 +311,11 @@ def run_method(
         for r in trace
     ]
     record = serve(driver, requests, trace.gold(), method, n, rate, engine.cost.kv_capacity_tokens)
-    return attrs.evolve(record, prm_tokens=None if pricer is None else pricer.tokens)
+    return attrs.evolve(
+        record,
+        prm_tokens=None if pricer is None else pricer.tokens,
+        preemptions=engine.preemptions,
+    )
 
 
 def prm_cost_model(config: BenchConfig) -> PRMCostModel | None:
