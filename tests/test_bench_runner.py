@@ -166,3 +166,22 @@ def test_preemption_is_counted_and_only_changes_time() -> None:
     # The same answers, later.
     assert [r.answer for r in modelled.results] == [r.answer for r in unlimited.results]
     assert modelled.summary.e2e.p97 > unlimited.summary.e2e.p97
+
+
+def test_replicas_serve_every_request_once_and_share_the_load() -> None:
+    config = BenchConfig(methods=("sc",), ns=(8,), rates=(4.0,), num_requests=120)
+    ((rate, trace),) = traces(config)
+    one = run_method(trace, "sc", 8, config, rate)
+    four = run_method(trace, "sc", 8, attrs.evolve(config, replicas=4), rate)
+    assert [r.request_id for r in four.results] == [r.id for r in trace]
+    assert all(r.ok for r in four.results)
+    # Four budgets and four KV caches: far less queueing at the same arrivals.
+    assert four.summary.queueing.mean < one.summary.queueing.mean / 2
+    assert four.summary.e2e.p97 < one.summary.e2e.p97
+    # Each replica's timeline stays within its own budget.
+    assert max(s.running_branches for s in four.timeline) <= four.batch_size
+
+
+def test_replicas_must_be_positive() -> None:
+    with pytest.raises(sart.ConfigError, match="replicas=0 must be >= 1"):
+        BenchConfig(replicas=0)

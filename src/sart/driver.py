@@ -214,6 +214,12 @@ class DriverBase:
     def scoring(self) -> Scoring:
         return self.scheduler.config.scoring
 
+    @property
+    def open_requests(self) -> int:
+        """Requests submitted whose result has not been delivered yet (its load, for a
+        router placing requests on replicas)."""
+        return len(self._open)
+
     def submit(self, request: Request) -> None:
         """Queue a request; it reaches the scheduler at ``request.arrival``.
 

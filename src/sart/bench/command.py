@@ -45,7 +45,7 @@ TESTBED_INTERVAL = 16
 
 #: Defaults of flags that only some runs use, where the default is not None (given
 #: with its default value, such a flag changes nothing and is not refused).
-FLAG_DEFAULTS = {"prm_kind": "qwen", "device": "cpu", "preemption": True}
+FLAG_DEFAULTS = {"prm_kind": "qwen", "device": "cpu", "preemption": True, "replicas": 1}
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -70,24 +70,22 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "h100-14b); hf, vllm: a model directory or hub id, or 'testbed' (the shipped "
         "tiny reasoning model, its PRM and its questions: see docs/testbed.md)",
     )
-    p.add_argument("--prm", help="hf, vllm: the PRM's directory or hub id")
-    p.add_argument(
-        "--prm-kind",
-        choices=["qwen", "shepherd", "vllm-qwen"],
-        default=FLAG_DEFAULTS["prm_kind"],
-        help="hf, vllm: Qwen2.5-Math-PRM style on transformers (default), Math-Shepherd "
-        "style, or Qwen2.5-Math-PRM served by vLLM as a pooling model",
-    )
+    add_model_flags(p, "hf, vllm: ", REAL_MAX_TOKENS, REAL_TEMPERATURE)
     p.add_argument("--prompts", help="hf, vllm: JSONL prompt file ({'prompt', 'answer'} per line)")
-    p.add_argument(
-        "--device", default=FLAG_DEFAULTS["device"], help="hf: device of the model (default cpu)"
-    )
     p.add_argument(
         "--prm-device",
         default=None,
         help="where the PRM runs. sim: 'own' (its own accelerator, of the policy's kind; "
         "the default) or 'shared' (the policy's: a PRM call holds decoding up); "
         "hf PRMs: a torch device (default: --device)",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="sim: engine replicas (data parallel), each with its own B, KV cache and "
+        "PRM; a request goes to the one with the fewest open requests (default 1). The "
+        "paper's 8 H100s: --model h100-14b --replicas 8, or --model 8xh100-14b-tp8",
     )
     p.add_argument(
         "--no-preemption",
@@ -112,50 +110,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
         "when its rewards arrive; blocking: decoding waits for every PRM check "
         "(Algorithm 1 as written)",
-    )
-    p.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="hf, vllm: allow the model and the PRM to run modelling code their checkpoints "
-        "ship (needed by e.g. Qwen2.5-Math-PRM-7B; off by default, as in transformers and "
-        "vLLM: that code runs with your permissions)",
-    )
-    p.add_argument(
-        "--prm-in-process",
-        action="store_true",
-        help="hf, vllm: run a transformers PRM in this process, on a worker thread, instead "
-        "of in a process of its own (the default: threads of one process share the "
-        "interpreter lock, so on CPUs a PRM thread barely runs beside decoding)",
-    )
-    p.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="vllm: an EngineArgs field for the policy model, e.g. tensor_parallel_size=2, "
-        "dtype=bfloat16, enforce_eager=true (repeatable; VALUE is parsed as JSON when it "
-        "can be). max_num_seqs defaults to --batch-size",
-    )
-    p.add_argument(
-        "--max-tokens",
-        type=int,
-        default=None,
-        help=f"hf, vllm: tokens per branch (default {REAL_MAX_TOKENS}; testbed: "
-        f"{TESTBED_MAX_TOKENS})",
-    )
-    p.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help=f"hf, vllm: sampling temperature (default {REAL_TEMPERATURE}; testbed: 1.0, "
-        "as calibrated)",
-    )
-    p.add_argument(
-        "--top-p",
-        type=float,
-        default=None,
-        help="hf, vllm: nucleus sampling mass (default: SamplingSettings' 0.95; testbed: "
-        "1.0, as calibrated: a cut tail would drop most of its slips)",
     )
     p.add_argument(
         "--record-trace", help="hf, vllm: also record a trace of the prompts to this file"
@@ -227,6 +181,68 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_bench_command)
 
 
+def add_model_flags(
+    p: argparse.ArgumentParser, scope: str, max_tokens: int, temperature: float
+) -> None:
+    """The flags of the models on a real engine (``sart bench``'s hf and vllm runs,
+    ``sart eval``): the PRM, devices, remote code, vLLM's engine arguments, sampling.
+    ``scope`` prefixes each help text; ``max_tokens`` and ``temperature`` are the
+    defaults the help states for a model other than the testbed."""
+    p.add_argument("--prm", help=f"{scope}the PRM's directory or hub id")
+    p.add_argument(
+        "--prm-kind",
+        choices=["qwen", "shepherd", "vllm-qwen"],
+        default=FLAG_DEFAULTS["prm_kind"],
+        help=f"{scope}Qwen2.5-Math-PRM style on transformers (default), Math-Shepherd "
+        "style, or Qwen2.5-Math-PRM served by vLLM as a pooling model",
+    )
+    p.add_argument(
+        "--device", default=FLAG_DEFAULTS["device"], help="hf: device of the model (default cpu)"
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help=f"{scope}allow the model and the PRM to run modelling code their checkpoints "
+        "ship (needed by e.g. Qwen2.5-Math-PRM-7B; off by default, as in transformers and "
+        "vLLM: that code runs with your permissions)",
+    )
+    p.add_argument(
+        "--prm-in-process",
+        action="store_true",
+        help=f"{scope}run a transformers PRM in this process, on a worker thread, instead "
+        "of in a process of its own (the default: threads of one process share the "
+        "interpreter lock, so on CPUs a PRM thread barely runs beside decoding)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm: an EngineArgs field for the policy model, e.g. tensor_parallel_size=2, "
+        "dtype=bfloat16, enforce_eager=true (repeatable; VALUE is parsed as JSON when it "
+        "can be). max_num_seqs defaults to --batch-size",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"{scope}tokens per branch (default {max_tokens}; testbed: {TESTBED_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"{scope}sampling temperature (default {temperature}; testbed: 1.0, as calibrated)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help=f"{scope}nucleus sampling mass (default: SamplingSettings' 0.95; testbed: "
+        "1.0, as calibrated: a cut tail would drop most of its slips)",
+    )
+
+
 def add_trace_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="work with JSONL traces")
     tsub = p.add_subparsers(dest="trace_command", required=True)
@@ -294,6 +310,7 @@ FLAGS = {
     "prm_cost": "--prm-cost",
     "prm_device": "--prm-device",
     "preemption": "--no-preemption",
+    "replicas": "--replicas",
     "max_tokens": "--max-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",
@@ -343,6 +360,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         trace=args.trace,
         scoring=Scoring(args.scoring),
         preemption=args.preemption,
+        replicas=args.replicas,
         **_prm_flags(args),
     )
 
@@ -369,6 +387,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "trace": sim,
         "prm_cost": sim,
         "preemption": sim,
+        "replicas": sim,
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
     }
@@ -593,8 +612,26 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
             f"--engine {args.engine} needs --model PATH and --prompts FILE "
             "(try: sart demo-models DIR), or --model testbed"
         )
+    model, prm, prm_options = model_setup(args)
+    if args.prompts is not None:
+        items = load_prompts(args.prompts)
+    else:
+        from sart import testbed as tb
+
+        items = [
+            PromptItem(f"t{i}", q.prompt, q.answer)
+            for i, q in enumerate(tb.make_questions(args.seed, _requests(args)))
+        ]
+    sampling = sampling_setup(args, REAL_MAX_TOKENS, REAL_TEMPERATURE)
+    return RealSetup(model, prm, prm_options, items, sampling)
+
+
+def model_setup(args: argparse.Namespace) -> tuple[str, str | None, dict[str, Any]]:
+    """``(model, prm, prm options)`` from ``--model``, ``--prm`` and ``--prm-kind``:
+    ``--model testbed`` is the shipped policy, and its PRM (with the options it is
+    calibrated for) unless ``--prm`` names another."""
     model, prm, prm_options = args.model, args.prm, {}
-    if testbed:
+    if args.model == TESTBED:
         from sart import testbed as tb
 
         model = str(tb.POLICY_PATH)
@@ -607,15 +644,18 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
                     "only (--prm-kind qwen, the default; the policy may still run on vLLM)"
                 )
             prm, prm_options = str(tb.PRM_PATH), tb.prm_kwargs()
-        if args.prompts is None:
-            items = [
-                PromptItem(f"t{i}", q.prompt, q.answer)
-                for i, q in enumerate(tb.make_questions(args.seed, _requests(args)))
-            ]
-    if args.prompts is not None:
-        items = load_prompts(args.prompts)
-    default_tokens = TESTBED_MAX_TOKENS if testbed else REAL_MAX_TOKENS
-    default_temperature = 1.0 if testbed else REAL_TEMPERATURE
+    return model, prm, prm_options
+
+
+def sampling_setup(
+    args: argparse.Namespace, max_tokens: int, temperature: float
+) -> SamplingSettings:
+    """``--max-tokens``, ``--temperature`` and ``--top-p`` as sampling settings, with
+    ``max_tokens`` and ``temperature`` as defaults, or the testbed's calibration
+    (``TESTBED_MAX_TOKENS``, temperature 1.0, top-p 1.0) under ``--model testbed``."""
+    testbed = args.model == TESTBED
+    default_tokens = TESTBED_MAX_TOKENS if testbed else max_tokens
+    default_temperature = 1.0 if testbed else temperature
     top_p: dict[str, float] = {}
     if args.top_p is not None:
         top_p["top_p"] = args.top_p
@@ -623,21 +663,25 @@ def real_setup(args: argparse.Namespace) -> RealSetup:
         # The calibration samples the full distribution: the testbed's slips are
         # low-probability tokens that a top-p cut would mostly remove.
         top_p["top_p"] = 1.0
-    sampling = SamplingSettings(
+    return SamplingSettings(
         temperature=default_temperature if args.temperature is None else args.temperature,
         max_tokens=default_tokens if args.max_tokens is None else args.max_tokens,
         **top_p,
     )
-    return RealSetup(model, prm, prm_options, items, sampling)
 
 
-def _load_engine(args: argparse.Namespace, model: str, batch_size: int) -> Any:
+def _load_engine(
+    args: argparse.Namespace, model: str, batch_size: int, *, chat: bool = False
+) -> Any:
+    """The policy on ``--engine`` (``chat``: prompts go through its chat template)."""
     from sart.registry import load_engine
 
-    trust = {"trust_remote_code": True} if args.trust_remote_code else {}
+    options: dict[str, Any] = {"trust_remote_code": True} if args.trust_remote_code else {}
+    if chat:
+        options["chat"] = True
     if args.engine == "hf":
-        return load_engine("hf").from_pretrained(model, device=args.device, **trust)
-    engine_args = {"max_num_seqs": batch_size, **trust, **vllm_engine_args(args.vllm_arg)}
+        return load_engine("hf").from_pretrained(model, device=args.device, **options)
+    engine_args = {"max_num_seqs": batch_size, **options, **vllm_engine_args(args.vllm_arg)}
     engine = load_engine("vllm").from_engine_args(model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
     engine.check_batch_size(batch_size)

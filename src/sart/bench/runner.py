@@ -25,9 +25,10 @@ from sart.engines.base import ReportsUsage
 from sart.engines.costs import cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
-from sart.errors import ConfigError, config_check, enum_converter
+from sart.errors import ConfigError, config_check, enum_converter, int_at_least
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
+from sart.policies.equivalence import Equivalence
 from sart.policies.recipes import rebase, sart, sart_without_pruning, self_consistency, vanilla
 from sart.prm.base import PRM
 from sart.prm.priced import CostedPRM
@@ -64,6 +65,27 @@ LABELS = {
     "sart": "SART",
     "sart-blocking": "SART (blocking checks)",
 }
+
+
+def method_policy(
+    method: str,
+    n: int,
+    interval: int,
+    *,
+    equivalence: Equivalence | None = None,
+    extract: Callable[[str], str] | None = None,
+) -> Policy:
+    """``METHODS[method](n, interval)``, its votes (``MajorityVote``, ``WeightedVote``)
+    grouping answers under ``equivalence`` and its answers read from a branch's text
+    by ``extract``; ``None`` keeps the recipe's (exact strings; ``extract_answer``)."""
+    policy = METHODS[method](n, interval)
+    changes: dict[str, object] = {}
+    select = policy.select
+    if equivalence is not None and "equivalence" in attrs.fields_dict(type(select)):
+        changes["select"] = attrs.evolve(select, equivalence=equivalence)
+    if extract is not None:
+        changes["extract"] = extract
+    return attrs.evolve(policy, **changes)
 
 
 def method_scoring(method: str, config: BenchConfig) -> Scoring:
@@ -162,6 +184,10 @@ class BenchConfig:
     )
     """``sim``: the PRM on its ``own`` accelerator (default) or ``shared`` with the
     policy (a call holds decoding up); ``None`` on a real engine."""
+    replicas: int = attrs.field(default=1, validator=int_at_least(1))
+    """``sim``: engine replicas (data parallel), each with its own budget ``B``, KV
+    cache and PRM; a request goes, at its arrival, to the replica with the fewest
+    open requests (ties: the lowest index), and all its branches run there."""
     preemption: bool = True
     """``sim``: model vLLM's preemption when the live branches' KV outgrows the cost
     model's capacity (``SimEngine``); ``False`` prices such runs as if memory were
@@ -286,35 +312,52 @@ def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
 
 
 def run_method(
-    trace: Trace, method: str, n: int, config: BenchConfig, rate: float | None = None
+    trace: Trace,
+    method: str,
+    n: int,
+    config: BenchConfig,
+    rate: float | None = None,
+    *,
+    policy: Policy | None = None,
 ) -> RunRecord:
-    """Serve ``trace`` with one method on a fresh simulated engine."""
+    """Serve ``trace`` with one method on a fresh simulated engine (``policy``, when
+    given, instead of ``METHODS[method](n, config.interval)``: see ``method_policy``)."""
     if n > trace.width:
         raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
-    policy = METHODS[method](n, config.interval)
+    if policy is None:
+        policy = METHODS[method](n, config.interval)
     script = trace.script()
-    engine = SimEngine(script, cost=config.cost, preemption=config.preemption)
-    prm, pricer = sim_prm(config, ScriptedPRM(script, every=trace.interval or config.interval))
     batch_size = config.batch_size or auto_batch_size(config, trace)
-    driver = SyncDriver(
-        engine,
-        prm,
-        batch_size=batch_size,
-        admission=config.admission,
-        scoring=method_scoring(method, config),
-        poll_steps=config.poll_steps,
-    )
+    replicas = []
+    for _ in range(config.replicas):
+        engine = SimEngine(script, cost=config.cost, preemption=config.preemption)
+        prm, pricer = sim_prm(config, ScriptedPRM(script, every=trace.interval or config.interval))
+        driver = SyncDriver(
+            engine,
+            prm,
+            batch_size=batch_size,
+            admission=config.admission,
+            scoring=method_scoring(method, config),
+            poll_steps=config.poll_steps,
+        )
+        replicas.append((driver, engine, pricer))
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
     sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
     requests = [
         Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
         for r in trace
     ]
-    record = serve(driver, requests, trace.gold(), method, n, rate, engine.cost.kv_capacity_tokens)
+    capacity = cost_model(config.cost).kv_capacity_tokens
+    drivers = [driver for driver, _, _ in replicas]
+    if len(drivers) == 1:
+        record = serve(drivers[0], requests, trace.gold(), method, n, rate, capacity)
+    else:
+        record = serve_replicas(drivers, requests, trace.gold(), method, n, rate, capacity)
+    pricers = [pricer for _, _, pricer in replicas if pricer is not None]
     return attrs.evolve(
         record,
-        prm_tokens=None if pricer is None else pricer.tokens,
-        preemptions=engine.preemptions,
+        prm_tokens=sum(p.tokens for p in pricers) if pricers else None,
+        preemptions=sum(engine.preemptions for _, engine, _ in replicas),
     )
 
 
@@ -351,19 +394,12 @@ def serve(
 ) -> RunRecord:
     """Run ``requests`` through ``driver``, sampling each request's resource use after
     every decode call (when the engine reports it: ``ReportsUsage``)."""
-    engine = driver.engine
     for request in requests:
         driver.submit(request)
     usage: dict[str, list[tuple[float, int, int]]] = {}
-    decodes = len(driver.timeline)
     try:
-        while driver.step():
-            if len(driver.timeline) != decodes and isinstance(engine, ReportsUsage):
-                decodes = len(driver.timeline)
-                now = driver.timeline[-1].time
-                for rid in engine.prefixes:
-                    live, kv = engine.usage(rid)
-                    usage.setdefault(rid, []).append((now, live, kv))
+        while _step_sampling(driver, usage):
+            pass
     finally:
         driver.close()  # the PRM worker thread, if overlapped checks started one
     by_id = {res.request_id: res for res in driver.results}
@@ -381,6 +417,86 @@ def serve(
         prm_busy=driver.prm_busy,
         prm_wait=driver.prm_wait,
     )
+
+
+def _step_sampling(driver: SyncDriver, usage: dict[str, list[tuple[float, int, int]]]) -> bool:
+    """``driver.step()``; after a decode call, each request's ``(time, live branches, KV)``
+    is appended to ``usage`` (when the engine reports it)."""
+    decodes = len(driver.timeline)
+    more = driver.step()
+    engine = driver.engine
+    if len(driver.timeline) != decodes and isinstance(engine, ReportsUsage):
+        now = driver.timeline[-1].time
+        for rid in engine.prefixes:
+            live, kv = engine.usage(rid)
+            usage.setdefault(rid, []).append((now, live, kv))
+    return more
+
+
+def serve_replicas(
+    drivers: Sequence[SyncDriver],
+    requests: Sequence[Request],
+    gold: dict[str, str],
+    method: str,
+    n: int,
+    rate: float | None,
+    kv_capacity: int | None = None,
+) -> RunRecord:
+    """``serve`` on several replicas (each driver with its own engine and clock): the
+    requests, in arrival order, each go to the replica with the fewest open requests
+    at its arrival (ties: the lowest index), as a load-balancing router places them.
+    Before a request is placed every replica runs until its clock reaches the arrival
+    (or it has nothing to do); a replica in the middle of a decode chunk may be past
+    it, as a real router sees load with some lag. The run's timeline is the fleet's:
+    branches and KV summed over replicas, against ``kv_capacity`` times the number of
+    replicas (each replica's own preemptions keep it within its cache)."""
+    usage: dict[str, list[tuple[float, int, int]]] = {}
+    try:
+        for request in sorted(requests, key=lambda r: r.arrival):
+            for driver in drivers:
+                while driver.clock.now() < request.arrival and _step_sampling(driver, usage):
+                    pass
+            target = min(range(len(drivers)), key=lambda i: (drivers[i].open_requests, i))
+            drivers[target].submit(request)
+        for driver in drivers:
+            while _step_sampling(driver, usage):
+                pass
+    finally:
+        for driver in drivers:
+            driver.close()
+    by_id = {res.request_id: res for driver in drivers for res in driver.results}
+    results = tuple(by_id[r.id] for r in requests)
+    timeline = _fleet_timeline([d.timeline for d in drivers])
+    return RunRecord(
+        method=method,
+        n=n,
+        rate=rate,
+        summary=RunSummary.of(results, list(timeline), gold),
+        results=results,
+        timeline=timeline,
+        request_usage={rid: tuple(v) for rid, v in usage.items()},
+        kv_capacity=None if kv_capacity is None else kv_capacity * len(drivers),
+        batch_size=drivers[0].scheduler.config.batch_size * len(drivers),
+        prm_busy=sum(d.prm_busy for d in drivers),
+        prm_wait=sum(d.prm_wait for d in drivers),
+    )
+
+
+def _fleet_timeline(timelines: Sequence[Sequence[TimelineSample]]) -> tuple[TimelineSample, ...]:
+    """Replicas' timelines as one: at each sample, every replica's latest values summed."""
+    events = sorted((s.time, i, s) for i, timeline in enumerate(timelines) for s in timeline)
+    latest: dict[int, TimelineSample] = {}
+    out = []
+    for time, i, sample in events:
+        latest[i] = sample
+        out.append(
+            TimelineSample(
+                time,
+                sum(s.running_branches for s in latest.values()),
+                sum(s.kv_tokens for s in latest.values()),
+            )
+        )
+    return tuple(out)
 
 
 #: Without a KV capacity (the ``steps`` model) the branch budget defaults to this.

@@ -190,6 +190,10 @@ PRESETS: dict[str, CostModel] = {
     "h100-14b": serving("h100-14b", H100, QWEN_14B, tp=1),
     "h200-14b": serving("h200-14b", H200, QWEN_14B, tp=1),
     "8xh100-70b": serving("8xh100-70b", H100, LLAMA_70B, tp=8),
+    # The paper's hardware, 8 H100s serving DeepSeek-R1-Distill-Qwen-14B, as one
+    # tensor-parallel group. As 8 data-parallel replicas: h100-14b with
+    # `sart bench --replicas 8`.
+    "8xh100-14b-tp8": serving("8xh100-14b-tp8", H100, QWEN_14B, tp=8),
 }
 
 
