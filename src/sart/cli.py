@@ -1,5 +1,5 @@
 """The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``, ``testbed``,
-``serve``."""
+``serve``, ``tune``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from sart import __version__
 from sart.bench.command import add_bench_parser, add_trace_parser
+from sart.bench.tune_command import add_tune_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
@@ -103,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     quick.set_defaults(func=_quickstart)
     add_testbed_parser(sub)
     add_serve_parser(sub)
+    add_tune_parser(sub)
     return parser
 
 

@@ -1,0 +1,252 @@
+"""``sart tune``: search SART's hyper-parameters on the simulator for a workload and a rate.
+
+The paper leaves ``N``, ``M``, ``alpha``, ``beta`` and ``T`` to the user (its
+first limitation), and they interact with load and with the workload's
+length spread. ``tune`` runs every candidate of a grid (``search_space``) on a
+*tuning* trace, keeps those whose accuracy reaches the target (by default
+Self-Consistency's at the same ``N`` minus one point), picks the one with the
+lowest P97 end-to-end latency, and then serves the winner, the paper's
+defaults (``M = beta = N/2``, ``alpha = 0.5``, ``T = 400``) and
+Self-Consistency on a *held-out* trace: the same workload at the same rate,
+drawn with another seed, so the reported numbers are not the ones the search
+chose on. It also returns the tuning runs' Pareto front of accuracy against
+P97.
+
+Traces for different ``T`` come from the same seed: the workload draws each
+branch's length and answer before its rewards (``sart.bench.workloads``), so
+every ``T`` sees the same requests and branches, and only where the PRM reads
+them changes. Runs are independent and deterministic; they are spread over
+``jobs`` processes.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from sart.bench.runner import BenchConfig, RunRecord, run_method
+from sart.bench.traces import Trace
+from sart.bench.workloads import workload
+from sart.errors import ConfigError, config_check
+from sart.policies.base import Policy
+from sart.policies.recipes import sart
+
+ALPHAS = (0.3, 0.5, 0.7)
+INTERVALS = (200, 400, 800)
+PAPER_INTERVAL = 400
+HELD_OUT_SEED_OFFSET = 1_000_003
+"""The held-out trace's seed is the tuning seed plus this (another Poisson stream)."""
+
+
+@attrs.frozen(order=True)
+class Candidate:
+    """One SART configuration."""
+
+    n: int
+    m: int
+    alpha: float
+    beta: int
+    interval: int
+
+    @classmethod
+    def paper(cls, n: int) -> Candidate:
+        """The paper's defaults at ``n`` branches (section 5.1)."""
+        return cls(n, max(1, n // 2), 0.5, n // 2, PAPER_INTERVAL)
+
+    def policy(self) -> Policy:
+        return sart(self.n, m=self.m, alpha=self.alpha, beta=self.beta, interval=self.interval)
+
+    def code(self) -> str:
+        """The line of Python that builds this policy."""
+        return (
+            f"sart.sart({self.n}, m={self.m}, alpha={self.alpha}, beta={self.beta}, "
+            f"interval={self.interval})"
+        )
+
+
+@attrs.frozen
+class Score:
+    """What one run of a configuration gave."""
+
+    candidate: Candidate | None
+    """``None``: Self-Consistency at ``n``."""
+    n: int
+    p97: float
+    accuracy: float
+    tokens: float
+    """Generated tokens per request."""
+
+    @property
+    def label(self) -> str:
+        return f"sc(n={self.n})" if self.candidate is None else self.candidate.code()
+
+
+def search_space(
+    ns: Sequence[int],
+    alphas: Sequence[float] = ALPHAS,
+    intervals: Sequence[int] = INTERVALS,
+) -> list[Candidate]:
+    """The grid: for each ``N``, ``M`` in {N/4, N/2, 3N/4}, ``beta`` in {N/4, N/2} (each
+    at least 1, duplicates dropped), every ``alpha`` and every ``T``. The paper's
+    defaults are always in it."""
+    out: set[Candidate] = set()
+    for n in ns:
+        config_check(n >= 2, "n", n, ">= 2 (SART with one branch has nothing to prune)")
+        ms = {max(1, n // 4), max(1, n // 2), max(1, 3 * n // 4)}
+        betas = {max(1, n // 4), max(1, n // 2)}
+        for m in ms:
+            for beta in betas:
+                for alpha in alphas:
+                    for interval in intervals:
+                        out.add(Candidate(n, m, alpha, beta, interval))
+        out.add(Candidate.paper(n))
+    return sorted(out)
+
+
+def make_traces(
+    config: BenchConfig, rate: float, width: int, intervals: Iterable[int], seed: int
+) -> dict[int, Trace]:
+    """One trace per ``T`` of the configured workload (same seed: same branches)."""
+    assert config.workload is not None and config.num_requests is not None
+    model = workload(config.workload)
+    return {t: model.generate(config.num_requests, rate, width, t, seed) for t in intervals}
+
+
+def _score(record: RunRecord, candidate: Candidate | None) -> Score:
+    summary = record.summary
+    if summary.accuracy is None:
+        raise ConfigError("tuning needs gold answers (the workload has them)")
+    return Score(candidate, record.n, summary.e2e.p97, summary.accuracy, summary.tokens_per_request)
+
+
+def _run(job: tuple[Candidate | None, int, Trace, BenchConfig, float]) -> Score:
+    candidate, n, trace, config, rate = job
+    if candidate is None:
+        record = run_method(trace, "sc", n, config, rate)
+    else:
+        record = run_method(trace, "sart", n, config, rate, policy=candidate.policy())
+    return _score(record, candidate)
+
+
+def evaluate(
+    candidates: Sequence[Candidate | None],
+    ns: Sequence[int],
+    traces: dict[int, Trace],
+    config: BenchConfig,
+    rate: float,
+    jobs: int = 1,
+) -> list[Score]:
+    """Each candidate (``None``: Self-Consistency at the matching entry of ``ns``) run
+    on its ``T``'s trace (SC on the paper's ``T``), in input order."""
+    work = []
+    for candidate, n in zip(candidates, ns, strict=True):
+        interval = PAPER_INTERVAL if candidate is None else candidate.interval
+        work.append((candidate, n, traces[interval], config, rate))
+    if jobs <= 1:
+        return [_run(job) for job in work]
+    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
+        return list(pool.map(_run, work, chunksize=max(1, len(work) // (4 * jobs))))
+
+
+def pareto(scores: Iterable[Score]) -> list[Score]:
+    """The scores no other beats on both accuracy (higher) and P97 (lower), by P97."""
+    front: list[Score] = []
+    for score in sorted(scores, key=lambda s: (s.p97, -s.accuracy)):
+        if not front or score.accuracy > front[-1].accuracy:
+            front.append(score)
+    return front
+
+
+def choose(scores: Sequence[Score], targets: dict[int, float]) -> Score | None:
+    """The lowest-P97 score whose accuracy reaches its ``N``'s target (ties: the
+    higher accuracy, then the grid order); ``None`` if none does."""
+    feasible = [s for s in scores if s.accuracy >= targets[s.n] - 1e-12]
+    if not feasible:
+        return None
+    return min(feasible, key=lambda s: (s.p97, -s.accuracy, s.candidate))
+
+
+@attrs.frozen
+class TuneResult:
+    """A tune: the tuning runs and the held-out comparison."""
+
+    rate: float
+    targets: dict[int, float]
+    """Accuracy each ``N`` had to reach (on the tuning trace)."""
+    tuning: tuple[Score, ...]
+    tuning_sc: tuple[Score, ...]
+    front: tuple[Score, ...]
+    winner: Score | None
+    """On the tuning trace; ``None`` if no configuration reached its target."""
+    held_out: tuple[Score, ...]
+    """On the held-out trace: SC and the paper's defaults at every ``N``, and the winner."""
+
+    def held_out_of(self, candidate: Candidate | None, n: int) -> Score:
+        return next(s for s in self.held_out if s.candidate == candidate and s.n == n)
+
+
+def tune(
+    config: BenchConfig,
+    rate: float,
+    ns: Sequence[int],
+    *,
+    min_accuracy: float | None = None,
+    slack: float = 0.01,
+    space: Sequence[Candidate] | None = None,
+    jobs: int = 1,
+) -> TuneResult:
+    """Search ``space`` (default ``search_space(ns)``) at ``rate`` (see the module
+    docstring). The target is ``min_accuracy`` if given, else SC's tuning accuracy at
+    the same ``N`` minus ``slack``."""
+    ns = sorted(set(ns))
+    space = list(space) if space is not None else search_space(ns)
+    config_check(bool(space), "space", space, "non-empty")
+    intervals = sorted({c.interval for c in space} | {PAPER_INTERVAL})
+    width = max(ns + [c.n for c in space])
+    tuning_traces = make_traces(config, rate, width, intervals, config.seed)
+    sc = evaluate([None] * len(ns), ns, tuning_traces, config, rate, jobs)
+    targets = {s.n: s.accuracy - slack if min_accuracy is None else min_accuracy for s in sc}
+    for c in space:
+        targets.setdefault(c.n, min_accuracy if min_accuracy is not None else 0.0)
+    tuning = evaluate(space, [c.n for c in space], tuning_traces, config, rate, jobs)
+    winner = choose(tuning, targets)
+    held_traces = make_traces(config, rate, width, intervals, config.seed + HELD_OUT_SEED_OFFSET)
+    held: list[Candidate | None] = [None] * len(ns) + [Candidate.paper(n) for n in ns]
+    held_ns = list(ns) * 2
+    if winner is not None and winner.candidate not in held:
+        held.append(winner.candidate)
+        held_ns.append(winner.n)
+    held_out = evaluate(held, held_ns, held_traces, config, rate, jobs)
+    return TuneResult(
+        rate=rate,
+        targets=targets,
+        tuning=tuple(tuning),
+        tuning_sc=tuple(sc),
+        front=tuple(pareto(tuning)),
+        winner=winner,
+        held_out=tuple(held_out),
+    )
+
+
+def result_json(result: TuneResult) -> dict[str, object]:
+    def row(score: Score) -> dict[str, object]:
+        return {
+            "policy": score.label,
+            "config": None if score.candidate is None else attrs.asdict(score.candidate),
+            "n": score.n,
+            "p97": score.p97,
+            "accuracy": score.accuracy,
+            "tokens_per_request": score.tokens,
+        }
+
+    return {
+        "rate": result.rate,
+        "targets": {str(n): t for n, t in result.targets.items()},
+        "winner": None if result.winner is None else row(result.winner),
+        "held_out": [row(s) for s in result.held_out],
+        "pareto_front": [row(s) for s in result.front],
+        "tuning": [row(s) for s in result.tuning],
+        "tuning_sc": [row(s) for s in result.tuning_sc],
+    }

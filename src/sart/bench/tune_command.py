@@ -1,0 +1,193 @@
+"""The ``sart tune`` command: flags, the printed tables, ``tune.json`` and ``tune.png``.
+
+The search itself is ``sart.bench.tune``; this module turns flags into a
+``BenchConfig`` for the simulator and reports what the search found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from sart.bench.runner import BenchConfig
+from sart.bench.tune import PAPER_INTERVAL, Candidate, Score, TuneResult, result_json, tune
+from sart.bench.workloads import WORKLOADS
+from sart.errors import ConfigError, MissingDependencyError
+
+
+def add_tune_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="search SART's N, M, alpha, beta and T on the simulator for a workload and rate",
+        description="Run a grid of SART configurations on a tuning trace, keep those as "
+        "accurate as Self-Consistency (minus --slack), pick the lowest P97, and compare "
+        "it with the paper's defaults and SC on a held-out trace.",
+    )
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gaokao")
+    p.add_argument(
+        "--model", default="h100-14b", help="the simulated hardware (a cost model preset)"
+    )
+    p.add_argument("--rate", type=float, default=4.0, help="arrival rate, req/s (4)")
+    p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")
+    p.add_argument("--requests", type=int, default=200, help="requests per trace (200)")
+    p.add_argument("--seed", type=int, default=0, help="the tuning trace's seed (0)")
+    p.add_argument("--batch-size", type=int, default=None, help="B (default: sized to KV)")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas (1)")
+    p.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=None,
+        help="accuracy a configuration must reach (default: SC's at the same N - --slack)",
+    )
+    p.add_argument("--slack", type=float, default=0.01, help="below SC's accuracy allowed (0.01)")
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help=f"processes running configurations (default: every core, {os.cpu_count()})",
+    )
+    p.add_argument("--out", default="sart-tune", help="output directory (sart-tune)")
+    p.add_argument("--no-plots", action="store_true", help="skip tune.png")
+    p.set_defaults(func=run_tune_command)
+
+
+def run_tune_command(args: argparse.Namespace) -> int:
+    config = BenchConfig(
+        workload=args.workload,
+        cost=args.model,
+        methods=("sc", "sart"),
+        ns=tuple(args.n),
+        rates=(args.rate,),
+        num_requests=args.requests,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        replicas=args.replicas,
+    )
+    if args.jobs < 1:
+        raise ConfigError(f"--jobs={args.jobs} must be >= 1")
+    try:
+        from rich.console import Console
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "sart tune needs rich and matplotlib: pip install 'sart[bench]'"
+        ) from exc
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=None if Console().is_terminal else 120)
+    wall = time.perf_counter()
+    with console.status("tuning (each configuration is one simulated run)"):
+        result = tune(
+            config,
+            args.rate,
+            args.n,
+            min_accuracy=args.min_accuracy,
+            slack=args.slack,
+            jobs=args.jobs,
+        )
+    wall = time.perf_counter() - wall
+    render(console, result, len(result.tuning) + len(result.tuning_sc) + len(result.held_out))
+    data = {**result_json(result), "wall_seconds": wall, "flags": vars(args) | {"func": None}}
+    (out / "tune.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
+    written = [out / "tune.json"]
+    if not args.no_plots:
+        written.append(plot(result, out / "tune.png"))
+    console.print(f"tuned in {wall:.1f} s; wrote {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def render(console: Any, result: TuneResult, runs: int) -> None:
+    from rich import box
+    from rich.table import Table
+
+    front = Table(
+        title=f"Pareto front on the tuning trace ({len(result.tuning)} configurations, "
+        f"{runs} runs)",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("policy", "acc %", "P97", "tokens/req"):
+        front.add_column(name, justify="left" if name == "policy" else "right")
+    for s in result.front:
+        front.add_row(s.label, f"{100 * s.accuracy:.1f}", f"{s.p97:,.0f}", f"{s.tokens:,.0f}")
+    console.print(front)
+    held = Table(title="Held-out trace (another seed, same workload and rate)", box=box.SIMPLE_HEAD)
+    for name in ("policy", "acc %", "P97", "tokens/req"):
+        held.add_column(name, justify="left" if name == "policy" else "right")
+    for s in result.held_out:
+        mark = " (tuned)" if result.winner and s.candidate == result.winner.candidate else ""
+        if s.candidate is not None and s.candidate == Candidate.paper(s.n):
+            mark += " (paper defaults)"
+        held.add_row(s.label + mark, f"{100 * s.accuracy:.1f}", f"{s.p97:,.0f}", f"{s.tokens:,.0f}")
+    console.print(held)
+    console.print(verdict(result))
+
+
+def verdict(result: TuneResult) -> str:
+    """One line: does the tuned configuration beat the paper's defaults held out?"""
+    if result.winner is None:
+        targets = ", ".join(f"N={n}: {100 * t:.1f}%" for n, t in sorted(result.targets.items()))
+        return f"no configuration reached its accuracy target ({targets})"
+    win = result.winner.candidate
+    assert win is not None
+    tuned = result.held_out_of(win, win.n)
+    paper = result.held_out_of(Candidate.paper(win.n), win.n)
+    if win == Candidate.paper(win.n):
+        return (
+            f"the paper's defaults at N={win.n} are already best on the tuning trace "
+            f"(held out: P97 {paper.p97:,.0f}, accuracy {100 * paper.accuracy:.1f}%)"
+        )
+    numbers = (
+        f"P97 {tuned.p97:,.0f} vs {paper.p97:,.0f} ({paper.p97 / tuned.p97:.2f}x), "
+        f"accuracy {100 * tuned.accuracy:.1f}% vs {100 * paper.accuracy:.1f}%"
+    )
+    if tuned.p97 < paper.p97 and tuned.accuracy >= paper.accuracy:
+        return f"tuned beats the paper's defaults held out: {numbers}.\nuse it: {win.code()}"
+    return (
+        f"tuned does not beat the paper's defaults held out ({numbers}): keep the "
+        f"defaults ({Candidate.paper(win.n).code()}), or tune on more --requests"
+    )
+
+
+def plot(result: TuneResult, path: Path) -> Path:
+    """Accuracy against P97 of every tuning run, the front, SC and the winner."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for n in sorted({s.n for s in result.tuning}):
+        runs = [s for s in result.tuning if s.n == n]
+        ax.scatter(
+            [s.p97 for s in runs], [100 * s.accuracy for s in runs], s=12, alpha=0.5,
+            label=f"SART N={n}",
+        )  # fmt: skip
+    ax.plot(
+        [s.p97 for s in result.front], [100 * s.accuracy for s in result.front], "k-",
+        lw=1, label="Pareto front",
+    )  # fmt: skip
+    for sc in result.tuning_sc:
+        ax.scatter([sc.p97], [100 * sc.accuracy], marker="s", s=40, label=f"SC N={sc.n}")
+    for n in sorted({s.n for s in result.tuning}):
+        paper = _find(result.tuning, Candidate.paper(n))
+        if paper is not None:
+            ax.scatter([paper.p97], [100 * paper.accuracy], marker="D", s=40, facecolors="none",
+                       edgecolors="k", label=f"paper defaults N={n}")  # fmt: skip
+    if result.winner is not None:
+        ax.scatter([result.winner.p97], [100 * result.winner.accuracy], marker="*", s=150,
+                   c="red", label="tuned")  # fmt: skip
+    ax.set_xlabel("P97 end-to-end latency (s)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"Tuning trace at {result.rate:g} req/s (T={PAPER_INTERVAL} for SC)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _find(scores: tuple[Score, ...], candidate: Candidate) -> Score | None:
+    return next((s for s in scores if s.candidate == candidate), None)

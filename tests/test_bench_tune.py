@@ -1,0 +1,139 @@
+"""``sart tune``: the grid, the Pareto front, the choice, held-out reporting, the command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import sart
+from sart.bench.runner import BenchConfig
+from sart.bench.tune import Candidate, Score, choose, pareto, search_space, tune
+
+CONFIG = BenchConfig(methods=("sc", "sart"), ns=(4,), rates=(4.0,), num_requests=30)
+SMALL = [
+    Candidate.paper(4),
+    Candidate(4, 1, 0.5, 2, 400),
+    Candidate(4, 2, 0.3, 1, 200),
+]
+
+
+def test_the_grid_holds_the_paper_defaults_and_only_valid_configurations() -> None:
+    space = search_space([4, 8])
+    assert Candidate.paper(4) in space and Candidate.paper(8) in space
+    assert len(space) == len(set(space)) == 108
+    assert all(1 <= c.m <= c.n and 1 <= c.beta <= c.n // 2 for c in space)
+    with pytest.raises(sart.ConfigError, match="n=1 must be >= 2"):
+        search_space([1])
+
+
+def test_a_candidates_line_of_python_builds_its_policy() -> None:
+    candidate = Candidate(8, 6, 0.7, 2, 200)
+    built = eval(candidate.code(), {"sart": sart})  # the line the command prints
+    assert built == candidate.policy()
+
+
+scores = st.builds(
+    Score,
+    candidate=st.none(),
+    n=st.just(4),
+    p97=st.floats(1, 1000),
+    accuracy=st.floats(0, 1),
+    tokens=st.just(1.0),
+)
+
+
+@given(st.lists(scores, min_size=1, max_size=30))
+def test_the_front_holds_exactly_the_undominated_scores(runs: list[Score]) -> None:
+    front = pareto(runs)
+
+    def dominated(s: Score) -> bool:
+        return any(
+            o.p97 <= s.p97
+            and o.accuracy >= s.accuracy
+            and (o.p97, o.accuracy) != (s.p97, s.accuracy)
+            for o in runs
+        )
+
+    assert all(not dominated(s) for s in front)
+    kept = {(s.p97, s.accuracy) for s in front}
+    assert all((s.p97, s.accuracy) in kept for s in runs if not dominated(s))
+
+
+def test_the_choice_is_the_fastest_that_reaches_its_target() -> None:
+    a = Score(SMALL[0], 4, p97=100.0, accuracy=0.70, tokens=1)
+    b = Score(SMALL[1], 4, p97=200.0, accuracy=0.80, tokens=1)
+    c = Score(SMALL[2], 4, p97=300.0, accuracy=0.90, tokens=1)
+    assert choose([a, b, c], {4: 0.75}) == b
+    assert choose([a, b, c], {4: 0.95}) is None
+
+
+def test_a_tune_is_reproducible_and_reports_the_held_out_trace() -> None:
+    first = tune(CONFIG, 4.0, [4], space=SMALL)
+    again = tune(CONFIG, 4.0, [4], space=SMALL, jobs=2)  # processes change nothing
+    assert first == again
+    assert first.winner is not None
+    assert first.winner.accuracy >= first.targets[4]
+    sc = first.tuning_sc[0]
+    assert first.targets[4] == pytest.approx(sc.accuracy - 0.01)
+    # Held out: SC and the paper's defaults, then the winner if it is another one.
+    labels = [s.label for s in first.held_out]
+    assert labels[:2] == ["sc(n=4)", Candidate.paper(4).code()]
+    assert first.winner.candidate is not None
+    assert first.held_out_of(first.winner.candidate, 4).n == 4
+    # Another tuning seed draws other requests: the held-out trace is not the tuning one.
+    assert first.held_out[0] != sc
+
+
+def test_sart_tune_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sart.cli import main
+
+    out = tmp_path / "tune"
+    code = main(
+        ["tune", "--requests", "30", "--n", "4", "--jobs", "1", "--out", str(out), "--rate", "2"]
+    )
+    assert code == 0
+    data = json.loads((out / "tune.json").read_text())
+    assert data["rate"] == 2.0 and len(data["tuning"]) == 54
+    assert (out / "tune.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "Held-out trace" in printed
+    if data["winner"] is not None and "beats" in printed:
+        assert "use it: sart.sart(4" in printed
+
+
+def test_sart_tune_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["tune", "--jobs", "0"])
+    assert info.value.code == 2
+    assert "--jobs=0 must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--n", "1"])
+    assert "n=1 must be >= 2" in capsys.readouterr().err
+
+
+def test_candidates_are_values() -> None:
+    assert attrs.evolve(Candidate.paper(8), interval=200) == Candidate(8, 4, 0.5, 4, 200)
+
+
+@pytest.mark.parametrize(("p97", "accuracy", "beats"), [(50.0, 0.8, True), (50.0, 0.7, False)])
+def test_the_verdict_recommends_the_winner_only_if_it_beats_the_defaults(
+    p97: float, accuracy: float, beats: bool
+) -> None:
+    from sart.bench.tune import TuneResult
+    from sart.bench.tune_command import verdict
+
+    tuned = Candidate(4, 1, 0.5, 2, 200)
+    paper = Score(Candidate.paper(4), 4, p97=100.0, accuracy=0.8, tokens=1)
+    held = Score(tuned, 4, p97=p97, accuracy=accuracy, tokens=1)
+    win = Score(tuned, 4, p97=1.0, accuracy=0.9, tokens=1)
+    result = TuneResult(4.0, {4: 0.5}, (win,), (), (win,), win, (paper, held))
+    line = verdict(result)
+    assert ("use it: " + tuned.code() in line) is beats
+    assert ("keep the defaults" in line) is not beats
