@@ -116,9 +116,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--workload",
-        choices=sorted(WORKLOADS),
         default=None,
-        help="sim: generative workload preset (default gaokao)",
+        metavar="{gaokao,gpqa,FILE.jsonl}",
+        help="sim: generative workload preset (default gaokao), or a trace recorded with "
+        "--record-trace to resample requests from (docs: sart.bench.resample)",
     )
     p.add_argument(
         "--methods",
@@ -353,7 +354,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
             if args.interval is not None
             else TESTBED_INTERVAL
             if args.model == TESTBED
-            else _default_interval(args.trace)
+            else _default_interval(args.trace or _workload_file(args.workload))
         ),
         seed=args.seed,
         admission=Admission(args.admission),
@@ -432,6 +433,11 @@ def _default_ns(trace: str | None) -> tuple[int, ...]:
         return DEFAULT_NS
     width = Trace.load(trace).width
     return tuple(n for n in DEFAULT_NS if n <= width) or (width,)
+
+
+def _workload_file(name: str | None) -> str | None:
+    """``--workload`` when it names a recorded trace to resample (its T is the default)."""
+    return name if name and name.endswith(".jsonl") else None
 
 
 def _default_interval(trace: str | None) -> int:

@@ -195,13 +195,14 @@ def tune(
     min_accuracy: float | None = None,
     slack: float = 0.01,
     space: Sequence[Candidate] | None = None,
+    intervals: Sequence[int] = INTERVALS,
     jobs: int = 1,
 ) -> TuneResult:
-    """Search ``space`` (default ``search_space(ns)``) at ``rate`` (see the module
-    docstring). The target is ``min_accuracy`` if given, else SC's tuning accuracy at
-    the same ``N`` minus ``slack``."""
+    """Search ``space`` (default ``search_space(ns, intervals=intervals)``) at ``rate``
+    (see the module docstring). The target is ``min_accuracy`` if given, else SC's
+    tuning accuracy at the same ``N`` minus ``slack``."""
     ns = sorted(set(ns))
-    space = list(space) if space is not None else search_space(ns)
+    space = list(space) if space is not None else search_space(ns, intervals=intervals)
     config_check(bool(space), "space", space, "non-empty")
     intervals = sorted({c.interval for c in space} | {PAPER_INTERVAL})
     width = max(ns + [c.n for c in space])

@@ -14,8 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import BenchConfig
-from sart.bench.tune import PAPER_INTERVAL, Candidate, Score, TuneResult, result_json, tune
-from sart.bench.workloads import WORKLOADS
+from sart.bench.tune import (
+    INTERVALS,
+    PAPER_INTERVAL,
+    Candidate,
+    Score,
+    TuneResult,
+    result_json,
+    tune,
+)
 from sart.errors import ConfigError, MissingDependencyError
 
 
@@ -27,12 +34,25 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         "accurate as Self-Consistency (minus --slack), pick the lowest P97, and compare "
         "it with the paper's defaults and SC on a held-out trace.",
     )
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="gaokao")
+    p.add_argument(
+        "--workload",
+        default="gaokao",
+        metavar="{gaokao,gpqa,FILE.jsonl}",
+        help="a workload preset, or a recorded trace to resample requests from (gaokao)",
+    )
     p.add_argument(
         "--model", default="h100-14b", help="the simulated hardware (a cost model preset)"
     )
     p.add_argument("--rate", type=float, default=4.0, help="arrival rate, req/s (4)")
     p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")
+    p.add_argument(
+        "--interval",
+        type=int,
+        nargs="+",
+        default=list(INTERVALS),
+        help="the T values to search (200 400 800); with a recorded trace as --workload, "
+        "multiples of its T (as the paper's 400 must be)",
+    )
     p.add_argument("--requests", type=int, default=200, help="requests per trace (200)")
     p.add_argument("--seed", type=int, default=0, help="the tuning trace's seed (0)")
     p.add_argument("--batch-size", type=int, default=None, help="B (default: sized to KV)")
@@ -86,6 +106,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
             args.n,
             min_accuracy=args.min_accuracy,
             slack=args.slack,
+            intervals=args.interval,
             jobs=args.jobs,
         )
     wall = time.perf_counter() - wall

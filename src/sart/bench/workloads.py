@@ -37,12 +37,14 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import attrs
 
+from sart.bench.resample import ResampledWorkload, load_resampled
 from sart.bench.traces import Trace, TraceRequest
 from sart.engines.scripts import BranchScript
-from sart.errors import config_check
+from sart.errors import ConfigError, config_check
 from sart.registry import preset
 
 
@@ -205,6 +207,11 @@ GPQA = WorkloadModel(
 WORKLOADS: dict[str, WorkloadModel] = {"gaokao": GAOKAO, "gpqa": GPQA}
 
 
-def workload(name: str) -> WorkloadModel:
-    """A workload preset by name."""
+def workload(name: str) -> WorkloadModel | ResampledWorkload:
+    """A workload preset by name, or the workload resampled from a recorded trace file
+    (``sart.bench.resample``)."""
+    if name not in WORKLOADS and name.endswith(".jsonl"):
+        if not Path(name).is_file():
+            raise ConfigError(f"workload={name!r}: no such trace file")
+        return load_resampled(name)
     return preset(WORKLOADS, name, "workload")
