@@ -462,3 +462,30 @@ def test_an_async_engine_behind_a_bridge_is_served(serve) -> None:
     )
     assert len(reply.model_extra["sart"]["branches"]) == 3
     assert reply.usage.completion_tokens == 5 + 6 + 7
+
+
+def test_an_urgent_request_is_served_before_waiting_bulk_ones(serve) -> None:
+    # B = 2: a long bulk request holds both slots; two more bulk ones and then an urgent
+    # one wait. When the first ends, the urgent one (priority -1) goes first.
+    served = serve(SlowEngine(seconds_per_step=0.025), batch_size=2, aging=None)
+    client = served.openai()
+    order: list[str] = []
+    lock = threading.Lock()
+
+    def ask(name: str, priority: int, delay: float) -> None:
+        time.sleep(delay)
+        client.completions.create(
+            model=MODEL,
+            prompt="short",
+            extra_body={"method": "sc", "n": 2, "priority": priority},
+        )
+        with lock:
+            order.append(name)
+
+    jobs = [("b0", 0, 0.0), ("b1", 0, 0.05), ("b2", 0, 0.1), ("urgent", -1, 0.15)]
+    threads = [threading.Thread(target=ask, args=job) for job in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert order.index("urgent") < order.index("b1") < order.index("b2")

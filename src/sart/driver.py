@@ -164,7 +164,7 @@ class DriverBase:
 
     ``clock`` defaults to the engine's own virtual clock if it has one, else
     the wall clock. ``on_result`` is called with each result as it is
-    finished. ``scoring`` and ``poll_steps`` go to ``SchedulerConfig``.
+    finished. ``scoring``, ``poll_steps`` and ``aging`` go to ``SchedulerConfig``.
     """
 
     def __init__(
@@ -176,6 +176,7 @@ class DriverBase:
         admission: Admission | str = Admission.CHUNK,
         scoring: Scoring | str = Scoring.OVERLAPPED,
         poll_steps: int | None = None,
+        aging: float | None = None,
         clock: Clock | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
@@ -188,6 +189,7 @@ class DriverBase:
                 admission=admission,
                 scoring=scoring,
                 poll_steps=poll_steps,
+                aging=aging,
             )
         )
         self.results: list[RequestResult] = []
@@ -569,13 +571,22 @@ def run(
     batch_size: int = 64,
     admission: Admission | str = Admission.CHUNK,
     scoring: Scoring | str = Scoring.OVERLAPPED,
+    aging: float | None = None,
     clock: Clock | None = None,
 ) -> list[RequestResult]:
     """Serve ``requests`` on ``engine`` with the synchronous driver; results in input order.
 
     ``scoring="blocking"`` runs Algorithm 1 as written (decoding waits for every
-    PRM check); the default overlaps checks with decoding (see ``sart.Scoring``)."""
+    PRM check); the default overlaps checks with decoding (see ``sart.Scoring``).
+    Requests are admitted by ``Request.priority``, then arrival (``aging``: see
+    ``SchedulerConfig.aging``)."""
     driver = SyncDriver(
-        engine, prm, batch_size=batch_size, admission=admission, scoring=scoring, clock=clock
+        engine,
+        prm,
+        batch_size=batch_size,
+        admission=admission,
+        scoring=scoring,
+        aging=aging,
+        clock=clock,
     )
     return driver.run(requests)

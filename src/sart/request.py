@@ -32,6 +32,11 @@ def _check_policy(_inst: object, _attr: attrs.Attribute, value: Policy) -> None:
         raise ConfigError(f"policy={value!r} must be a sart.Policy (e.g. sart.sart(8))")
 
 
+def _check_priority(_inst: object, _attr: attrs.Attribute, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"priority={value!r} must be an int (lower is more urgent)")
+
+
 def _check_arrival(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     config_check(
         isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
@@ -55,6 +60,10 @@ class Request:
     """Sampling settings shared by all branches (each branch gets its own seed)."""
     arrival: float = attrs.field(default=0.0, converter=float, validator=_check_arrival)
     """When the request arrives, in the clock's unit (seconds on the wall clock)."""
+    priority: int = attrs.field(default=0, validator=_check_priority)
+    """Lower is more urgent (vLLM's convention): waiting requests and branches are
+    admitted by priority, then in arrival order. One priority for every request is
+    first come, first served (Algorithm 1)."""
 
     @property
     def seed(self) -> int:

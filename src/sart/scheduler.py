@@ -41,6 +41,7 @@ rewards are applied soon after they arrive. Checks that need no rewards
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
@@ -84,6 +85,11 @@ from sart.views import Limits, RequestView
 T = TypeVar("T")
 
 
+def _positive_or_none(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not (isinstance(value, (int, float)) and value > 0):
+        raise ConfigError(f"{attr.name}={value!r} must be None or > 0")
+
+
 @attrs.frozen
 class SchedulerConfig:
     """Settings of the scheduler (per-request settings live in each request's ``Policy``)."""
@@ -101,6 +107,14 @@ class SchedulerConfig:
     poll_steps: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     """With overlapped scoring, the longest decode chunk while a ``Score`` is in flight;
     ``None``: an eighth of the shortest interval among running requests."""
+    aging: float | None = attrs.field(default=None, validator=_positive_or_none)
+    """With several priorities: every waiting request gains one level of urgency per
+    ``aging`` time units it has waited since its arrival, so that none waits for
+    ever behind a stream of more urgent ones: a request ``d`` levels less urgent
+    than others goes before every one of them that arrived more than
+    ``d * aging`` after it (so it waits only for those that came before that).
+    ``None``: strict priorities (a steady stream of urgent requests can starve the
+    others)."""
 
 
 @attrs.frozen
@@ -140,6 +154,7 @@ class Scheduler:
         self.config = config
         self._request_queue: deque[RequestState] = deque()
         self._branch_queue: deque[BranchState] = deque()
+        self._priorities: set[int] = set()  # of the requests submitted
         self._pending: dict[str, RequestState] = {}  # submitted, not finished
         self._active: dict[str, RequestState] = {}  # prefilled (or prefilling), not finished
         self._running: dict[BranchId, BranchState] = {}
@@ -170,6 +185,7 @@ class Scheduler:
         state = RequestState(request)
         self._pending[request.id] = state
         self._request_queue.append(state)
+        self._priorities.add(request.priority)
 
     @property
     def idle(self) -> bool:
@@ -250,11 +266,11 @@ class Scheduler:
         return cmds
 
     def _admit(self, now: float) -> list[Command]:
-        free = (
-            self.config.batch_size - len(self._running) - len(self._reserved) - len(self._unaborted)
-        )
+        free = self._free()
         if free <= 0:
             return []
+        if len(self._priorities) > 1:
+            return self._admit_by_priority(now, free)
         starts: dict[str, list[BranchState]] = {}
         while free > 0 and self._branch_queue:
             branch = self._branch_queue.popleft()
@@ -264,19 +280,69 @@ class Scheduler:
             free -= 1
         cmds: list[Command] = [self._start(rid, branches) for rid, branches in starts.items()]
         while free > 0 and self._request_queue:
-            req = self._request_queue.popleft()
-            req.scheduled_at = now
-            try:  # before the engine holds anything for it, so failing costs nothing
-                req.limits = self._limits(self._call(req.policy.prune.start, req.n), "start")
-            except _PolicyFailure as exc:
-                self._fail(req, str(exc), now)
-                continue
-            self._active[req.id] = req
-            cmds.append(Prefill(req.request))
-            take = req.branches[: min(req.n, free)]
-            cmds.append(self._start(req.id, take))
-            free -= len(take)
+            cmds.extend(self._admit_request(self._request_queue.popleft(), now, free))
+            free = self._free()
         return cmds
+
+    def _free(self) -> int:
+        return (
+            self.config.batch_size - len(self._running) - len(self._reserved) - len(self._unaborted)
+        )
+
+    def _urgency(self, request: Request, now: float) -> int:
+        """A request's effective priority now (lower first): its own, less one level
+        per ``aging`` it has waited."""
+        if self.config.aging is None:
+            return request.priority
+        return request.priority - math.floor(max(0.0, now - request.arrival) / self.config.aging)
+
+    def _admit_by_priority(self, now: float, free: int) -> list[Command]:
+        """``_admit`` with several priorities: each free slot goes to the most urgent of
+        the waiting branches (of admitted requests) and the waiting requests; in a
+        tie, a waiting branch first (as Algorithm 1), then the earlier in its queue."""
+
+        def branch_urgency(branch: BranchState) -> int:
+            return self._urgency(self._pending[branch.id.request_id].request, now)
+
+        def request_urgency(req: RequestState) -> int:
+            return self._urgency(req.request, now)
+
+        waiting = BranchStatus.WAITING
+        self._branch_queue = deque(b for b in self._branch_queue if b.status is waiting)
+        starts: dict[str, list[BranchState]] = {}
+        cmds: list[Command] = []
+        while free > 0 and (self._branch_queue or self._request_queue):
+            branch_at, branch_key = _first_min(self._branch_queue, branch_urgency)
+            request_at, request_key = _first_min(self._request_queue, request_urgency)
+            if branch_at is not None and (request_at is None or branch_key <= request_key):
+                branch = self._branch_queue[branch_at]
+                del self._branch_queue[branch_at]
+                starts.setdefault(branch.id.request_id, []).append(branch)
+                free -= 1
+                continue
+            assert request_at is not None
+            req = self._request_queue[request_at]
+            del self._request_queue[request_at]
+            # Branches picked so far start first: the engine sees them in this order.
+            cmds.extend(self._start(rid, branches) for rid, branches in starts.items())
+            starts = {}
+            cmds.extend(self._admit_request(req, now, free))
+            free = self._free()
+        cmds.extend(self._start(rid, branches) for rid, branches in starts.items())
+        return cmds
+
+    def _admit_request(self, req: RequestState, now: float, free: int) -> list[Command]:
+        """Admit ``req``: its prune rule's limits, its prefill and as many of its branches
+        as ``free`` slots allow (the rest wait in the branch queue after the prefill)."""
+        req.scheduled_at = now
+        try:  # before the engine holds anything for it, so failing costs nothing
+            req.limits = self._limits(self._call(req.policy.prune.start, req.n), "start")
+        except _PolicyFailure as exc:
+            self._fail(req, str(exc), now)
+            return []
+        self._active[req.id] = req
+        take = req.branches[: min(req.n, free)]
+        return [Prefill(req.request), self._start(req.id, take)]
 
     def _start(self, request_id: str, branches: Sequence[BranchState]) -> StartBranches:
         self._reserved.update(b.id for b in branches)
@@ -748,3 +814,15 @@ class Scheduler:
         except Exception as exc:
             name = name or getattr(fn, "__qualname__", repr(fn))
             raise _PolicyFailure(f"policy hook {name} raised {exc!r}") from exc
+
+
+def _first_min(items: Sequence[T], key: Callable[[T], int]) -> tuple[int | None, int]:
+    """The index of the first item with the smallest key, and that key (``None``, 0
+    if there is none)."""
+    best: int | None = None
+    best_key = 0
+    for i, item in enumerate(items):
+        k = key(item)
+        if best is None or k < best_key:
+            best, best_key = i, k
+    return best, best_key

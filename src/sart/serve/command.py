@@ -228,6 +228,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "Algorithm 1 as written",
     )
     g.add_argument(
+        "--priority-aging",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="requests carry 'priority' (lower is more urgent, as vLLM's); a waiting "
+        "request gains one level per SECONDS waited, so none starves (60; 0: strict)",
+    )
+    g.add_argument(
         "--max-queue",
         type=int,
         default=1024,
@@ -295,6 +303,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive,
+        aging=args.priority_aging or None,
     )
 
 

@@ -105,6 +105,9 @@ class ServeConfig:
     """When freed batch slots are refilled (see ``sart.Admission``)."""
     max_queue: int = attrs.field(default=1024, validator=_positive_int("max_queue"))
     """The most requests waiting to be scheduled; past it a request gets 429 at once."""
+    aging: float | None = 60.0
+    """Seconds of waiting that make a request one ``priority`` level more urgent (see
+    ``sart.SchedulerConfig.aging``); ``None``: strict priorities."""
     api_key: str | None = attrs.field(default=None, repr=False, validator=_check_api_key)
     """Bearer key that ``/v1/*`` requests must carry (``None``: open)."""
     max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("max_body_bytes"))

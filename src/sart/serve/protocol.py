@@ -90,6 +90,8 @@ class _Body(_Strict):
     beta: int | None = None
     interval: int | None = None
     selector: str | None = None
+    priority: int | None = None
+    """Lower is more urgent, as vLLM's server takes it (default 0)."""
     # OpenAI fields sart does not implement: accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -307,7 +309,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
         raise Refused("stream_options is only allowed with stream=true", "stream_options")
     return Plan(
         method=method,
-        request_kwargs={"policy": policy, "sampling": sampling},
+        request_kwargs={"policy": policy, "sampling": sampling, "priority": request.priority or 0},
         stream=bool(request.stream),
         include_usage=bool(options is not None and options.include_usage),
     )

@@ -70,6 +70,7 @@ class Service:
             batch_size=config.batch_size,
             admission=config.admission,
             scoring=config.scoring,
+            aging=config.aging,
             clock=WallClock(),
             on_result=self._finished,
         )
