@@ -80,6 +80,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "hf PRMs: a torch device (default: --device)",
     )
     p.add_argument(
+        "--mix",
+        default=None,
+        metavar="NAME:SHARE:METHOD:N,...",
+        help="sim: a mixed workload, e.g. interactive:0.2:sart:2,bulk:0.8:sc:8 (the first "
+        "class the most urgent), served first come first served and then by priority, "
+        "compared per class (instead of --methods and --n)",
+    )
+    p.add_argument(
         "--replicas",
         type=int,
         default=1,
@@ -312,6 +320,7 @@ FLAGS = {
     "prm_device": "--prm-device",
     "preemption": "--no-preemption",
     "replicas": "--replicas",
+    "mix": "--mix",
     "max_tokens": "--max-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",
@@ -389,6 +398,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "prm_cost": sim,
         "preemption": sim,
         "replicas": sim,
+        "mix": sim and not trace,
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
     }
@@ -435,6 +445,49 @@ def _default_ns(trace: str | None) -> tuple[int, ...]:
     return tuple(n for n in DEFAULT_NS if n <= width) or (width,)
 
 
+def _bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
+    """``--mix``: each rate's mixed workload served FCFS and by priority, per class."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from sart.bench.mix import mix_json, parse_mix, run_mix
+
+    classes = parse_mix(args.mix)
+    width = max(c.n for c in classes)
+    console = Console(width=None if Console().is_terminal else 120)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    documents = []
+    for rate in config.rates or (None,):
+        assert rate is not None and config.num_requests is not None and config.workload
+        trace = workload(config.workload).generate(
+            config.num_requests, rate, width, config.interval, config.seed
+        )
+        runs = [run_mix(trace, classes, config, rate, priorities=p) for p in (False, True)]
+        table = Table(title=f"Mixed workload at {rate:g} req/s", box=box.SIMPLE_HEAD)
+        for name in ("class", "requests", "scheduling", "P50", "P97", "acc %", "req/s"):
+            table.add_column(name, justify="left" if name in ("class", "scheduling") else "right")
+        for k, klass in enumerate(classes):
+            for run in runs:
+                stats = run.classes[k]
+                acc = "-" if stats.accuracy is None else f"{100 * stats.accuracy:.1f}"
+                table.add_row(
+                    f"{klass.name} ({klass.method} N={klass.n})",
+                    str(stats.requests),
+                    run.scheduling,
+                    f"{stats.e2e.p50:,.0f}",
+                    f"{stats.e2e.p97:,.0f}",
+                    acc,
+                    f"{stats.throughput:.3f}",
+                )
+        console.print(table)
+        documents.append(mix_json(runs, classes, rate))
+    (out / "mix.json").write_text(json.dumps({"mix": args.mix, "rates": documents}, indent=2))
+    console.print(f"wrote {out / 'mix.json'}")
+    return 0
+
+
 def _workload_file(name: str | None) -> str | None:
     """``--workload`` when it names a recorded trace to resample (its T is the default)."""
     return name if name and name.endswith(".jsonl") else None
@@ -454,6 +507,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     config = _config(args)
+    if args.mix is not None:
+        return _bench_mix(args, config)
     try:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn

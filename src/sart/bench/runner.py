@@ -15,10 +15,11 @@ the policy's kind, with overlapped scoring (see ``BenchConfig``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
-from sart.bench.traces import Trace
+from sart.bench.traces import Trace, TraceRequest
 from sart.bench.workloads import workload
 from sart.driver import SyncDriver, TimelineSample
 from sart.engines.base import ReportsUsage
@@ -319,9 +320,12 @@ def run_method(
     rate: float | None = None,
     *,
     policy: Policy | None = None,
+    per_request: Callable[[TraceRequest], dict[str, Any]] | None = None,
 ) -> RunRecord:
     """Serve ``trace`` with one method on a fresh simulated engine (``policy``, when
-    given, instead of ``METHODS[method](n, config.interval)``: see ``method_policy``)."""
+    given, instead of ``METHODS[method](n, config.interval)``: see ``method_policy``;
+    ``per_request(r)``: ``Request`` fields that replace those for trace request ``r``,
+    e.g. its own ``policy`` and ``priority`` in a mixed workload)."""
     if n > trace.width:
         raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
     if policy is None:
@@ -344,7 +348,16 @@ def run_method(
     max_tokens = workload(config.workload).max_tokens if config.trace is None else None
     sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
     requests = [
-        Request(r.id, (0,) * r.prompt_tokens, policy, sampling=sampling, arrival=r.arrival)
+        Request(
+            r.id,
+            (0,) * r.prompt_tokens,
+            **{
+                "policy": policy,
+                "sampling": sampling,
+                "arrival": r.arrival,
+                **(per_request(r) if per_request is not None else {}),
+            },
+        )
         for r in trace
     ]
     capacity = cost_model(config.cost).kv_capacity_tokens
