@@ -6,15 +6,20 @@ tests marked ``@pytest.mark.slow``, which are skipped otherwise.
 
 The session fixtures build what costs seconds once for the whole run: the
 demo models (``sart.demo_models``), one vLLM engine, one ``AsyncLLM`` and one
-``vllm serve`` over the demo policy (and a second one for tests of a fleet).
-Tests wrap fresh adapters around the vLLM engines (``adapters.fresh_vllm``,
-``adapters.fresh_vllm_async``) and leave them with no request. The vLLM ones
-are skipped where vLLM is not installed.
+``vllm serve`` over the demo policy (and a second one for tests of a fleet),
+and one real ``sglang.Engine`` and one ``sglang.launch_server`` on SGLang's CPU
+path (``sglang_cpu``). Tests wrap fresh adapters around the engines
+(``adapters.fresh_vllm``, ``adapters.fresh_vllm_async``, ``SGLangEngine(engine)``)
+and leave them with no request. The vLLM ones are skipped where vLLM is not
+installed, the SGLang ones where SGLang is not (``scripts/sglang_cpu_env.sh``
+builds a venv with it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,4 +138,51 @@ def serve_vllm(tmp_path_factory: pytest.TempPathFactory, model: Path, *flags: st
     pytest.importorskip("httpx")
     log = tmp_path_factory.mktemp("vllm-serve") / "vllm-serve.log"
     with vllm_serve(model, log, *flags) as url:
+        yield url
+
+
+# ------------------------------------------------------------------ SGLang on the CPU
+
+
+@pytest.fixture(scope="session")
+def sglang_cpu() -> Iterator[None]:
+    """SGLang's CPU environment (``sglang_cpu.cpu_environment``: the shims on the import
+    path, ``SGLANG_USE_CPU_ENGINE=1``) for the rest of the session; skipped without
+    sglang (failed with ``SART_REQUIRE_SGLANG=1``, as CI sets). SGLang must not have
+    been imported before."""
+    if importlib.util.find_spec("sglang") is None:
+        reason = "real SGLang: not installed (scripts/sglang_cpu_env.sh builds a venv)"
+        if os.environ.get("SART_REQUIRE_SGLANG"):  # CI's SGLang run must not skip them
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from sglang_cpu import cpu_environment
+
+    with cpu_environment():
+        yield
+
+
+@pytest.fixture(scope="session")
+def sglang_engine(sglang_cpu: None, demo_models: dict[str, Path]) -> Iterator[Any]:
+    """A real ``sglang.Engine`` over the demo policy on SGLang's CPU path
+    (``sglang_cpu.SGLANG_CPU_ARGS``), its scheduler and detokenizer in child processes."""
+    import sglang
+
+    from sglang_cpu import SGLANG_CPU_ARGS
+
+    engine = sglang.Engine(model_path=str(demo_models["policy"]), **SGLANG_CPU_ARGS)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def sglang_server(
+    sglang_cpu: None, tmp_path_factory: pytest.TempPathFactory, demo_models: dict[str, Path]
+) -> Iterator[str]:
+    """The URL of a ``python -m sglang.launch_server`` of the demo policy on SGLang's CPU
+    path, served as model ``demo``."""
+    pytest.importorskip("httpx")
+    from sglang_cpu import sglang_launch_server
+
+    log = tmp_path_factory.mktemp("sglang-serve") / "sglang-serve.log"
+    with sglang_launch_server(demo_models["policy"], log) as url:
         yield url

@@ -13,10 +13,10 @@ abort_all=False)``, ``tokenizer``, ``context_len``, and the chunk format:
 of (input ids, seed, position), it streams them in random bursts, and it
 knows nothing of batching or KV.
 
-SGLang is not installed in CI (its wheels need CUDA), so the adapter's module
-is imported with a stand-in ``sglang`` module in ``sys.modules``
-(``adapter_module``; the module only checks that ``sglang`` exists; wrapping an
-engine does not import it).
+SGLang is not installed in the main test venv (the real one runs in its own
+venv: ``sglang_cpu``), so the adapter's module is imported with a stand-in
+``sglang`` module in ``sys.modules`` (``adapter_module``; the module only
+checks that ``sglang`` exists; wrapping an engine does not import it).
 """
 
 from __future__ import annotations

@@ -3,11 +3,14 @@
 The adapters: ``HFEngine`` on the demo policy; ``VLLMEngine`` and
 ``VLLMAsyncEngine`` on vLLM (where it is installed, one engine of each per
 session); ``OpenAIEngine`` against a real ``vllm serve`` (also where vLLM is);
-``SGLangEngine`` on its stand-in (``sglang_standin``). Async adapters run
-behind ``SyncBridge``. Each ``Adapter`` below says how to make a fresh
-synchronous engine over its backend, what the backend itself says (its own
-greedy decode, how many requests it runs) and which scenarios cannot apply to
-it (``lacks``: they are skipped with the reason). What only one adapter does
+``SGLangEngine`` on its stand-in (``sglang_standin``) and on a real
+``sglang.Engine``, and ``OpenAIEngine`` against a real ``sglang.launch_server``
+(SGLang's CPU path, where SGLang is installed: ``sglang_cpu``; one of each per
+session). Async adapters run behind ``SyncBridge``. Each ``Adapter`` below
+says how to make a fresh synchronous engine over its backend, what the
+backend itself says (its own greedy decode, how many requests it runs) and
+which scenarios cannot apply to it (``lacks``: they are skipped with the
+reason). What only one adapter does
 is tested in its own file (``test_engines_<name>.py``).
 """
 
@@ -40,6 +43,7 @@ from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
 from sart.types import BranchId, BranchStatus, FinishReason
+from sglang_cpu import NO_EOS, SGLANG_CONTEXT_LEN, sglang_adapter
 
 GREEDY_FORKS = "greedy forks"
 STOP_STRINGS = "stop strings"
@@ -47,6 +51,7 @@ GREEDY = "greedy"
 CONTEXT = "context limit"
 TOKEN_PROMPT_CONTEXT = "context limit on token prompts"
 VOCABULARY = "vocabulary"
+SEEDS = "reproducible seeds"
 
 
 class Adapter:
@@ -68,6 +73,11 @@ class Adapter:
     def require(self, feature: str) -> None:
         if feature in self.lacks:
             pytest.skip(self.lacks[feature])
+
+    def conformance_engine(self) -> Any:
+        """A fresh engine for ``check_engine`` (which compares two runs of the same
+        seeds): ``fresh`` where the backend reproduces seeds."""
+        return self.fresh()
 
     def fresh(self) -> Any:
         """A new synchronous engine over the backend (kept, to close after the test)."""
@@ -310,7 +320,109 @@ class SGLangOnTheStandIn(Adapter):
         self.standins.clear()
 
 
-@pytest.fixture(scope="module", params=["hf", "vllm", "vllm-async", "openai", "sglang-stand-in"])
+class SGLang(Adapter):
+    """``SGLangEngine`` over the session's real ``sglang.Engine`` (SGLang's CPU path)."""
+
+    context_len = SGLANG_CONTEXT_LEN
+    lacks: ClassVar[Mapping[str, str]] = {
+        SEEDS: "SGLang honours sampling_seed only with enable_deterministic_inference, "
+        "which needs a GPU attention backend (fa3, flashinfer, triton...): SGLang's CPU "
+        "path (torch_native) refuses it, so seeded branches are not reproducible there",
+    }
+
+    def __init__(self, engine: Any, demo_models: dict[str, Path]) -> None:
+        super().__init__(demo_models)
+        self.engine = engine
+        self.prefixes: list[str] = []
+
+    def _fresh(self, greedy: bool = False) -> Any:
+        # Requests ignore EOS (sglang_cpu.NO_EOS: no seeds, so no scripted lengths).
+        adapter = sglang_adapter(self.engine, greedy=greedy)
+        self.prefixes.append(adapter.rid_prefix)
+        return adapter.bridge()
+
+    def conformance_engine(self) -> Any:
+        # Seeds do not repeat on SGLang-CPU (see lacks): check_engine's two runs are
+        # compared greedily; every other rule is checked as it is.
+        bridge = self._fresh(greedy=True)
+        self.made.append(bridge)
+        return bridge
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer_manager.tokenizer.encode(text))
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        params = {"temperature": 0.0, "max_new_tokens": max_tokens, **NO_EOS}
+        out = self.engine.generate(input_ids=prompt_ids, sampling_params=params)
+        return list(out["output_ids"])
+
+    def backend_runs(self, n: int) -> None:
+        from sglang_cpu import wait_for_load
+
+        running, waiting = wait_for_load(self.engine, n)
+        assert running + waiting == n, f"SGLang runs {running} and queues {waiting}, not {n}"
+
+    def after_test(self) -> None:
+        from sglang_cpu import in_flight
+
+        for bridge in self.made:
+            bridge.close()
+        super().after_test()
+        self.backend_runs(0)
+        left = [rid for prefix in self.prefixes for rid in in_flight(self.engine, prefix)]
+        assert not left, f"requests left in SGLang's tokenizer manager: {left}"
+        self.prefixes.clear()
+
+
+class OpenAIOnSGLang(OpenAI):
+    """``OpenAIEngine`` against the session's real ``python -m sglang.launch_server``."""
+
+    context_len = SGLANG_CONTEXT_LEN
+    lacks: ClassVar[Mapping[str, str]] = {
+        SEEDS: SGLang.lacks[SEEDS],
+        TOKEN_PROMPT_CONTEXT: OpenAI.lacks[TOKEN_PROMPT_CONTEXT],
+        VOCABULARY: "SGLang's server does not check prompt ids against the vocabulary (an "
+        "id outside it crashes its scheduler), and OpenAIEngine does not know the vocabulary",
+    }
+
+    def _fresh(self, greedy: bool = False) -> Any:
+        # As in-process: requests ignore EOS; greedy is SGLang's top_k=1 (sart's own
+        # temperature wins over extra_body's).
+        from sart.engines.openai import OpenAIEngine
+
+        extra = {**NO_EOS, "top_k": 1} if greedy else NO_EOS
+        return SyncBridge(OpenAIEngine(self.url, "demo", extra_body=extra))
+
+    def conformance_engine(self) -> Any:
+        bridge = self._fresh(greedy=True)
+        self.made.append(bridge)
+        return bridge
+
+    def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        import httpx
+
+        body = {
+            "model": "demo",
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "return_token_ids": True,
+            **NO_EOS,
+        }
+        response = httpx.post(self.url + "/v1/completions", json=body, timeout=60)
+        return response.json()["choices"][0]["token_ids"]
+
+    def backend_runs(self, n: int) -> None:
+        from sglang_cpu import wait_for_server_load
+
+        load = wait_for_server_load(self.url, n)
+        assert load == n, f"SGLang's server runs or queues {load} requests, not {n}"
+
+
+@pytest.fixture(
+    scope="module",
+    params=["hf", "vllm", "vllm-async", "openai", "sglang-stand-in", "sglang", "openai-sglang"],
+)
 def adapter(request: pytest.FixtureRequest) -> Iterator[Adapter]:
     name = request.param
     if name == "sglang-stand-in":
@@ -326,6 +438,11 @@ def adapter(request: pytest.FixtureRequest) -> Iterator[Adapter]:
         yield VLLM(request.getfixturevalue("vllm_engine"), demo_models)
     elif name == "vllm-async":
         yield VLLMAsync(request.getfixturevalue("vllm_async_bridge"), demo_models)
+    elif name == "sglang":
+        yield SGLang(request.getfixturevalue("sglang_engine"), demo_models)
+    elif name == "openai-sglang":
+        pytest.importorskip("httpx")
+        yield OpenAIOnSGLang(request.getfixturevalue("sglang_server"), demo_models)
     else:
         pytest.importorskip("httpx")
         yield OpenAI(request.getfixturevalue("vllm_server"), demo_models)
@@ -341,7 +458,7 @@ def _leaves_the_backend_empty(adapter: Adapter) -> Iterator[None]:
 
 
 def test_passes_the_conformance_suite(adapter: Adapter) -> None:
-    check_engine(adapter.fresh, prompts=PROMPTS)
+    check_engine(adapter.conformance_engine, prompts=PROMPTS)
 
 
 @pytest.mark.parametrize("with_neighbours", [False, True])
@@ -363,6 +480,8 @@ def test_greedy_equals_the_backends_own_decode(adapter: Adapter, with_neighbours
 
 
 def test_seeded_branches_are_reproducible_and_differ(adapter: Adapter) -> None:
+    adapter.require(SEEDS)
+
     def sample() -> dict[BranchId, list[int]]:
         e = adapter.fresh()
         e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=1.0, max_tokens=12))

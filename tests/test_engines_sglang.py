@@ -1,31 +1,31 @@
-"""``SGLangEngine`` against a stand-in for ``sglang.Engine`` and, opt-in, a real SGLang.
+"""``SGLangEngine`` against a stand-in for ``sglang.Engine`` and against a real SGLang.
 
 The stand-in (``sglang_standin.SGLangStandIn``) follows ``sglang.Engine``'s
-signatures; it is not SGLang (see its module). The scenarios every real adapter
-shares run on it in ``test_engines_scenarios.py``; this file holds the
-SGLang-specific ones.
+signatures; it is not SGLang (see its module). The ``real`` tests run SGLang
+0.5.23 itself on this CPU (``sglang_cpu``: SGLang's CPU path, two stand-in
+packages in ``tests/shims``), one ``sglang.Engine`` and one
+``sglang.launch_server`` per session (``conftest.py``); they are skipped where
+``sglang`` is not installed. The scenarios every adapter shares run on both in
+``test_engines_scenarios.py``; this file holds the SGLang-specific ones::
 
-The real tests run only where ``sglang`` is importable, a CUDA GPU is present
-and ``SART_SGLANG_MODEL`` names a model::
-
-    SART_SGLANG_MODEL=/path/to/model python -m pytest tests/test_engines_sglang.py -k real
+    scripts/sglang_cpu_env.sh   # builds .ci-sglang-venv (~2 min)
+    .ci-sglang-venv/bin/python -m pytest tests/test_engines_sglang.py -k real -s
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import importlib.util
-import os
 import sys
+import time
 import types
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 import sart
-from adapters import PROMPTS, check_pruned, pruning_workload
+from adapters import PROMPTS, check_pruned, pruning_workload, run_to_end
 from sart.engines.base import BranchSpec
 from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
@@ -160,6 +160,58 @@ def test_chat_prompts_and_token_prompts(mod: Any) -> None:
         assert [c["input_ids"] for c in standin.calls] == [[1, 90, 5, 8, 91], [5, 6, 7]]
         await chat.release_prefix("c")
         await chat.release_prefix("t")
+
+    asyncio.run(scenario())
+
+
+def test_token_ids_outside_the_vocabulary_fail_their_request(mod: Any) -> None:
+    # Real SGLang 0.5.23 crashes its scheduler on such ids (IndexError in the embedding).
+    standin = SGLangStandIn()
+    standin.tokenizer_manager.model_config = types.SimpleNamespace(vocab_size=100)  # type: ignore[attr-defined]
+    engine = mod.SGLangEngine(standin)
+    assert engine.vocab_size == 100
+
+    async def scenario() -> None:
+        sampling = sart.SamplingSettings(max_tokens=4)
+        for bad in ([5, 100], [-1, 5]):
+            with pytest.raises(sart.EngineError, match="outside the model's vocabulary") as info:
+                await engine.prefill("bad", bad, sampling)
+            assert info.value.request_ids == {"bad"}
+        assert await engine.prefill("ok", [5, 99], sampling) == 2
+        await engine.release_prefix("ok")
+
+    asyncio.run(scenario())
+    assert standin.calls == []
+
+
+def test_later_branches_wait_until_the_first_has_prefilled_the_prompt(mod: Any) -> None:
+    # So that SGLang's radix cache serves them the prompt (real SGLang: see
+    # test_real_sart_prunes_stops_early_and_every_rid_leaves_sglang).
+    standin = SGLangStandIn(length=12, delay=0.05)
+    engine = mod.SGLangEngine(standin, rid_prefix="p")
+
+    def sent() -> list[str]:
+        return [call["rid"] for call in standin.calls]
+
+    async def scenario() -> None:
+        await engine.prefill("a", "x y", sart.SamplingSettings(max_tokens=30))
+        await engine.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+        await asyncio.sleep(0.005)  # well before the first chunk (0.05 s)
+        assert sent() == ["p-3:0_a"]
+        await engine.step(2)
+        assert sent() == ["p-3:0_a", "p-3:1_a", "p-3:2_a"]
+        # Once the prompt is in, later branches and forks go at once.
+        await engine.start_branches("a", [BranchSpec(3, 3), BranchSpec(4, 4, parent=0)])
+        await asyncio.sleep(0.005)
+        assert sent()[3:] == ["p-3:3_a", "p-3:4_a"]
+        await engine.release_prefix("a")
+        # A first branch aborted before its first token lets the others go.
+        await engine.prefill("b", "x y", sart.SamplingSettings(max_tokens=30))
+        await engine.start_branches("b", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        await engine.abort([BranchId("b", 0)])
+        out = await engine.step(2)
+        assert set(out.deltas) == {BranchId("b", 1)}
+        await engine.release_prefix("b")
 
     asyncio.run(scenario())
 
@@ -344,61 +396,248 @@ def test_the_async_driver_runs_it_and_aborts_pruned_branches(mod: Any) -> None:
     _check_pruned(results, standin, engine)
 
 
-# --------------------------------------------------------------- real SGLang, opt-in
-
-MODEL = os.environ.get("SART_SGLANG_MODEL")
+# ------------------------------------------------------- the stand-in for sgl_kernel
 
 
-def _cuda() -> bool:
+@pytest.fixture
+def sgl_kernel_shim() -> Iterator[Any]:
+    """``tests/shims/sgl_kernel`` imported for one test (and forgotten after)."""
+    pytest.importorskip("torch")
+    from sglang_cpu import SHIMS
+
+    before = list(sys.meta_path)
+    sys.path.insert(0, str(SHIMS))
     try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+        yield importlib.import_module("sgl_kernel")
+    finally:
+        sys.path.remove(str(SHIMS))
+        sys.meta_path[:] = before
+        for name in [n for n in sys.modules if n.split(".")[0] in ("sgl_kernel", "_sart_shim")]:
+            del sys.modules[name]
 
 
-REAL = pytest.mark.skipif(
-    not (MODEL and importlib.util.find_spec("sglang") is not None and _cuda()),
-    reason="real SGLang: needs sglang, a CUDA GPU and SART_SGLANG_MODEL=/path/to/model",
-)
+def test_the_sgl_kernel_stand_in_fills_the_request_to_token_table(sgl_kernel_shim: Any) -> None:
+    # What SGLang's Triton kernel assign_req_to_token_pool does: request i's slice of
+    # out_cache_loc (the slices in batch order) goes to its row, columns start..end.
+    import torch
 
-
-@pytest.fixture(scope="module")
-def real() -> Iterator[Any]:
-    """One real ``sglang.Engine`` for the module, deterministic so that seeds repeat."""
-    forget_adapter_module()
-    from sart.engines.sglang import SGLangEngine
-
-    engine = SGLangEngine.from_args(
-        MODEL,
-        enable_deterministic_inference=True,  # sampling_seed is honoured only then
-        attention_backend="triton",
-        max_running_requests=64,
-        mem_fraction_static=0.6,
-        random_seed=0,
+    table = torch.zeros((4, 8), dtype=torch.int64)
+    out_cache_loc = torch.tensor([11, 12, 13, 21, 22])
+    sgl_kernel_shim.assign_req_to_token_pool_cpu(
+        torch.tensor([2, 0]), table, torch.tensor([1, 5]), torch.tensor([4, 7]), out_cache_loc, 8
     )
-    yield engine
-    engine.shutdown()
+    assert table[2].tolist() == [0, 11, 12, 13, 0, 0, 0, 0]
+    assert table[0].tolist() == [0, 0, 0, 0, 0, 21, 22, 0]
+    assert table[[1, 3]].sum() == 0
 
 
-@REAL
-def test_real_passes_the_conformance_suite(real: Any) -> None:
+def test_every_other_sgl_kernel_name_imports_but_does_not_run(sgl_kernel_shim: Any) -> None:
+    from sgl_kernel import silu_and_mul  # type: ignore[import-not-found]
+    from sgl_kernel.kvcacheio import transfer_kv_all_layer  # type: ignore[import-not-found]
+
+    for op in (silu_and_mul, transfer_kv_all_layer, sgl_kernel_shim.scalar_types.uint4b8):
+        with pytest.raises(NotImplementedError, match="sart's test stand-in"):
+            op()
+
+
+# ------------------------------------------------------------ real SGLang, on the CPU
+
+
+class Recording:
+    """A real ``sglang.Engine`` as the adapter sees it, recording the last ``meta_info``
+    SGLang streamed for each rid (its ``cached_tokens``: the radix cache's hits)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.meta: dict[str, dict[str, Any]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def async_generate(self, **kwargs: Any) -> AsyncIterator[dict]:
+        stream = await self.engine.async_generate(**kwargs)
+        rid = kwargs["rid"]
+
+        async def recorded() -> AsyncIterator[dict]:
+            try:
+                async for out in stream:
+                    self.meta[rid] = dict(out.get("meta_info") or {})
+                    yield out
+            finally:
+                await stream.aclose()
+
+        return recorded()
+
+
+@pytest.fixture
+def real(sglang_engine: Any) -> Iterator[Any]:
+    """The session's real ``sglang.Engine``, left with no request of this test."""
+    from sglang_cpu import in_flight, wait_for_load
+
+    forget_adapter_module()  # the adapter module, over the real sglang
+    yield sglang_engine
+    assert wait_for_load(sglang_engine, 0) == (0, 0), "requests left in SGLang's scheduler"
+    assert not in_flight(sglang_engine), "requests left in SGLang's tokenizer manager"
+
+
+def test_real_the_adapter_reads_sglangs_settings(real: Any) -> None:
     from sart.engines.sglang import SGLangEngine
+    from sglang_cpu import SGLANG_CONTEXT_LEN, SGLANG_MAX_RUNNING
 
-    check_engine(lambda: SGLangEngine(real.engine).bridge(), prompts=PROMPTS)
+    engine = SGLangEngine(real)
+    assert engine.context_len == SGLANG_CONTEXT_LEN
+    assert engine.max_running_requests == SGLANG_MAX_RUNNING
+    assert engine.vocab_size == 415  # the demo policy's
+    assert engine.incremental is False  # SGLang's default: cumulative chunks
+    assert engine.bridge().loop is real.loop
+    engine.check_batch_size(SGLANG_MAX_RUNNING)
+    with pytest.raises(sart.ConfigError, match="max_running_requests"):
+        engine.check_batch_size(SGLANG_MAX_RUNNING + 1)
 
 
-@REAL
-def test_real_sart_end_to_end(real: Any) -> None:
-    from sart.engines.sglang import SGLangEngine
+def test_real_sart_prunes_stops_early_and_every_rid_leaves_sglang(real: Any) -> None:
+    """SART on SGLang: the low-reward branches pruned, the requests with m=1 stopped at
+    their first completion; each branch's rid gone from SGLang's tokenizer manager and
+    scheduler once sart aborted it; the radix cache sharing each prompt."""
+    from sglang_cpu import in_flight, sglang_adapter, wait_for_load
 
-    requests, prm = pruning_workload([PROMPTS[i % 2] for i in range(4)], every=8, max_tokens=32)
-    adapter = SGLangEngine(real.engine)
-    adapter.check_batch_size(16)
+    recording = Recording(real)
+    adapter = sglang_adapter(recording)  # no EOS: branches live until pruned or stopped
+    # Prompts past SGLang's in-batch prefix-caching threshold (32 tokens, see below).
+    prompts = [" ".join([PROMPTS[i % 2]] * 4) for i in range(4)]
+    requests, prm = pruning_workload(prompts, every=8, max_tokens=32)
+    # Early stop: m=1, and rare letters as stop strings end branches at random lengths
+    # (seeds do not repeat on SGLang-CPU): the first branch to end stops the others.
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=200, stop=tuple("qzxjkv"))
+    requests += [
+        sart.Request(f"s{i}", PROMPTS[i % 2], sart.sart(4, m=1, interval=4), sampling)
+        for i in range(3)
+    ]
     bridge = adapter.bridge()
-    results = sart.run(requests, bridge, prm, batch_size=16)
-    check_pruned(results, max_tokens=32)
+    results = sart.run(requests, bridge, prm, batch_size=28)
+    check_pruned(results[:4], max_tokens=32)
+    stopped = results[4:]
+    assert all(r.ok and r.num_completed >= 1 for r in stopped)
+    statuses = [b.status for r in stopped for b in r.branches]
+    assert BranchStatus.STOPPED in statuses, statuses
     assert bridge.stats().live_branches == 0
-    manager = real.engine.tokenizer_manager
-    bridge.loop.run_until_complete(asyncio.sleep(0.5))  # let SGLang confirm the aborts
-    assert not [rid for rid in manager.rid_to_state if rid.startswith(adapter.rid_prefix)]
+    # Every rid of every branch, pruned, stopped or ended, has left SGLang.
+    assert wait_for_load(real, 0) == (0, 0)
+    assert not in_flight(real, adapter.rid_prefix)
+    # The radix cache: a request's first branch prefills its prompt, the others find
+    # all of it but the last token (SGLang recomputes that one) in the tree. SGLang
+    # holds the others back for that only when they share 32 tokens or more
+    # (IN_BATCH_PREFIX_CACHING_*_THRESHOLD); shorter prompts are prefilled per branch.
+    for r, prompt in zip(results, prompts, strict=False):
+        n = len(adapter.tokenizer.encode(prompt))
+        assert n > 32
+        meta = [recording.meta[adapter.rid(BranchId(r.request_id, b.index))] for b in r.branches]
+        assert all(m["prompt_tokens"] == n for m in meta)
+        hits = sorted(m["cached_tokens"] for m in meta)
+        assert hits[1:] == [n - 1] * (len(hits) - 1), (r.request_id, n, hits)
+
+
+def test_real_the_async_driver_runs_sart_on_sglangs_loop(real: Any) -> None:
+    from sglang_cpu import sglang_adapter
+
+    adapter = sglang_adapter(real)
+    requests, prm = pruning_workload([PROMPTS[i % 2] for i in range(3)], every=8, max_tokens=32)
+    driver = sart.AsyncDriver(adapter, prm, batch_size=12)
+    results = real.loop.run_until_complete(driver.run(requests))
+    check_pruned(results, max_tokens=32)
+
+
+def test_real_an_abort_by_sglang_fails_only_its_request(real: Any) -> None:
+    """SGLang ending a branch itself (here: its own abort, as its /abort_request
+    endpoint would) fails that branch's request with SGLang's reason; others go on."""
+    from sglang_cpu import sglang_adapter
+
+    adapter = sglang_adapter(real)
+    bridge = adapter.bridge()
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=300)
+    bridge.prefill("a", PROMPTS[0], sampling)
+    bridge.prefill("b", PROMPTS[1], sampling)
+    bridge.start_branches("a", [BranchSpec(0, 1), BranchSpec(1, 2)])
+    bridge.start_branches("b", [BranchSpec(0, 1)])
+    bridge.step(2)
+    real.tokenizer_manager.abort_request(rid=adapter.rid(BranchId("a", 1)))
+    with pytest.raises(sart.EngineError, match="finish_reason 'abort'") as info:
+        for _ in range(100):
+            bridge.step(2)
+    assert info.value.request_ids == {"a"}
+    bridge.release_prefix("a")
+    ids = run_to_end(bridge)
+    assert len(ids[BranchId("b", 0)]) > 0
+    bridge.release_prefix("b")
+
+
+def test_real_branches_sample_independently(real: Any) -> None:
+    # Not reproducibly (sampling_seed needs enable_deterministic_inference, which
+    # SGLang's CPU path refuses), but each branch draws its own tokens.
+    from sart.engines.sglang import SGLangEngine
+
+    bridge = SGLangEngine(real).bridge()
+    bridge.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=1.0, max_tokens=16))
+    bridge.start_branches("a", [BranchSpec(j, j) for j in range(4)])
+    ids = run_to_end(bridge)
+    bridge.release_prefix("a")
+    assert len({tuple(v) for v in ids.values()}) == 4
+
+
+def _abort_latency(left: Any, abort: Any, timeout: float) -> float:
+    """Seconds from ``abort()`` until ``left()`` says SGLang has let the branch go."""
+    start = time.perf_counter()
+    abort()
+    while not left():
+        assert time.perf_counter() - start < timeout, "SGLang still runs the aborted branch"
+    return time.perf_counter() - start
+
+
+def test_real_abort_frees_the_branch_in_sglang_at_once(real: Any) -> None:
+    """In-process: ``abort`` reaches SGLang's scheduler in milliseconds (measured: until
+    the scheduler's answer removes the rid from the tokenizer manager)."""
+    from sglang_cpu import in_flight, sglang_adapter, wait_for_load
+
+    adapter = sglang_adapter(real)
+    bridge = adapter.bridge()
+    bridge.prefill("a", PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=4000))
+    bridge.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+    bridge.step(2)
+    victim = adapter.rid(BranchId("a", 1))
+    assert victim in in_flight(real)
+
+    def left() -> bool:
+        real.loop.run_until_complete(asyncio.sleep(0.001))  # SGLang's output loop runs here
+        return victim not in in_flight(real)
+
+    seconds = _abort_latency(left, lambda: bridge.abort([BranchId("a", 1)]), timeout=5)
+    print(f"\nSGLang in-process: an aborted branch left SGLang in {seconds * 1e3:.0f} ms")
+    assert seconds < 1.0
+    assert sum(wait_for_load(real, 2)) <= 2
+    bridge.release_prefix("a")
+
+
+def test_real_a_closed_stream_frees_the_branch_on_sglangs_server(sglang_server: str) -> None:
+    """Remote (``OpenAIEngine``): closing a branch's stream aborts its request on SGLang's
+    server at once (measured). SGLang 0.5.23 aborts when the disconnect cancels the
+    response's generator (``TokenizerManager.generate_request``); the 2 s grace of its
+    ``create_abort_task`` is only a fallback."""
+    from sart.engines.openai import OpenAIEngine
+    from sglang_cpu import NO_EOS, server_load, wait_for_server_load
+
+    bridge = SyncBridge(OpenAIEngine(sglang_server, "demo", extra_body=NO_EOS))
+    try:
+        bridge.prefill("a", PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=4000))
+        bridge.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+        bridge.step(2)
+        assert wait_for_server_load(sglang_server, 3) == 3
+        seconds = _abort_latency(
+            lambda: server_load(sglang_server) <= 2,
+            lambda: bridge.abort([BranchId("a", 1)]),
+            timeout=10,
+        )
+        print(f"\nSGLang server: a closed stream's request left its scheduler in {seconds:.2f} s")
+        assert seconds < 1.5
+        bridge.release_prefix("a")
+    finally:
+        bridge.close()

@@ -1,5 +1,5 @@
-"""The ``sart`` command line: ``bench``, ``trace record``, ``quickstart``, ``testbed``,
-``serve``, ``tune``."""
+"""The ``sart`` command line: ``bench``, ``eval``, ``trace record``, ``quickstart``,
+``testbed``, ``serve``, ``tune``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
 from sart.errors import EXTRAS, SartError, install_hint, needs_extra
+from sart.eval.command import add_eval_parser
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
@@ -83,6 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sart {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)
+    add_eval_parser(sub)
     add_trace_parser(sub)
     demo = sub.add_parser(
         "demo-models",

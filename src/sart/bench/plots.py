@@ -17,7 +17,8 @@ from sart.bench.runner import LABELS, BenchConfig, RunRecord
 from sart.types import BranchStatus
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` on the Agg backend (files only, no display)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: never needs a display
@@ -28,7 +29,7 @@ def _pyplot() -> Any:
 
 def write_plots(config: BenchConfig, records: Sequence[RunRecord], out: Path) -> list[Path]:
     """Write every plot into ``out``; return their paths."""
-    plt = _pyplot()
+    plt = pyplot()
     paths = [
         _latency_accuracy(plt, config, records, out / "latency_accuracy.png"),
         _resources(plt, config, records, out / "resources.png"),
@@ -37,7 +38,8 @@ def write_plots(config: BenchConfig, records: Sequence[RunRecord], out: Path) ->
     return [p for p in paths if p is not None]
 
 
-def _save(plt: Any, fig: Any, path: Path) -> Path:
+def save_figure(plt: Any, fig: Any, path: Path) -> Path:
+    """Lay ``fig`` out, write it to ``path`` and close it."""
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)  # figures are not freed otherwise: a long sweep would leak them
@@ -88,7 +90,7 @@ def _latency_accuracy(
             title=f"Accuracy, {title}", xlabel="N", ylabel="accuracy (%)", xticks=list(config.ns)
         )
         lat_ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _pick(
@@ -138,7 +140,7 @@ def _resources(
     axes[1][1].set(xlabel=f"time ({unit})", ylabel="KV tokens")
     for ax in axes.flat:
         ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)
 
 
 def _distributions(
@@ -165,4 +167,4 @@ def _distributions(
     )
     len_ax.legend(fontsize=8)
     queue_ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save_figure(plt, fig, path)

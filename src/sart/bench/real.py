@@ -18,6 +18,7 @@ import json
 import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -33,8 +34,12 @@ from sart.policies.select import BestReward
 from sart.policies.stop import AllDone
 from sart.prm.base import PRM
 from sart.request import Request
+from sart.results import RequestResult
 from sart.types import SamplingSettings, Scoring
 from sart.views import RequestView
+
+#: ``(method, n) -> Policy``: how a run builds each method's policy.
+PolicyFactory = Callable[[str, int], Policy]
 
 
 @attrs.frozen
@@ -98,18 +103,24 @@ def run_real(
     config: BenchConfig,
     sampling: SamplingSettings,
     on_run: Callable[[RunRecord], object] | None = None,
+    policy_for: PolicyFactory | None = None,
 ) -> list[RunRecord]:
     """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``, after
-    a warm-up of ``WARMUP_REQUESTS`` requests per method."""
+    a warm-up of ``WARMUP_REQUESTS`` requests per method. ``policy_for(method, n)``
+    builds each method's policy (default: ``METHODS[method](n, config.interval)``)."""
     gold = {item.id: item.answer for item in items if item.answer is not None}
+    policy_for = policy_for or (lambda method, n: METHODS[method](n, config.interval))
     warmup = items[:WARMUP_REQUESTS]
     for method, n in plan(config):
-        _serve(warmup, [0.0] * len(warmup), method, n, None, engine, prm, config, sampling, gold)
+        policy = policy_for(method, n)
+        times = [0.0] * len(warmup)
+        _serve(warmup, times, method, policy, None, engine, prm, config, sampling, gold)
     records = []
     for rate in config.rates:
         times = arrivals(len(items), rate, config.seed)
         for method, n in plan(config):
-            record = _serve(items, times, method, n, rate, engine, prm, config, sampling, gold)
+            policy = policy_for(method, n)
+            record = _serve(items, times, method, policy, rate, engine, prm, config, sampling, gold)
             records.append(record)
             if on_run is not None:
                 on_run(record)
@@ -120,7 +131,7 @@ def _serve(
     items: Sequence[PromptItem],
     times: Sequence[float],
     method: str,
-    n: int,
+    policy: Policy,
     rate: float | None,
     engine: Engine,
     prm: PRM | None,
@@ -128,7 +139,6 @@ def _serve(
     sampling: SamplingSettings,
     gold: dict[str, str],
 ) -> RunRecord:
-    policy = METHODS[method](n, config.interval)
     requests = [
         Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
         for item, t in zip(items, times)
@@ -141,7 +151,7 @@ def _serve(
         scoring=method_scoring(method, config),
         poll_steps=config.poll_steps,
     )
-    return serve(driver, requests, gold, method, n, rate)
+    return serve(driver, requests, gold, method, policy.n, rate)
 
 
 class _ScoreEveryCheck(PruneRule):
@@ -149,6 +159,56 @@ class _ScoreEveryCheck(PruneRule):
 
     def choose(self, request: RequestView) -> list[int]:
         return []
+
+
+def recording_policy(
+    n: int, interval: int, extract: Callable[[str], str] = extract_answer
+) -> Policy:
+    """The policy of a recorded pass: ``n`` branches, each run to its end (no pruning, no
+    early stop), every running branch scored every ``interval`` tokens; a branch's
+    answer is ``extract(text)``."""
+    return Policy(
+        n=n,
+        stop=AllDone(),
+        prune=_ScoreEveryCheck(),
+        select=BestReward(),
+        interval=interval,
+        extract=extract,
+        name="record",
+    )
+
+
+def recording_driver(engine: Engine, prm: PRM, batch_size: int, **kwargs: Any) -> SyncDriver:
+    """A driver for a recorded pass. Blocking checks: each check then scores the branches
+    at exactly ``k * interval`` tokens, where a trace's rewards are read back (an
+    overlapped check may come later)."""
+    return SyncDriver(engine, prm, batch_size=batch_size, scoring=Scoring.BLOCKING, **kwargs)
+
+
+def trace_request(
+    item: PromptItem, result: RequestResult, engine: Engine, interval: int, arrival: float
+) -> TraceRequest:
+    """One recorded request as a trace line (``ConfigError`` if it failed)."""
+    if not result.ok:
+        raise ConfigError(f"recording failed for {item.id!r}: {result.reason}")
+    branches = tuple(
+        BranchScript(
+            length=b.num_tokens,
+            answer=b.answer if b.answer is not None else extract_answer(""),
+            rewards=tuple(r for tokens, r in b.reward_history if tokens < b.num_tokens),
+            final_reward=b.reward,
+            filler="",
+        )
+        for b in result.branches
+    )
+    return TraceRequest(
+        id=item.id,
+        arrival=round(arrival, 6),
+        answer=item.answer or "",
+        branches=branches,
+        prompt_tokens=_prompt_tokens(engine, item.prompt),
+        interval=interval,
+    )
 
 
 def record_trace(
@@ -163,48 +223,17 @@ def record_trace(
 ) -> Trace:
     """Serve every prompt with ``n`` branches run to their end, scored every ``interval``
     tokens, and return what happened as a trace (see the module docstring)."""
-    policy = Policy(
-        n=n,
-        stop=AllDone(),
-        prune=_ScoreEveryCheck(),
-        select=BestReward(),
-        interval=interval,
-        name="record",
-    )
+    policy = recording_policy(n, interval)
     times = arrivals(len(items), rate, seed)
     requests = [
         Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
         for item, t in zip(items, times)
     ]
-    # Blocking: each check then scores the branches at exactly k * interval tokens,
-    # where the trace's rewards are read back (an overlapped check may come later).
-    driver = SyncDriver(engine, prm, batch_size=max(n, 1) * 2, scoring=Scoring.BLOCKING)
-    results = driver.run(requests)
-    lines = []
-    for item, t, result in zip(items, times, results):
-        if not result.ok:
-            raise ConfigError(f"recording failed for {item.id!r}: {result.reason}")
-        branches = tuple(
-            BranchScript(
-                length=b.num_tokens,
-                answer=b.answer if b.answer is not None else extract_answer(""),
-                rewards=tuple(r for tokens, r in b.reward_history if tokens < b.num_tokens),
-                final_reward=b.reward,
-                filler="",
-            )
-            for b in result.branches
-        )
-        lines.append(
-            TraceRequest(
-                id=item.id,
-                arrival=round(t, 6),
-                answer=item.answer or "",
-                branches=branches,
-                prompt_tokens=_prompt_tokens(engine, item.prompt),
-                interval=interval,
-            )
-        )
-    return Trace.of(lines)
+    results = recording_driver(engine, prm, max(n, 1) * 2).run(requests)
+    return Trace.of(
+        trace_request(item, result, engine, interval, t)
+        for item, t, result in zip(items, times, results)
+    )
 
 
 def _prompt_tokens(engine: Engine, prompt: str) -> int:

@@ -9,18 +9,30 @@ decoding between two ``step`` calls, while sart scores branches.
 Requests. ``prefill`` tokenizes the prompt once (token-id prompts are used as
 they are; text goes through the engine's tokenizer, special tokens added, or,
 with ``chat=True``, the chat template as one user message with a generation
-prompt) and every branch is sent as ``input_ids``. SGLang's radix cache then
-shares the prompt's KV between the branches of a request: the first branch
-computes it, the others (and forks) match it in the tree; nothing in sart
-copies it. A fork (``BranchSpec(parent=j)``, for Rebase) is a new request whose
-``input_ids`` are the prompt plus the parent's generated token ids, with
-``max_new_tokens`` reduced by those tokens; the radix cache serves the shared
-prefix. Sampling: ``temperature``, ``top_p``, ``max_new_tokens`` (capped by the
+prompt) and every branch is sent as ``input_ids``. Token-id prompts with an id
+outside the model's vocabulary fail their request at ``prefill``: SGLang
+(0.5.23) does not check ids, and one out of range crashes its scheduler
+(``IndexError`` in the embedding) and the engine with every other request.
+
+Prefix sharing. SGLang's radix cache shares the prompt's KV between the
+branches of a request: the first branch computes it, the others (and forks)
+match it in the tree; nothing in sart copies it. For that the adapter sends a
+request's first branch alone and its other branches once SGLang has streamed
+the first one's first token (its prompt is in the tree by then); they start
+one decode step later. Sent together they would each prefill the whole
+prompt: SGLang's default ``schedule_policy="fcfs"`` does no in-batch prefix
+matching, and ``"lpm"`` does it only for prefixes of 32 tokens or more. A fork
+(``BranchSpec(parent=j)``, for Rebase) is a new request whose ``input_ids``
+are the prompt plus the parent's generated token ids, with ``max_new_tokens``
+reduced by those tokens; the radix cache serves the shared prefix.
+
+Sampling: ``temperature``, ``top_p``, ``max_new_tokens`` (capped by the
 model's context length), ``stop`` and ``sampling_seed`` = the branch's seed.
 SGLang honours ``sampling_seed`` only with ``enable_deterministic_inference``
 (then the same seeds give the same text, which sart's ``check_engine`` asks
-for); otherwise each branch still samples independently, just not
-reproducibly.
+for), which needs a GPU attention backend (``fa3``, ``flashinfer``,
+``triton``...); otherwise, and always on SGLang's CPU path, each branch still
+samples independently, just not reproducibly.
 
 Request ids. Each branch's ``rid`` is ``f"{rid_prefix}-{len(name)}:{name}"``
 with ``name = f"{index}_{request_id}"`` (vLLM's naming of parallel-sampling
@@ -65,24 +77,26 @@ every other ``ServerArgs`` field through. Speculative decoding or
 contract's token counts still hold, but a chunk boundary may fall inside one
 of SGLang's steps.
 
-Needs the ``[sglang]`` extra (a CUDA GPU): importing this module without
-``sglang`` raises ``MissingDependencyError``. Wrapping an engine you built
-does not import ``sglang`` itself; ``from_args`` does. Supported: SGLang
-0.5.3 and later 0.5.x (``sampling_seed`` and ``incremental_streaming_output``
-appeared around 0.5.3). Written against SGLang's source at commit
-``001067fffe33`` (a 0.5.x main snapshot): ``python/sglang/srt/entrypoints/engine.py``
-(``Engine(**server_args)``, ``Engine.async_generate``, ``Engine.loop``,
-``Engine.server_args``, ``Engine.shutdown``),
-``python/sglang/srt/managers/tokenizer_manager.py`` (``abort_request``,
-``tokenizer``, ``context_len``, the streamed chunk format) and
-``python/sglang/srt/sampling/sampling_params.py`` (sampling parameter names).
-It has not been run against a real SGLang here (SGLang needs CUDA); the tests
-run it against a stand-in that follows those signatures.
+Needs the ``[sglang]`` extra: importing this module without ``sglang``
+raises ``MissingDependencyError``. Wrapping an engine you built does not
+import ``sglang`` itself; ``from_args`` does. Tested in CI against SGLang
+0.5.23 itself, on its CPU path (``SGLANG_USE_CPU_ENGINE=1``,
+``scripts/sglang_cpu_env.sh``; see ``docs/how-to/sglang.md``), and against a
+stand-in that follows its signatures. Earlier 0.5.x releases from 0.5.3 on
+(``sampling_seed`` and ``incremental_streaming_output`` appeared around then)
+use the same calls but are not tested. Written against SGLang's source
+(``python/sglang/srt/entrypoints/engine.py``: ``Engine(**server_args)``,
+``Engine.async_generate``, ``Engine.loop``, ``Engine.server_args``,
+``Engine.shutdown``; ``python/sglang/srt/managers/tokenizer_manager.py``:
+``abort_request``, ``tokenizer``, ``context_len``, ``model_config``, the
+streamed chunk format; ``python/sglang/srt/sampling/sampling_params.py``:
+sampling parameter names).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -90,7 +104,7 @@ from typing import Any
 
 from sart.errors import ConfigError, EngineError, MissingDependencyError, install_hint, needs_extra
 
-_WHAT = "the SGLang engine (CUDA GPUs only)"
+_WHAT = "the SGLang engine"
 
 if importlib.util.find_spec("sglang") is None:
     raise MissingDependencyError(
@@ -167,9 +181,14 @@ class SGLangEngine(StreamingEngine):
         context = getattr(manager, "context_len", None)
         self.context_len: int | None = context if isinstance(context, int) else None
         """The model's context length (prompt + generated tokens), if SGLang says."""
+        vocab = getattr(getattr(manager, "model_config", None), "vocab_size", None)
+        self.vocab_size: int | None = vocab if isinstance(vocab, int) else None
+        """The model's vocabulary size, if SGLang says: prompt ids must lie below it."""
         running = getattr(server_args, "max_running_requests", None)
         self.max_running_requests: int | None = running if isinstance(running, int) else None
         """SGLang's cap on running requests, if set explicitly (else SGLang sizes it)."""
+        self._prompt_cached: dict[str, asyncio.Event] = {}
+        """Per request: set once its first branch's prompt is in SGLang's radix cache."""
 
     @classmethod
     def from_args(
@@ -209,6 +228,15 @@ class SGLangEngine(StreamingEngine):
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         ids = self._prompt_ids(request_id, prompt)
+        vocab = self.vocab_size
+        bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+        if bad:
+            size = f"of {vocab} ids" if vocab is not None else "(no id is negative)"
+            raise EngineError(
+                f"request {request_id!r}: token ids {bad[:5]} lie outside the model's "
+                f"vocabulary {size}; SGLang's scheduler would crash on them",
+                [request_id],
+            )
         return self._hold_prompt(
             request_id,
             prompt,
@@ -230,12 +258,33 @@ class SGLangEngine(StreamingEngine):
         ids, max_tokens = self._branch_input(branch, prefix_tokens)
         rid = self.rid(branch)
         params = self.sampling_params(sampling, seed, max_tokens)
-        stream = await self.engine.async_generate(
-            input_ids=ids, sampling_params=params, stream=True, rid=rid
-        )
+        cached = self._prompt_cached.get(branch.request_id)
+        first = parent is None and cached is None
+        if first:  # this branch prefills the prompt; the others wait for it
+            cached = self._prompt_cached[branch.request_id] = asyncio.Event()
+        elif parent is None and cached is not None:
+            await cached.wait()
+        try:
+            stream = await self.engine.async_generate(
+                input_ids=ids, sampling_params=params, stream=True, rid=rid
+            )
+            chunks = self._chunks(branch, rid, stream, cached if first else None)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            if first and cached is not None:
+                cached.set()  # also when the first branch ended or failed before a token
+
+    async def _chunks(
+        self, branch: BranchId, rid: str, stream: Any, cached: asyncio.Event | None
+    ) -> AsyncIterator[Chunk]:
+        """SGLang's chunks of one branch as ``Chunk``s (``cached``: set at the first)."""
         seen_ids = seen_text = 0
         carry = ""  # text that came without a new token, for the next token
         async for out in stream:
+            if cached is not None:
+                cached.set()  # SGLang streams a token only after the prompt's prefill
             token_ids = list(out.get("output_ids") or ())
             text = out.get("text") or ""
             if not self.incremental:  # cumulative: everything so far
@@ -249,6 +298,12 @@ class SGLangEngine(StreamingEngine):
             if token_ids or finish is not None:
                 yield Chunk(token_ids=tuple(token_ids), text=carry, finish=finish)
                 carry = ""
+
+    async def release_prefix(self, request_id: str) -> None:
+        try:
+            await super().release_prefix(request_id)
+        finally:
+            self._prompt_cached.pop(request_id, None)
 
     async def _cancel(self, branch: BranchId) -> None:
         rid = self.rid(branch)

@@ -9,15 +9,34 @@
   ``ChoiceGrader``, ``ExactGrader``, ``make_grader``;
 - ``sart.eval.equivalence``: ``MathVerifyEquivalence``, for the votes'
   ``equivalence``;
-- ``sart.eval.mathverify``: math-verify bounded in time from any thread.
+- ``sart.eval.mathverify``: math-verify bounded in time from any thread;
+- ``sart eval`` (``sart.eval.command``): one recorded pass (``record``, written to
+  ``problems_file`` as it goes), every method at every ``N`` derived from it on the
+  simulator (``derive``) or served for real (``live``), graded with 95% intervals
+  (``accuracy``), reported (``report``, ``plots``). Those modules import the
+  simulator and the drivers, so they are not imported here.
 
 Importing ``sart.eval`` imports neither math-verify, sympy nor ``datasets``:
 they load on first use (``pip install 'sart[eval]'``).
 """
 
-from sart.eval.datasets import DATASETS, Dataset, Problem, load_dataset, load_jsonl
+from sart.eval.datasets import (
+    DATASETS,
+    Dataset,
+    Problem,
+    load_dataset,
+    load_jsonl,
+    load_testbed,
+)
 from sart.eval.equivalence import MathVerifyEquivalence
-from sart.eval.grading import ChoiceGrader, ExactGrader, Grader, MathVerifyGrader, make_grader
+from sart.eval.grading import (
+    ChoiceGrader,
+    ExactGrader,
+    Grader,
+    MathVerifyGrader,
+    grade_answer,
+    make_grader,
+)
 from sart.eval.prompts import PromptTemplate, render_prompt
 
 __all__ = [
@@ -30,8 +49,10 @@ __all__ = [
     "MathVerifyGrader",
     "Problem",
     "PromptTemplate",
+    "grade_answer",
     "load_dataset",
     "load_jsonl",
+    "load_testbed",
     "make_grader",
     "render_prompt",
 ]

@@ -15,6 +15,10 @@ path, from the hub through ``datasets``):
 - ``jsonl``: a user's JSONL file (no hub); math-verify (``load_jsonl``
   picks another template or grader).
 
+Besides these, ``load_testbed(count, seed)`` makes the testbed's questions
+(``sart.testbed``) a dataset, graded exactly: what ``sart eval --dataset
+testbed`` evaluates with no file and no GPU.
+
 Rows: math datasets and user files have ``problem`` and ``answer`` (a
 string, or an integer); every other field is kept in ``Problem.fields``
 (MATH-500's ``level``, ``subject``, ``solution``). A problem's id is the
@@ -301,6 +305,27 @@ def load_dataset(
     return dataset if limit is None else dataset.head(limit)
 
 
+TESTBED_TEMPLATE = PromptTemplate("{problem}")
+"""The testbed's questions are their own prompts (``Q 3 p1 7 p2 5 p3 S``)."""
+
+
+def load_testbed(count: int, seed: int = 0) -> Dataset:
+    """``count`` testbed questions of mixed difficulty (``sart.testbed.make_questions(seed,
+    count)``; the first ``k`` of them are those of ``count=k``), ids ``t0``, ``t1``...
+    as ``sart bench --model testbed`` names them, ``level`` their difficulty (digits
+    to add), graded exactly."""
+    from sart.testbed import make_questions
+
+    config_check(isinstance(count, int) and count >= 1, "limit", count, ">= 1")
+    problems = [
+        Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
+        for i, q in enumerate(make_questions(seed, count))
+    ]
+    return Dataset(
+        "testbed", problems, TESTBED_TEMPLATE, "exact", f"sart.testbed.make_questions({seed})"
+    )
+
+
 def load_jsonl(
     path: str | Path, *, template: PromptTemplate = MATH, grading: str = "math-verify"
 ) -> Dataset:
@@ -320,6 +345,7 @@ __all__ = [
     "hub_rows",
     "load_dataset",
     "load_jsonl",
+    "load_testbed",
     "plain_problem",
     "problems_from_rows",
     "read_rows",

@@ -21,6 +21,8 @@ A ``Grader`` has two methods:
   gold``, the testbed's grader (``sart.testbed.grade``).
 
 ``make_grader(name)`` builds one by name (the ``grading`` a ``Dataset`` names).
+``grade_answer(grader, answer, gold)`` grades an answer already extracted
+(what ``sart eval`` records per branch, and what votes count).
 Importing this module imports neither math-verify nor sympy.
 """
 
@@ -157,4 +159,21 @@ def make_grader(name: str) -> Grader:
     return kind()
 
 
-__all__ = ["GRADERS", "ChoiceGrader", "ExactGrader", "Grader", "MathVerifyGrader", "make_grader"]
+def grade_answer(grader: Grader, answer: str | None, gold: str) -> bool:
+    """Whether an extracted ``answer`` (``grader.extract``'s) is ``gold``: graded as the
+    response ``\\boxed{answer}``, so that the grader reads it whole; no answer
+    (``None`` or ``""``) is wrong."""
+    if not answer:
+        return False
+    return grader.grade(boxed(answer), gold)
+
+
+__all__ = [
+    "GRADERS",
+    "ChoiceGrader",
+    "ExactGrader",
+    "Grader",
+    "MathVerifyGrader",
+    "grade_answer",
+    "make_grader",
+]

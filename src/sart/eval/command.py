@@ -1,0 +1,604 @@
+"""The ``sart eval`` command: accuracy, tokens and latency of every method on a benchmark.
+
+By default one recorded pass (``sart.eval.record``) runs each problem's
+``--n`` branches to their end with the PRM every ``T`` tokens and appends it
+to ``OUT/problems.jsonl`` as it finishes; then every method's answer at every
+``N`` is derived from it, and its latency simulated on ``--cost-model``
+(``sart.eval.derive``). A run interrupted during the pass resumes, with the
+same flags, where it stopped. ``--live`` instead serves every method for real
+(``sart.eval.live``). Both print a table and write ``OUT/results.json`` and
+plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sart.bench.command import (
+    REAL_BATCH_SIZE,
+    TESTBED,
+    TESTBED_INTERVAL,
+    RealSetup,
+    _load_engine,
+    _load_prm,
+    _serving,
+    add_model_flags,
+    in_flags,
+    model_setup,
+    sampling_setup,
+)
+from sart.bench.real import PolicyFactory, PromptItem
+from sart.bench.runner import METHODS, BenchConfig, method_policy, plan
+from sart.engines.costs import PRESETS
+from sart.errors import ConfigError, MissingDependencyError, SartError
+from sart.eval.accuracy import EvalRun
+from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
+from sart.eval.grading import Grader, make_grader
+from sart.eval.problems_file import ProblemRecord, ProblemsFile
+from sart.policies.equivalence import Equivalence
+from sart.types import Scoring
+
+DATASET_CHOICES = (*DATASETS, "testbed")
+TESTBED_LIMIT = 40
+"""Testbed questions when ``--limit`` is not given (the testbed has no fixed set)."""
+EVAL_MAX_TOKENS = 32768
+"""Tokens per branch by default: room for a reasoning model's whole answer."""
+EVAL_TEMPERATURE = 0.6
+"""DeepSeek-R1's recommended sampling temperature for reasoning."""
+DEFAULT_METHODS = ("vanilla", "sc", "sart-no-prune", "sart")
+DEFAULT_N = 8
+DEFAULT_INTERVAL = 400
+DEFAULT_COST_MODEL = "h100-14b"
+PROBLEMS_FILE = "problems.jsonl"
+
+#: The recording's settings -> the flags that set them, for the refusal to resume.
+RECORDING_FLAGS = {
+    "dataset": "--dataset",
+    "source": "--data",
+    "seed": "--seed",
+    "engine": "--engine",
+    "model": "--model",
+    "prm": "--prm",
+    "prm_kind": "--prm-kind",
+    "prm_options": "the PRM's options",
+    "chat": "--chat",
+    "n": "--n",
+    "interval": "--interval",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "max_tokens": "--max-tokens",
+    "template": "the prompt template",
+    "grading": "the grader",
+}
+
+
+def add_eval_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "eval",
+        help="accuracy, tokens and latency of every method on a benchmark (MATH-500, "
+        "AIME, GPQA-Diamond, your JSONL, the testbed), from one recorded pass",
+        description="Record one pass (every branch to its end, the PRM every T tokens; "
+        "resumable), derive every method's answer at every N from it, with latencies "
+        "simulated on a cost model; or, with --live, serve every method for real. Prints "
+        "a table, writes results.json, problems.jsonl and plots.",
+    )
+    p.add_argument(
+        "--dataset",
+        required=True,
+        choices=DATASET_CHOICES,
+        help="the benchmark: graded by math-verify (math500, aime2024, aime2025, jsonl), by "
+        "option letter (gpqa-diamond) or exactly (testbed: the shipped testbed's questions)",
+    )
+    p.add_argument(
+        "--data",
+        help="a local JSONL (or GPQA CSV) file of the dataset (default: the Hugging Face hub, "
+        "through `datasets`; jsonl: required)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help=f"the first K problems only (default: all; testbed: {TESTBED_LIMIT})",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: transformers (default); vllm: vLLM in this process (sart[vllm])",
+    )
+    p.add_argument(
+        "--model",
+        required=True,
+        help="the policy's directory or hub id, or 'testbed' (the shipped tiny reasoning "
+        "model, with its PRM by default)",
+    )
+    add_model_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
+    p.add_argument("--prm-device", default=None, help="transformers PRMs: a torch device")
+    p.add_argument(
+        "--chat",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="put prompts through the model's chat template: auto (default) does when its "
+        "tokenizer has one (never for the testbed)",
+    )
+    p.add_argument(
+        "--n",
+        type=int,
+        default=DEFAULT_N,
+        help=f"branches recorded per problem, the largest N (default {DEFAULT_N})",
+    )
+    p.add_argument(
+        "--ns",
+        type=int,
+        nargs="+",
+        default=None,
+        help="the N values to report (default: 2, 4, 8... up to --n, and --n); Vanilla is N = 1",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sorted(METHODS),
+        default=list(DEFAULT_METHODS),
+        help="methods to evaluate (default: " + " ".join(DEFAULT_METHODS) + ")",
+    )
+    p.add_argument(
+        "--interval",
+        type=int,
+        default=None,
+        help=f"T, tokens between PRM checks (default {DEFAULT_INTERVAL}; testbed: "
+        f"{TESTBED_INTERVAL})",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=REAL_BATCH_SIZE,
+        help=f"the real engine's branch budget B (default {REAL_BATCH_SIZE}); the simulator "
+        "sizes its own to the cost model",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=DEFAULT_COST_MODEL,
+        help="the accelerator the derived latencies are simulated on: "
+        + ", ".join(sorted(PRESETS))
+        + f" (default {DEFAULT_COST_MODEL})",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=1.0,
+        help="requests arrive as a Poisson process at this rate per second (default 1), "
+        "simulated or, with --live, real",
+    )
+    p.add_argument(
+        "--scoring",
+        choices=[s.value for s in Scoring],
+        default=Scoring.OVERLAPPED.value,
+        help="the methods' PRM checks: overlapped with decoding (default) or blocking it",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the testbed's questions, GPQA's option order and the arrivals",
+    )
+    p.add_argument(
+        "--live",
+        action="store_true",
+        help="serve every method for real, one after the other (wall-clock latency, each "
+        "method generating its own branches), instead of deriving them from one pass",
+    )
+    p.add_argument("--out", default="sart-eval", help="output directory (default sart-eval)")
+    p.add_argument(
+        "--json", action="store_true", help="print the results JSON (without per-request rows)"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.set_defaults(func=run_eval_command)
+
+
+def run_eval_command(args: argparse.Namespace) -> int:
+    try:
+        return _eval(args)
+    except ConfigError as exc:
+        raise in_flags(exc) from None
+
+
+class _Run:
+    """What one ``sart eval`` invocation resolved from its flags."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.testbed = args.model == TESTBED
+        _check_flags(args)
+        self.dataset = _dataset(args)
+        model, prm, prm_options = model_setup(args)
+        if prm is None:
+            raise ConfigError("--prm is needed: the PRM scores every branch every T tokens")
+        sampling = sampling_setup(args, EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
+        self.items = [
+            PromptItem(p.id, self.dataset.prompt(p), p.answer) for p in self.dataset.problems
+        ]
+        self.setup = RealSetup(model, prm, prm_options, self.items, sampling)
+        self.interval = args.interval or (TESTBED_INTERVAL if self.testbed else DEFAULT_INTERVAL)
+        self.ns = _ns(args)
+        self.methods = tuple(dict.fromkeys(args.methods))
+        self.grader: Grader = make_grader(self.dataset.grading)
+        self.equivalence: Equivalence | None = None
+        if self.dataset.grading == "math-verify":
+            from sart.eval.equivalence import MathVerifyEquivalence
+
+            self.equivalence = MathVerifyEquivalence()
+        self.levels = {
+            p.id: p.fields["level"] for p in self.dataset.problems if "level" in p.fields
+        }
+        self.out = Path(args.out)
+        self.wall: dict[str, float | None] = {"record": None, "derive": None, "serve": None}
+        self.runs: list[EvalRun] = []
+        self.settings: dict[str, Any] = {}
+        """What generated the branches (model, PRM, sampling, n, T...): results.json's."""
+        self.use_chat: bool | None = None
+        self.problems: ProblemsFile | None = None
+        """``problems.jsonl``, once open."""
+
+    @property
+    def recorded(self) -> int:
+        """This run's problems found in, or written to, ``problems.jsonl``."""
+        records = self.problems.records if self.problems is not None else {}
+        return sum(item.id in records for item in self.items)
+
+    def policy_for(self, extract: Callable[[str], str]) -> PolicyFactory:
+        def build(method: str, n: int) -> Any:
+            return method_policy(
+                method, n, self.interval, equivalence=self.equivalence, extract=extract
+            )
+
+        return build
+
+    def chat(self) -> bool:
+        """Whether prompts go through the model's chat template (``--chat``)."""
+        choice = self.args.chat
+        if choice != "auto":
+            return choice == "on"
+        if self.testbed:
+            return False
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(
+            self.setup.model, trust_remote_code=self.args.trust_remote_code
+        )
+        return getattr(tokenizer, "chat_template", None) is not None
+
+    def load(self) -> tuple[Any, Any]:
+        """The engine and the PRM."""
+        engine = _load_engine(
+            self.args, self.setup.model, self.args.batch_size, chat=bool(self.use_chat)
+        )
+        return engine, _load_prm(self.args, self.setup)
+
+    def document(self, *, complete: bool) -> dict[str, Any]:
+        from sart.eval.report import eval_json
+
+        args = self.args
+        live = args.live
+        config: dict[str, Any] = {
+            "methods": list(self.methods),
+            "ns": list(self.ns),
+            "rate": args.rate,
+            "scoring": args.scoring,
+            "seed": args.seed,
+        }
+        if live:
+            config["batch_size"] = args.batch_size
+            unit = "seconds (wall clock)"
+        else:
+            config["cost_model"] = args.cost_model
+            config["batch_size"] = self.runs[0].record.batch_size if self.runs else None
+            unit = (
+                "decode steps"
+                if args.cost_model == "steps"
+                else f"seconds (simulated: {args.cost_model})"
+            )
+        return eval_json(
+            mode="live" if live else "derived",
+            dataset={
+                "name": self.dataset.name,
+                "source": self.dataset.source,
+                "problems": len(self.dataset),
+                "grading": self.dataset.grading,
+            },
+            settings=self.settings,
+            config=config,
+            time_unit=unit,
+            wall_seconds=self.wall,
+            runs=self.runs,
+            levels=self.levels,
+            complete=complete,
+        )
+
+    def write(self, *, complete: bool) -> dict[str, Any]:
+        document = self.document(complete=complete)
+        path = self.out / "results.json"
+        temporary = path.with_name(".results.json.tmp")
+        temporary.write_text(json.dumps(document, indent=1), encoding="utf-8")
+        os.replace(temporary, path)
+        return document
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.engine != "vllm" and args.vllm_arg:
+        raise ConfigError(f"--vllm-arg has no effect with --engine {args.engine}")
+    if args.n < 1:
+        raise ConfigError(f"--n {args.n} must be >= 1")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
+    if args.rate <= 0:
+        raise ConfigError(f"--rate {args.rate} must be > 0")
+    if args.interval is not None and args.interval < 1:
+        raise ConfigError(f"--interval {args.interval} must be >= 1")
+    if args.cost_model not in PRESETS:
+        raise ConfigError(f"--cost-model {args.cost_model!r} must be one of {sorted(PRESETS)}")
+
+
+def _dataset(args: argparse.Namespace) -> Dataset:
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit} must be >= 1")
+    if args.dataset == "testbed":
+        if args.data is not None:
+            raise ConfigError(
+                "--data has no effect with --dataset testbed (its questions are made)"
+            )
+        return load_testbed(args.limit or TESTBED_LIMIT, args.seed)
+    if args.dataset == "jsonl" and args.data is None:
+        raise ConfigError("--dataset jsonl needs --data FILE")
+    return load_dataset(args.dataset, args.data, seed=args.seed, limit=args.limit)
+
+
+def _ns(args: argparse.Namespace) -> tuple[int, ...]:
+    """The N values to report: ``--ns``, or 2, 4, 8... up to ``--n`` and ``--n`` itself."""
+    if args.ns is not None:
+        bad = [n for n in args.ns if not 1 <= n <= args.n]
+        if bad:
+            raise ConfigError(f"--ns {bad} must each be in 1..--n ({args.n})")
+        return tuple(sorted(set(args.ns)))
+    ns, n = [], 2
+    while n <= args.n:
+        ns.append(n)
+        n *= 2
+    return tuple(sorted({*ns, args.n}))
+
+
+def _eval(args: argparse.Namespace) -> int:
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "sart eval needs rich and matplotlib; install them with: pip install 'sart[bench]'"
+        ) from exc
+    run = _Run(args)
+    console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
+    run.out.mkdir(parents=True, exist_ok=True)
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    started = time.perf_counter()
+    try:
+        with progress:
+            if args.live:
+                _live(run, progress)
+            else:
+                _derived(run, progress, console)
+    except KeyboardInterrupt:
+        run.write(complete=False)
+        if args.live:
+            kept = f"kept {len(run.runs)} finished runs in {run.out / 'results.json'}"
+        else:
+            kept = f"{run.recorded} of {len(run.items)} problems are recorded in " + str(
+                run.out / PROBLEMS_FILE
+            )
+        console.print(
+            f"interrupted: {kept}; run the same command again to resume",
+            style="bold",
+            soft_wrap=True,
+        )
+        return 130
+    finally:
+        close = getattr(run.equivalence, "close", None)
+        if close is not None:
+            close()
+    document = run.write(complete=True)
+    plots = []
+    if not args.no_plots:
+        from sart.eval.plots import write_plots
+
+        plots = write_plots(run.runs, run.out, run.levels)
+    if args.json:
+        for entry in document["runs"]:
+            entry.pop("requests")
+        print(json.dumps(document, indent=1))
+        return 0
+    from sart.eval.report import render
+
+    mode = (
+        "served live (wall clock)"
+        if args.live
+        else f"derived from one pass, latency simulated on {args.cost_model}"
+    )
+    unit = "steps" if not args.live and args.cost_model == "steps" else "s"
+    title = (
+        f"{run.dataset.name}: {len(run.dataset)} problems, {mode}, {args.rate:g} req/s, "
+        f"T={run.interval}"
+    )
+    render(run.runs, console, title, unit)
+    spent = ", ".join(f"{k} {v:.1f} s" for k, v in run.wall.items() if v is not None)
+    console.print(
+        f"took {time.perf_counter() - started:.1f} s ({spent}); wrote "
+        + ", ".join(str(p) for p in [run.out / "results.json", *plots])
+    )
+    return 0
+
+
+def _derived(run: _Run, progress: Any, console: Any) -> None:
+    args = run.args
+    run.use_chat = run.chat()
+    setup = run.setup
+    run.settings = {
+        "dataset": run.dataset.name,
+        "source": run.dataset.source,
+        "seed": args.seed,
+        "engine": args.engine,
+        "model": args.model,
+        "prm": args.prm,  # None: the testbed's own
+        "prm_kind": args.prm_kind,
+        "prm_options": setup.prm_options,
+        "chat": run.use_chat,
+        "n": args.n,
+        "interval": run.interval,
+        "temperature": setup.sampling.temperature,
+        "top_p": setup.sampling.top_p,
+        "max_tokens": setup.sampling.max_tokens,
+        "template": run.dataset.template.text,
+        "grading": run.dataset.grading,
+    }
+    with ProblemsFile(run.out / PROBLEMS_FILE, run.settings, RECORDING_FLAGS) as problems:
+        if problems.dropped_partial_line:
+            console.print(f"{problems.path}: dropped a last line cut short by an interruption")
+        _check_golds(run.dataset, problems.records)
+        run.problems = problems
+        missing = [item for item in run.items if item.id not in problems.records]
+        if missing:
+            _record(run, problems, missing, progress)
+        records = [problems.records[item.id] for item in run.items]
+    from sart.eval.derive import derive, unboxed
+
+    config = BenchConfig(
+        engine="sim",
+        trace=str(run.out / PROBLEMS_FILE),
+        cost=args.cost_model,
+        methods=run.methods,
+        ns=run.ns,
+        interval=run.interval,
+        seed=args.seed,
+        scoring=Scoring(args.scoring),
+    )
+    task = progress.add_task("deriving", total=len(plan(config)))
+    started = time.perf_counter()
+
+    def finished(eval_run: EvalRun) -> None:
+        run.runs.append(eval_run)
+        progress.advance(task)
+
+    derive(records, config, run.policy_for(unboxed), run.grader, rate=args.rate, on_run=finished)
+    run.wall["derive"] = time.perf_counter() - started
+
+
+def _check_golds(dataset: Dataset, records: dict[str, ProblemRecord]) -> None:
+    for problem in dataset:
+        record = records.get(problem.id)
+        if record is not None and record.gold != problem.answer:
+            raise ConfigError(
+                f"problem {problem.id!r} was recorded with the gold answer {record.gold!r}, "
+                f"but the dataset now says {problem.answer!r}: the dataset changed; give "
+                "another --out"
+            )
+
+
+def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progress: Any) -> None:
+    from sart.eval.record import record_problems
+
+    loading = progress.add_task("loading models", total=None)
+    engine, prm = run.load()
+    progress.remove_task(loading)
+    task = progress.add_task(f"recording {len(missing)} problems", total=len(missing))
+
+    def recorded(record: ProblemRecord) -> None:
+        problems.append(record)
+        progress.advance(task)
+
+    started = time.perf_counter()
+    try:
+        failures = record_problems(
+            missing,
+            engine,
+            prm,
+            run.grader,
+            n=run.args.n,
+            interval=run.interval,
+            sampling=run.setup.sampling,
+            batch_size=run.args.batch_size,
+            on_record=recorded,
+        )
+    finally:
+        run.wall["record"] = time.perf_counter() - started
+        _close(prm)
+    if failures:
+        run.write(complete=False)
+        listed = "; ".join(f"{f.id}: {f.reason}" for f in failures[:5])
+        raise SartError(
+            f"recording failed for {len(failures)} "
+            f"problem{'s' if len(failures) > 1 else ''} ({listed}); the others are in "
+            f"{problems.path}: run the same command again to retry the failed ones"
+        )
+
+
+def _live(run: _Run, progress: Any) -> None:
+    from sart.eval.live import serve_live
+
+    args = run.args
+    run.use_chat = run.chat()
+    run.settings = _serving(args, run.setup) | {"chat": run.use_chat, "n": args.n}
+    config = BenchConfig(
+        engine=args.engine,
+        model=run.setup.model,
+        methods=run.methods,
+        ns=run.ns,
+        rates=(args.rate,),
+        num_requests=None,
+        batch_size=args.batch_size,
+        interval=run.interval,
+        seed=args.seed,
+        scoring=Scoring(args.scoring),
+    )
+    loading = progress.add_task("loading models", total=None)
+    engine, prm = run.load()
+    progress.remove_task(loading)
+    task = progress.add_task("serving", total=len(plan(config)))
+
+    def finished(eval_run: EvalRun) -> None:
+        run.runs.append(eval_run)
+        run.wall["serve"] = sum(r.record.summary.makespan for r in run.runs)
+        run.write(complete=False)
+        progress.advance(task)
+
+    try:
+        serve_live(
+            run.items,
+            engine,
+            prm,
+            config,
+            run.setup.sampling,
+            run.policy_for(run.grader.extract),
+            run.grader,
+            on_run=finished,
+        )
+    finally:
+        _close(prm)
+
+
+def _close(prm: Any) -> None:
+    close = getattr(prm, "close", None)
+    if close is not None:
+        close()
+
+
+__all__ = ["add_eval_parser", "run_eval_command"]
