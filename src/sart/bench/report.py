@@ -68,7 +68,7 @@ def bench_json(
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
         "time_unit": (
             "seconds (wall clock)"
-            if config.engine in ("hf", "vllm")
+            if config.engine != "sim"
             else "decode steps"
             if config.cost == "steps"
             else "seconds (simulated)"
@@ -135,6 +135,8 @@ def _setting(config: BenchConfig) -> str:
         return f"transformers model {config.model}"
     if config.engine == "vllm":
         return f"vLLM model {config.model}"
+    if config.engine == "sglang":
+        return f"SGLang model {config.model}"
     if config.trace is not None:
         return f"trace {config.trace} on {config.cost}"
     return f"{config.workload} workload on {config.cost}"

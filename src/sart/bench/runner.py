@@ -201,7 +201,10 @@ class BenchConfig:
         config_check(bool(self.methods), "methods", self.methods, "non-empty")
         config_check(bool(self.ns) and min(self.ns) >= 1, "ns", self.ns, "non-empty, each >= 1")
         config_check(
-            self.engine in ("sim", "hf", "vllm"), "engine", self.engine, "'sim', 'hf' or 'vllm'"
+            self.engine in ("sim", "hf", "vllm", "sglang"),
+            "engine",
+            self.engine,
+            "'sim', 'hf', 'vllm' or 'sglang'",
         )
         self._check_sources()
         config_check(

@@ -1,0 +1,54 @@
+"""``sart bench --engine sglang --model testbed``: the testbed served by a real SGLang.
+
+Runs the command in a child process in SGLang's CPU environment (``sglang_cpu``:
+the shims on the import path, SGLang's CPU flags as ``--sglang-arg``); skipped
+where SGLang is not installed (failed with ``SART_REQUIRE_SGLANG=1``, as CI's
+SGLang run sets). Without SGLang, the flags are still checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cpu import SGLANG_CPU_ARGS
+
+
+def sglang_args() -> list[str]:
+    keep = ("device", "attention_backend", "sampling_backend", "cuda_graph_backend_decode",
+            "cuda_graph_backend_prefill", "grammar_backend", "dtype", "mem_fraction_static",
+            "max_total_tokens")  # fmt: skip
+    return [f for k in keep for f in ("--sglang-arg", f"{k}={SGLANG_CPU_ARGS[k]}")]
+
+
+def test_the_testbed_on_sglang_with_every_kind_of_method(sglang_cpu: None, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = subprocess.run(
+        [sys.executable, "-m", "sart.cli", "bench", "--engine", "sglang", "--model", "testbed",
+         "--requests", "6", "--n", "2", "--rate", "8", "--methods", "vanilla", "sc", "sart",
+         "--no-plots", "--out", str(out), *sglang_args()],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["complete"] and data["config"]["engine"] == "sglang"
+    runs = {(r["method"], r["n"]): r for r in data["runs"]}
+    assert set(runs) == {("vanilla", 1), ("sc", 2), ("sart", 2)}
+    for run in runs.values():
+        assert run["summary"]["failed"] == 0 and run["summary"]["accuracy"] is not None
+    assert "SGLang model testbed" in done.stdout
+
+
+def test_sglang_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--engine", "hf", "--model", "testbed", "--sglang-arg", "tp_size=2"])
+    assert "--sglang-arg has no effect with --engine hf (it is for --engine sglang)" in (
+        capsys.readouterr().err
+    )
