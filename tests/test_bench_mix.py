@@ -60,3 +60,11 @@ def test_sart_bench_mix_writes_its_comparison(tmp_path: Path) -> None:
     (rate,) = data["rates"]
     assert [run["scheduling"] for run in rate["runs"]] == ["fcfs", "priority"]
     assert [c["name"] for c in rate["runs"][1]["classes"]] == ["interactive", "bulk"]
+
+
+def test_mix_replaces_methods_and_n(capsys: pytest.CaptureFixture[str]) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--mix", SPEC, "--n", "4"])
+    assert "--mix names each class's method and N" in capsys.readouterr().err

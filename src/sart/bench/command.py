@@ -465,6 +465,8 @@ def _bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
 
     from sart.bench.mix import mix_json, parse_mix, run_mix
 
+    if args.ns or args.methods != list(BenchConfig().methods):
+        raise ConfigError("--mix names each class's method and N: drop --methods and --n")
     classes = parse_mix(args.mix)
     width = max(c.n for c in classes)
     console = Console(width=None if Console().is_terminal else 120)
