@@ -147,8 +147,6 @@ def vllm_serve(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
     """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
     block ends, its output in ``log_path``; yields its URL once healthy. (Also used
     by ``benchmarks/gateway.py``.)"""
-    import httpx
-
     port = free_port()
     cmd = [
         # `vllm serve` reads the version of a distribution named "vllm", which
@@ -183,24 +181,37 @@ def vllm_serve(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
         "8192",
         *flags,
     ]
-    env = {**os.environ, **VLLM_SERVER_ENV}
+    with serve_subprocess(cmd, {**os.environ, **VLLM_SERVER_ENV}, log_path, port) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serve_subprocess(
+    cmd: list[str], env: dict[str, str], log_path: Path, port: int, timeout: float = 240
+) -> Iterator[str]:
+    """Run a server command (in a session of its own, its output in ``log_path``) until
+    the block ends; yields ``http://127.0.0.1:{port}`` once its ``/health`` answers 200.
+    Stops it with SIGTERM, then SIGKILL, whatever happens in the block."""
+    import httpx
+
+    name = cmd[2] if cmd[1:2] == ["-m"] else cmd[0]
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 240
+            deadline = time.monotonic() + timeout
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(
-                        f"vllm serve exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
+                        f"{name} exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
                     )
                 with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(url + "/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError("vllm serve did not become healthy in 240 s")
+                    raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s")
                 time.sleep(0.5)
             yield url
         finally:

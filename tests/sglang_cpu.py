@@ -18,15 +18,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from adapters import free_port
+from adapters import free_port, serve_subprocess
 
 SHIMS = Path(__file__).resolve().parent / "shims"
 """The stand-in packages (``sgl_kernel``, ``torchvision``) for SGLang on a CPU."""
@@ -167,8 +165,6 @@ def sglang_launch_server(model: Path, log_path: Path, *flags: str) -> Iterator[s
     """Run ``python -m sglang.launch_server`` of ``model`` (served as ``demo``) on a free
     loopback port with ``SGLANG_CPU_ARGS`` until the block ends, its output in
     ``log_path``; yields its URL once healthy. Call inside ``cpu_environment()``."""
-    import httpx
-
     port = free_port()
     cmd = [
         sys.executable,
@@ -185,32 +181,5 @@ def sglang_launch_server(model: Path, log_path: Path, *flags: str) -> Iterator[s
         *cpu_flags(),
         *flags,
     ]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ), start_new_session=True
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 240
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"sglang.launch_server exited ({proc.returncode}):\n"
-                        + log_path.read_text()[-4000:]
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError("sglang.launch_server did not become healthy in 240 s")
-                time.sleep(0.5)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    with serve_subprocess(cmd, dict(os.environ), log_path, port) as url:
+        yield url

@@ -137,7 +137,10 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--requests", "0"], "--requests 0 must be >= 1"),
         (["bench", "--rate", "-1"], "--rate (-1.0,) must be non-empty, each > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
-        (["bench", "--model", "tpu"], "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'"),
+        (
+            ["bench", "--model", "tpu"],
+            "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
+        ),
         (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
         (["bench", "--prm-cost", "cached"], "--prm-cost: invalid choice: 'cached'"),
         (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
