@@ -5,9 +5,13 @@ the gateway's (``sart serve --engine openai``).
 ``httpx`` handler that an engine reaches through ``httpx.MockTransport``
 (``transport``). It streams ``/v1/completions`` as vLLM does: one token per
 SSE event, ``token_ids`` when ``return_token_ids`` is asked, cumulative usage
-with ``continuous_usage_stats``, a final usage chunk and ``data: [DONE]``; it
-may serve ``/tokenize`` and vLLM's ``/inference/v1/abort_requests``. Its
-tokens are a function of (prompt, seed), so seeded branches are reproducible.
+with ``continuous_usage_stats``, ``logprobs`` in vLLM's shape when asked (the
+sampled token's entry first in ``top_logprobs``, then the ``k`` most likely;
+keys ``"token_id:N"`` with ``return_tokens_as_token_ids``, else the tokens'
+texts), a final usage chunk and ``data: [DONE]``; it may serve ``/tokenize``
+and vLLM's ``/inference/v1/abort_requests``. Its tokens are a function of
+(prompt, seed), so seeded branches are reproducible, and their
+log-probabilities a function of the token (``logprobs``).
 It is a stand-in for a real server, not a model of vLLM's scheduling; the
 real tests (against ``vllm serve``) check that.
 
@@ -42,7 +46,8 @@ class StandInServer:
     ``/tokenize``. ``fail``: answer every completion request with this HTTP
     status. ``error_after``: send an error object after that many tokens.
     ``abort_endpoint``: serve vLLM's ``/inference/v1/abort_requests`` (it stops
-    the named streams, as vLLM's engine aborts them).
+    the named streams, as vLLM's engine aborts them). ``logprobs``: honour
+    ``logprobs`` (else the request's tokens come without them).
     """
 
     _hosts = itertools.count()
@@ -58,8 +63,10 @@ class StandInServer:
         fail: int | None = None,
         error_after: int | None = None,
         abort_endpoint: bool = False,
+        logprobs: bool = True,
     ) -> None:
         self.token_delay = token_delay
+        self.honour_logprobs = logprobs
         self.abort_endpoint = abort_endpoint
         self.abort_calls: list[list[str]] = []
         """The ``request_ids`` of every call to the abort endpoint (served or not)."""
@@ -136,6 +143,8 @@ class StandInServer:
                     "text": "" if token in (None, 0) else f" w{token}",
                     "finish_reason": finish,
                 }
+                if self.honour_logprobs and body.get("logprobs") is not None:
+                    choice["logprobs"] = self._logprobs(token or 0, body)
                 if with_ids:
                     choice["token_ids"] = [token or 0]
                     if n == 1:
@@ -160,11 +169,33 @@ class StandInServer:
                 self.disconnected.append(rid)
 
     @staticmethod
+    def logprobs(token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+        """The stand-in's log-probabilities at ``token``: the sampled token's, and the ``k``
+        most likely tokens' (ids 100 and up, never sampled; highest first) as (id, value)."""
+        return -0.5 - 0.05 * (token % 9), [(100 + j, -0.1 * (j + 1)) for j in range(k)]
+
+    @staticmethod
     def tokens(prompt: Any, seed: Any) -> list[int]:
         """The continuation of ``prompt`` under ``seed``: ids in 2..99, ending with EOS (0)."""
         rng = random.Random(f"{prompt}|{seed}")
         length = rng.randint(4, 14)
         return [rng.randint(2, 99) for _ in range(length)] + [0]
+
+    def _logprobs(self, token: int, body: dict[str, Any]) -> dict[str, Any]:
+        """A choice's ``logprobs`` for one token, as vLLM's completions server sends it."""
+        as_ids = self.token_ids and body.get("return_tokens_as_token_ids")
+
+        def key(t: int) -> str:
+            return f"token_id:{t}" if as_ids else ("" if t == 0 else f" w{t}")
+
+        k = body["logprobs"]
+        sampled, top = self.logprobs(token, k)
+        return {
+            "text_offset": [0],
+            "token_logprobs": [sampled],
+            "tokens": [key(token)],
+            "top_logprobs": [{key(token): sampled, **{key(t): v for t, v in top}}],
+        }
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -45,7 +45,7 @@ class Served:
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=20)
+        self.thread.join(timeout=60)  # a bound on a hang, generous for a loaded machine
         assert not self.thread.is_alive(), "server did not stop"
 
     def openai(self, key: str | None = "key") -> openai.OpenAI:
@@ -61,7 +61,7 @@ class Served:
         found = re.search(pattern, text, re.M)
         return float(found.group(1)) if found else 0.0
 
-    def wait_for(self, check: Callable[[], bool], timeout: float = 10) -> None:
+    def wait_for(self, check: Callable[[], bool], timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while not check():
             assert time.monotonic() < deadline, "timed out"

@@ -9,9 +9,13 @@ awaited, returning an async generator of chunks when ``stream=True``;
 abort_all=False)``, ``tokenizer``, ``context_len``, and the chunk format:
 ``{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", ...}}``, cumulative by default, deltas with
-``incremental_streaming_output``). It is not SGLang: its tokens are a function
-of (input ids, seed, position), it streams them in random bursts, and it
-knows nothing of batching or KV.
+``incremental_streaming_output``; with ``return_logprob``, ``meta_info`` also
+holds ``output_token_logprobs`` and, for ``top_logprobs_num > 0``,
+``output_top_logprobs``, sliced as ``output_ids`` are and, when cumulative,
+the live lists themselves, as SGLang hands them out). It is not SGLang: its
+tokens are a function of (input ids, seed, position), their log-probabilities
+a function of the token (``logprobs``), it streams them in random bursts, and
+it knows nothing of batching or KV.
 
 SGLang is not installed in the main test venv (the real one runs in its own
 venv: ``sglang_cpu``), so the adapter's module is imported with a stand-in
@@ -115,6 +119,8 @@ class SGLangStandIn:
         input_ids: list[int] | list[list[int]] | None = None,
         image_data: Any = None,
         return_logprob: bool | list[bool] | None = False,
+        logprob_start_len: int | list[int] | None = None,
+        top_logprobs_num: int | list[int] | None = None,
         stream: bool = False,
         rid: str | list[str] | None = None,
         **rest: Any,
@@ -126,13 +132,17 @@ class SGLangStandIn:
                 "input_ids": list(input_ids or []),
                 "stream": stream,
                 "rid": rid,
+                "return_logprob": return_logprob,
+                "top_logprobs_num": top_logprobs_num,
             }
         )
         assert isinstance(rid, str) and stream is True, "the adapter streams single requests"
+        assert logprob_start_len in (None, -1), "the adapter asks for the output's logprobs only"
         self.running.add(rid)
         if self.scripted is not None:
             return self._replay(self.scripted, rid)
-        return self._stream(list(input_ids or []), dict(sampling_params or {}), rid)
+        top = (top_logprobs_num or 0) if return_logprob else None
+        return self._stream(list(input_ids or []), dict(sampling_params or {}), rid, top)
 
     async def _replay(self, chunks: list[dict], rid: str) -> AsyncIterator[dict]:
         for chunk in chunks:
@@ -148,7 +158,16 @@ class SGLangStandIn:
         rng = random.Random(repr((input_ids, seed)))
         return [rng.randint(3, 60) for _ in range((length or self.length) - 1)] + [EOS]
 
-    async def _stream(self, input_ids: list[int], params: dict, rid: str) -> AsyncIterator[dict]:
+    @staticmethod
+    def logprobs(token: int, top: int) -> tuple[float, list[float]]:
+        """The stand-in's log-probabilities of ``token``: the sampled token's and the
+        ``top`` most likely tokens' (highest first, the first >= the sampled one's)."""
+        return -0.1 - 0.05 * (token % 9), [-0.1 * (j + 1) + 0.05 for j in range(top)]
+
+    async def _stream(
+        self, input_ids: list[int], params: dict, rid: str, top: int | None = None
+    ) -> AsyncIterator[dict]:
+        """``top``: the request's ``top_logprobs_num`` if it asked for logprobs."""
         length = next((n for key, n in self.lengths.items() if rid.endswith(key)), None)
         tokens = self.tokens(input_ids, params.get("sampling_seed", 0), length)
         budget = params.get("max_new_tokens", 128)
@@ -159,6 +178,9 @@ class SGLangStandIn:
         incremental = self.server_args.incremental_streaming_output
         done: list[int] = []
         text = ""
+        # Per token, as SGLang's tokenizer manager keeps them: (logprob, id, text) triples.
+        sampled_lps: list[tuple[float, int, None]] = []
+        top_lps: list[list[tuple[float, int, None]]] = []
         try:
             while len(done) < end:
                 await asyncio.sleep(self.delay)
@@ -176,6 +198,7 @@ class SGLangStandIn:
                     else:
                         reason = {"type": "length", "length": end}
                 piece = "".join("" if t == EOS else f"t{t} " for t in new)
+                offset = len(done)
                 done += new
                 text += piece
                 meta = {
@@ -185,6 +208,18 @@ class SGLangStandIn:
                     "completion_tokens": len(done),
                     "cached_tokens": 0,
                 }
+                if top is not None:
+                    for t in new:
+                        lp, tops = self.logprobs(t, top)
+                        sampled_lps.append((lp, t, None))
+                        top_lps.append([(v, 100 + j, None) for j, v in enumerate(tops)])
+                    # Cumulative: SGLang's live lists; incremental: the chunk's slice.
+                    meta["output_token_logprobs"] = (
+                        sampled_lps[offset:] if incremental else sampled_lps
+                    )
+                    meta["output_token_logprobs_length"] = len(sampled_lps)
+                    if top > 0:
+                        meta["output_top_logprobs"] = top_lps[offset:] if incremental else top_lps
                 if reason is not None:  # SGLang drops a request's state before its last chunk
                     self.completed.add(rid)
                     self.running.discard(rid)

@@ -39,7 +39,15 @@ BASE_MAX_EXAMPLES = 100
 
 PREFILL, START, STEP, PRM_FAIL, PRM_NAN = "prefill", "start", "step", "prm_fail", "prm_nan"
 FAULT_KINDS = (PREFILL, START, STEP, PRM_FAIL, PRM_NAN)
-POLICY_KINDS = ("sart", "self_consistency", "vanilla", "sart_without_pruning", "custom")
+POLICY_KINDS = (
+    "sart",
+    "self_consistency",
+    "vanilla",
+    "sart_without_pruning",
+    "custom",
+    "deepconf",
+    "sart_confidence",
+)
 
 
 def examples(n: int) -> int:
@@ -68,6 +76,17 @@ branch_scripts = st.builds(
     final_reward=st.none() | rewards,
 )
 
+#: Branches with scripted log-probabilities, for the policies that score with their own
+#: confidence (drawn only for those: the extra lists slow every other example down).
+confident_scripts = st.builds(
+    BranchScript,
+    length=st.integers(1, MAX_LENGTH),
+    answer=st.sampled_from(ANSWERS),
+    confidences=st.lists(st.floats(0.0, 20.0), max_size=4).map(tuple),
+    logprobs=st.lists(st.floats(-20.0, 0.0), max_size=4).map(tuple),
+    logprob_every=st.integers(1, 16),
+)
+
 sampling_settings = st.builds(sart.SamplingSettings, max_tokens=st.integers(1, MAX_TOKENS))
 
 
@@ -87,6 +106,13 @@ def policies(draw: st.DrawFn, interval: int) -> sart.Policy:
         return sart.vanilla(interval)
     if kind == "sart_without_pruning":
         return sart.sart_without_pruning(n, m, interval)
+    if kind == "deepconf" and n >= 2:
+        warmup = draw(st.integers(1, n - 1))
+        keep = draw(st.sampled_from((10.0, 50.0, 90.0, 100.0)))
+        window = draw(st.integers(1, 8))
+        return sart.deepconf_online(n, warmup, keep, interval, window, top_k=2)
+    if kind == "sart_confidence":
+        return sart.sart_confidence(n, m, alpha, beta, interval, top_k=2)
     stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
     prune = draw(st.sampled_from([sart.NoPrune(), sart.TwoPhasePrune(alpha, beta)]))
     select = draw(st.sampled_from([sart.WeightedVote(), sart.MajorityVote(), sart.BestReward()]))
@@ -106,7 +132,8 @@ class RequestParts:
 def request_parts(draw: st.DrawFn, interval: int) -> RequestParts:
     """A policy, one script per branch, and sampling settings."""
     policy = draw(policies(interval))
-    scripts = draw(st.lists(branch_scripts, min_size=policy.n, max_size=policy.n))
+    kind = branch_scripts if policy.reward is None else confident_scripts
+    scripts = draw(st.lists(kind, min_size=policy.n, max_size=policy.n))
     return RequestParts(policy, tuple(scripts), draw(sampling_settings))
 
 

@@ -125,3 +125,47 @@ def test_record_trace_from_a_real_run(demo_models: dict[str, Path], tmp_path: Pa
             assert branch.final_reward == pytest.approx(
                 script.reward_at(branch.length, 4, final=True), abs=1e-4
             )
+
+
+def test_record_trace_keeps_the_real_engines_logprobs_per_segment(
+    demo_models: dict[str, Path],
+) -> None:
+    """With ``SamplingSettings(logprobs=k)`` each branch of the trace holds, per segment
+    of ``logprob_every`` tokens, the mean of the sampled tokens' logprobs and of their
+    token confidences (minus the mean of the top-k), as the engine reported them."""
+    engine = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+    reported: dict[sart.BranchId, list] = {}
+    step = engine.step
+
+    def spy(max_steps: int, until_first_end: bool = False):  # type: ignore[no-untyped-def]
+        out = step(max_steps, until_first_end)
+        for bid, delta in out.deltas.items():
+            reported.setdefault(bid, []).extend(delta.logprobs)
+        return out
+
+    engine.step = spy  # type: ignore[method-assign]
+    items = load_prompts(demo_models["prompts"])[:2]
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=11, logprobs=3)
+    trace = record_trace(
+        items,
+        engine,
+        ScriptedPRM(every=4),
+        n=2,
+        interval=4,
+        sampling=sampling,
+        rate=100.0,
+        logprob_every=4,
+    )
+    for request in trace:
+        for index, branch in enumerate(request.branches):
+            tokens = reported[sart.BranchId(request.id, index)]
+            assert len(tokens) == branch.length
+            assert branch.logprob_every == 4
+            segments = [tokens[i : i + 4] for i in range(0, branch.length, 4)]
+            assert branch.logprobs == pytest.approx(
+                [sum(t.logprob for t in s) / len(s) for s in segments], abs=1e-4
+            )
+            assert branch.confidences == pytest.approx(
+                [sum(-sum(t.top) / 3 for t in s) / len(s) for s in segments], abs=1e-4
+            )
+            assert all(c > 0 for c in branch.confidences)

@@ -80,6 +80,37 @@ def check_comparison(doc: dict) -> None:
     assert all(r["prm_items"] == 0 for r in runs["sc"]["requests"])
 
 
+CONFIDENCE = ["sc", "deepconf", "sart-conf"]
+
+
+def check_confidence(doc: dict) -> None:
+    """The confidence methods on 12 testbed questions at N = 4: real answers, rewards
+    from the policy's log-probabilities, fewer tokens than SC."""
+    runs = {r["method"]: r for r in doc["runs"]}
+    assert list(runs) == CONFIDENCE
+    for method in CONFIDENCE:
+        summary = runs[method]["summary"]
+        assert summary["failed"] == 0 and 0.0 < summary["accuracy"] <= 1.0
+    for method in ("deepconf", "sart-conf"):
+        done = [
+            b
+            for r in runs[method]["requests"]
+            for b in r["branches"]
+            if b["status"] in ("finished", "truncated")
+        ]
+        assert done and all(0.0 < b["reward"] <= 1.0 for b in done)
+        assert all(r["prm_items"] > 0 for r in runs[method]["requests"])  # scored: by confidence
+    tokens = {m: runs[m]["summary"]["tokens_per_request"] for m in CONFIDENCE}
+    assert tokens["sart-conf"] < tokens["sc"]  # M-of-N stop and pruning
+    assert tokens["deepconf"] <= tokens["sc"]
+
+
+def test_bench_runs_the_confidence_methods_with_transformers(tmp_path: Path) -> None:
+    argv = bench_argv("hf", tmp_path / "out", "--methods", *CONFIDENCE)
+    assert main(argv) == 0
+    check_confidence(json.loads((tmp_path / "out" / "results.json").read_text()))
+
+
 def test_bench_compares_every_method_on_the_testbed_with_transformers(tmp_path: Path) -> None:
     assert main(bench_argv("hf", tmp_path / "out")) == 0
     check_comparison(json.loads((tmp_path / "out" / "results.json").read_text()))
@@ -100,7 +131,19 @@ def test_a_testbed_run_records_a_trace_for_the_simulator(tmp_path: Path) -> None
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
     assert len(lines) == 12 and all(len(line["branches"]) == 4 for line in lines)
     assert all(line["answer"] in "0123456789" for line in lines)
-    # The recorded trace replays in the simulator.
+    # Each branch's log-probabilities were recorded with it (per 16 tokens).
+    branches = [b for line in lines for b in line["branches"]]
+    assert all(b["logprobs"] and b["confidences"] for b in branches)
+    assert all(max(b["logprobs"]) <= 0 and min(b["confidences"]) >= 0 for b in branches)
+    # The recorded trace replays in the simulator, the confidence methods included.
     replay = tmp_path / "replay"
-    assert main(["bench", "--trace", str(trace), "--out", str(replay), "--no-plots"]) == 0
-    assert json.loads((replay / "results.json").read_text())["runs"]
+    argv = ["bench", "--trace", str(trace), "--out", str(replay), "--no-plots", "--n", "4"]
+    assert main([*argv, "--methods", "sc", "sart", "deepconf", "sart-conf"]) == 0
+    runs = json.loads((replay / "results.json").read_text())["runs"]
+    assert [r["method"] for r in runs] == ["sc", "sart", "deepconf", "sart-conf"]
+    rewards = {
+        r["method"]: [b["reward"] for q in r["requests"] for b in q["branches"] if b["reward"]]
+        for r in runs
+    }
+    # Replayed confidence is the recorded one, not the trace's PRM rewards.
+    assert rewards["sart-conf"] and set(rewards["sart-conf"]) != set(rewards["sart"])

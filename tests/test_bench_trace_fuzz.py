@@ -55,6 +55,16 @@ def branch(draw: st.DrawFn) -> dict[str, Any]:
         out["rewards"] = draw(st.lists(rewards, max_size=min(length, 4)))
     if draw(st.booleans()):
         out["final_reward"] = draw(rewards)
+    if draw(st.booleans()):  # per-segment logprobs and confidences (confidence methods)
+        every = draw(st.integers(1, 20))
+        segments = min(-(-length // every), 4)
+        if draw(st.booleans()):
+            out["logprob_every"] = every
+        else:
+            segments = min(-(-length // 16), 4)
+        out["logprobs"] = draw(st.lists(st.floats(-30, 0), max_size=segments))
+        if draw(st.booleans()):
+            out["confidences"] = draw(st.lists(st.floats(0, 30), max_size=segments))
     return out
 
 
@@ -102,7 +112,7 @@ def broken(draw: st.DrawFn, lines: list[dict[str, Any]]) -> list[bytes]:
     elif fault == "drop":
         del target[key]
     elif fault == "extra":
-        target[draw(st.sampled_from(["Answer", "final_rewards", "note"]))] = 1
+        target[draw(st.sampled_from(["Answer", "final_rewards", "note", "confidence"]))] = 1
     elif fault == "repeat":
         lines.append(draw(st.sampled_from(lines)))
     elif fault == "empty":

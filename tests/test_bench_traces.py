@@ -362,3 +362,202 @@ def test_script_gold_and_replay_order() -> None:
     tie = TraceRequest("tie", 0.0, "1", (branch(3, "1"),))
     ordered = replay_requests(Trace.of([late, *trace, tie]))
     assert [r.id for r in ordered] == ["a", "tie", "b", "late"]  # stable for equal arrivals
+
+
+# ------------------------------------------------------------------ log-probabilities
+
+WITH_LOGPROBS = (
+    '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"length": 40, "answer": "1",'
+    ' "logprobs": [-0.25, -1.5], "confidences": [3.5, 0.75, 0.5], "logprob_every": 16},'
+    ' {"length": 9, "answer": "2", "confidences": [1]}]}'
+)
+
+
+def test_logprobs_load_into_the_branch_scripts(tmp_path: Path) -> None:
+    (request,) = Trace.load(write_lines(tmp_path / "t.jsonl", [WITH_LOGPROBS]))
+    first, second = request.branches
+    assert (first.logprobs, first.confidences, first.logprob_every) == (
+        (-0.25, -1.5),
+        (3.5, 0.75, 0.5),
+        16,
+    )
+    assert (second.logprobs, second.confidences, second.logprob_every) == ((), (1.0,), 16)
+    # Trace.script() carries them to the engine: token 16 starts the second segment.
+    script = Trace.of([request]).script()(BranchId("x", 0))
+    assert [script.logprob_at(i) for i in (0, 15, 16, 39)] == [-0.25, -0.25, -1.5, -1.5]
+    assert [script.confidence_at(i) for i in (15, 16, 32)] == [3.5, 0.75, 0.5]
+
+
+def test_logprobs_round_trip_and_old_traces_are_unchanged(tmp_path: Path) -> None:
+    with_lp = TraceRequest(
+        "a",
+        0.0,
+        "1",
+        (
+            BranchScript(
+                length=50,
+                answer="1",
+                rewards=(0.5,),
+                filler="",
+                logprobs=(-0.123456, -2.0),
+                confidences=(4.0, 0.00001),
+                logprob_every=25,
+            ),
+            branch(7, "2"),
+        ),
+    )
+    path = tmp_path / "t.jsonl"
+    Trace.of([with_lp]).dump(path)
+    data = json.loads(path.read_text())
+    assert data["branches"][0] == {
+        "length": 50,
+        "answer": "1",
+        "rewards": [0.5],
+        "logprobs": [-0.1235, -2.0],
+        "confidences": [4.0, 0.0],
+        "logprob_every": 25,
+    }
+    # A branch without them is written as before.
+    assert data["branches"][1] == {"length": 7, "answer": "2", "rewards": []}
+    loaded = Trace.load(path)
+    assert loaded.requests[0].branches[0].logprobs == (-0.1235, -2.0)
+    again = tmp_path / "again.jsonl"
+    loaded.dump(again)
+    assert again.read_text() == path.read_text()
+    # A trace written before these fields existed loads and dumps unchanged.
+    old = write_lines(tmp_path / "old.jsonl", [DOC_EXAMPLE])
+    (request,) = Trace.load(old)
+    assert request.branches[0].logprobs == request.branches[0].confidences == ()
+    Trace.load(old).dump(again)
+    assert json.loads(again.read_text()) == json.loads(DOC_EXAMPLE)
+
+
+def test_default_segment_length_agrees_with_the_scripts() -> None:
+    from sart.bench import trace_lines
+    from sart.engines import scripts
+
+    assert trace_lines.DEFAULT_LOGPROB_EVERY == scripts.DEFAULT_LOGPROB_EVERY
+
+
+def line_with(**fields: object) -> str:
+    return json.dumps(
+        {
+            "id": "x",
+            "arrival": 0,
+            "answer": "1",
+            "branches": [{"length": 32, "answer": "1", **fields}],
+        }
+    )
+
+
+BAD_LOGPROB_LINES = {
+    "positive logprob": (line_with(logprobs=[-1, 0.5]), "branches[0]: logprobs[1]=0.5 must be in"),
+    "NaN logprob": (line_with(logprobs=[float("nan")]), "logprobs[0]=nan must be in"),
+    "infinite logprob": (line_with(logprobs=[float("-inf")]), "logprobs[0]=-inf must be in"),
+    "negative confidence": (line_with(confidences=[-0.5]), "confidences[0]=-0.5 must be in [0,"),
+    "confidence as text": (line_with(confidences=["1"]), "confidences[0] must be a number"),
+    "logprobs not a list": (line_with(logprobs=-1), "logprobs must be a list, not a number"),
+    "zero segment": (line_with(logprobs=[-1], logprob_every=0), "logprob_every=0 must be in"),
+    "fractional segment": (line_with(logprob_every=2.5), "logprob_every must be a whole number"),
+    "more values than segments": (
+        line_with(confidences=[1, 1, 1], logprob_every=16),
+        "3 confidences for a branch of 32 tokens in segments of 16 (at most one per segment)",
+    ),
+    "more than the default segments": (
+        line_with(logprobs=[-1, -1, -1]),
+        "3 logprobs for a branch of 32 tokens in segments of 16",
+    ),
+    "misspelt": (line_with(confidence=[1]), "unknown key 'confidence'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LOGPROB_LINES))
+def test_bad_logprobs_name_file_and_line(tmp_path: Path, case: str) -> None:
+    text, words = BAD_LOGPROB_LINES[case]
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(GOOD_LINE), text])
+    with pytest.raises(ConfigError) as info:
+        Trace.load(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:2: "), message
+    assert words in message, message
+
+
+def test_recorded_logprobs_replay_through_the_fake_engine() -> None:
+    """record_trace keeps each branch's per-segment means of what the engine reported;
+    a replay of the trace reports those means back."""
+    from sart.bench.real import PromptItem, record_trace
+    from sart.engines.base import BranchSpec
+    from sart.testing import FakeEngine, ScriptedPRM
+    from sart.types import SamplingSettings
+
+    drop = BranchScript(
+        length=60, logprobs=(-0.5,) * 5 + (-2.0,), confidences=(3.0,) * 5 + (1.0,), logprob_every=8
+    )
+    flat = BranchScript(length=10, logprobs=(-1.0,), confidences=(0.25,))
+    table = {"q": [drop, flat]}
+    items = [PromptItem("q", "a prompt", "42")]
+    sampling = SamplingSettings(max_tokens=100, logprobs=3)
+    trace = record_trace(
+        items, FakeEngine(table), ScriptedPRM(table, every=4), 2, 4, sampling, rate=1.0
+    )
+    recorded, short = trace.requests[0].branches
+    # Segments of 16: tokens 32..39 at the higher value, 40..47 at the lower one.
+    assert recorded.logprob_every == 16
+    assert recorded.logprobs == (-0.5, -0.5, -1.25, -2.0)
+    assert recorded.confidences == (3.0, 3.0, 2.0, 1.0)
+    assert (short.logprobs, short.confidences) == ((-1.0,), (0.25,))
+    # Without logprobs in the sampling nothing is recorded.
+    plain = record_trace(
+        items, FakeEngine(table), ScriptedPRM(table, every=4), 2, 4, SamplingSettings(), 1.0
+    )
+    assert all(b.logprobs == b.confidences == () for b in plain.requests[0].branches)
+    # k = 0: the sampled tokens' logprobs, no confidences.
+    zero = record_trace(
+        items,
+        FakeEngine(table),
+        ScriptedPRM(table, every=4),
+        2,
+        4,
+        SamplingSettings(max_tokens=100, logprobs=0),
+        1.0,
+    )
+    first = zero.requests[0].branches[0]
+    assert (first.logprobs, first.confidences) == ((-0.5, -0.5, -1.25, -2.0), ())
+    # The replay reports the recorded means.
+    replay = FakeEngine(trace.script())
+    replay.prefill("q", "a prompt", sampling)
+    replay.start_branches("q", [BranchSpec(0, 0)])
+    tokens = replay.step(100).deltas[BranchId("q", 0)].logprobs
+    assert [t.logprob for t in tokens] == [-0.5] * 32 + [-1.25] * 16 + [-2.0] * 12
+
+
+def test_recorded_logprobs_are_clamped_to_the_trace_range() -> None:
+    """A token given probability 0 reports -inf (and a broken engine NaN): the recording
+    still loads, with the token counted at the trace's floor."""
+    from sart.bench.real import LogprobRecorder
+    from sart.bench.trace_lines import MIN_LOGPROB
+    from sart.engines.base import BranchDelta, StepOutput, TokenLogprobs
+
+    inf, nan = float("inf"), float("nan")
+    tokens = (
+        TokenLogprobs(-inf, (-1.0, -inf)),
+        TokenLogprobs(nan, (-1.0, -3.0)),
+        TokenLogprobs(1e-9, (1e-9, -2.0)),
+    )
+
+    class Reports:
+        def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+            delta = BranchDelta(new_tokens=3, text="", logprobs=tokens)
+            return StepOutput(steps=3, deltas={BranchId("r", 0): delta})
+
+    recorder = LogprobRecorder(Reports(), every=2)  # type: ignore[arg-type]
+    recorder.step(3)
+    fields = recorder.fields(BranchId("r", 0), 3)
+    assert fields["logprobs"] == (MIN_LOGPROB, 0.0)
+    # Token 0: -(-1 + floor) / 2; token 1: 2.0.
+    assert fields["confidences"] == (pytest.approx(((1.0 - MIN_LOGPROB) / 2 + 2.0) / 2), 1.0)
+    script = BranchScript(length=3, **fields)  # within BranchScript's and the trace's range
+    assert script.logprobs[0] == MIN_LOGPROB
+    # A branch some of whose tokens came without logprobs records none.
+    assert recorder.fields(BranchId("r", 0), 4) == {}
+    assert recorder.fields(BranchId("r", 1), 3) == {}

@@ -86,3 +86,17 @@ def test_bench_compares_every_method_on_the_testbed_with_vllm(
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
     assert doc["config"]["engine"] == "vllm"
     check_comparison(doc)
+
+
+def test_bench_runs_the_confidence_methods_on_the_testbed_with_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from test_bench_testbed import CONFIDENCE, bench_argv, check_confidence
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    argv = bench_argv(
+        "vllm", tmp_path / "out", "--vllm-arg", "enforce_eager=true", "--methods", *CONFIDENCE
+    )
+    assert main(argv) == 0
+    check_confidence(json.loads((tmp_path / "out" / "results.json").read_text()))

@@ -27,7 +27,7 @@ from adapters import (  # noqa: E402
     server_metric,
 )
 from openai_standin import SocketServer, StandInServer, transport  # noqa: E402
-from sart.engines.base import BranchSpec  # noqa: E402
+from sart.engines.base import BranchSpec, TokenLogprobs  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
 from sart.engines.streaming import SyncBridge  # noqa: E402
 from sart.testing import check_engine  # noqa: E402
@@ -119,6 +119,91 @@ def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:
         return deltas
 
     return asyncio.run(scenario())
+
+
+def expected_logprobs(prompt: str, seed: int, k: int) -> list[TokenLogprobs]:
+    """The stand-in's log-probabilities of its continuation of ``prompt`` under ``seed``."""
+    out = []
+    for token in StandInServer.tokens(prompt, seed):
+        sampled, top = StandInServer.logprobs(token, k)
+        out.append(TokenLogprobs(sampled, tuple(v for _, v in top)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ids", "usage", "strict"])
+@pytest.mark.parametrize("top", [None, 0, 3])
+def test_logprobs_come_one_per_token_as_asked(mode: str, top: int | None) -> None:
+    # "usage" and "strict" send no ids: the tokens are counted by their logprobs.
+    server = StandInServer(token_ids=mode == "ids", strict=mode == "strict")
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=40, logprobs=top)
+
+    async def scenario() -> dict[BranchId, list[Any]]:
+        # An extra_body logprobs never overrides the request's own (absent: none).
+        e = engine(server, extra_body={"logprobs": 7})
+        await e.prefill("a", "p q", sampling)
+        await e.start_branches("a", [BranchSpec(0, 5), BranchSpec(1, 6)])
+        deltas = await drain(e)
+        await e.release_prefix("a")
+        await e.aclose()
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    served = [r["body"] for r in server.requests]
+    if mode == "strict":  # it rejected those with the extensions
+        served = [body for body in served if "return_token_ids" not in body]
+    assert all(body.get("logprobs") == top for body in served)
+    # Token-id keys where the extensions go (vLLM's return_tokens_as_token_ids).
+    as_ids = True if top is not None and mode != "strict" else None
+    assert all(body.get("return_tokens_as_token_ids") is as_ids for body in served)
+    for j, seed in ((0, 5), (1, 6)):
+        got = deltas[BranchId("a", j)]
+        assert sum(d.new_tokens for d in got) == len(StandInServer.tokens("p q", seed))
+        if top is None:
+            assert all(d.logprobs == () for d in got)
+            continue
+        assert all(len(d.logprobs) == d.new_tokens for d in got)
+        # The sampled token's own entry in top_logprobs (the lowest here) is cut off.
+        assert [lp for d in got for lp in d.logprobs] == expected_logprobs("p q", seed, top)
+
+
+def test_a_fork_asks_for_logprobs_and_reports_its_own(server: StandInServer) -> None:
+    async def scenario() -> None:
+        e = engine(server)
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30, logprobs=2)
+        await e.prefill("a", "one two", sampling)
+        await e.start_branches("a", [BranchSpec(0, 3)])
+        parent = (await e.step(3)).deltas[BranchId("a", 0)]
+        assert len(parent.logprobs) == 3
+        await e.start_branches("a", [BranchSpec(1, 9, parent=0)])
+        fork = (await drain(e))[BranchId("a", 1)]
+        body = server.completions("1_a-")[0]["body"]
+        assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+        want = expected_logprobs(body["prompt"], 9, 2)[: 30 - 3]
+        assert [lp for d in fork for lp in d.logprobs] == want
+        await e.release_prefix("a")
+        await e.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("ids", [True, False])
+def test_tokens_without_their_logprobs_fail_the_request(ids: bool) -> None:
+    # A server that ignores logprobs: with ids a chunk's tokens lack theirs; without,
+    # the final usage reports tokens that came without any.
+    server = StandInServer(logprobs=False, token_ids=ids)
+
+    async def scenario() -> None:
+        e = engine(server)
+        await e.prefill("a", "p", sart.SamplingSettings(max_tokens=30, logprobs=1))
+        await e.start_branches("a", [BranchSpec(0, 1)])
+        with pytest.raises(sart.EngineError, match="log-probabilities that do not match") as info:
+            await drain(e, chunk=1)
+        assert info.value.request_ids == {"a"}
+        await e.abort([BranchId("a", 0)])
+        await e.release_prefix("a")
+        await e.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_counts_tokens_from_usage_when_the_server_gives_no_ids() -> None:
@@ -482,6 +567,66 @@ def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
         await e.aclose()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("token_ids", [None, False], ids=["id-keys", "text-keys"])
+def test_real_logprobs_come_one_per_token_before_the_temperature(
+    vllm_server: str, token_ids: bool | None
+) -> None:
+    """``logprobs=k`` on a real ``vllm serve`` (seeded, as sart sends every branch): one
+    ``TokenLogprobs`` per token, ``k`` top values highest first, the sampled token's no
+    higher than the top one (equal to it when greedy); none when not asked; a fork's
+    for its own tokens. vLLM's are raw, before the temperature: the first token's top
+    values are the same at temperature 0.5 as greedy. Without the extensions
+    (``return_token_ids=False``: no ids, text keys) the tokens are counted by their
+    logprobs, and a ``top`` may lose values to tokens that share a text."""
+    settings = {
+        "hot": sart.SamplingSettings(temperature=1.0, max_tokens=12, seed=1, logprobs=3),
+        "greedy": sart.SamplingSettings(temperature=0.0, max_tokens=12, seed=1, logprobs=3),
+        "cool": sart.SamplingSettings(temperature=0.5, max_tokens=12, seed=1, logprobs=3),
+        "sampled-only": sart.SamplingSettings(temperature=1.0, max_tokens=12, logprobs=0),
+        "none": sart.SamplingSettings(temperature=1.0, max_tokens=12, seed=1),
+    }
+
+    async def scenario() -> dict[BranchId, list[Any]]:
+        e = OpenAIEngine(
+            vllm_server, "demo", extra_body={"ignore_eos": True}, return_token_ids=token_ids
+        )
+        for rid, sampling in settings.items():
+            await e.prefill(rid, PROMPTS[0], sampling)
+            await e.start_branches(rid, [BranchSpec(0, 1)])
+        seen: dict[BranchId, list[Any]] = {}
+        for bid, d in (await e.step(4)).deltas.items():
+            seen.setdefault(bid, []).append(d)
+        await e.start_branches("hot", [BranchSpec(1, 2, parent=0)])
+        for bid, ds in (await drain(e)).items():
+            seen.setdefault(bid, []).extend(ds)
+        for rid in settings:
+            await e.release_prefix(rid)
+        await e.aclose()
+        return seen
+
+    seen = asyncio.run(scenario())
+    exact = token_ids is None  # token-id keys: no two tokens share one
+
+    def logprobs(rid: str, j: int = 0) -> list[TokenLogprobs]:
+        deltas = seen[BranchId(rid, j)]
+        assert all(len(d.logprobs) == d.new_tokens for d in deltas)
+        return [lp for d in deltas for lp in d.logprobs]
+
+    assert all(d.logprobs == () for d in seen[BranchId("none", 0)])
+    for rid, j, n in (("hot", 0, 12), ("hot", 1, 12 - 4), ("greedy", 0, 12), ("cool", 0, 12)):
+        lps = logprobs(rid, j)
+        assert len(lps) == n  # a fork's: its own tokens only
+        for lp in lps:
+            assert len(lp.top) == 3 if exact else 1 <= len(lp.top) <= 3
+            assert list(lp.top) == sorted(lp.top, reverse=True)
+            assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
+    assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
+    assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))
+    if exact:
+        greedy, cool = logprobs("greedy")[0].top, logprobs("cool")[0].top
+        assert cool == pytest.approx(greedy, abs=1e-4)
 
 
 @pytest.mark.parametrize("explicit", [True, False], ids=["explicit-abort", "disconnect"])

@@ -9,9 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sart.engines.base import TokenLogprobs
 from sart.engines.openai_stream import (
     Delta,
     Done,
+    LogprobsError,
     SSEDecoder,
     StreamError,
     StreamParser,
@@ -158,3 +160,116 @@ def test_the_final_usage_tops_up_the_last_chunk() -> None:
     topped = tally.top_up(last, Usage(3))
     assert topped == Chunk(text="x", count=3) and topped.tokens == 3  # ids no longer match
     assert tally.counted == 3
+
+
+# Chunks of vLLM 0.32's stream (`vllm serve` of the demo policy) with `logprobs: 3`:
+# top_logprobs holds the sampled token's entry first, then the 3 most likely.
+# With return_tokens_as_token_ids the keys are ids; with text keys, tokens 187 and
+# 247 (both decoding to "") share one: the sampled token's value is overwritten by
+# token 247's and the object keeps three entries, not four. VLLM_GREEDY: greedy,
+# the sampled token 177 (the most likely) shares "" with token 247, whose value
+# takes the key: the object's highest value is not the most likely token's.
+VLLM_IDS = (
+    b'data: {"choices":[{"index":0,"text":"","logprobs":{"text_offset":[0],'
+    b'"token_logprobs":[-6.214146614074707],"tokens":["token_id:187"],"top_logprobs":'
+    b'[{"token_id:187":-6.214146614074707,"token_id:262":-5.65717887878418,'
+    b'"token_id:247":-5.665900230407715,"token_id:21":-5.6989288330078125}]},'
+    b'"finish_reason":null,"token_ids":[187]}]}\n\n'
+)
+VLLM_TEXT = (
+    b'data: {"choices":[{"index":0,"text":"","logprobs":{"text_offset":[0],'
+    b'"token_logprobs":[-6.214146614074707],"tokens":[""],"top_logprobs":'
+    b'[{"":-5.665900230407715," a":-5.65717887878418,"2":-5.6989288330078125}]},'
+    b'"finish_reason":null,"token_ids":[187]}]}\n\n'
+)
+
+
+VLLM_GREEDY = (
+    b'data: {"choices":[{"index":0,"text":"","logprobs":{"text_offset":[36],'
+    b'"token_logprobs":[-5.540808200836182],"tokens":[""],"top_logprobs":'
+    b'[{"":-5.622334957122803,"l":-5.622715950012207}]},"finish_reason":null}]}\n\n'
+)
+
+
+def test_vllm_logprobs_parse_to_every_value_highest_first() -> None:
+    (delta,) = parse_stream([VLLM_IDS])
+    assert isinstance(delta, Delta) and delta.token_ids == (187,)
+    top = (-5.65717887878418, -5.665900230407715, -5.6989288330078125, -6.214146614074707)
+    assert delta.logprobs == (TokenLogprobs(-6.214146614074707, top),)
+    # Tally keeps the k highest: the sampled token's own entry (rank 4 here) drops out.
+    assert Tally(top_k=3).chunk(delta).logprobs == (TokenLogprobs(-6.214146614074707, top[:3]),)
+    assert Tally(top_k=0).chunk(delta).logprobs == (TokenLogprobs(-6.214146614074707),)
+    assert Tally().chunk(delta).logprobs == ()  # not asked for: ignored
+
+
+def test_text_keys_that_collide_never_lose_the_sampled_tokens_value() -> None:
+    # What OpenAIEngine avoids with return_tokens_as_token_ids (SGLang's server
+    # ignores it). The sampled token's value comes in token_logprobs too: it is put
+    # back among the top values when its entry lost its key.
+    (delta,) = parse_stream([VLLM_TEXT])
+    (lp,) = Tally(top_k=3).chunk(delta).logprobs
+    assert lp.logprob == -6.214146614074707
+    assert lp.top == (-5.65717887878418, -5.665900230407715, -5.6989288330078125)
+    (greedy,) = parse_stream([VLLM_GREEDY])
+    (lp,) = Tally(top_k=3).chunk(greedy).logprobs
+    assert lp.top == (-5.540808200836182, -5.622334957122803, -5.622715950012207)
+    assert lp.logprob == lp.top[0]
+    # A value lost between two other tokens is lost: fewer than k values.
+    lost = parse_event(
+        '{"choices":[{"text":"","logprobs":{"token_logprobs":[-3.0],'
+        '"top_logprobs":[{"a":-3.0,"":-1.0}]}}]}'
+    )
+    assert isinstance(lost, Delta)
+    assert Tally(top_k=3).chunk(lost).logprobs == (TokenLogprobs(-3.0, (-1.0, -3.0)),)
+
+
+def test_sglang_logprobs_hold_the_top_k_only() -> None:
+    # A chunk of SGLang 0.5.23's stream (`sglang.launch_server` of the demo policy,
+    # logprobs: 3): two tokens, each with its 3 most likely (the sampled ones not
+    # among them), keyed by text (it ignores return_tokens_as_token_ids).
+    body = (
+        b'data: {"choices":[{"index":0,"text":"2832","logprobs":{"text_offset":[-1,-1],'
+        b'"token_logprobs":[-5.764143943786621,-5.897188186645508],"tokens":["28","32"],'
+        b'"top_logprobs":[{"\\u0015":-5.58433723449707," 22":-5.601041793823242,'
+        b'"\xc3\xad":-5.653863430023193},{"che":-5.462064743041992,'
+        b'"29":-5.604918956756592,"58":-5.650669097900391}]},"finish_reason":null,'
+        b'"token_ids":[352,356]}]}\n\n'
+    )
+    (delta,) = parse_stream([body])
+    first = (-5.58433723449707, -5.601041793823242, -5.653863430023193)
+    second = (-5.462064743041992, -5.604918956756592, -5.650669097900391)
+    assert Tally(top_k=3).chunk(delta).logprobs == (
+        TokenLogprobs(-5.764143943786621, first),
+        TokenLogprobs(-5.897188186645508, second),
+    )
+    # logprobs: 0: SGLang sends an empty top_logprobs list.
+    zero = parse_event(
+        '{"choices":[{"text":" a","logprobs":{"text_offset":[-1],'
+        '"token_logprobs":[-5.65717887878418],"tokens":[" a"],"top_logprobs":[]}}]}'
+    )
+    assert isinstance(zero, Delta)
+    assert Tally(top_k=0).chunk(zero).logprobs == (TokenLogprobs(-5.65717887878418),)
+
+
+def test_logprobs_count_the_tokens_without_ids_and_must_match_them() -> None:
+    one = TokenLogprobs(-1.0, (-0.5,))
+    tally = Tally(top_k=1)
+    # No ids: one token per logprob, whatever usage and text say.
+    chunk = tally.chunk(Delta("xy", completion_tokens=5, logprobs=(one, one)))
+    assert chunk == Chunk(text="xy", count=2, logprobs=(one, one)) and tally.counted == 2
+    assert tally.top_up(chunk, Usage(2)) == chunk
+    with pytest.raises(LogprobsError, match="reports 3 tokens"):
+        tally.top_up(chunk, Usage(3))  # a token that came without its logprobs
+    with pytest.raises(LogprobsError, match="2 tokens came with 1 logprobs"):
+        tally.chunk(Delta("z", token_ids=(4, 5), logprobs=(one,)))
+    with pytest.raises(LogprobsError, match="1 tokens came with 0 logprobs"):
+        tally.chunk(Delta("z", token_ids=(4,)))
+
+
+@pytest.mark.parametrize(
+    "logprobs",
+    ['{"token_logprobs": [null]}', '{"top_logprobs": []}', '{"token_logprobs": ["x"]}', "[1]"],
+)
+def test_malformed_logprobs_are_an_error_event(logprobs: str) -> None:
+    event = parse_event('{"choices": [{"text": "a", "logprobs": ' + logprobs + "}]}")
+    assert isinstance(event, StreamError) and "malformed logprobs" in event.message

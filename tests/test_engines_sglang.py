@@ -26,7 +26,7 @@ import pytest
 
 import sart
 from adapters import PROMPTS, check_pruned, pruning_workload, run_to_end
-from sart.engines.base import BranchSpec
+from sart.engines.base import BranchSpec, TokenLogprobs
 from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
@@ -248,6 +248,76 @@ def test_both_chunk_formats_give_the_same_tokens(mod: Any, incremental: bool, bu
         assert got["ids"] == want
         assert got["text"] == "".join("" if t == EOS else f"t{t} " for t in want)
         assert got["finish"] is FinishReason.STOP
+    bridge.release_prefix("a")
+
+
+def deltas_of(engine: Any, chunk: int = 3) -> dict[BranchId, list[Any]]:
+    """Step a bridged engine until no branch is live; each branch's deltas."""
+    seen: dict[BranchId, list[Any]] = {}
+    while engine.stats().live_branches:
+        for bid, d in engine.step(chunk).deltas.items():
+            seen.setdefault(bid, []).append(d)
+    return seen
+
+
+@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("burst", [1, 5])
+@pytest.mark.parametrize("top", [None, 0, 3])
+def test_logprobs_come_one_per_token_in_both_chunk_formats(
+    mod: Any, incremental: bool, burst: int, top: int | None
+) -> None:
+    # Bursts of 5 against steps of 3: a chunk's logprobs are split across deltas.
+    standin = SGLangStandIn(length=12, burst=burst, incremental=incremental)
+    bridge = mod.SGLangEngine(standin).bridge()
+    bridge.prefill("a", "p q", sart.SamplingSettings(max_tokens=20, logprobs=top))
+    bridge.start_branches("a", [BranchSpec(0, 5), BranchSpec(1, 6)])
+    seen = deltas_of(bridge)
+    for call in standin.calls:  # SGLang computes none unless asked
+        want = (False, None) if top is None else (True, top)
+        assert (call["return_logprob"], call["top_logprobs_num"]) == want
+    for j, seed in ((0, 5), (1, 6)):
+        deltas = seen[BranchId("a", j)]
+        ids = [t for d in deltas for t in d.token_ids]
+        assert ids == standin.tokens([1, 4, 4], seed)
+        if top is None:
+            assert all(d.logprobs == () for d in deltas)
+            continue
+        assert all(len(d.logprobs) == d.new_tokens for d in deltas)
+        got = [lp for d in deltas for lp in d.logprobs]
+        assert got == [
+            TokenLogprobs(standin.logprobs(t, top)[0], tuple(standin.logprobs(t, top)[1]))
+            for t in ids
+        ]
+    bridge.release_prefix("a")
+
+
+def test_a_fork_reports_logprobs_of_its_own_tokens_only(mod: Any) -> None:
+    standin = SGLangStandIn(length=30, burst=2)
+    bridge = mod.SGLangEngine(standin).bridge()
+    bridge.prefill("a", "p q", sart.SamplingSettings(max_tokens=10, logprobs=2))
+    bridge.start_branches("a", [BranchSpec(0, 5)])
+    head = bridge.step(4).deltas[BranchId("a", 0)]
+    assert len(head.logprobs) == head.new_tokens == 4
+    bridge.start_branches("a", [BranchSpec(1, 9, parent=0)])
+    fork = deltas_of(bridge)[BranchId("a", 1)]
+    assert standin.calls[1]["return_logprob"] is True
+    assert standin.calls[1]["top_logprobs_num"] == 2
+    assert sum(len(d.logprobs) for d in fork) == sum(d.new_tokens for d in fork) == 10 - 4
+    bridge.release_prefix("a")
+
+
+def test_tokens_without_logprobs_fail_their_request(mod: Any) -> None:
+    # A request that asked for logprobs gets one per token or none: SGLang sending
+    # tokens without them (here: a stream that ignores return_logprob) fails it.
+    meta = {"id": "x", "finish_reason": None, "prompt_tokens": 2, "completion_tokens": 1}
+    chunks = [{"text": "a", "output_ids": [7], "meta_info": meta}] * 3
+    bridge = mod.SGLangEngine(SGLangStandIn(scripted=chunks)).bridge()
+    bridge.prefill("a", [5, 6], sart.SamplingSettings(max_tokens=10, logprobs=1))
+    bridge.start_branches("a", [BranchSpec(0, 1)])
+    with pytest.raises(sart.EngineError, match="log-probabilities for 0 of the 1") as info:
+        bridge.step(1)
+    assert info.value.request_ids == {"a"}
+    bridge.abort([BranchId("a", 0)])
     bridge.release_prefix("a")
 
 
@@ -571,6 +641,57 @@ def test_real_an_abort_by_sglang_fails_only_its_request(real: Any) -> None:
     bridge.release_prefix("b")
 
 
+def test_real_logprobs_come_one_per_token_scaled_by_the_temperature(real: Any) -> None:
+    """``logprobs=k``: one ``TokenLogprobs`` per token, ``k`` top values highest first,
+    the sampled token's no higher than the top one (equal to it when greedy); none
+    when not asked; a fork's for its own tokens. SGLang's are ``log_softmax(logits /
+    temperature)``: at temperature 0.5 the gaps between the first token's top values
+    are twice those of the greedy request on the same prompt (temperature 0 runs
+    as 1)."""
+    from sglang_cpu import sglang_adapter
+
+    adapter = sglang_adapter(real)  # no EOS: every branch makes max_tokens tokens
+    bridge = adapter.bridge()
+    settings = {
+        "hot": sart.SamplingSettings(temperature=1.0, max_tokens=12, logprobs=3),
+        "greedy": sart.SamplingSettings(temperature=0.0, max_tokens=12, logprobs=3),
+        "cool": sart.SamplingSettings(temperature=0.5, max_tokens=12, logprobs=3),
+        "sampled-only": sart.SamplingSettings(temperature=1.0, max_tokens=12, logprobs=0),
+        "none": sart.SamplingSettings(temperature=1.0, max_tokens=12),
+    }
+    for rid, sampling in settings.items():
+        bridge.prefill(rid, PROMPTS[0], sampling)
+        bridge.start_branches(rid, [BranchSpec(0, 1)])
+    seen: dict[BranchId, list[Any]] = {}
+    for bid, d in bridge.step(4).deltas.items():
+        seen.setdefault(bid, []).append(d)
+    bridge.start_branches("hot", [BranchSpec(1, 2, parent=0)])
+    for bid, ds in deltas_of(bridge).items():
+        seen.setdefault(bid, []).extend(ds)
+    for rid in settings:
+        bridge.release_prefix(rid)
+
+    def logprobs(rid: str, j: int = 0) -> list[TokenLogprobs]:
+        deltas = seen[BranchId(rid, j)]
+        assert all(len(d.logprobs) == d.new_tokens for d in deltas)
+        return [lp for d in deltas for lp in d.logprobs]
+
+    assert all(d.logprobs == () for d in seen[BranchId("none", 0)])
+    assert len(logprobs("hot", 1)) == 12 - 4  # the fork's own tokens
+    for rid in ("hot", "greedy", "cool"):
+        for j in (0, 1) if rid == "hot" else (0,):
+            lps = logprobs(rid, j)
+            assert len(lps) == (12 if j == 0 else 8)
+            for lp in lps:
+                assert len(lp.top) == 3 and list(lp.top) == sorted(lp.top, reverse=True)
+                assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
+    assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
+    assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))
+    greedy, cool = logprobs("greedy")[0].top, logprobs("cool")[0].top
+    for a, b in ((0, 1), (1, 2)):
+        assert cool[a] - cool[b] == pytest.approx(2 * (greedy[a] - greedy[b]), abs=1e-4)
+
+
 def test_real_branches_sample_independently(real: Any) -> None:
     # Not reproducibly (sampling_seed needs enable_deterministic_inference, which
     # SGLang's CPU path refuses), but each branch draws its own tokens.
@@ -641,3 +762,43 @@ def test_real_a_closed_stream_frees_the_branch_on_sglangs_server(sglang_server: 
         bridge.release_prefix("a")
     finally:
         bridge.close()
+
+
+def test_real_logprobs_through_sglangs_server(sglang_server: str) -> None:
+    """Remote (``OpenAIEngine``): SGLang's ``/v1/completions`` returns ``logprobs=k`` one
+    per token (several tokens a chunk), its ``top_logprobs`` keyed by text (it ignores
+    ``return_tokens_as_token_ids``): up to ``k`` values, highest first, the sampled
+    token's never above the top one and equal to it when greedy."""
+    from sart.engines.openai import OpenAIEngine
+    from sglang_cpu import NO_EOS
+
+    settings = {
+        "hot": sart.SamplingSettings(temperature=1.0, max_tokens=16, logprobs=3),
+        "greedy": sart.SamplingSettings(temperature=0.0, max_tokens=16, logprobs=3),
+        "sampled-only": sart.SamplingSettings(temperature=1.0, max_tokens=16, logprobs=0),
+        "none": sart.SamplingSettings(temperature=1.0, max_tokens=16),
+    }
+    bridge = SyncBridge(OpenAIEngine(sglang_server, "demo", extra_body=NO_EOS))
+    try:
+        for rid, sampling in settings.items():
+            bridge.prefill(rid, PROMPTS[1], sampling)
+            bridge.start_branches(rid, [BranchSpec(0, 1)])
+        seen = deltas_of(bridge)
+        for rid in settings:
+            bridge.release_prefix(rid)
+    finally:
+        bridge.close()
+
+    def logprobs(rid: str) -> list[TokenLogprobs]:
+        deltas = seen[BranchId(rid, 0)]
+        assert all(len(d.logprobs) == d.new_tokens for d in deltas)
+        assert sum(d.new_tokens for d in deltas) == 16
+        return [lp for d in deltas for lp in d.logprobs]
+
+    assert all(d.logprobs == () for d in seen[BranchId("none", 0)])
+    for rid in ("hot", "greedy"):
+        for lp in logprobs(rid):
+            assert 1 <= len(lp.top) <= 3 and list(lp.top) == sorted(lp.top, reverse=True)
+            assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
+    assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
+    assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))

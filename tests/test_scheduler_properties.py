@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 import sart
 from sart import BranchStatus, Phase, RequestResult, RequestStatus
+from sart.policies.confidence import NEUTRAL_REWARD, ConfidenceScorer
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 from strategies import (
     PREFILL,
@@ -83,6 +84,25 @@ def run_workload(workload: Workload) -> Outcome:
 # ---------------------------------------------------------------- checks
 
 
+def expected_reward(
+    workload: Workload, request: sart.Request, index: int, tokens: int, final: bool
+) -> float:
+    """What branch ``index`` should have been rewarded after ``tokens`` tokens: its
+    script's PRM reward, or, for a policy with its own confidence source, that signal
+    recomputed from scratch over the script's first ``tokens`` log-probabilities."""
+    script = workload.scripts[request.id][index]
+    source = request.policy.reward
+    if source is None:
+        return script.reward_at(tokens, workload.prm_every, final)
+    assert isinstance(source, ConfidenceScorer)
+    if tokens == 0:
+        return NEUTRAL_REWARD
+    state = source.signal.track()
+    for token in script.logprobs_span(0, tokens, source.logprobs_wanted):
+        state.push(token)
+    return source.signal.reward(state.value(), source.scale)
+
+
 def check_accounting(workload: Workload, out: Outcome) -> None:
     """Every request ends exactly once; the run leaves nothing behind."""
     ids = [r.id for r in workload.requests]
@@ -97,11 +117,15 @@ def check_accounting(workload: Workload, out: Outcome) -> None:
     assert (stats.running_branches, stats.queued_branches, stats.queued_requests) == (0, 0, 0)
     assert (stats.active_requests, stats.failed_cleanups) == (0, 0)
     assert stats.finished_requests == len(ids)
-    # The PRM is told about every request whose prefix was held, once.
+    # The PRM is told about every request whose prefix was held, once; a request whose
+    # policy brings its own reward source (confidence) is scored and released by it alone.
+    own = {r.id: r.policy.reward for r in workload.requests if r.policy.reward is not None}
     prefilled = [rid for rid in ids if rid not in workload.ids_with(PREFILL)]
-    assert Counter(out.prm.released) == Counter(prefilled)
+    assert Counter(out.prm.released) == Counter(rid for rid in prefilled if rid not in own)
+    assert all(source.requests_held == 0 for source in own.values())
     if not workload.ids_with(PRM_FAIL):  # a failing PRM call scores nothing, and is retried
-        assert sum(r.prm_items for r in out.results) == out.prm.items_scored
+        on_prm = [r for r in out.results if r.request_id not in own]
+        assert sum(r.prm_items for r in on_prm) == out.prm.items_scored
 
 
 def check_budget(workload: Workload, out: Outcome) -> None:
@@ -147,7 +171,7 @@ def check_branches(workload: Workload, request: sart.Request, result: RequestRes
 
 def check_pruning(workload: Workload, request: sart.Request, result: RequestResult) -> None:
     """Never all ``n`` pruned; phase 1 prunes at most ``beta``, each below ``alpha``."""
-    policy, scripts = request.policy, workload.scripts[request.id]
+    policy = request.policy
     pruned = [b for b in result.branches if b.status is BranchStatus.PRUNED]
     assert len(pruned) <= policy.n - 1
     for b in pruned:
@@ -155,10 +179,16 @@ def check_pruning(workload: Workload, request: sart.Request, result: RequestResu
         # when checks block; overlapped, at its length when the check's snapshot was taken.
         scored_at, reward = b.reward_history[-1]
         assert b.reward == reward
-        assert b.reward == scripts[b.index].reward_at(scored_at, workload.prm_every, False)
+        assert b.reward == expected_reward(workload, request, b.index, scored_at, False)
         assert scored_at <= b.num_tokens
         if not workload.delays_rewards:
             assert scored_at == b.num_tokens
+    if isinstance(policy.prune, sart.WarmupThreshold):
+        # Pruned only once the warm-up completed, below a percentile of its rewards.
+        done = [b.reward for b in result.branches if b.status.is_completed]
+        assert not pruned or len(done) >= policy.prune.warmup
+        assert all(b.reward is not None and b.reward < max(done) for b in pruned)
+        return
     if not isinstance(policy.prune, sart.TwoPhasePrune):
         assert pruned == []
         return
@@ -173,7 +203,6 @@ def check_reward_history(workload: Workload, request: sart.Request, result: Requ
     """Every reward a branch received is its own script's, at the length it was scored
     at, in order: rewards that arrive late never land on another branch, and a
     completed branch's last reward is its final one."""
-    scripts = workload.scripts[request.id]
     for b in result.branches:
         lengths = [tokens for tokens, _ in b.reward_history]
         assert lengths == sorted(lengths)
@@ -181,7 +210,7 @@ def check_reward_history(workload: Workload, request: sart.Request, result: Requ
         for k, (tokens, reward) in enumerate(b.reward_history):
             final = b.status.is_completed and tokens == b.num_tokens
             assert k == len(lengths) - 1 or not final
-            assert reward == scripts[b.index].reward_at(tokens, workload.prm_every, final)
+            assert reward == expected_reward(workload, request, b.index, tokens, final)
 
 
 def check_completed(workload: Workload, request: sart.Request, result: RequestResult) -> None:
@@ -216,12 +245,12 @@ def check_stop_rule(request: sart.Request, result: RequestResult) -> None:
 
 def check_rewards(workload: Workload, request: sart.Request, result: RequestResult) -> None:
     """Completed branches carry their scripted final reward when the policy scores them."""
-    policy, scripts = request.policy, workload.scripts[request.id]
+    policy = request.policy
     if policy.scores_completed:
         assert result.prm_items >= result.num_completed
     for b in result.branches:
         if policy.scores_completed and b.status.is_completed:
-            expected = scripts[b.index].reward_at(b.num_tokens, workload.prm_every, True)
+            expected = expected_reward(workload, request, b.index, b.num_tokens, True)
             assert b.reward == expected
         if not (policy.scores_completed or policy.scores_running):
             assert b.reward is None

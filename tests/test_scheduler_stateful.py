@@ -78,11 +78,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.started_at[branch] = self.engine.steps
         if lag:
             event("cleanup step after the scheduler ended live branches")
-            # The scheduler ended branches in the last step; this step only frees them.
-            ops = {entry[0] for entry in self.engine.log[seen:]}
-            assert "abort" in ops
-            assert ops <= {"abort", "release"}
-            assert self._lag() == 0
+            # The scheduler ended branches in the last step; this step only frees them (all
+            # of them). A check answered within this step (a confidence source's costs no
+            # time) may end more, which the next step frees in turn.
+            log = self.engine.log[seen:]
+            assert {entry[0] for entry in log} <= {"abort", "release"}
+            assert sum(len(entry[1]) for entry in log if entry[0] == "abort") >= lag
         # Rules may step many times; hold the invariants at every step, not only after the rule.
         self.within_batch_budget()
         self.live_branches_belong_to_unfinished_requests()

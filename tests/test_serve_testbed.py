@@ -126,6 +126,29 @@ def test_vanilla_and_the_other_methods_by_name(server: Server) -> None:
     assert len(reply.model_extra["sart"]["branches"]) == 3  # best_of: branches of the default
 
 
+def test_confidence_methods_need_no_prm_and_report_rewards(server: Server) -> None:
+    client = server.client()
+    question = QUESTIONS[4]
+    before = server.metrics()["sart:prm_items_total"]
+    for method, policy in [
+        ("deepconf", "deepconf-online(n=8,warmup=2,keep=90)"),
+        ("sart-conf", "sart-confidence(n=8,m=4)"),
+    ]:
+        reply = client.completions.create(
+            model="testbed",
+            prompt=question.prompt,
+            extra_body={"method": method, "n": 8, "interval": 8},
+        )
+        extension = reply.model_extra["sart"]
+        assert extension["policy"] == policy
+        done = [b for b in extension["branches"] if b["status"] in ("finished", "truncated")]
+        assert done and all(0.0 < b["reward"] < 1.0 for b in done)
+        assert extension["answer"] == sart.extract_answer(reply.choices[0].text)
+    # Every reward came from the policy's own log-probabilities: the PRM scored nothing.
+    # (The module's server runs one request at a time here: the other tests have ended.)
+    assert server.metrics()["sart:prm_items_total"] == before
+
+
 def test_streaming_with_the_openai_client(server: Server) -> None:
     question = QUESTIONS[3]
     chunks = list(

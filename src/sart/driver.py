@@ -68,7 +68,7 @@ from sart.prm.base import PRM, PricedPRM
 from sart.request import Request
 from sart.results import RequestResult
 from sart.scheduler import Scheduler, SchedulerConfig
-from sart.types import Admission, BranchId, Scoring
+from sart.types import Admission, BranchId, SamplingSettings, Scoring
 
 
 @attrs.frozen
@@ -211,6 +211,10 @@ class DriverBase:
         self._busy_of: dict[str, float] = {}
         self._wait_of: dict[str, float] = {}
         self._delivered: list[RequestResult] = []  # finished, not yet given to on_result
+        # Requests whose policy brings its own reward source (Policy.reward), and those
+        # whose prefix the engine holds (their source is released with it).
+        self._sources: dict[str, PRM] = {}
+        self._held: set[str] = set()
 
     @property
     def scoring(self) -> Scoring:
@@ -232,7 +236,9 @@ class DriverBase:
                 f"id={request.id!r} must be unique: a request with this id is already "
                 "submitted and not finished"
             )
-        check_servable(request, self.prm, self.engine)
+        check_servable(request, request.policy.reward or self.prm, self.engine)
+        if request.policy.reward is not None:
+            self._sources[request.id] = request.policy.reward
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
         self._open.add(request.id)
 
@@ -323,11 +329,14 @@ class DriverBase:
     # ------------------------------------------------------------------ scoring
 
     def _price(self, command: Score) -> _PendingScore:
-        """A Score on a virtual clock: computed now, delivered after its modelled cost."""
-        cost = self.prm.cost(command.items) if isinstance(self.prm, PricedPRM) else 0.0
+        """A Score on a virtual clock: computed now, delivered after its modelled cost.
+        Only the driver's PRM is priced: a policy's own reward source (confidence from
+        log-probabilities) costs no model call."""
+        priced = [i for i in command.items if self._source_of(i.branch.request_id) is self.prm]
+        cost = self.prm.cost(priced) if isinstance(self.prm, PricedPRM) and priced else 0.0
         scored = self._score_now(command.items)
         now = self.clock.now()
-        shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine
+        shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine and bool(priced)
         if self.scoring is Scoring.BLOCKING or shared:
             self.clock.advance(cost)  # type: ignore[attr-defined]
             self._stalled(cost)
@@ -345,8 +354,25 @@ class DriverBase:
         return self._executor
 
     def _score_now(self, items: Sequence[ScoreItem]) -> Scored:
-        assert self.prm is not None  # submit() refuses requests that need one
-        return score_items(self.prm, items)
+        by_source: dict[int, tuple[PRM, list[ScoreItem]]] = {}
+        for item in items:
+            source = self._source_of(item.branch.request_id)
+            assert source is not None  # submit() refuses requests that need one
+            by_source.setdefault(id(source), (source, []))[1].append(item)
+        if len(by_source) == 1:
+            source, group = next(iter(by_source.values()))
+            return score_items(source, group)
+        rewards: dict[BranchId, float] = {}
+        failures: dict[str, str] = {}
+        for source, group in by_source.values():
+            scored = score_items(source, group)
+            rewards.update(scored.rewards)
+            failures.update(scored.failures)
+        return Scored(rewards=rewards, failures=failures)
+
+    def _source_of(self, request_id: str) -> PRM | None:
+        """Where a request's rewards come from: its policy's source, else the PRM."""
+        return self._sources.get(request_id, self.prm)
 
     def _stalled(self, seconds: float) -> None:
         """``seconds`` of decoding lost to the PRM, charged to the requests it held up."""
@@ -380,7 +406,11 @@ class DriverBase:
             return engine.step, (cmd.max_steps, cmd.until_first_end), self._decoded
         if isinstance(cmd, Prefill):
             req = cmd.request
-            return engine.prefill, (req.id, req.prompt, req.sampling), Prefilled
+            return (
+                engine.prefill,
+                (req.id, req.prompt, self._sampling(req)),
+                self._prefilled(req.id),
+            )
         if isinstance(cmd, StartBranches):
             return engine.start_branches, (cmd.request_id, cmd.branches), lambda _: Started()
         if isinstance(cmd, Abort):
@@ -401,7 +431,34 @@ class DriverBase:
             return Failed(str(exc), exc.request_ids or None)
         return Failed(f"{type(exc).__name__}: {exc}")
 
+    def _sampling(self, request: Request) -> SamplingSettings:
+        """The request's sampling, asking for the log-probabilities its reward source
+        reads (``logprobs_wanted``), if it reads any."""
+        wanted = getattr(self._source_of(request.id), "logprobs_wanted", None)
+        sampling = request.sampling
+        if wanted is None or (sampling.logprobs is not None and sampling.logprobs >= wanted):
+            return sampling
+        return attrs.evolve(sampling, logprobs=wanted)
+
+    def _prefilled(self, request_id: str) -> Callable[[Any], Event]:
+        def event(prompt_tokens: Any) -> Event:
+            self._held.add(request_id)
+            return Prefilled(prompt_tokens)
+
+        return event
+
+    def _observe(self, output: StepOutput) -> None:
+        """Hand each reward source that reads tokens (``observe``) its requests' deltas."""
+        routed: dict[int, tuple[Any, dict[BranchId, Any]]] = {}
+        for bid, delta in output.deltas.items():
+            source = self._source_of(bid.request_id)
+            if getattr(source, "observe", None) is not None:
+                routed.setdefault(id(source), (source, {}))[1][bid] = delta
+        for source, deltas in routed.values():
+            source.observe(StepOutput(steps=output.steps, deltas=deltas))
+
     def _decoded(self, output: StepOutput) -> Decoded:
+        self._observe(output)
         stats = self.engine.stats()
         self.timeline.append(TimelineSample(self.clock.now(), stats.live_branches, stats.kv_tokens))
         return Decoded(output)
@@ -414,13 +471,17 @@ class DriverBase:
         return Done()
 
     def _release_prm(self, request_id: str) -> None:
-        release = getattr(self.prm, "release", None)
+        source = self._sources.pop(request_id, self.prm)
+        self._held.discard(request_id)
+        release = getattr(source, "release", None)
         if release is not None:
             release(request_id)
 
     def _finished(self, result: RequestResult) -> Done:
         rid = result.request_id
         self._open.discard(rid)
+        if rid not in self._held:  # never prefilled (or released): nothing left to release
+            self._sources.pop(rid, None)
         result = attrs.evolve(
             result,
             prm_seconds=self._busy_of.pop(rid, 0.0),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import attrs
 
@@ -32,6 +33,19 @@ class BranchSpec:
     ``supports_fork = True`` accept it."""
 
 
+class TokenLogprobs(NamedTuple):
+    """The log-probabilities reported with one generated token (natural log)."""
+
+    logprob: float
+    """The sampled token's."""
+    top: tuple[float, ...] = ()
+    """The ``k`` most likely tokens', highest first (``k`` = ``SamplingSettings.logprobs``;
+    empty for ``logprobs=0``; fewer than ``k`` where a server keys them by token text
+    and two tokens share one, see ``sart.engines.openai``). Only the values: no signal
+    needs the token ids, and a branch keeps none of them (``sart.policies.confidence``
+    folds them into running sums)."""
+
+
 @attrs.frozen
 class BranchDelta:
     """What one branch did during one ``step`` call."""
@@ -46,6 +60,9 @@ class BranchDelta:
     """1-based step within this call at which it ended."""
     token_ids: tuple[int, ...] = ()
     """The new tokens' ids, for engines that have them (empty otherwise)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per new token, in order, when the request's ``SamplingSettings.logprobs``
+    is set (empty otherwise)."""
 
 
 @attrs.frozen

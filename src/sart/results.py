@@ -69,7 +69,8 @@ class RequestResult:
     policy: str = ""
     """The policy's name."""
     prm_items: int = 0
-    """Branch scorings requested from the PRM for this request."""
+    """Branch scorings requested for this request: from the PRM, or from its policy's own
+    reward source (``Policy.reward``, e.g. confidence) when it has one."""
     prm_seconds: float = 0.0
     """PRM time spent on this request's items (a call's time shared by item count)."""
     prm_wait_seconds: float = 0.0

@@ -129,3 +129,8 @@ class SamplingSettings:
     """Base seed; ``None`` derives a stable one from the request id."""
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """Stop strings; generating one ends the branch as ``FINISHED``."""
+    logprobs: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
+    """Log-probabilities to return with each generated token, as vLLM's ``logprobs``:
+    ``None`` none; ``0`` the sampled token's only; ``k`` also the ``k`` most likely
+    tokens' (``BranchDelta.logprobs``). A confidence reward source raises it to the
+    ``k`` it needs (``sart.policies.confidence``)."""

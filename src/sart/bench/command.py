@@ -41,6 +41,8 @@ TESTBED_MAX_TOKENS = 256
 """Above the longest testbed trace (under 256 tokens with its prompt)."""
 TESTBED_INTERVAL = 16
 """``T`` for the testbed: its traces are tens of tokens long, not thousands."""
+#: Top log-probabilities recorded per token by ``--record-trace`` (DeepConf's k).
+RECORD_TOP_LOGPROBS = 20
 
 
 #: Defaults of flags that only some runs use, where the default is not None (given
@@ -121,7 +123,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "(Algorithm 1 as written)",
     )
     p.add_argument(
-        "--record-trace", help="hf, vllm: also record a trace of the prompts to this file"
+        "--record-trace",
+        help="hf, vllm, sglang: also record a trace of the prompts to this file (with each "
+        "branch's PRM rewards and, per 16 tokens, its log-probabilities and confidence)",
     )
     p.add_argument(
         "--workload",
@@ -797,12 +801,11 @@ def _run_real(
 
     setup = real_setup(args)
     items, sampling = setup.items, setup.sampling
-    needs_prm = any(m not in ("vanilla", "sc") for m in config.methods)
-    if needs_prm and not setup.prm:
-        raise ConfigError(
-            f"--engine {args.engine} needs --prm PATH for methods "
-            f"{[m for m in config.methods if m not in ('vanilla', 'sc')]}"
-        )
+    from sart.bench.runner import PRM_FREE_METHODS
+
+    with_prm = [m for m in config.methods if m not in PRM_FREE_METHODS]
+    if with_prm and not setup.prm:
+        raise ConfigError(f"--engine {args.engine} needs --prm PATH for methods {with_prm}")
     gold = {item.id: item.answer for item in items if item.answer is not None}
     sink.gold = dict.fromkeys(config.rates, gold)
     sink.serving = _serving(args, setup)
@@ -820,13 +823,20 @@ def _run_real(
         if args.record_trace:
             if prm is None:
                 raise ConfigError("--record-trace needs --prm")
+            # With the policy's log-probabilities (DeepConf's top 20), so that the trace
+            # replays the confidence methods too; they cost the recording pass little.
+            recorded = (
+                sampling
+                if sampling.logprobs is not None
+                else attrs.evolve(sampling, logprobs=RECORD_TOP_LOGPROBS)
+            )
             trace = record_trace(
                 items,
                 engine,
                 prm,
                 max(config.ns),
                 config.interval,
-                sampling,
+                recorded,
                 config.rates[0],
                 config.seed,
             )

@@ -9,7 +9,13 @@ other, on the same loaded engine and PRM.
 ``record_trace`` turns a real run into the simulator's trace format: every
 branch runs to its end (no pruning, no early stop) while the PRM scores it
 every ``T`` tokens, so the trace holds each branch's length, answer,
-per-check rewards and final reward.
+per-check rewards and final reward. When the run samples with
+``SamplingSettings(logprobs=k)`` and the engine delivers them, it also holds,
+per segment of ``logprob_every`` tokens (default ``RECORD_LOGPROB_EVERY`` =
+16), the mean logprob of the sampled tokens and their mean token confidence
+(DeepConf's ``C_i``: minus the mean of token ``i``'s top-``k`` logprobs;
+``k >= 1`` is needed for it), so that the simulator can replay
+confidence-based methods (``BranchScript.logprobs`` and ``confidences``).
 """
 
 from __future__ import annotations
@@ -24,9 +30,10 @@ import attrs
 
 from sart.answers import extract_answer
 from sart.bench.runner import METHODS, BenchConfig, RunRecord, method_scoring, plan, serve
+from sart.bench.trace_lines import MAX_CONFIDENCE, MIN_LOGPROB
 from sart.bench.traces import Trace, TraceRequest
 from sart.driver import SyncDriver
-from sart.engines.base import Engine
+from sart.engines.base import BranchDelta, BranchSpec, Engine, EngineStats, StepOutput
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
 from sart.policies.base import Policy, PruneRule
@@ -35,7 +42,7 @@ from sart.policies.stop import AllDone
 from sart.prm.base import PRM
 from sart.request import Request
 from sart.results import RequestResult
-from sart.types import SamplingSettings, Scoring
+from sart.types import BranchId, Prompt, SamplingSettings, Scoring
 from sart.views import RequestView
 
 #: ``(method, n) -> Policy``: how a run builds each method's policy.
@@ -185,10 +192,128 @@ def recording_driver(engine: Engine, prm: PRM, batch_size: int, **kwargs: Any) -
     return SyncDriver(engine, prm, batch_size=batch_size, scoring=Scoring.BLOCKING, **kwargs)
 
 
+#: Tokens per segment of the log-probabilities a recording keeps.
+RECORD_LOGPROB_EVERY = 16
+
+
+class _Segments:
+    """One branch's log-probabilities so far, as per-segment sums."""
+
+    __slots__ = ("complete", "confidences", "logprobs", "tokens", "with_top")
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.logprobs: list[float] = []
+        self.confidences: list[float] = []
+        self.complete = True  # every token came with its logprobs
+        self.with_top = True  # ... and with top-k values (k >= 1)
+
+
+class LogprobRecorder:
+    """An engine that passes every call to ``engine`` and keeps, from the deltas of its
+    ``step`` calls, each branch's per-segment sums of the sampled tokens' logprobs and
+    of their token confidences (minus the mean of the top-``k`` logprobs).
+
+    Logprobs are clamped to the trace's range, [``MIN_LOGPROB``, 0], before they are
+    summed: a token given probability 0 reports ``-inf``, which counts as
+    ``MIN_LOGPROB`` (and so does a NaN)."""
+
+    def __init__(self, engine: Engine, every: int = RECORD_LOGPROB_EVERY) -> None:
+        if not (isinstance(every, int) and every >= 1):
+            raise ConfigError(f"logprob_every={every!r} must be >= 1")
+        self.engine = engine
+        self.every = every
+        self._branches: dict[BranchId, _Segments] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # Optional capabilities and attributes: clock, supports_fork, prefixes, usage...
+        if name == "engine":  # not set yet (a copy): no recursion
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        return self.engine.prefill(request_id, prompt, sampling)
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        self.engine.start_branches(request_id, branches)
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        output = self.engine.step(max_steps, until_first_end)
+        for bid, delta in output.deltas.items():
+            self._add(self._branches.setdefault(bid, _Segments()), delta)
+        return output
+
+    def abort(self, branch_ids: Sequence[BranchId]) -> None:
+        self.engine.abort(branch_ids)
+
+    def release_prefix(self, request_id: str) -> None:
+        self.engine.release_prefix(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _add(self, seg: _Segments, delta: BranchDelta) -> None:
+        logprobs, new_tokens = delta.logprobs, delta.new_tokens
+        if len(logprobs) != new_tokens:
+            seg.complete = False
+        if not seg.complete:
+            seg.tokens += new_tokens
+            return
+        every, lps, confs = self.every, seg.logprobs, seg.confidences
+        for pos, token in enumerate(logprobs, seg.tokens):
+            j = pos // every
+            if j == len(lps):
+                lps.append(0.0)
+                confs.append(0.0)
+            lp = token.logprob
+            lps[j] += lp if MIN_LOGPROB <= lp <= 0.0 else _clamp(lp)
+            top = token.top
+            if not top:
+                seg.with_top = False
+                continue
+            total = sum(top)
+            if not len(top) * MIN_LOGPROB <= total <= 0.0:  # -inf, NaN or > 0 among them
+                total = sum(_clamp(v) for v in top)
+            confs[j] -= total / len(top)
+        seg.tokens += new_tokens
+
+    def fields(self, branch: BranchId, num_tokens: int) -> dict[str, Any]:
+        """``BranchScript`` fields for ``branch`` (``logprobs``, ``confidences``,
+        ``logprob_every``): the per-segment means, rounded to 4 decimals. Empty if
+        some token of its ``num_tokens`` came without logprobs; no confidences if
+        some came without top values."""
+        seg = self._branches.get(branch)
+        if seg is None or not seg.complete or seg.tokens != num_tokens or not num_tokens:
+            return {}
+        full = len(seg.logprobs) - 1  # segments of `every` tokens; the last may be shorter
+        sizes = [self.every] * full + [num_tokens - self.every * full]
+        out: dict[str, Any] = {
+            "logprobs": tuple(min(0.0, round(s / n, 4)) for s, n in zip(seg.logprobs, sizes)),
+            "logprob_every": self.every,
+        }
+        if seg.with_top:
+            out["confidences"] = tuple(
+                min(MAX_CONFIDENCE, max(0.0, round(s / n, 4)))
+                for s, n in zip(seg.confidences, sizes)
+            )
+        return out
+
+
+def _clamp(logprob: float) -> float:
+    """A logprob in [``MIN_LOGPROB``, 0]; NaN counts as ``-inf``."""
+    return 0.0 if logprob > 0.0 else logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
+
+
 def trace_request(
-    item: PromptItem, result: RequestResult, engine: Engine, interval: int, arrival: float
+    item: PromptItem,
+    result: RequestResult,
+    engine: Engine,
+    interval: int,
+    arrival: float,
+    logprobs: LogprobRecorder | None = None,
 ) -> TraceRequest:
-    """One recorded request as a trace line (``ConfigError`` if it failed)."""
+    """One recorded request as a trace line (``ConfigError`` if it failed); with the
+    branches' per-segment log-probabilities that ``logprobs`` recorded, if given."""
     if not result.ok:
         raise ConfigError(f"recording failed for {item.id!r}: {result.reason}")
     branches = tuple(
@@ -198,6 +323,7 @@ def trace_request(
             rewards=tuple(r for tokens, r in b.reward_history if tokens < b.num_tokens),
             final_reward=b.reward,
             filler="",
+            **(logprobs.fields(BranchId(item.id, b.index), b.num_tokens) if logprobs else {}),
         )
         for b in result.branches
     )
@@ -220,18 +346,23 @@ def record_trace(
     sampling: SamplingSettings,
     rate: float,
     seed: int = 0,
+    *,
+    logprob_every: int = RECORD_LOGPROB_EVERY,
 ) -> Trace:
     """Serve every prompt with ``n`` branches run to their end, scored every ``interval``
-    tokens, and return what happened as a trace (see the module docstring)."""
+    tokens, and return what happened as a trace (see the module docstring). With
+    ``sampling.logprobs`` set, each branch's log-probabilities are recorded per segment
+    of ``logprob_every`` tokens."""
     policy = recording_policy(n, interval)
     times = arrivals(len(items), rate, seed)
     requests = [
         Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
         for item, t in zip(items, times)
     ]
-    results = recording_driver(engine, prm, max(n, 1) * 2).run(requests)
+    recorder = LogprobRecorder(engine, logprob_every) if sampling.logprobs is not None else None
+    results = recording_driver(recorder or engine, prm, max(n, 1) * 2).run(requests)
     return Trace.of(
-        trace_request(item, result, engine, interval, t)
+        trace_request(item, result, engine, interval, t, recorder)
         for item, t, result in zip(items, times, results)
     )
 

@@ -30,7 +30,15 @@ from sart.errors import ConfigError, config_check, enum_converter, int_at_least
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
-from sart.policies.recipes import rebase, sart, sart_without_pruning, self_consistency, vanilla
+from sart.policies.recipes import (
+    deepconf_online,
+    rebase,
+    sart,
+    sart_confidence,
+    sart_without_pruning,
+    self_consistency,
+    vanilla,
+)
 from sart.prm.base import PRM
 from sart.prm.priced import CostedPRM
 from sart.prm.scripted import ScriptedPRM
@@ -46,7 +54,11 @@ METHODS: dict[str, Callable[[int, int], Policy]] = {
     "rebase": lambda n, t: rebase(n, interval=t),
     "sart": lambda n, t: sart(n, interval=t),
     "sart-blocking": lambda n, t: sart(n, interval=t),
+    "deepconf": lambda n, t: deepconf_online(n, interval=t),
+    "sart-conf": lambda n, t: sart_confidence(n, interval=t),
 }
+#: Methods that need no PRM: no rewards, or rewards from the policy's own log-probabilities.
+PRM_FREE_METHODS = frozenset({"vanilla", "sc", "deepconf", "sart-conf"})
 #: Methods that run with blocking checks whatever ``--scoring`` says, so that one run
 #: compares SART's two scoring modes side by side.
 BLOCKING_METHODS = frozenset({"sart-blocking"})
@@ -57,6 +69,8 @@ SHORT_LABELS = {
     "sart-no-prune": "SART-noprune",
     "sart": "SART",
     "sart-blocking": "SART-blocking",
+    "deepconf": "DeepConf",
+    "sart-conf": "SART-conf",
 }
 LABELS = {
     "vanilla": "Vanilla",
@@ -65,6 +79,8 @@ LABELS = {
     "sart-no-prune": "SART (w/o pruning)",
     "sart": "SART",
     "sart-blocking": "SART (blocking checks)",
+    "deepconf": "DeepConf-online (confidence, no PRM)",
+    "sart-conf": "SART on confidence (no PRM)",
 }
 
 

@@ -16,6 +16,10 @@ from typing import Any
 
 from sart.errors import ConfigError
 
+#: ``sart.engines.scripts.DEFAULT_LOGPROB_EVERY`` (not imported: this module reads
+#: lines only); a test checks that they agree.
+DEFAULT_LOGPROB_EVERY = 16
+
 #: The most tokens a prompt or a branch may have (16 Mi: far beyond any context window).
 MAX_TOKENS = 1 << 24
 #: The most branches one request may have.
@@ -27,9 +31,15 @@ MAX_ARRIVAL = 1e9
 MAX_TEXT = 1 << 16
 #: The longest line, in bytes (read no further: a line is held in memory whole).
 MAX_LINE_BYTES = 64 << 20
+#: The lowest logprob and the highest token confidence a trace may hold (a recording
+#: clamps to them: a token the model gave probability 0 has logprob -inf).
+MIN_LOGPROB = -1e6
+MAX_CONFIDENCE = 1e6
 
 REQUEST_KEYS = frozenset({"id", "arrival", "answer", "prompt_tokens", "interval", "branches"})
-BRANCH_KEYS = frozenset({"length", "answer", "rewards", "final_reward"})
+BRANCH_KEYS = frozenset(
+    {"length", "answer", "rewards", "final_reward", "logprobs", "confidences", "logprob_every"}
+)
 
 
 class TraceLineError(ConfigError):
@@ -77,12 +87,39 @@ def _branch(value: object, where: str) -> dict[str, Any]:
             "(at most one per token)"
         )
     final = obj.get("final_reward")
-    return {
+    fields: dict[str, Any] = {
         "length": length,
         "answer": _text(obj["answer"], where, "answer"),
         "rewards": tuple(_reward(r, where, f"rewards[{i}]") for i, r in enumerate(rewards)),
         "final_reward": None if final is None else _reward(final, where, "final_reward"),
     }
+    fields.update(_logprob_fields(obj, length, where))
+    return fields
+
+
+def _logprob_fields(obj: Mapping[str, Any], length: int, where: str) -> dict[str, Any]:
+    """The optional per-segment logprobs and confidences (``BranchScript`` fields)."""
+    fields: dict[str, Any] = {}
+    every = obj.get("logprob_every")
+    if every is not None:
+        fields["logprob_every"] = every = _count(every, where, "logprob_every", 1)
+    # One value per segment of the branch at the most, as for rewards.
+    segments = -(-length // (every or DEFAULT_LOGPROB_EVERY))
+    for name, low, high in (("logprobs", MIN_LOGPROB, 0.0), ("confidences", 0.0, MAX_CONFIDENCE)):
+        values = obj.get(name)
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            raise TraceLineError(f"{where}: {name} must be a list, not {_kind(values)}")
+        if len(values) > segments:
+            raise TraceLineError(
+                f"{where}: {len(values)} {name} for a branch of {length} tokens in segments "
+                f"of {every or DEFAULT_LOGPROB_EVERY} (at most one per segment)"
+            )
+        fields[name] = tuple(
+            _number(v, where, f"{name}[{i}]", low, high) for i, v in enumerate(values)
+        )
+    return fields
 
 
 def _object(

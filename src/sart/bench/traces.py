@@ -11,7 +11,11 @@
 ``(j+1) * T`` generated tokens and ``final_reward`` its reward once complete;
 a branch whose ``length`` reaches ``max_tokens`` is truncated. Optional:
 ``prompt_tokens`` (default 256) and ``interval``, the ``T`` the rewards were
-recorded at (a replay uses it as its default ``T``).
+recorded at (a replay uses it as its default ``T``). A branch may also
+carry per-segment log-probabilities for confidence-based methods:
+``logprobs`` (the sampled tokens' mean logprob) and ``confidences`` (their
+mean token confidence) over segments of ``logprob_every`` tokens (default
+16), as ``BranchScript`` has them.
 
 Every value is checked when a trace is read (``trace_lines``): a line that
 cannot be replayed is refused with ``file:line`` before anything runs; see
@@ -32,7 +36,7 @@ from typing import BinaryIO
 import attrs
 
 from sart.bench.trace_lines import MAX_LINE_BYTES, TraceLineError, request_fields
-from sart.engines.scripts import BranchScript
+from sart.engines.scripts import DEFAULT_LOGPROB_EVERY, BranchScript
 from sart.errors import ConfigError
 from sart.types import BranchId
 
@@ -80,6 +84,12 @@ def _branch_json(b: BranchScript) -> dict:
     }
     if b.final_reward is not None:
         out["final_reward"] = round(b.final_reward, 4)
+    if b.logprobs:
+        out["logprobs"] = [round(x, 4) for x in b.logprobs]
+    if b.confidences:
+        out["confidences"] = [round(x, 4) for x in b.confidences]
+    if b.logprobs or b.confidences or b.logprob_every != DEFAULT_LOGPROB_EVERY:
+        out["logprob_every"] = b.logprob_every
     return out
 
 

@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import attrs
 
 from sart.clock import Clock
-from sart.messages import BranchDelta, BranchSpec, StepOutput
+from sart.messages import BranchDelta, BranchSpec, StepOutput, TokenLogprobs
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 
@@ -46,10 +46,20 @@ class StepDeltas:
         self._tokens: dict[BranchId, list[int]] = {}
         self._texts: dict[BranchId, list[str]] = {}
         self._ends: dict[BranchId, tuple[FinishReason, int]] = {}
+        self._logprobs: dict[BranchId, list[TokenLogprobs]] = {}
 
-    def add(self, branch: BranchId, token_ids: Sequence[int], text: str) -> None:
+    def add(
+        self,
+        branch: BranchId,
+        token_ids: Sequence[int],
+        text: str,
+        logprobs: Sequence[TokenLogprobs] = (),
+    ) -> None:
+        """``logprobs``: one per token of ``token_ids`` when the request asked for them."""
         self._tokens.setdefault(branch, []).extend(token_ids)
         self._texts.setdefault(branch, []).append(text)
+        if logprobs:
+            self._logprobs.setdefault(branch, []).extend(logprobs)
 
     def end(self, branch: BranchId, reason: FinishReason, step: int) -> None:
         """The branch ended at ``step`` (1-based within the call)."""
@@ -65,6 +75,7 @@ class StepDeltas:
                 finish=reason,
                 end_offset=offset,
                 token_ids=tuple(ids),
+                logprobs=tuple(self._logprobs.get(bid, ())),
             )
         return StepOutput(steps=steps, deltas=deltas)
 
@@ -184,6 +195,7 @@ __all__ = [
     "ReportsUsage",
     "StepDeltas",
     "StepOutput",
+    "TokenLogprobs",
     "engine_clock",
     "supports_fork",
 ]

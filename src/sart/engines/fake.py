@@ -8,6 +8,13 @@ engine contract strictly (with a strict ``PrefixLedger``) and raises
 or ended branch, starting a branch twice, releasing a prefix whose branches
 still run, exceeding ``max_branches``. It can inject failures for chosen
 requests or branches.
+
+Log-probabilities: a request whose ``SamplingSettings.logprobs`` is ``k``
+(not ``None``) gets one ``TokenLogprobs`` per new token in every
+``BranchDelta``, from its branch's script (``BranchScript.logprobs_span``: the
+scripted sampled-token logprob and ``k`` top values whose negative mean is the
+scripted confidence; not a real distribution). A request that did not ask
+costs nothing more.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class _Live:
     end: int  # position at which the branch ends (EOS or max_tokens)
     reason: FinishReason
     pos: int = 0
+    logprobs: int | None = None  # the request's SamplingSettings.logprobs
 
 
 class FakeEngine:
@@ -100,6 +108,7 @@ class FakeEngine:
         if request_id in self.fail_start:
             raise EngineError(f"injected start failure for {request_id!r}", [request_id])
         max_tokens = prefix.sampling.max_tokens
+        k = prefix.sampling.logprobs
         new: list[tuple[BranchSpec, _Live]] = []
         for spec in branches:
             bid = BranchId(request_id, spec.index)
@@ -109,9 +118,9 @@ class FakeEngine:
                 parent = BranchId(request_id, spec.parent)
                 script, pos = self._fork_script(bid, parent), self._live[parent].pos
             if script.length <= max_tokens:
-                new.append((spec, _Live(script, script.length, FinishReason.STOP, pos)))
+                new.append((spec, _Live(script, script.length, FinishReason.STOP, pos, k)))
             else:
-                new.append((spec, _Live(script, max_tokens, FinishReason.LENGTH, pos)))
+                new.append((spec, _Live(script, max_tokens, FinishReason.LENGTH, pos, k)))
         self._ledger.start(request_id, new)
         self.peak_live = max(self.peak_live, len(self._live))
 
@@ -134,12 +143,19 @@ class FakeEngine:
         for bid, live in list(self._live.items()):
             n = min(horizon, live.end - live.pos)
             text = live.script.text_span(live.pos, live.pos + n)
+            logprobs = (
+                ()
+                if live.logprobs is None
+                else live.script.logprobs_span(live.pos, live.pos + n, live.logprobs)
+            )
             live.pos += n
             if live.pos == live.end:
-                deltas[bid] = BranchDelta(new_tokens=n, text=text, finish=live.reason, end_offset=n)
+                deltas[bid] = BranchDelta(
+                    new_tokens=n, text=text, finish=live.reason, end_offset=n, logprobs=logprobs
+                )
                 self._ledger.end(bid)
             else:
-                deltas[bid] = BranchDelta(new_tokens=n, text=text)
+                deltas[bid] = BranchDelta(new_tokens=n, text=text, logprobs=logprobs)
         self.steps += horizon
         self.clock.advance(cost)
         return StepOutput(steps=horizon, deltas=deltas)

@@ -4,7 +4,8 @@ The streaming counterpart of ``FakeEngine`` for testing ``StreamingEngine``
 and the asyncio driver: each branch follows its ``BranchScript`` but streams
 at its own pace, in chunks of 1-``burst`` tokens with ``await asyncio.sleep(0)``
 between them (seeded per branch), so branches of one batch run ahead of each
-other as they do on a real server. ``fail_stream`` makes chosen branches'
+other as they do on a real server; scripted log-probabilities as ``FakeEngine``'s.
+``fail_stream`` makes chosen branches'
 streams raise after some tokens.
 """
 
@@ -64,12 +65,15 @@ class FakeStreamingEngine(StreamingEngine):
                 raise RuntimeError(f"injected stream failure at token {failing} of {branch}")
             ids = tuple(range(pos, pos + n))
             texts = tuple(script.text_span(i, i + 1) for i in range(pos, pos + n))
+            k = sampling.logprobs
+            logprobs = () if k is None else script.logprobs_span(pos, pos + n, k)
             pos += n
             yield Chunk(
                 token_ids=ids,
                 text="".join(texts),
                 texts=texts,
                 finish=reason if pos == end else None,
+                logprobs=logprobs,
             )
 
     async def _cancel(self, branch: BranchId) -> None:

@@ -21,6 +21,14 @@ string) ends a branch as ``FINISHED`` and counts as a generated token, as in
 vLLM; reaching ``max_tokens`` ends it as ``TRUNCATED``. Stop strings are cut
 from the text. Aborting a branch drops its tensors at once.
 
+Log-probabilities (``SamplingSettings.logprobs``, for confidence signals): as
+vLLM's default, they are raw, the ``log_softmax`` of the model's next-token
+logits before temperature and top-p, for the sampled token and the ``k`` most
+likely ones (``k`` clamped to the vocabulary). Each step they are computed in
+one batch on the device over the branches of the requests that asked, and
+read back with one transfer; the other branches pay nothing. A fork reports
+them only for the tokens it generates itself.
+
 Prompts (``sart.engines.prompts``): token ids are used as they are; text is
 tokenized with special tokens added, or, with ``chat=True``, wrapped as one user
 message with the tokenizer's chat template and a generation prompt (what
@@ -43,7 +51,13 @@ with needs_extra("the transformers engine", "hf"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
+from sart.engines.base import (
+    BranchSpec,
+    EngineStats,
+    StepDeltas,
+    StepOutput,
+    TokenLogprobs,
+)
 from sart.engines.ledger import Prefix, PrefixLedger
 from sart.engines.prompts import prompt_ids
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
@@ -188,13 +202,16 @@ class HFEngine:
 
     def _decode_one(self, step: int, deltas: StepDeltas) -> bool:
         """Sample one token for every live branch, then forward the ones still live."""
+        live = list(self._ledger.branches.items())
+        tokens = [self._sample(branch) for _, branch in live]
+        # All of the step's tokens first, so their log-probabilities are one batch.
+        logprobs = self._logprobs([branch for _, branch in live], tokens)
         going: list[tuple[BranchId, _Branch, int]] = []
         ended = False
-        for bid, branch in list(self._ledger.branches.items()):
-            token = self._sample(branch)
+        for (bid, branch), token, lp in zip(live, tokens, logprobs):
             branch.tokens.append(token)
             finish, delta = self._advance_text(branch, token)
-            deltas.add(bid, (token,), delta)
+            deltas.add(bid, (token,), delta, () if lp is None else (lp,))
             if finish is None and len(branch.tokens) >= branch.prefix.sampling.max_tokens:
                 finish = FinishReason.LENGTH
             if finish is not None:
@@ -206,6 +223,35 @@ class HFEngine:
         if going:
             self._forward_batch(going)
         return ended
+
+    def _logprobs(self, branches: list[_Branch], tokens: list[int]) -> list[TokenLogprobs | None]:
+        """The raw log-probabilities of this step's tokens for the branches whose
+        request asked (``None`` for the others), in ``branches``' order.
+
+        One batch for all asking branches, whatever their ``k``: a ``log_softmax``
+        and a ``topk`` at the largest ``k``, each branch then keeping its own first
+        ``k``; and one ``.tolist()``, since a device-to-host read per branch would
+        synchronise the device once per branch. Raw means before temperature and
+        top-p, as vLLM's default: the model's own distribution, which is what
+        confidence signals read.
+        """
+        rows = [
+            i for i, branch in enumerate(branches) if branch.prefix.sampling.logprobs is not None
+        ]
+        out: list[TokenLogprobs | None] = [None] * len(branches)
+        if not rows:
+            return out
+        logits = torch.stack([branches[i].logits for i in rows])
+        vocab = logits.shape[-1]
+        ks = [min(branches[i].prefix.sampling.logprobs or 0, vocab) for i in rows]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = torch.tensor([tokens[i] for i in rows], device=logp.device)
+        values = logp.gather(1, chosen[:, None])  # column 0: the sampled token's
+        if max(ks) > 0:
+            values = torch.cat([values, logp.topk(max(ks), dim=-1).values], dim=1)
+        for i, k, row in zip(rows, ks, values.tolist()):
+            out[i] = TokenLogprobs(row[0], tuple(row[1 : 1 + k]))
+        return out
 
     def _sample(self, branch: _Branch) -> int:
         sampling = branch.prefix.sampling

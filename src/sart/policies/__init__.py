@@ -1,12 +1,24 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
-from sart.policies.base import Policy, PruneRule, Selector, StopRule
+from sart.policies.base import Policy, PruneRule, RewardSource, Selector, StopRule
+from sart.policies.confidence import (
+    ConfidenceScorer,
+    GroupConfidence,
+    LowestGroupConfidence,
+    LowestTokenLogprob,
+    MeanTokenLogprob,
+    Signal,
+    TailConfidence,
+    TokenConfidence,
+)
 from sart.policies.equivalence import Equivalence, ExactMatch
-from sart.policies.prune import NoPrune, TwoPhasePrune
+from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.rebase import RewardBalance
 from sart.policies.recipes import (
+    deepconf_online,
     rebase,
     sart,
+    sart_confidence,
     sart_without_pruning,
     self_consistency,
     vanilla,
@@ -17,20 +29,32 @@ from sart.policies.stop import AllDone, FirstM
 __all__ = [
     "AllDone",
     "BestReward",
+    "ConfidenceScorer",
     "Equivalence",
     "ExactMatch",
     "FirstM",
+    "GroupConfidence",
+    "LowestGroupConfidence",
+    "LowestTokenLogprob",
     "MajorityVote",
+    "MeanTokenLogprob",
     "NoPrune",
     "Policy",
     "PruneRule",
     "RewardBalance",
+    "RewardSource",
     "Selector",
+    "Signal",
     "StopRule",
+    "TailConfidence",
+    "TokenConfidence",
     "TwoPhasePrune",
+    "WarmupThreshold",
     "WeightedVote",
+    "deepconf_online",
     "rebase",
     "sart",
+    "sart_confidence",
     "sart_without_pruning",
     "self_consistency",
     "vanilla",

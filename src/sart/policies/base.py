@@ -9,13 +9,22 @@ an unused hook costs nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import ClassVar
+from typing import ClassVar, Protocol, runtime_checkable
 
 import attrs
 
 from sart.answers import extract_answer
 from sart.errors import ConfigError, int_at_least
+from sart.messages import ScoreItem
 from sart.views import BranchView, Limits, RequestView
+
+
+@runtime_checkable
+class RewardSource(Protocol):
+    """What a policy's own reward source provides: the PRM contract's ``score`` (declared
+    here because the core knows no adapter; ``sart.prm.base.PRM`` is the same shape)."""
+
+    def score(self, items: Sequence[ScoreItem]) -> Sequence[float]: ...
 
 
 class StopRule:
@@ -105,6 +114,11 @@ def _instance_of(kind: type, field: str) -> Callable[[object, attrs.Attribute, o
     return check
 
 
+def _reward_source(_inst: object, _attr: attrs.Attribute, value: object) -> None:
+    if value is not None and not callable(getattr(value, "score", None)):
+        raise ConfigError(f"reward={value!r} must be a reward source (a PRM: has score(items))")
+
+
 def _default_stop() -> StopRule:
     from sart.policies.stop import AllDone
 
@@ -145,6 +159,10 @@ class Policy:
     """Turns a branch's text into its answer, for votes and results."""
     name: str = "custom"
     """Label used in reports."""
+    reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
+    """This policy's own reward source, used for its requests instead of the driver's
+    PRM (e.g. ``sart.policies.confidence.ConfidenceScorer``: confidence from the policy's
+    log-probabilities). ``None``: the driver's PRM."""
 
     def __attrs_post_init__(self) -> None:
         self.stop.validate(self.n)

@@ -9,7 +9,7 @@ import attrs
 
 from sart.errors import config_check, int_at_least
 from sart.policies.base import PruneRule
-from sart.views import BranchView, Limits, RequestView
+from sart.views import BranchView, Limits, RequestView, completion_order
 
 
 @attrs.frozen
@@ -51,6 +51,65 @@ class TwoPhasePrune(PruneRule):
 
     def choose(self, request: RequestView) -> Iterable[int]:
         threshold = request.limits.threshold
+        if threshold is None:
+            return ()
+        low = [
+            b
+            for b in request.running
+            if b.reward is not None and not math.isnan(b.reward) and b.reward < threshold
+        ]
+        low.sort(key=lambda b: (b.reward, b.index))
+        return [b.index for b in low]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) of ``values``, interpolated linearly between
+    the closest ranks (numpy's default, which DeepConf's reference code uses)."""
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+@attrs.frozen
+class WarmupThreshold(PruneRule):
+    """DeepConf-online's stopping rule (Fu et al., 2025, Algorithm 2) on sart's checks.
+
+    The first ``warmup`` branches to complete are the warm-up traces; the
+    threshold is the ``100 - keep`` percentile of their rewards (DeepConf-low
+    keeps the top 10%: ``keep=10``; DeepConf-high the top 90%: ``keep=90``).
+    From then on every running branch whose reward is below it is pruned at
+    the next check, lowest first. With a confidence reward source
+    (``LowestGroupConfidence``) that is DeepConf's rule: a trace stops once a
+    window's group confidence drops below the threshold (here, at the first
+    check after it does, and by aborting the branch, which frees its KV).
+    Before the warm-up completes nothing is pruned; up to ``n - 1`` branches may
+    be pruned in all.
+    """
+
+    warmup: int = attrs.field(validator=int_at_least(1))
+    keep: float = attrs.field(default=90.0)
+
+    @keep.validator
+    def _check_keep(self, _attr: attrs.Attribute, value: float) -> None:
+        config_check(
+            isinstance(value, (int, float)) and 0.0 < value <= 100.0, "keep", value, "in (0, 100]"
+        )
+
+    def validate(self, n: int) -> None:
+        config_check(self.warmup < n, "warmup", self.warmup, f"< n={n}")
+
+    def threshold(self, request: RequestView) -> float | None:
+        """The warm-up threshold, once ``warmup`` branches have completed (else ``None``)."""
+        done = sorted(request.completed, key=completion_order)[: self.warmup]
+        rewards = [b.reward for b in done if b.reward is not None and not math.isnan(b.reward)]
+        if len(done) < self.warmup or not rewards:
+            return None
+        return percentile(rewards, 100.0 - self.keep)
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        threshold = self.threshold(request)
         if threshold is None:
             return ()
         low = [

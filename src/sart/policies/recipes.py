@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from sart.errors import config_check
 from sart.policies.base import Policy
-from sart.policies.prune import NoPrune, TwoPhasePrune
+from sart.policies.confidence import (
+    ConfidenceScorer,
+    LowestGroupConfidence,
+    LowestTokenLogprob,
+    Signal,
+)
+from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.rebase import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
@@ -82,4 +88,76 @@ def rebase(n: int, temperature: float = 0.2, interval: int = 400) -> Policy:
         select=WeightedVote(),
         interval=interval,
         name=f"rebase(n={n})",
+    )
+
+
+#: DeepConf's group window; the confidence recipes use ``min(interval, this)`` by default,
+#: so that each check reads the tokens decoded since the last one.
+DEEPCONF_WINDOW = 2048
+
+
+def _window(window: int | None, interval: int) -> int:
+    return min(interval, DEEPCONF_WINDOW) if window is None else window
+
+
+def deepconf_online(
+    n: int,
+    warmup: int | None = None,
+    keep: float = 90.0,
+    interval: int = 400,
+    window: int | None = None,
+    top_k: int = 20,
+) -> Policy:
+    """DeepConf-online (Fu et al., 2025) on stock engines: ``n`` branches; once the first
+    ``warmup`` complete (default ``max(1, n // 4)``), running branches whose lowest
+    group confidence falls below the ``100 - keep`` percentile of theirs are aborted
+    (``WarmupThreshold``); the answer is the confidence-weighted vote. Confidence comes
+    from the policy's own top-``top_k`` log-probabilities (no PRM); ``window``
+    defaults to ``min(interval, 2048)``.
+
+    Differences from the paper's setting, kept on purpose: all ``n`` branches start
+    together (the warm-up ones are simply the first to finish, not a separate
+    first round), branches stop at checks every ``interval`` tokens rather than at
+    the token where they fall below, and the vote weights are the confidence
+    rewards (``ConfidenceScorer``'s map of ``C``) rather than ``C`` itself."""
+    warmup = max(1, n // 4) if warmup is None else warmup
+    signal = LowestGroupConfidence(window=_window(window, interval))
+    return Policy(
+        n=n,
+        stop=AllDone(),
+        prune=WarmupThreshold(warmup=warmup, keep=keep),
+        select=WeightedVote(),
+        interval=interval,
+        name=f"deepconf-online(n={n},warmup={warmup},keep={keep:g})",
+        reward=ConfidenceScorer(signal=signal, top_k=top_k),
+    )
+
+
+def sart_confidence(
+    n: int,
+    m: int | None = None,
+    alpha: float = 0.5,
+    beta: int | None = None,
+    interval: int = 400,
+    signal: Signal | None = None,
+    top_k: int = 20,
+    scale: float = 10.0,
+) -> Policy:
+    """SART with the policy's own confidence in place of a PRM: the paper's M-of-N stop
+    and two-phase pruning (``sart()``'s defaults), the best-rewarded answer, rewards from
+    ``signal`` (default ``LowestTokenLogprob()``: the lowest sampled-token probability
+    so far, which needs no top-k). Phase 1 compares rewards with ``alpha``: for a
+    confidence signal that depends on ``scale`` (``sart.policies.confidence``); phase 2
+    compares branches with each other and does not."""
+    m = _paper_m(n, m)
+    beta = n // 2 if beta is None else beta
+    signal = LowestTokenLogprob() if signal is None else signal
+    return Policy(
+        n=n,
+        stop=FirstM(m),
+        prune=TwoPhasePrune(alpha=alpha, beta=beta),
+        select=BestReward(),
+        interval=interval,
+        name=f"sart-confidence(n={n},m={m})",
+        reward=ConfidenceScorer(signal=signal, top_k=top_k, scale=scale),
     )

@@ -17,7 +17,13 @@ sc              ``sart.self_consistency(n)``, majority vote  n, interval
 sart            ``sart.sart(n, m, alpha, beta)``             n, m, alpha, beta, interval
 sart-no-prune   ``sart.sart_without_pruning(n, m)``          n, m, interval
 rebase          ``sart.rebase(n)``                           n, interval
+deepconf        ``sart.deepconf_online(n)``: confidence      n, interval
+sart-conf       ``sart.sart_confidence(n, m, alpha, beta)``  n, m, alpha, beta, interval
 ==============  ==========================================  ==================
+
+``deepconf`` and ``sart-conf`` score branches with the policy's own
+log-probabilities (``sart.policies.confidence``), not the server's PRM: they
+run on a server started without one, on any engine that returns logprobs.
 
 Selectors: ``best-reward`` (``BestReward``), ``majority`` (``MajorityVote``),
 ``weighted`` (``WeightedVote``).
@@ -31,7 +37,15 @@ import attrs
 
 from sart.errors import ConfigError, UnknownComponentError, config_check
 from sart.policies.base import Policy, Selector
-from sart.policies.recipes import rebase, sart, sart_without_pruning, self_consistency, vanilla
+from sart.policies.recipes import (
+    deepconf_online,
+    rebase,
+    sart,
+    sart_confidence,
+    sart_without_pruning,
+    self_consistency,
+    vanilla,
+)
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 
 #: Policy fields a method may read besides ``n`` and ``interval``.
@@ -107,6 +121,14 @@ register_method(
     options=("m",),
 )
 register_method("rebase", lambda n, interval: rebase(n, interval=interval))
+register_method("deepconf", lambda n, interval: deepconf_online(n, interval=interval))
+register_method(
+    "sart-conf",
+    lambda n, interval, m=None, alpha=0.5, beta=None: sart_confidence(
+        n, m=m, alpha=alpha, beta=beta, interval=interval
+    ),
+    options=("m", "alpha", "beta"),
+)
 
 
 @attrs.frozen

@@ -125,7 +125,9 @@ class Service:
         a policy that needs a PRM when there is none, or forks on an engine that cannot
         (``sart.driver.check_servable``, with the server's own hint)."""
         # The wrapped engine, so that the message names the engine the user chose.
-        check_servable(request, self.prm, self.engine.inner, no_prm=_NO_PRM)
+        check_servable(
+            request, request.policy.reward or self.prm, self.engine.inner, no_prm=_NO_PRM
+        )
 
     def submit(self, request: Request, question: str | None = None) -> str:
         """Accept ``request`` (its ``arrival`` is set to now) and return its id; then
