@@ -40,8 +40,10 @@ def test_priorities_cut_the_urgent_class_latency_at_little_cost_to_bulk() -> Non
     config = BenchConfig(methods=("sc",), ns=(8,), rates=(4.0,), num_requests=120)
     ((rate, trace),) = traces(config)
     classes = parse_mix(SPEC)
-    of = classes_of(trace, classes, config.seed)
-    assert of == classes_of(trace, classes, config.seed)  # the same classes every time
+    of = classes_of([r.id for r in trace], classes, config.seed)
+    assert of == classes_of(
+        [r.id for r in trace], classes, config.seed
+    )  # the same classes every time
     assert 0 < sum(1 for k in of.values() if k == 0) < len(trace)
     fcfs = run_mix(trace, classes, config, rate, priorities=False)
     urgent = run_mix(trace, classes, config, rate, priorities=True)

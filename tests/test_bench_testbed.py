@@ -147,3 +147,21 @@ def test_a_testbed_run_records_a_trace_for_the_simulator(tmp_path: Path) -> None
     }
     # Replayed confidence is the recorded one, not the trace's PRM rewards.
     assert rewards["sart-conf"] and set(rewards["sart-conf"]) != set(rewards["sart"])
+
+
+def test_bench_mix_serves_urgent_and_bulk_testbed_requests_with_transformers(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    argv = [a for a in bench_argv("hf", out) if a not in ("--n", "4")]
+    assert main([*argv, "--mix", "interactive:0.3:sart:2,bulk:0.7:sc:4"]) == 0
+    (document,) = json.loads((out / "mix.json").read_text())["rates"]
+    assert [c["name"] for c in document["classes"]] == ["interactive", "bulk"]
+    fcfs, priority = document["runs"]
+    assert (fcfs["scheduling"], priority["scheduling"]) == ("fcfs", "priority")
+    for run in (fcfs, priority):
+        counts = [c["requests"] for c in run["classes"]]
+        assert sum(counts) == 12 and all(counts)  # the same questions, split the same way
+        assert counts == [c["requests"] for c in fcfs["classes"]]
+        for stats in run["classes"]:
+            assert 0 < stats["p50"] <= stats["p97"] and 0.0 < stats["accuracy"] <= 1.0

@@ -8,7 +8,7 @@ import functools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +86,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--mix",
         default=None,
         metavar="NAME:SHARE:METHOD:N,...",
-        help="sim: a mixed workload, e.g. interactive:0.2:sart:2,bulk:0.8:sc:8 (the first "
+        help="a mixed workload, e.g. interactive:0.2:sart:2,bulk:0.8:sc:8 (the first "
         "class the most urgent), served first come first served and then by priority, "
         "compared per class (instead of --methods and --n)",
     )
@@ -411,7 +411,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "prm_cost": sim,
         "preemption": sim,
         "replicas": sim,
-        "mix": sim and not trace,
+        "mix": not trace,
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
         "sglang_arg": args.engine == "sglang",
@@ -463,26 +463,53 @@ def _default_ns(trace: str | None) -> tuple[int, ...]:
 
 def _bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     """``--mix``: each rate's mixed workload served FCFS and by priority, per class."""
-    from rich import box
     from rich.console import Console
-    from rich.table import Table
 
-    from sart.bench.mix import mix_json, parse_mix, run_mix
+    from sart.bench.mix import parse_mix
 
     if args.ns or args.methods != list(BenchConfig().methods):
         raise ConfigError("--mix names each class's method and N: drop --methods and --n")
     classes = parse_mix(args.mix)
-    width = max(c.n for c in classes)
     console = Console(width=None if Console().is_terminal else 120)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    serve_rate, close = (
+        _mix_on_real_engine(args, config, classes) if args.engine != "sim" else (None, None)
+    )
+    try:
+        documents = _mix_rates(config, classes, console, serve_rate)
+    finally:
+        if close is not None:
+            close()
+    (out / "mix.json").write_text(json.dumps({"mix": args.mix, "rates": documents}, indent=2))
+    console.print(f"wrote {out / 'mix.json'}")
+    return 0
+
+
+def _mix_rates(
+    config: BenchConfig,
+    classes: Sequence[Any],
+    console: Any,
+    serve_rate: Callable[[float, bool], Any] | None,
+) -> list[dict[str, Any]]:
+    """Each rate's FCFS and priority runs, printed as a table; their JSON documents."""
+    from rich import box
+    from rich.table import Table
+
+    from sart.bench.mix import mix_json, run_mix
+
+    width = max(c.n for c in classes)
     documents = []
     for rate in config.rates or (None,):
-        assert rate is not None and config.num_requests is not None and config.workload
-        trace = workload(config.workload).generate(
-            config.num_requests, rate, width, config.interval, config.seed
-        )
-        runs = [run_mix(trace, classes, config, rate, priorities=p) for p in (False, True)]
+        assert rate is not None and config.num_requests is not None
+        if serve_rate is not None:
+            runs = [serve_rate(rate, p) for p in (False, True)]
+        else:
+            assert config.workload
+            trace = workload(config.workload).generate(
+                config.num_requests, rate, width, config.interval, config.seed
+            )
+            runs = [run_mix(trace, classes, config, rate, priorities=p) for p in (False, True)]
         table = Table(title=f"Mixed workload at {rate:g} req/s", box=box.SIMPLE_HEAD)
         for name in ("class", "requests", "scheduling", "P50", "P97", "acc %", "req/s"):
             table.add_column(name, justify="left" if name in ("class", "scheduling") else "right")
@@ -494,16 +521,62 @@ def _bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
                     f"{klass.name} ({klass.method} N={klass.n})",
                     str(stats.requests),
                     run.scheduling,
-                    f"{stats.e2e.p50:,.0f}",
-                    f"{stats.e2e.p97:,.0f}",
+                    _latency(stats.e2e.p50),
+                    _latency(stats.e2e.p97),
                     acc,
                     f"{stats.throughput:.3f}",
                 )
         console.print(table)
         documents.append(mix_json(runs, classes, rate))
-    (out / "mix.json").write_text(json.dumps({"mix": args.mix, "rates": documents}, indent=2))
-    console.print(f"wrote {out / 'mix.json'}")
-    return 0
+    return documents
+
+
+def _latency(seconds: float) -> str:
+    """Three significant digits: simulated latencies run to thousands of seconds, the
+    testbed's on a CPU to tenths."""
+    return f"{seconds:,.0f}" if abs(seconds) >= 100 else f"{seconds:.3g}"
+
+
+def _mix_on_real_engine(
+    args: argparse.Namespace, config: BenchConfig, classes: Sequence[Any]
+) -> tuple[Callable[[float, bool], Any], Callable[[], None]]:
+    """Load ``--engine`` (and the PRM, if a class needs one) once, warm both up, and
+    return ``serve(rate, priorities)`` for ``--mix`` on the run's prompts, and ``close``."""
+    from sart.bench.mix import run_mix_real
+    from sart.bench.real import WARMUP_REQUESTS
+    from sart.bench.runner import PRM_FREE_METHODS
+
+    setup = real_setup(args)
+    with_prm = [c.method for c in classes if c.method not in PRM_FREE_METHODS]
+    if with_prm and not setup.prm:
+        raise ConfigError(f"--engine {args.engine} needs --prm PATH for methods {with_prm}")
+    engine = _load_engine(args, setup.model, config.batch_size or REAL_BATCH_SIZE)
+    prm = _load_prm(args, setup) if with_prm else None
+    # One unmeasured pass, so that neither run pays the engine's first-call costs.
+    run_mix_real(
+        setup.items[:WARMUP_REQUESTS],
+        classes,
+        engine,
+        prm,
+        config,
+        setup.sampling,
+        None,
+        priorities=False,
+    )
+
+    def serve(rate: float, priorities: bool) -> Any:
+        return run_mix_real(
+            setup.items, classes, engine, prm, config, setup.sampling, rate, priorities=priorities
+        )
+
+    def close() -> None:
+        stop = getattr(prm, "close", None)
+        if stop is not None:
+            stop()
+        if args.engine == "sglang":
+            engine.close()  # the bridge shuts SGLang's processes down
+
+    return serve, close
 
 
 def _workload_file(name: str | None) -> str | None:

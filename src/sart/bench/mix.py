@@ -9,13 +9,18 @@ random stream (the seed and its index), so both runs, and runs at other
 rates, see the same classes. It reports, per class and run, P50/P97
 end-to-end latency, accuracy, and throughput (completed requests per second of
 the run), so the cost of urgency to the bulk class shows.
+
+On the simulator (``run_mix``) the workload is a generated trace; on a real
+engine (``run_mix_real``: ``sart bench --engine hf|vllm|sglang --mix ...``)
+it is the run's prompts (testbed questions by default) arriving as a Poisson
+stream, served on one loaded engine and PRM, FCFS then by priority.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -23,6 +28,13 @@ from sart.bench.runner import METHODS, BenchConfig, RunRecord, run_method
 from sart.bench.traces import Trace, TraceRequest
 from sart.errors import ConfigError
 from sart.metrics import Distribution, is_correct
+from sart.results import RequestResult
+
+if TYPE_CHECKING:
+    from sart.bench.real import PromptItem
+    from sart.engines.base import Engine
+    from sart.prm.base import PRM
+    from sart.types import SamplingSettings
 
 
 @attrs.frozen
@@ -59,13 +71,13 @@ def parse_mix(spec: str) -> tuple[MixClass, ...]:
     return tuple(classes)
 
 
-def classes_of(trace: Trace, classes: Sequence[MixClass], seed: int) -> dict[str, int]:
+def classes_of(ids: Iterable[str], classes: Sequence[MixClass], seed: int) -> dict[str, int]:
     """Each request's class index, drawn from the shares (its own stream per request)."""
     total = sum(c.share for c in classes)
     weights = [c.share / total for c in classes]
     return {
-        r.id: random.Random(f"mix/{seed}/{i}").choices(range(len(classes)), weights)[0]
-        for i, r in enumerate(trace)
+        rid: random.Random(f"mix/{seed}/{i}").choices(range(len(classes)), weights)[0]
+        for i, rid in enumerate(ids)
     }
 
 
@@ -97,7 +109,7 @@ def run_mix(
     priorities: bool,
 ) -> MixRun:
     """Serve the mixed workload on ``trace`` (see the module docstring)."""
-    of = classes_of(trace, classes, config.seed)
+    of = classes_of([r.id for r in trace], classes, config.seed)
     policies = [METHODS[c.method](c.n, config.interval) for c in classes]
 
     def per_request(r: TraceRequest) -> dict[str, Any]:
@@ -106,14 +118,71 @@ def run_mix(
 
     width = max(c.n for c in classes)
     record = run_method(trace, "sart", width, config, rate, per_request=per_request)
-    gold = trace.gold()
-    span = max(
-        (r.timings.finished for r in record.results),
-        default=0.0,
-    ) - min((r.arrival for r in trace), default=0.0)
+    start = min((r.arrival for r in trace), default=0.0)
+    stats = class_stats(record.results, classes, of, trace.gold(), start)
+    return MixRun("priority" if priorities else "fcfs", record, stats)
+
+
+def run_mix_real(
+    items: Sequence[PromptItem],
+    classes: Sequence[MixClass],
+    engine: Engine,
+    prm: PRM | None,
+    config: BenchConfig,
+    sampling: SamplingSettings,
+    rate: float | None,
+    *,
+    priorities: bool,
+) -> MixRun:
+    """Serve ``items`` as a mixed workload on a real engine (see the module docstring):
+    arrivals drawn from ``rate`` and the seed, so the FCFS and the priority run of a
+    rate see the same stream and the same classes."""
+    from sart.bench.real import arrivals
+    from sart.bench.runner import method_scoring, serve
+    from sart.driver import SyncDriver
+    from sart.request import Request
+
+    of = classes_of([item.id for item in items], classes, config.seed)
+    policies = [METHODS[c.method](c.n, config.interval) for c in classes]
+    times = [0.0] * len(items) if rate is None else arrivals(len(items), rate, config.seed)
+    requests = [
+        Request(
+            item.id,
+            item.prompt,
+            policies[of[item.id]],
+            sampling=sampling,
+            arrival=t,
+            priority=of[item.id] if priorities else 0,
+        )
+        for item, t in zip(items, times)
+    ]
+    driver = SyncDriver(
+        engine,
+        prm,
+        batch_size=config.batch_size or 16,
+        admission=config.admission,
+        scoring=method_scoring("sart", config),
+        poll_steps=config.poll_steps,
+    )
+    gold = {item.id: item.answer for item in items if item.answer is not None}
+    record = serve(driver, requests, gold, "mix", max(c.n for c in classes), rate)
+    stats = class_stats(record.results, classes, of, gold, 0.0)
+    return MixRun("priority" if priorities else "fcfs", record, stats)
+
+
+def class_stats(
+    results: Sequence[RequestResult],
+    classes: Sequence[MixClass],
+    of: dict[str, int],
+    gold: dict[str, str],
+    start: float,
+) -> tuple[ClassStats, ...]:
+    """Per class: latency, accuracy, and throughput over the run (from ``start``, the
+    first arrival, to the last finish)."""
+    span = max((r.timings.finished for r in results), default=0.0) - start
     stats = []
     for k, klass in enumerate(classes):
-        mine = [r for r in record.results if of[r.request_id] == k]
+        mine = [r for r in results if of[r.request_id] == k]
         done = [r for r in mine if r.ok]
         correct = [is_correct(r, gold.get(r.request_id)) for r in done]
         stats.append(
@@ -125,7 +194,7 @@ def run_mix(
                 throughput=len(done) / span if span > 0 else float("nan"),
             )
         )
-    return MixRun("priority" if priorities else "fcfs", record, tuple(stats))
+    return tuple(stats)
 
 
 def mix_json(runs: Sequence[MixRun], classes: Sequence[MixClass], rate: float | None) -> dict:
