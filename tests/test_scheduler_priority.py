@@ -7,11 +7,12 @@ several priorities on the fake engine.
 
 from __future__ import annotations
 
+import attrs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sart
-from sart.testing import BranchScript, FakeEngine
+from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 
 
 def serve(requests: list[sart.Request], batch_size: int, aging: float | None = None):
@@ -80,3 +81,138 @@ def test_a_priority_must_be_an_int() -> None:
         sart.Request("r", "p", sart.vanilla(), priority=1.5)  # type: ignore[arg-type]
     with pytest.raises(sart.ConfigError, match="aging=0 must be None or > 0"):
         sart.SchedulerConfig(batch_size=1, aging=0)
+
+
+# ------------------------------------------------------------------ pausing
+
+
+def _scripts(lengths: dict[str, list[int]]):
+    return {rid: [BranchScript(length=n) for n in ns] for rid, ns in lengths.items()}
+
+
+workload_specs = st.lists(
+    st.tuples(
+        st.integers(0, 30),  # arrival
+        st.integers(0, 2),  # priority
+        st.lists(st.integers(1, 30), min_size=1, max_size=4),  # branch lengths
+        st.sampled_from(["sc", "sart"]),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    specs=workload_specs,
+    batch_size=st.integers(1, 6),
+    scoring=st.sampled_from(["blocking", "overlapped"]),
+    admission=st.sampled_from(["chunk", "token"]),
+    aging=st.none() | st.sampled_from([5.0, 20.0]),
+    interval=st.integers(1, 8),
+)
+def test_pausing_keeps_every_invariant_and_loses_no_token(
+    specs, batch_size, scoring, admission, aging, interval
+) -> None:
+    from hypothesis import event
+
+    requests, lengths = [], {}
+    for i, (arrival, priority, ns, kind) in enumerate(specs):
+        policy = (
+            sart.self_consistency(len(ns), interval)
+            if kind == "sc"
+            else sart.sart(len(ns), interval=interval)
+        )
+        requests.append(sart.Request(f"r{i}", "p", policy, arrival=arrival, priority=priority))
+        lengths[f"r{i}"] = ns
+    scripts = _scripts(lengths)
+    engine = FakeEngine(scripts)
+    driver = sart.SyncDriver(
+        engine,
+        ScriptedPRM(scripts, every=interval),
+        batch_size=batch_size,
+        scoring=scoring,
+        admission=admission,
+        aging=aging,
+    )
+    for r in requests:
+        driver.submit(r)
+    seen = 0
+    while driver.step():
+        calls, seen = engine.log[seen:], len(engine.log)
+        # Pausing never frees more than it must: the slots a pause frees go, in the same
+        # batch, to other branches (the more urgent work it was made for).
+        for at, call in enumerate(calls):
+            if call[0] != "pause":
+                continue
+            paused = set(call[1])
+            later = [
+                sart.BranchId(c[1], j) for c in calls[at + 1 :] if c[0] == "start" for j in c[2]
+            ]
+            assert len(later) >= len(paused) and not paused & set(later)
+            # Never a request's last running branch, never a more urgent request's.
+            for bid in paused:
+                assert any(b.request_id == bid.request_id for b in engine.live_branches)
+    stats = driver.scheduler.statistics()
+    event(f"paused: {'yes' if stats.paused_branches else 'no'}")
+    results = {r.request_id: r for r in driver.results}
+    assert sorted(results) == sorted(r.id for r in requests)  # each ends exactly once
+    assert all(r.ok for r in results.values()), [r.reason for r in results.values()]
+    assert engine.peak_live <= batch_size and not engine.stats().live_branches
+    assert not engine.prefixes
+    for rid, result in results.items():
+        for b in result.branches:
+            if b.status.is_completed:  # paused or not, it made exactly its script's tokens
+                assert b.num_tokens == lengths[rid][b.index]
+        chosen = scripts[rid][result.chosen]
+        assert result.text == chosen.text_span(0, chosen.length)
+    if aging is not None:
+        # The bound aging gives: a request d levels less urgent than another is admitted
+        # no later than it if it arrived at least d * aging before it.
+        for a in requests:
+            for b in requests:
+                d = a.priority - b.priority
+                if d > 0 and b.arrival - a.arrival >= d * aging:
+                    sa, sb = results[a.id].timings.scheduled, results[b.id].timings.scheduled
+                    assert sa <= sb, (a.id, b.id)
+
+
+def test_a_paused_branch_resumes_where_it_stopped() -> None:
+    bulk = sart.Request("bulk", "p", sart.self_consistency(4, interval=5), priority=1)
+    urgent = sart.Request("urgent", "p", sart.vanilla(interval=5), arrival=3, priority=0)
+    scripts = _scripts({"bulk": [40, 40, 40, 40], "urgent": [10]})
+    engine = FakeEngine(scripts)
+    results = {r.request_id: r for r in sart.run([bulk, urgent], engine, batch_size=4)}
+    pauses = [call for call in engine.log if call[0] == "pause"]
+    # One slot for the urgent request's one branch: one bulk branch paused, once.
+    assert pauses == [("pause", (sart.BranchId("bulk", 3),))]
+    assert [b.num_tokens for b in results["bulk"].branches] == [40] * 4
+    assert results["urgent"].timings.end_to_end <= 10 + 5  # its tokens, plus one chunk
+    # The default rule pauses the highest index among equal (unscored, as long) branches.
+
+
+def test_pausing_is_off_for_engines_that_cannot() -> None:
+    class NoPause(FakeEngine):
+        supports_pause = False
+
+    bulk = sart.Request("bulk", "p", sart.self_consistency(4, interval=5), priority=1)
+    urgent = sart.Request("urgent", "p", sart.vanilla(interval=5), arrival=3, priority=0)
+    engine = NoPause(_scripts({"bulk": [40] * 4, "urgent": [10]}))
+    results = {r.request_id: r for r in sart.run([bulk, urgent], engine, batch_size=4)}
+    assert not [call for call in engine.log if call[0] == "pause"]
+    assert results["urgent"].timings.end_to_end > 30  # it waited for a bulk branch to end
+
+
+def test_a_pause_rule_picks_the_branches() -> None:
+    class Lowest(sart.PauseRule):
+        def choose(self, request):  # type: ignore[no-untyped-def]
+            return [0, 1, 2, 3]
+
+    bulk = sart.Request(
+        "bulk", "p", attrs.evolve(sart.self_consistency(4, interval=5), pause=Lowest()), priority=1
+    )
+    urgent = sart.Request("urgent", "p", sart.self_consistency(2, interval=5), arrival=3)
+    engine = FakeEngine(_scripts({"bulk": [40] * 4, "urgent": [10, 10]}))
+    sart.run([bulk, urgent], engine, batch_size=4)
+    pauses = [call for call in engine.log if call[0] == "pause"]
+    assert pauses == [("pause", (sart.BranchId("bulk", 0), sart.BranchId("bulk", 1)))]

@@ -7,7 +7,7 @@ answers it with exactly one event::
     StartBranches  -> Started   | Failed | Skipped
     Decode         -> Decoded   | Failed
     Score          -> Scored
-    Abort, Finish  -> Done | Failed
+    Abort, Pause, Finish  -> Done | Failed
     ReleasePrefix  -> Done | Failed | Skipped
 
 ``Skipped`` answers a command the driver did not run because an earlier
@@ -82,6 +82,19 @@ class Abort:
 
 
 @attrs.frozen
+class Pause:
+    """Pause these running branches: the engine frees their KV and keeps their tokens;
+    they resume later with ``BranchSpec(resume=True)``."""
+
+    branches: tuple[BranchId, ...]
+    id: int = _id()
+
+    @property
+    def request_ids(self) -> frozenset[str]:
+        return frozenset(b.request_id for b in self.branches)
+
+
+@attrs.frozen
 class ReleasePrefix:
     request_id: str
     id: int = _id()
@@ -99,7 +112,7 @@ class Finish:
     id: int = _id()
 
 
-Command = Prefill | StartBranches | Decode | Score | Abort | ReleasePrefix | Finish
+Command = Prefill | StartBranches | Decode | Score | Abort | Pause | ReleasePrefix | Finish
 
 
 @attrs.frozen

@@ -52,6 +52,7 @@ from sart.commands import (
     Event,
     Failed,
     Finish,
+    Pause,
     Prefill,
     Prefilled,
     ReleasePrefix,
@@ -61,7 +62,7 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import Engine, engine_clock, supports_fork
+from sart.engines.base import Engine, engine_clock, supports_fork, supports_pause
 from sart.errors import ConfigError, EngineError, PRMError
 from sart.messages import ScoreItem, StepOutput
 from sart.prm.base import PRM, PricedPRM
@@ -164,7 +165,9 @@ class DriverBase:
 
     ``clock`` defaults to the engine's own virtual clock if it has one, else
     the wall clock. ``on_result`` is called with each result as it is
-    finished. ``scoring``, ``poll_steps`` and ``aging`` go to ``SchedulerConfig``.
+    finished. ``scoring``, ``poll_steps``, ``aging`` and ``pause`` go to
+    ``SchedulerConfig``; ``pause`` (``None``: whether the engine ``supports_pause``)
+    lets urgent requests pause less urgent ones' branches.
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class DriverBase:
         scoring: Scoring | str = Scoring.OVERLAPPED,
         poll_steps: int | None = None,
         aging: float | None = None,
+        pause: bool | None = None,
         clock: Clock | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
@@ -190,6 +194,7 @@ class DriverBase:
                 scoring=scoring,
                 poll_steps=poll_steps,
                 aging=aging,
+                pause=supports_pause(engine) if pause is None else pause,
             )
         )
         self.results: list[RequestResult] = []
@@ -291,7 +296,7 @@ class DriverBase:
                 continue
             ids = (
                 cmd.request_ids
-                if isinstance(cmd, (Prefill, StartBranches, Abort, ReleasePrefix))
+                if isinstance(cmd, (Prefill, StartBranches, Abort, Pause, ReleasePrefix))
                 else frozenset()
             )
             if ids & failed:  # an earlier command of this request failed
@@ -415,6 +420,8 @@ class DriverBase:
             return engine.start_branches, (cmd.request_id, cmd.branches), lambda _: Started()
         if isinstance(cmd, Abort):
             return engine.abort, (cmd.branches,), lambda _: Done()
+        if isinstance(cmd, Pause):
+            return engine.pause, (cmd.branches,), lambda _: Done()
         if isinstance(cmd, ReleasePrefix):
             return (
                 engine.release_prefix,

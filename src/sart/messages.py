@@ -31,6 +31,10 @@ class BranchSpec:
     """Fork: start from this live branch's current state (its generated tokens
     and their KV) instead of from the bare prefix. Only engines with
     ``supports_fork = True`` accept it."""
+    resume: bool = False
+    """Resume this branch, paused earlier (``pause``), from its generated tokens: the
+    engine recomputes their KV (its prefix cache serves the prompt) and the branch
+    goes on from there. Only engines with ``supports_pause = True`` accept it."""
 
 
 class TokenLogprobs(NamedTuple):

@@ -57,6 +57,7 @@ from sart.commands import (
     Event,
     Failed,
     Finish,
+    Pause,
     Prefill,
     Prefilled,
     ReleasePrefix,
@@ -115,6 +116,14 @@ class SchedulerConfig:
     ``d * aging`` after it (so it waits only for those that came before that).
     ``None``: strict priorities (a steady stream of urgent requests can starve the
     others)."""
+    pause: bool = False
+    """With several priorities: when more urgent work waits and the budget is full,
+    pause running branches of less urgent requests (``Pause``: the engine frees their
+    KV and keeps their tokens) and resume them later, from those tokens, when they
+    are the most urgent waiting work. Never more branches than the more urgent
+    waiting work can take, never a request's last running branch; which ones, its
+    policy's ``PauseRule`` says. Needs an engine that can (``supports_pause``): the
+    drivers turn it on for one."""
 
 
 @attrs.frozen
@@ -131,6 +140,8 @@ class SchedulerStats:
     finished_requests: int
     failed_cleanups: int
     """Abort/release commands the engine failed to carry out."""
+    paused_branches: int = 0
+    """Branches paused for more urgent work (``SchedulerConfig.pause``), over the run."""
 
 
 class _PolicyFailure(Exception):
@@ -175,6 +186,7 @@ class Scheduler:
         self._unaborted: set[BranchId] = set()
         self._unreleased: set[str] = set()  # prefixes not released because of those
         self._idle_abort_retries = 0
+        self._pauses = 0  # branches paused for more urgent work, over the run
 
     # ------------------------------------------------------------------ intake
 
@@ -214,6 +226,7 @@ class Scheduler:
             active_requests=len(self._active),
             finished_requests=self._finished,
             failed_cleanups=self._failed_cleanups,
+            paused_branches=self._pauses,
         )
 
     # ---------------------------------------------------------------- decide
@@ -267,10 +280,10 @@ class Scheduler:
 
     def _admit(self, now: float) -> list[Command]:
         free = self._free()
+        if len(self._priorities) > 1 and (free > 0 or self.config.pause):
+            return self._admit_by_priority(now, max(free, 0))
         if free <= 0:
             return []
-        if len(self._priorities) > 1:
-            return self._admit_by_priority(now, free)
         starts: dict[str, list[BranchState]] = {}
         while free > 0 and self._branch_queue:
             branch = self._branch_queue.popleft()
@@ -299,7 +312,19 @@ class Scheduler:
     def _admit_by_priority(self, now: float, free: int) -> list[Command]:
         """``_admit`` with several priorities: each free slot goes to the most urgent of
         the waiting branches (of admitted requests) and the waiting requests; in a
-        tie, a waiting branch first (as Algorithm 1), then the earlier in its queue."""
+        tie, a waiting branch first (as Algorithm 1), then the earlier in its queue.
+        With ``pause``, less urgent running branches then make room for more urgent
+        work still waiting (``_pause_for_urgent``)."""
+        cmds = self._fill_by_priority(now, free)
+        if self.config.pause and (self._branch_queue or self._request_queue):
+            paused = self._pause_for_urgent(now)
+            if paused:
+                cmds.append(Pause(tuple(b.id for b in paused)))
+                cmds.extend(self._fill_by_priority(now, self._free()))
+        return cmds
+
+    def _fill_by_priority(self, now: float, free: int) -> list[Command]:
+        """Give ``free`` slots to the most urgent waiting work (see ``_admit_by_priority``)."""
 
         def branch_urgency(branch: BranchState) -> int:
             return self._urgency(self._pending[branch.id.request_id].request, now)
@@ -331,6 +356,76 @@ class Scheduler:
         cmds.extend(self._start(rid, branches) for rid, branches in starts.items())
         return cmds
 
+    def _pause_for_urgent(self, now: float) -> list[BranchState]:
+        """Pause running branches of less urgent requests for more urgent waiting work, and
+        queue them to resume; return them (empty: nothing to pause).
+
+        The waiting work, most urgent first (a waiting branch needs one slot, a waiting
+        request ``n``), takes branches from running requests strictly less urgent than
+        it, the least urgent first (then the latest to arrive), each keeping one branch
+        running; so no more are paused than that work can use, and a request is never
+        paused for one as urgent as itself (no two requests take turns)."""
+
+        def urgency(req: RequestState) -> int:
+            return self._urgency(req.request, now)
+
+        waiting: list[tuple[int, int]] = [  # (urgency, slots wanted)
+            (urgency(self._pending[b.id.request_id]), 1)
+            for b in self._branch_queue
+            if b.status is BranchStatus.WAITING
+        ]
+        waiting += [(urgency(req), req.n) for req in self._request_queue]
+        if not waiting:
+            return []
+        waiting.sort(key=lambda w: w[0])
+        donors = sorted(
+            (req for req in self._active.values() if req.running > 1 and not req.ended),
+            key=lambda req: (-urgency(req), -req.request.arrival),
+        )
+        spare = {req.id: req.running - 1 for req in donors}
+        taken: dict[str, int] = {}
+        for level, wanted in waiting:
+            for req in donors:
+                if wanted == 0 or urgency(req) <= level:
+                    break  # donors are sorted: the rest are as urgent or more
+                give = min(wanted, spare[req.id])
+                spare[req.id] -= give
+                taken[req.id] = taken.get(req.id, 0) + give
+                wanted -= give
+        paused: list[BranchState] = []
+        for rid, count in taken.items():
+            req = self._active[rid]
+            if count:
+                try:
+                    paused.extend(self._choose_paused(req, count))
+                except _PolicyFailure as exc:  # its own rule is broken: as a prune rule's
+                    self._fail(req, str(exc), now)
+        for branch in paused:
+            req = self._active[branch.id.request_id]
+            del self._running[branch.id]
+            req.running -= 1
+            branch.status = BranchStatus.WAITING
+            branch.paused = True
+            self._branch_queue.append(branch)
+            self._pauses += 1
+        return paused
+
+    def _choose_paused(self, req: RequestState, count: int) -> list[BranchState]:
+        """The first ``count`` running branches of ``req`` in its ``PauseRule``'s order."""
+        rule = req.policy.pause
+        chosen = self._call(
+            lambda v: list(rule.choose(v)), req.view(), name=f"{type(rule).__name__}.choose"
+        )
+        picked: list[BranchState] = []
+        for index in chosen:
+            if not isinstance(index, int) or not 0 <= index < len(req.branches):
+                raise _PolicyFailure(f"pause rule chose {index!r}, not a branch index")
+            branch = req.branches[index]
+            if branch.status is not BranchStatus.RUNNING or branch in picked:
+                raise _PolicyFailure(f"pause rule chose branch {index}, which is not running")
+            picked.append(branch)
+        return picked[:count]
+
     def _admit_request(self, req: RequestState, now: float, free: int) -> list[Command]:
         """Admit ``req``: its prune rule's limits, its prefill and as many of its branches
         as ``free`` slots allow (the rest wait in the branch queue after the prefill)."""
@@ -346,7 +441,9 @@ class Scheduler:
 
     def _start(self, request_id: str, branches: Sequence[BranchState]) -> StartBranches:
         self._reserved.update(b.id for b in branches)
-        specs = tuple(BranchSpec(index=b.index, seed=b.seed) for b in branches)
+        specs = tuple(BranchSpec(index=b.index, seed=b.seed, resume=b.paused) for b in branches)
+        for branch in branches:
+            branch.paused = False
         return StartBranches(request_id=request_id, branches=specs)
 
     def _decode_command(self) -> Decode:
@@ -401,6 +498,8 @@ class Scheduler:
                 self._on_decode(event, now)
             elif isinstance(cmd, Score):
                 self._on_score(cmd, event, now)
+            elif isinstance(cmd, Pause):
+                self._on_pause(cmd, event, now)
             elif isinstance(event, Failed):  # Abort, ReleasePrefix, Finish
                 self._failed_cleanups += 1
                 if isinstance(cmd, Abort):  # asked again when the engine next reports them
@@ -414,6 +513,20 @@ class Scheduler:
                 self._unreleased.add(cmd.request_id)  # after its branches' abort, retried
             else:
                 raise SchedulerError(f"{type(cmd).__name__} answered by {event!r}")
+
+    def _on_pause(self, cmd: Pause, event: Event, now: float) -> None:
+        if isinstance(event, Done):
+            return
+        if not isinstance(event, Failed):
+            raise SchedulerError(f"Pause answered by {event!r}")
+        # The engine may still hold them: they keep their slots until an abort frees
+        # them, and their requests fail (their branches can no longer resume exactly).
+        self._failed_cleanups += 1
+        self._unaborted.update(cmd.branches)
+        for rid in sorted(cmd.request_ids):
+            req = self._pending.get(rid)
+            if req is not None:
+                self._fail(req, f"pausing branches failed: {event.reason}", now)
 
     def _on_prefill(self, cmd: Prefill, event: Event, now: float) -> None:
         req = self._active[cmd.request.id]

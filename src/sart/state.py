@@ -40,6 +40,7 @@ class BranchState:
         "ended_in",
         "id",
         "num_tokens",
+        "paused",
         "reward",
         "reward_history",
         "seed",
@@ -58,6 +59,8 @@ class BranchState:
         self.reward_history: list[tuple[int, float]] = []
         self.end_step: int | None = None
         self.ended_in: Phase | None = None
+        # Paused for a more urgent request (WAITING meanwhile): it resumes from its tokens.
+        self.paused = False
 
     @property
     def index(self) -> int:

@@ -19,7 +19,12 @@ Optional capabilities are declared, not guessed: an engine that sets
 ``start_branches`` (forking a partial branch; Rebase needs it; on vLLM/SGLang
 a fork is a new request whose prompt is prompt + the parent's tokens, served
 from the prefix cache), and an engine that implements ``ReportsUsage``
-reports each request's resource use.
+reports each request's resource use. An engine that sets ``supports_pause =
+True`` implements ``pause(branch_ids)`` (end those live branches now and free
+their KV, but keep their generated tokens) and accepts
+``BranchSpec(resume=True)`` for a paused branch (it goes on from those tokens,
+their KV recomputed: the prefix cache serves the prompt); the scheduler pauses
+less urgent requests' branches for more urgent ones (``Request.priority``).
 
 Failures: raising ``EngineError(request_ids=...)`` says the call failed only
 for those requests and changed nothing else; the driver fails them and goes
@@ -175,6 +180,12 @@ class ReportsUsage(Protocol):
         ...
 
 
+def supports_pause(engine: object) -> bool:
+    """Whether the engine can pause live branches (``pause(branch_ids)``: free their KV,
+    keep their tokens) and resume them (``BranchSpec(resume=True)``)."""
+    return bool(getattr(engine, "supports_pause", False))
+
+
 def supports_fork(engine: object) -> bool:
     """Whether the engine can start a branch from a live branch's state."""
     return bool(getattr(engine, "supports_fork", False))
@@ -198,4 +209,5 @@ __all__ = [
     "TokenLogprobs",
     "engine_clock",
     "supports_fork",
+    "supports_pause",
 ]

@@ -7,7 +7,9 @@ engine contract strictly (with a strict ``PrefixLedger``) and raises
 ``EngineMisuse`` (an ``AssertionError``) on a violation: touching an aborted
 or ended branch, starting a branch twice, releasing a prefix whose branches
 still run, exceeding ``max_branches``. It can inject failures for chosen
-requests or branches.
+requests or branches. It pauses and resumes branches (``pause``,
+``BranchSpec(resume=True)``): a resumed branch goes on from its script position,
+paying a prefill of its tokens (``prefill_cost``; the simulator's cost model).
 
 Log-probabilities: a request whose ``SamplingSettings.logprobs`` is ``k``
 (not ``None``) gets one ``TokenLogprobs`` per new token in every
@@ -57,6 +59,7 @@ class FakeEngine:
     """
 
     supports_fork = True
+    supports_pause = True
 
     def __init__(
         self,
@@ -110,8 +113,14 @@ class FakeEngine:
         max_tokens = prefix.sampling.max_tokens
         k = prefix.sampling.logprobs
         new: list[tuple[BranchSpec, _Live]] = []
+        resumed = 0
         for spec in branches:
             bid = BranchId(request_id, spec.index)
+            if spec.resume:  # goes on from its kept position: its tokens are recomputed
+                paused = self._ledger.paused[bid]
+                new.append((spec, attrs.evolve(paused)))
+                resumed += paused.pos
+                continue
             if spec.parent is None:
                 script, pos = self.script(bid), 0
             else:  # a fork copies its parent's tokens (copy-on-fork)
@@ -123,6 +132,8 @@ class FakeEngine:
                 new.append((spec, _Live(script, max_tokens, FinishReason.LENGTH, pos, k)))
         self._ledger.start(request_id, new)
         self.peak_live = max(self.peak_live, len(self._live))
+        if resumed:
+            self.clock.advance(self._prefill_time(resumed))
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         self.log.append(("step", max_steps, until_first_end))
@@ -163,6 +174,11 @@ class FakeEngine:
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self.log.append(("abort", tuple(branch_ids)))
         self._ledger.abort(branch_ids)
+
+    def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """End these live branches now, keeping their script positions for a resume."""
+        self.log.append(("pause", tuple(branch_ids)))
+        self._ledger.pause(list(branch_ids), keep=lambda live: live)
 
     def release_prefix(self, request_id: str) -> None:
         self.log.append(("release", request_id))

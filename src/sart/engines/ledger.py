@@ -11,7 +11,9 @@ servers):
 - ``start_branches`` for a request with no prefix, of a branch index started
   before (live or ended) or twice in one call, or forking a parent that is
   not live (a fork's parent must be live before the call);
-- ``abort`` of a branch that is not live, or of one branch twice in one call;
+- ``abort`` (or ``pause``) of a branch that is not live, or of one branch twice in
+  one call;
+- a ``resume`` start of a branch that is not paused;
 - ``release_prefix`` of a request with no prefix (strict mode: or while
   branches of it are live).
 
@@ -82,6 +84,8 @@ class _Books:
     live: set[int] = attrs.Factory(set)
     lost: set[int] = attrs.Factory(set)
     """Ended by the engine itself, not yet aborted by the caller."""
+    paused: set[int] = attrs.Factory(set)
+    """Paused (``pause``): not live, their payloads kept for a ``resume`` start."""
 
 
 def cap_max_tokens(
@@ -108,11 +112,14 @@ class PrefixLedger(Generic[P, B]):
         self._prefixes: dict[str, Prefix[P]] = {}
         self._books: dict[str, _Books] = {}
         self._branches: dict[BranchId, B] = {}
+        self._paused: dict[BranchId, B] = {}
         # Read-only views: state changes only through the transitions below.
         self.prefixes: Mapping[str, Prefix[P]] = MappingProxyType(self._prefixes)
         """Held prefixes by request id."""
         self.branches: Mapping[BranchId, B] = MappingProxyType(self._branches)
         """Live branches' payloads (lost ones excluded)."""
+        self.paused: Mapping[BranchId, B] = MappingProxyType(self._paused)
+        """Paused branches' payloads, kept for their ``resume``."""
 
     # ------------------------------------------------------------- queries
 
@@ -172,8 +179,14 @@ class PrefixLedger(Generic[P, B]):
         books = self._books[request_id]
         indices = [spec.index for spec in branches]
         # Twice in one call is refused like a restart: the second would orphan the first.
-        twice = books.started.intersection(indices)
+        # A paused branch is started again only as a resume, and must be paused to resume.
+        fresh = [spec.index for spec in branches if not spec.resume]
+        twice = books.started.intersection(fresh)
         twice.update(j for j, n in Counter(indices).items() if n > 1)
+        for spec in branches:
+            if spec.resume and spec.index not in books.paused:
+                branch = BranchId(request_id, spec.index)
+                raise self._refuse(f"resume of branch {branch}, which is not paused", request_id)
         if twice:
             raise self._refuse(
                 f"branches {sorted(twice)} of {request_id!r} started twice", request_id
@@ -192,6 +205,9 @@ class PrefixLedger(Generic[P, B]):
         for spec, payload in branches:
             books.started.add(spec.index)
             books.live.add(spec.index)
+            if spec.resume:
+                books.paused.discard(spec.index)
+                del self._paused[BranchId(request_id, spec.index)]
             self._branches[BranchId(request_id, spec.index)] = payload
 
     def end(self, branch: BranchId) -> B:
@@ -231,6 +247,25 @@ class PrefixLedger(Generic[P, B]):
                 self._books[bid.request_id].lost.discard(bid.index)
         return ended
 
+    def pause(self, branches: Sequence[BranchId], keep: Callable[[B], B]) -> dict[BranchId, B]:
+        """Pause these live branches: they leave the live set (the adapter frees their KV)
+        and ``keep(payload)`` (what a resume needs: their tokens, a script position) is
+        held until their ``resume`` start or the prefix's release. Returns the live
+        payloads, for the adapter to free."""
+        for bid in branches:
+            books = self._books.get(bid.request_id)
+            if books is None or bid.index not in books.live:
+                raise self._refuse(f"pause of branch {bid}, which is not live", bid.request_id)
+        if len(set(branches)) != len(branches):
+            twice = sorted({b for b in branches if branches.count(b) > 1})
+            raise self._refuse(f"pause of branches {twice} twice in one call", twice[0].request_id)
+        ended = {}
+        for bid in branches:
+            ended[bid] = payload = self.end(bid)
+            self._books[bid.request_id].paused.add(bid.index)
+            self._paused[bid] = keep(payload)
+        return ended
+
     def check_release(self, request_id: str) -> list[BranchId]:
         """Refuse the release unless it is valid; return the request's live branches."""
         if request_id not in self._prefixes:
@@ -248,6 +283,8 @@ class PrefixLedger(Generic[P, B]):
         end now (lenient mode only) for the adapter to free."""
         live = self.check_release(request_id)
         ended = {bid: self._branches.pop(bid) for bid in live}
+        for index in self._books[request_id].paused:  # never resumed: nothing left to free
+            del self._paused[BranchId(request_id, index)]
         del self._prefixes[request_id], self._books[request_id]
         return ended
 

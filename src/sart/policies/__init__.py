@@ -1,6 +1,6 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
-from sart.policies.base import Policy, PruneRule, RewardSource, Selector, StopRule
+from sart.policies.base import PauseRule, Policy, PruneRule, RewardSource, Selector, StopRule
 from sart.policies.confidence import (
     ConfidenceScorer,
     GroupConfidence,
@@ -39,6 +39,7 @@ __all__ = [
     "MajorityVote",
     "MeanTokenLogprob",
     "NoPrune",
+    "PauseRule",
     "Policy",
     "PruneRule",
     "RewardBalance",

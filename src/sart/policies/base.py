@@ -93,6 +93,26 @@ class PruneRule:
         return type(self).fork is not PruneRule.fork
 
 
+@attrs.frozen
+class PauseRule:
+    """Orders a request's running branches for pausing, most pausable first.
+
+    When more urgent work waits and the budget is full (``SchedulerConfig.pause``),
+    the scheduler decides how many branches of this request to pause (never its
+    last running one) and takes them in this order. The default: the lowest
+    reward first (the branches SART would prune first), unscored ones after the
+    scored ones, then the fewest tokens (the least KV to recompute on resume),
+    then the highest index.
+    """
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        def key(b: BranchView) -> tuple[float, int, int]:
+            reward = b.reward if b.reward is not None and b.reward == b.reward else 2.0
+            return (reward, b.num_tokens, -b.index)
+
+        return [b.index for b in sorted(request.running, key=key)]
+
+
 class Selector:
     """Picks the final branch among the completed ones.
 
@@ -131,6 +151,10 @@ def _default_prune() -> PruneRule:
     return NoPrune()
 
 
+def _default_pause() -> PauseRule:
+    return PauseRule()
+
+
 def _default_select() -> Selector:
     from sart.policies.select import BestReward
 
@@ -159,6 +183,11 @@ class Policy:
     """Turns a branch's text into its answer, for votes and results."""
     name: str = "custom"
     """Label used in reports."""
+    pause: PauseRule = attrs.field(
+        factory=_default_pause, validator=_instance_of(PauseRule, "pause")
+    )
+    """Which running branches to pause first for more urgent requests (default: the
+    lowest reward first)."""
     reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
     """This policy's own reward source, used for its requests instead of the driver's
     PRM (e.g. ``sart.policies.confidence.ConfidenceScorer``: confidence from the policy's

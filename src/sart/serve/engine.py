@@ -43,7 +43,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sart.engines.base import BranchSpec, EngineStats, StepOutput, supports_fork
+from sart.engines.base import BranchSpec, EngineStats, StepOutput, supports_fork, supports_pause
 from sart.engines.streaming import SyncBridge
 from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
@@ -61,6 +61,7 @@ class ServingEngine:
     def __init__(self, engine: Any, *, on_prefill: Callable[[str], None] | None = None) -> None:
         self.inner = engine
         self.supports_fork = supports_fork(engine)
+        self.supports_pause = supports_pause(engine)
         self.tokenizer = getattr(engine, "tokenizer", None)
         """The engine's tokenizer, if it has one (the chat template comes from it)."""
         self.prompt_tokens: dict[str, int] = {}
@@ -135,6 +136,13 @@ class ServingEngine:
         self._aborted.difference_update(branch_ids)
         if left:
             await self._call(self.inner.abort, left, slow=False)
+        for bid in branch_ids:
+            self._ended(bid)
+
+    async def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """Pause branches for a more urgent request (``priority``): they leave the live
+        set until the driver resumes them with ``start_branches``."""
+        await self._call(self.inner.pause, list(branch_ids), slow=False)
         for bid in branch_ids:
             self._ended(bid)
 
