@@ -399,3 +399,42 @@ LedgerMachine.TestCase.settings = settings(max_examples=examples(150), stateful_
 StrictLedgerMachine.TestCase.settings = LedgerMachine.TestCase.settings
 test_lenient_ledger_machine = LedgerMachine.TestCase
 test_strict_ledger_machine = StrictLedgerMachine.TestCase
+
+
+# ------------------------------------------------------------------ pause and resume
+
+
+@MODES
+def test_a_paused_branch_leaves_the_live_set_and_resumes_with_what_was_kept(
+    strict: bool,
+) -> None:
+    ledger = held(strict)
+    freed = ledger.pause([A0], keep=lambda payload: f"kept {payload}")
+    assert freed == {A0: "b0"}
+    assert ledger.live("a") == [A1] and ledger.paused == {A0: "kept b0"}
+    # Only as a resume: a fresh start of a paused index is a restart.
+    with refused(ledger, r"branches \[0\] of 'a' started twice", "a"):
+        ledger.start("a", [(BranchSpec(0, 0), "again")])
+    ledger.start("a", [(BranchSpec(0, 0, resume=True), "resumed")])
+    assert ledger.live("a") == [A0, A1] and not ledger.paused
+    assert ledger.branches[A0] == "resumed"
+
+
+@MODES
+def test_only_a_paused_branch_resumes_and_only_a_live_one_pauses(strict: bool) -> None:
+    ledger = held(strict)
+    with refused(ledger, "resume of branch 2_a, which is not paused", "a"):
+        ledger.start("a", [(BranchSpec(2, 2, resume=True), "x")])
+    with refused(ledger, "resume of branch 1_a, which is not paused", "a"):  # live
+        ledger.check_start("a", [BranchSpec(1, 1, resume=True)])
+    with refused(ledger, "pause of branch 2_a, which is not live", "a"):
+        ledger.pause([A0, A2], keep=str)
+    with refused(ledger, "twice in one call", "a"):
+        ledger.pause([A1, A1], keep=str)
+
+
+def test_releasing_a_prefix_drops_its_paused_branches() -> None:
+    ledger = held(strict=True)
+    ledger.pause([A0, A1], keep=str)
+    assert ledger.release("a") == {}  # nothing live; the kept tokens are dropped
+    assert not ledger.paused and not ledger.prefixes

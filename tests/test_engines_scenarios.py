@@ -38,7 +38,7 @@ from adapters import (
     sart_requests,
     server_metric,
 )
-from sart.engines.base import BranchSpec, ReportsUsage, supports_fork
+from sart.engines.base import BranchSpec, ReportsUsage, supports_fork, supports_pause
 from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
@@ -564,6 +564,41 @@ def test_a_fork_continues_from_its_parent(adapter: Adapter) -> None:
     # Greedy: the fork continues exactly as its parent does, within the same budget.
     assert rest[BranchId("a", 1)] == rest[BranchId("a", 0)]
     assert len(head) + len(rest[BranchId("a", 0)]) <= 10
+
+
+def test_a_paused_branch_resumes_with_its_tokens(adapter: Adapter) -> None:
+    adapter.require(GREEDY_FORKS)
+    e = adapter.fresh()
+    if not supports_pause(e):
+        pytest.skip(f"{type(e).__name__} does not pause branches")
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10))
+    e.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+    head = e.step(4).deltas[BranchId("a", 0)].token_ids
+    e.pause([BranchId("a", 0)])
+    assert e.stats().live_branches == 1  # its KV is freed; its tokens are kept
+    assert set(e.step(2).deltas) == {BranchId("a", 1)}  # the other goes on meanwhile
+    e.start_branches("a", [BranchSpec(0, 0, resume=True)])
+    rest = run_to_end(e)
+    e.release_prefix("a")
+    # Greedy: resumed from its tokens, it makes what it would have made unpaused, and no
+    # more than its budget; the other branch (the same context) makes the same.
+    ids = [*head, *rest[BranchId("a", 0)]]
+    assert ids == adapter.greedy(adapter.encode(PROMPTS[0]), 10)
+    adapter.backend_runs(0)
+
+
+def test_a_branch_never_paused_cannot_resume(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    if not supports_pause(e):
+        pytest.skip(f"{type(e).__name__} does not pause branches")
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=1.0, max_tokens=10))
+    e.start_branches("a", [BranchSpec(0, 0)])
+    e.step(2)
+    with pytest.raises(sart.EngineError, match="not paused") as info:
+        e.start_branches("a", [BranchSpec(1, 1, resume=True)])
+    assert info.value.request_ids == {"a"}
+    e.release_prefix("a")
+    adapter.backend_runs(0)
 
 
 def test_sart_end_to_end_prunes_branches_in_the_backend(adapter: Adapter) -> None:
