@@ -98,6 +98,8 @@ class MixRun:
     scheduling: str
     record: RunRecord
     classes: tuple[ClassStats, ...]
+    paused: int | None = None
+    """Branches paused for more urgent ones (real engines; ``None`` where not counted)."""
 
 
 def run_mix(
@@ -167,7 +169,8 @@ def run_mix_real(
     gold = {item.id: item.answer for item in items if item.answer is not None}
     record = serve(driver, requests, gold, "mix", max(c.n for c in classes), rate)
     stats = class_stats(record.results, classes, of, gold, 0.0)
-    return MixRun("priority" if priorities else "fcfs", record, stats)
+    paused = driver.scheduler.statistics().paused_branches
+    return MixRun("priority" if priorities else "fcfs", record, stats, paused)
 
 
 def class_stats(
@@ -216,6 +219,7 @@ def mix_json(runs: Sequence[MixRun], classes: Sequence[MixClass], rate: float | 
                     for s in run.classes
                 ],
                 "preemptions": run.record.preemptions,
+                "paused_branches": run.paused,
             }
             for run in runs
         ],
