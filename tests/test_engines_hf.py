@@ -209,3 +209,28 @@ def test_a_fork_reports_logprobs_for_its_own_tokens_only(engine: HFEngine) -> No
     _check_against_reference(
         e, prompt, inherited + tokens[fork], logprobs[fork], k=3, skip=len(inherited)
     )
+
+
+def test_a_sampled_branch_paused_and_resumed_makes_the_same_tokens(engine: HFEngine) -> None:
+    """Pausing drops the KV but keeps the tokens and the sampler's state: resumed, the
+    branch goes on exactly as if it had not been paused (its KV recomputed)."""
+    from sart.engines.base import BranchSpec
+
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30)
+
+    def run(pause_at: int | None) -> list[int]:
+        e = _fresh(engine)
+        e.prefill("a", PROMPT, sampling)
+        e.start_branches("a", [BranchSpec(0, 7), BranchSpec(1, 8)])
+        tokens: list[int] = []
+        if pause_at is not None:
+            tokens += e.step(pause_at).deltas[sart.BranchId("a", 0)].token_ids
+            e.pause([sart.BranchId("a", 0)])
+            assert e.usage("a") == (1, e.usage("a")[1])  # one live branch left
+            e.step(3)  # the other one goes on
+            e.start_branches("a", [BranchSpec(0, 7, resume=True)])
+        tokens += _drain(e)[0].get(sart.BranchId("a", 0), [])
+        e.release_prefix("a")
+        return tokens
+
+    assert run(pause_at=5) == run(pause_at=None)

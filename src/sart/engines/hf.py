@@ -35,6 +35,11 @@ message with the tokenizer's chat template and a generation prompt (what
 reasoning models expect).
 
 Needs the ``[hf]`` extra: torch and transformers (4.46+ and 5.x).
+
+Pausing (``pause``, for more urgent requests) drops a branch's own KV and keeps
+its tokens, text and sampler state; its resume (``BranchSpec(resume=True)``)
+recomputes that KV in one forward from the prompt's, and the branch goes on
+exactly as it would have.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class HFEngine:
     """A step-based engine over a transformers causal LM (see the module docstring)."""
 
     supports_fork = True
+    supports_pause = True
 
     def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
         self.model = model.eval()
@@ -158,6 +164,9 @@ class HFEngine:
         prefix = self._ledger.check_start(request_id, branches)
         new: list[tuple[BranchSpec, _Branch]] = []
         for spec in branches:
+            if spec.resume:  # its tokens, text and sampler state; its KV recomputed below
+                new.append((spec, self._ledger.paused[BranchId(request_id, spec.index)]))
+                continue
             generator = torch.Generator(device=self.device).manual_seed(spec.seed)
             if spec.parent is None:
                 branch = _Branch(prefix, None, prefix.data.logits, [], "", generator)
@@ -166,7 +175,10 @@ class HFEngine:
                 tokens = list(parent.tokens)
                 branch = _Branch(prefix, parent.kv, parent.logits, tokens, parent.text, generator)
             new.append((spec, branch))
+        resumed = [branch for spec, branch in new if spec.resume]
         self._ledger.start(request_id, new)
+        for branch in resumed:
+            self._recompute(branch)
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         deltas = StepDeltas()
@@ -180,6 +192,14 @@ class HFEngine:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self._ledger.abort(branch_ids)  # dropping the branches drops their tensors
+
+    def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """Drop these branches' KV, keeping their tokens, text and sampler state: resumed,
+        a branch goes on exactly as it would have (its KV is recomputed in one forward)."""
+        self._ledger.pause(
+            list(branch_ids),
+            keep=lambda b: _Branch(b.prefix, None, b.logits, b.tokens, b.text, b.generator),
+        )
 
     def release_prefix(self, request_id: str) -> None:
         self._ledger.release(request_id)  # with any branch of it still live
@@ -323,6 +343,27 @@ class HFEngine:
                 ]
             )
             branch.logits = out.logits[row, -1].float()
+
+    def _recompute(self, branch: _Branch) -> None:
+        """A resumed branch's KV over its tokens, in one forward from the prompt's KV
+        (copied: the prefix's tensors are never written)."""
+        if not branch.tokens:
+            branch.logits = branch.prefix.data.logits
+            return
+        prompt = branch.prefix.tokens
+        count = len(branch.tokens)
+        pairs = [(k.clone(), v.clone()) for k, v in branch.prefix.data.kv]
+        ids = torch.tensor([branch.tokens], device=self.device)
+        mask = torch.ones((1, prompt + count), dtype=torch.long, device=self.device)
+        positions = torch.arange(prompt, prompt + count, device=self.device)[None]
+        with torch.inference_mode():
+            out = self._forward(
+                ids, cache=self._cache(pairs), attention_mask=mask, position_ids=positions
+            )
+        branch.kv = [
+            (k[:, :, -count:], v[:, :, -count:]) for k, v in self._pairs(self._out_cache(out))
+        ]
+        branch.logits = out.logits[0, -1].float()
 
     # ------------------------------------------------------------- helpers
 
