@@ -466,8 +466,10 @@ def test_an_async_engine_behind_a_bridge_is_served(serve) -> None:
 
 def test_an_urgent_request_is_served_before_waiting_bulk_ones(serve) -> None:
     # B = 2: a long bulk request holds both slots; two more bulk ones and then an urgent
-    # one wait. When the first ends, the urgent one (priority -1) goes first.
-    served = serve(SlowEngine(seconds_per_step=0.025), batch_size=2, aging=None)
+    # one (priority -1) wait. The urgent one is admitted before b1 and b2, into a slot
+    # that pausing one of b0's branches frees.
+    engine = SlowEngine(seconds_per_step=0.025)
+    served = serve(engine, batch_size=2, aging=None)
     client = served.openai()
     order: list[str] = []
     lock = threading.Lock()
@@ -489,3 +491,7 @@ def test_an_urgent_request_is_served_before_waiting_bulk_ones(serve) -> None:
     for thread in threads:
         thread.join(30)
     assert order.index("urgent") < order.index("b1") < order.index("b2")
+    # It did not wait for b0 to end: a bulk branch was paused for it, one at a time,
+    # through the server's engine wrapper (a bulk request keeps its other branch).
+    paused = [call[1] for call in engine.log if call[0] == "pause"]
+    assert paused and all(len(p) == 1 for p in paused)
