@@ -216,3 +216,16 @@ def test_a_pause_rule_picks_the_branches() -> None:
     sart.run([bulk, urgent], engine, batch_size=4)
     pauses = [call for call in engine.log if call[0] == "pause"]
     assert pauses == [("pause", (sart.BranchId("bulk", 0), sart.BranchId("bulk", 1)))]
+
+
+def test_a_failing_pause_fails_the_paused_request_and_frees_its_branches() -> None:
+    bulk = sart.Request("bulk", "p", sart.self_consistency(4, interval=5), priority=1)
+    other = sart.Request("other", "p", sart.self_consistency(2, interval=5), priority=1)
+    urgent = sart.Request("urgent", "p", sart.vanilla(interval=5), arrival=3, priority=0)
+    scripts = _scripts({"bulk": [40] * 4, "other": [40, 40], "urgent": [10]})
+    engine = FakeEngine(scripts, fail_pause={"bulk"})
+    results = {r.request_id: r for r in sart.run([bulk, other, urgent], engine, batch_size=6)}
+    assert results["bulk"].status is sart.RequestStatus.FAILED
+    assert "pausing branches failed" in (results["bulk"].reason or "")
+    assert results["urgent"].ok and results["other"].ok  # the others carry on
+    assert not engine.stats().live_branches and not engine.prefixes

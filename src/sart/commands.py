@@ -7,7 +7,8 @@ answers it with exactly one event::
     StartBranches  -> Started   | Failed | Skipped
     Decode         -> Decoded   | Failed
     Score          -> Scored
-    Abort, Pause, Finish  -> Done | Failed
+    Abort, Finish  -> Done | Failed
+    Pause          -> Done | Failed | Skipped
     ReleasePrefix  -> Done | Failed | Skipped
 
 ``Skipped`` answers a command the driver did not run because an earlier

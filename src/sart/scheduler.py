@@ -517,12 +517,16 @@ class Scheduler:
     def _on_pause(self, cmd: Pause, event: Event, now: float) -> None:
         if isinstance(event, Done):
             return
-        if not isinstance(event, Failed):
+        if not isinstance(event, (Failed, Skipped)):
             raise SchedulerError(f"Pause answered by {event!r}")
-        # The engine may still hold them: they keep their slots until an abort frees
-        # them, and their requests fail (their branches can no longer resume exactly).
-        self._failed_cleanups += 1
+        # Not paused: the engine still runs them (an engine's pause changes nothing when
+        # it fails), and the slots they were to free went to this batch's starts, so the
+        # engine holds up to that many branches over the budget until the abort sent now
+        # frees them. They hold their slots until it does; every request of the command
+        # fails (its branches would otherwise wait for ever for a resume).
+        self._failed_cleanups += isinstance(event, Failed)
         self._unaborted.update(cmd.branches)
+        self._outbox.append(Abort(cmd.branches))
         for rid in sorted(cmd.request_ids):
             req = self._pending.get(rid)
             if req is not None:

@@ -55,7 +55,8 @@ class FakeEngine:
     - ``fail_prefill``: request ids whose prefill fails;
     - ``fail_start``: request ids whose ``start_branches`` fails;
     - ``fail_step``: ``{branch_id: k}``: the step call in which that branch
-      would generate its ``k``-th token fails.
+      would generate its ``k``-th token fails;
+    - ``fail_pause``: request ids whose branches' ``pause`` fails.
     """
 
     supports_fork = True
@@ -71,6 +72,7 @@ class FakeEngine:
         fail_prefill: Collection[str] = (),
         fail_start: Collection[str] = (),
         fail_step: Mapping[BranchId, int] | None = None,
+        fail_pause: Collection[str] = (),
     ) -> None:
         self.script = as_script(script)
         self.max_branches = max_branches
@@ -79,6 +81,7 @@ class FakeEngine:
         self.fail_prefill = set(fail_prefill)
         self.fail_start = set(fail_start)
         self.fail_step: dict[BranchId, int] = dict(fail_step or {})
+        self.fail_pause = set(fail_pause)
         self.clock = VirtualClock()
         self.log: list[tuple[object, ...]] = []
         """Every call, as ``(operation, args...)``, for tests to inspect."""
@@ -178,6 +181,9 @@ class FakeEngine:
     def pause(self, branch_ids: Sequence[BranchId]) -> None:
         """End these live branches now, keeping their script positions for a resume."""
         self.log.append(("pause", tuple(branch_ids)))
+        failing = sorted({b.request_id for b in branch_ids} & self.fail_pause)
+        if failing:
+            raise EngineError(f"injected pause failure for {failing}", failing)
         self._ledger.pause(list(branch_ids), keep=lambda live: live)
 
     def release_prefix(self, request_id: str) -> None:
