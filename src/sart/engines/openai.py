@@ -55,6 +55,9 @@ tokenizer's or ``/tokenize``'s ids, and ``return_token_ids``), else the
 prompt text + the parent's text so far; ``max_tokens`` is reduced by the
 parent's tokens. The prefix cache of vLLM/SGLang serves the shared part.
 Re-tokenizing text at the seam may differ slightly from the parent's tokens.
+A paused branch (``pause``, for a more urgent request) resumes the same way from
+its own tokens: a new request for the prompt's ids + the ids it reported. Only
+where the server returns token ids; elsewhere the pause fails its request.
 
 Abort: the branch's streaming task is cancelled, which closes its HTTP
 response (and its connection); ``abort`` returns once it is closed. vLLM
@@ -196,9 +199,7 @@ class OpenAIEngine(StreamingEngine):
     """
 
     supports_fork = True
-    # A resume would need the branch's own prompt rebuilt the way a fork's is; until
-    # then the scheduler does not pause branches here (priorities still order admission).
-    supports_pause = False
+    supports_pause = True
 
     def __init__(
         self,
@@ -240,6 +241,7 @@ class OpenAIEngine(StreamingEngine):
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, _Request] = {}
         self._progress: dict[BranchId, _Progress] = {}
+        self._paused: dict[BranchId, _Progress] = {}  # paused branches' progress, to resume
         self._tasks: dict[BranchId, asyncio.Task[Any]] = {}
         self._inflight: dict[BranchId, tuple[_Server, str]] = {}
         """The server and request id of each branch's request in flight."""
@@ -299,7 +301,19 @@ class OpenAIEngine(StreamingEngine):
             self.servers[home].requests += 1
         return tokens
 
+    async def pause(self, branch_ids: Sequence[BranchId]) -> None:
+        """Cancel these branches' streams, keeping what they reported; a resume is a new
+        request for the prompt's ids + theirs (as a fork's). Only with token ids (a
+        server that returns them): without, the pause fails its request."""
+        kept = {bid: self._progress.get(bid) for bid in branch_ids}
+        await super().pause(branch_ids)  # refuses, changing nothing, if ids are unknown
+        for bid, progress in kept.items():
+            if progress is not None:
+                self._paused[bid] = progress
+
     async def release_prefix(self, request_id: str) -> None:
+        for bid in [b for b in self._paused if b.request_id == request_id]:
+            del self._paused[bid]  # never resumed
         await super().release_prefix(request_id)
         request = self._requests.pop(request_id, None)
         if request is not None and request.home is not None:
@@ -328,13 +342,16 @@ class OpenAIEngine(StreamingEngine):
         # Not a generator itself: the parent's progress is read now, at the fork.
         request = self._requests[branch.request_id]
         inherited = _Progress()
-        if parent is not None:
-            got = self._progress.get(parent)
-            if got is not None:
-                inherited = _Progress(got.count, got.text, list(got.ids))
+        got = self._progress.get(parent) if parent is not None else None
+        if parent is None and prefix_tokens:  # a resume: what it reported before its pause
+            got = self._paused.pop(branch, None) or _Progress(
+                len(prefix_tokens), "", list(prefix_tokens)
+            )
+        if got is not None:
+            inherited = _Progress(got.count, got.text, list(got.ids))
         self._progress[branch] = _Progress(inherited.count, inherited.text, list(inherited.ids))
         body_prompt: str | list[int]
-        if parent is None:
+        if parent is None and not prefix_tokens:
             body_prompt = prompt if isinstance(prompt, str) else list(prompt)
         elif request.ids is not None and len(inherited.ids) == inherited.count:
             body_prompt = [*request.ids, *inherited.ids]
@@ -342,8 +359,8 @@ class OpenAIEngine(StreamingEngine):
             body_prompt = prompt + inherited.text
         else:
             raise EngineError(
-                f"fork of {parent}: its token ids are unknown (the server does not return "
-                "them), so a token-id prompt cannot be extended",
+                f"{branch} extends {parent or 'its own tokens'}, whose token ids are unknown "
+                "(the server does not return them), so a token-id prompt cannot be extended",
                 [branch.request_id],
             )
         body: dict[str, Any] = {
@@ -362,7 +379,8 @@ class OpenAIEngine(StreamingEngine):
         body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
         if sampling.logprobs is not None:
             body["logprobs"] = sampling.logprobs
-        return _Closing(self._stream(branch, body, root=parent is None))
+        root = parent is None and not prefix_tokens
+        return _Closing(self._stream(branch, body, root=root))
 
     async def _cancel(self, branch: BranchId) -> None:
         inflight = self._inflight.pop(branch, None)
