@@ -416,15 +416,7 @@ class Scheduler:
         chosen = self._call(
             lambda v: list(rule.choose(v)), req.view(), name=f"{type(rule).__name__}.choose"
         )
-        picked: list[BranchState] = []
-        for index in chosen:
-            if not isinstance(index, int) or not 0 <= index < len(req.branches):
-                raise _PolicyFailure(f"pause rule chose {index!r}, not a branch index")
-            branch = req.branches[index]
-            if branch.status is not BranchStatus.RUNNING or branch in picked:
-                raise _PolicyFailure(f"pause rule chose branch {index}, which is not running")
-            picked.append(branch)
-        return picked[:count]
+        return _running_choices(req, chosen, "pause")[:count]
 
     def _admit_request(self, req: RequestState, now: float, free: int) -> list[Command]:
         """Admit ``req``: its prune rule's limits, its prefill and as many of its branches
@@ -775,14 +767,7 @@ class Scheduler:
         budget = min(req.limits.max_num_pruned, len(req.branches) - 1) - req.num_pruned
         # Every choice is checked, not only those within the budget, so a bad rule
         # fails the same way whatever the budget.
-        victims: list[BranchState] = []
-        for index in chosen:
-            if not isinstance(index, int) or not 0 <= index < len(req.branches):
-                raise _PolicyFailure(f"prune rule chose {index!r}, not a branch index")
-            branch = req.branches[index]
-            if branch.status is not BranchStatus.RUNNING or branch in victims:
-                raise _PolicyFailure(f"prune rule chose branch {index}, which is not running")
-            victims.append(branch)
+        victims = _running_choices(req, chosen, "prune")
         del victims[max(budget, 0) :]
         for branch in victims:
             self._end_running(branch, req, BranchStatus.PRUNED)
@@ -931,6 +916,20 @@ class Scheduler:
         except Exception as exc:
             name = name or getattr(fn, "__qualname__", repr(fn))
             raise _PolicyFailure(f"policy hook {name} raised {exc!r}") from exc
+
+
+def _running_choices(req: RequestState, chosen: Sequence[object], rule: str) -> list[BranchState]:
+    """The branches a rule named, checked: each an index of a running branch, once
+    (``_PolicyFailure`` naming the ``rule`` otherwise)."""
+    picked: list[BranchState] = []
+    for index in chosen:
+        if not isinstance(index, int) or not 0 <= index < len(req.branches):
+            raise _PolicyFailure(f"{rule} rule chose {index!r}, not a branch index")
+        branch = req.branches[index]
+        if branch.status is not BranchStatus.RUNNING or branch in picked:
+            raise _PolicyFailure(f"{rule} rule chose branch {index}, which is not running")
+        picked.append(branch)
+    return picked
 
 
 def _first_min(items: Sequence[T], key: Callable[[T], int]) -> tuple[int | None, int]:

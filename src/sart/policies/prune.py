@@ -12,6 +12,20 @@ from sart.policies.base import PruneRule
 from sart.views import BranchView, Limits, RequestView, completion_order
 
 
+def below(request: RequestView, threshold: float | None) -> list[int]:
+    """Running branches rewarded below ``threshold``, lowest first (then by index);
+    none without a threshold. Unscored and NaN-rewarded branches are never below."""
+    if threshold is None:
+        return []
+    low = [
+        b
+        for b in request.running
+        if b.reward is not None and not math.isnan(b.reward) and b.reward < threshold
+    ]
+    low.sort(key=lambda b: (b.reward, b.index))
+    return [b.index for b in low]
+
+
 @attrs.frozen
 class NoPrune(PruneRule):
     """Never prune. The PRM is not called for running branches."""
@@ -50,16 +64,7 @@ class TwoPhasePrune(PruneRule):
         return Limits(threshold=threshold, max_num_pruned=n - 1)
 
     def choose(self, request: RequestView) -> Iterable[int]:
-        threshold = request.limits.threshold
-        if threshold is None:
-            return ()
-        low = [
-            b
-            for b in request.running
-            if b.reward is not None and not math.isnan(b.reward) and b.reward < threshold
-        ]
-        low.sort(key=lambda b: (b.reward, b.index))
-        return [b.index for b in low]
+        return below(request, request.limits.threshold)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,13 +114,4 @@ class WarmupThreshold(PruneRule):
         return percentile(rewards, 100.0 - self.keep)
 
     def choose(self, request: RequestView) -> Iterable[int]:
-        threshold = self.threshold(request)
-        if threshold is None:
-            return ()
-        low = [
-            b
-            for b in request.running
-            if b.reward is not None and not math.isnan(b.reward) and b.reward < threshold
-        ]
-        low.sort(key=lambda b: (b.reward, b.index))
-        return [b.index for b in low]
+        return below(request, self.threshold(request))
