@@ -22,6 +22,7 @@ from typing import Any
 
 import sart
 from sart.engines.scripts import BranchScript, ScriptTable
+from sart.messages import BranchDelta
 from sart.testing import ScriptedPRM
 from sart.types import BranchId, BranchStatus, Prompt
 
@@ -223,3 +224,19 @@ def serve_subprocess(
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def check_logprobs(delta: BranchDelta, k: int | None) -> None:
+    """What a delta of a request with ``SamplingSettings.logprobs=k`` carries: nothing
+    for ``None``, else one entry per new token with the ``k`` highest values, highest
+    first, none above the sampled token's ceiling (``top[0]``) or above 0."""
+    if k is None:
+        assert delta.logprobs == ()
+        return
+    assert len(delta.logprobs) == delta.new_tokens
+    for lp in delta.logprobs:
+        assert len(lp.top) == k
+        assert list(lp.top) == sorted(lp.top, reverse=True)
+        assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
+        if k:
+            assert lp.logprob <= lp.top[0] + 1e-4

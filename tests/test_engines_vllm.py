@@ -21,13 +21,14 @@ import sart
 from adapters import (
     PROMPTS,
     VLLM_MAX_NUM_SEQS,
+    check_logprobs,
     check_pruned,
     fresh_vllm,
     pruning_workload,
     run_to_end,
 )
 from sart.engines.base import BranchSpec
-from sart.messages import BranchDelta, TokenLogprobs
+from sart.messages import TokenLogprobs
 from sart.types import BranchId
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
@@ -110,22 +111,6 @@ def test_batch_size_above_max_num_seqs_is_refused_or_warned(engine: Any) -> None
         e.start_branches("wide", [BranchSpec(j, j) for j in range(VLLM_MAX_NUM_SEQS + 1)])
     e.release_prefix("wide")  # aborts every branch still live
     assert e.stats().live_branches == 0
-
-
-def check_logprobs(delta: BranchDelta, k: int | None) -> None:
-    """What a delta of a request with ``SamplingSettings.logprobs=k`` carries: nothing
-    for ``None``, else one entry per new token with the ``k`` highest values, highest
-    first, none above the sampled token's ceiling (``top[0]``) or above 0."""
-    if k is None:
-        assert delta.logprobs == ()
-        return
-    assert len(delta.logprobs) == delta.new_tokens
-    for lp in delta.logprobs:
-        assert len(lp.top) == k
-        assert list(lp.top) == sorted(lp.top, reverse=True)
-        assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
-        if k:
-            assert lp.logprob <= lp.top[0] + 1e-4
 
 
 def test_logprobs_become_sarts_sampled_value_and_top_k() -> None:

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 import sart
-from adapters import PROMPTS, fresh_vllm_async, run_to_end
+from adapters import PROMPTS, check_logprobs, fresh_vllm_async, run_to_end
 from sart.engines.base import BranchSpec
-from sart.messages import BranchDelta, TokenLogprobs
+from sart.messages import TokenLogprobs
 from sart.types import BranchId
 
 
@@ -53,21 +53,6 @@ def test_a_stream_vllm_ends_fails_only_its_request(bridge: Any) -> None:
     assert 0 < len(tokens[BranchId("y", 0)]) <= 10
     e.release_prefix("y")
     assert e.stats() == sart.EngineStats(0, 0, e.engine.kv_capacity)
-
-
-def check_logprobs(delta: BranchDelta, k: int | None) -> None:
-    """What a delta of a request with ``SamplingSettings.logprobs=k`` carries (as in
-    ``test_engines_vllm``)."""
-    if k is None:
-        assert delta.logprobs == ()
-        return
-    assert len(delta.logprobs) == delta.new_tokens
-    for lp in delta.logprobs:
-        assert len(lp.top) == k
-        assert list(lp.top) == sorted(lp.top, reverse=True)
-        assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
-        if k:
-            assert lp.logprob <= lp.top[0] + 1e-4
 
 
 def test_each_new_token_carries_the_logprobs_asked_for(bridge: Any) -> None:
