@@ -254,6 +254,39 @@ def test_a_finished_pass_is_derived_again_without_a_model(
     assert [(r["method"], r["n"]) for r in doc["runs"]] == [("sc", 4), ("sart", 4)]
 
 
+def test_the_confidence_methods_are_derived_from_the_recorded_logprobs(
+    recorded: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pass recorded each branch's log-probabilities (per 16 tokens) with its rewards.
+    _, problems = lines(recorded[0])
+    branches = [b for line in problems for b in line["trace"]["branches"]]
+    assert all(b["logprobs"] and b["confidences"] for b in branches)
+    out = copy(recorded, tmp_path)
+    monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
+    argv = eval_argv(out, "--methods", "sc", "deepconf", "sart-conf", "--ns", "4", "--no-plots")
+    assert run(argv)[0] == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["method"], r["n"]) for r in runs] == [("sc", 4), ("deepconf", 4), ("sart-conf", 4)]
+    assert all(0.0 < r["accuracy"] <= 1.0 for r in runs)
+
+
+def test_records_without_logprobs_are_refused_for_the_confidence_methods(
+    recorded: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy(recorded, tmp_path)
+    path = out / "problems.jsonl"
+    header, *problems = (json.loads(x) for x in path.read_text().splitlines())
+    for line in problems:  # as an older sart recorded them
+        for branch in line["trace"]["branches"]:
+            for key in ("logprobs", "confidences", "logprob_every"):
+                branch.pop(key, None)
+    path.write_text("".join(json.dumps(x) + "\n" for x in [header, *problems]))
+    with pytest.raises(SystemExit):
+        main(eval_argv(out, "--methods", "deepconf", "--ns", "4", "--no-plots"))
+    assert "delete it to record again" in capsys.readouterr().err
+    assert run(eval_argv(out, "--methods", "sc", "--ns", "4", "--no-plots"))[0] == 0
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

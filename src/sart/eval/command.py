@@ -16,12 +16,15 @@ import argparse
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from sart.bench.command import (
     REAL_BATCH_SIZE,
+    RECORD_TOP_LOGPROBS,
     TESTBED,
     TESTBED_INTERVAL,
     RealSetup,
@@ -42,7 +45,7 @@ from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.eval.grading import Grader, make_grader
 from sart.eval.problems_file import ProblemRecord, ProblemsFile
 from sart.policies.equivalence import Equivalence
-from sart.types import Scoring
+from sart.types import SamplingSettings, Scoring
 
 DATASET_CHOICES = (*DATASETS, "testbed")
 TESTBED_LIMIT = 40
@@ -479,6 +482,7 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         if missing:
             _record(run, problems, missing, progress)
         records = [problems.records[item.id] for item in run.items]
+    _check_logprobs(run, records, problems.path)
     from sart.eval.derive import derive, unboxed
 
     config = BenchConfig(
@@ -500,6 +504,23 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
 
     derive(records, config, run.policy_for(unboxed), run.grader, rate=args.rate, on_run=finished)
     run.wall["derive"] = time.perf_counter() - started
+
+
+#: Methods whose replay reads the recorded log-probabilities (confidence, no PRM).
+CONFIDENCE_METHODS = frozenset({"deepconf", "sart-conf"})
+
+
+def _check_logprobs(run: _Run, records: Sequence[ProblemRecord], path: Path) -> None:
+    """Refuse to derive a confidence method from records that hold no log-probabilities
+    (recorded by an older sart): it would replay every branch as equally confident."""
+    wanted = sorted(CONFIDENCE_METHODS.intersection(run.methods))
+    bare = [r.id for r in records if any(not b.logprobs for b in r.trace.branches)]
+    if wanted and bare:
+        raise ConfigError(
+            f"methods {wanted} replay the branches' log-probabilities, which {path} does "
+            f"not hold for {len(bare)} problems (e.g. {bare[0]!r}: recorded by an older "
+            "sart); delete it to record again, or leave those methods out"
+        )
 
 
 def _check_golds(dataset: Dataset, records: dict[str, ProblemRecord]) -> None:
@@ -534,7 +555,9 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
             run.grader,
             n=run.args.n,
             interval=run.interval,
-            sampling=run.setup.sampling,
+            # With the policy's top-20 log-probabilities, which the confidence methods
+            # replay (their cost falls on this one offline pass).
+            sampling=_with_logprobs(run.setup.sampling),
             batch_size=run.args.batch_size,
             on_record=recorded,
         )
@@ -593,6 +616,12 @@ def _live(run: _Run, progress: Any) -> None:
         )
     finally:
         _close(prm)
+
+
+def _with_logprobs(sampling: SamplingSettings) -> SamplingSettings:
+    if sampling.logprobs is not None:
+        return sampling
+    return attrs.evolve(sampling, logprobs=RECORD_TOP_LOGPROBS)
 
 
 def _close(prm: Any) -> None:

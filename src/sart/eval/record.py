@@ -20,7 +20,13 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from sart.bench.real import PromptItem, recording_driver, recording_policy, trace_request
+from sart.bench.real import (
+    LogprobRecorder,
+    PromptItem,
+    recording_driver,
+    recording_policy,
+    trace_request,
+)
 from sart.engines.base import Engine
 from sart.eval.grading import Grader, grade_answer
 from sart.eval.problems_file import ProblemRecord
@@ -52,7 +58,9 @@ def record_problems(
     on_record: Callable[[ProblemRecord], object],
 ) -> list[Failure]:
     """Record ``items`` (``answer``: the gold one), calling ``on_record`` with each
-    problem as it finishes; return the problems that failed."""
+    problem as it finishes; return the problems that failed. With
+    ``sampling.logprobs`` set, each branch's log-probabilities are recorded too (per
+    segment, as ``record_trace`` does), for the confidence methods' replay."""
     policy = recording_policy(n, interval, extract=grader.extract)
     by_id = {item.id: item for item in items}
     failures: list[Failure] = []
@@ -63,7 +71,7 @@ def record_problems(
             failures.append(Failure(item.id, result.reason or "failed"))
             return
         gold = item.answer or ""
-        line = trace_request(item, result, engine, interval, arrival=0.0)
+        line = trace_request(item, result, engine, interval, arrival=0.0, logprobs=recorder)
         grades: dict[str, bool] = {}  # a problem's branches often agree: grade each answer once
         correct = []
         for branch in line.branches:
@@ -75,7 +83,8 @@ def record_problems(
     # Every problem arrives at once: the pass is offline, only its tokens and
     # rewards are kept (the simulator gives each method its own latencies).
     requests = [Request(item.id, item.prompt, policy, sampling=sampling) for item in items]
-    recording_driver(engine, prm, batch_size, on_result=finished).run(requests)
+    recorder = LogprobRecorder(engine) if sampling.logprobs is not None else None
+    recording_driver(recorder or engine, prm, batch_size, on_result=finished).run(requests)
     return failures
 
 
