@@ -240,3 +240,28 @@ def check_logprobs(delta: BranchDelta, k: int | None) -> None:
         assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
         if k:
             assert lp.logprob <= lp.top[0] + 1e-4
+
+
+def greedy_fork_logprobs(e: Any) -> tuple[BranchDelta, dict[int, list[Any]]]:
+    """Decode a greedy branch 3 steps (logprobs=2), fork it, run both to their end, and
+    check that the fork reports logprobs for its own tokens only, equal to its parent's
+    (greedy: it continues as its parent does from the same context). Returns the
+    parent's first delta and each branch's logprobs after the fork."""
+    import pytest
+
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10, logprobs=2))
+    e.start_branches("a", [sart.BranchSpec(0, 0)])
+    head = e.step(3).deltas[BranchId("a", 0)]
+    check_logprobs(head, 2)
+    e.start_branches("a", [sart.BranchSpec(1, 1, parent=0)])
+    logprobs: dict[int, list[Any]] = {0: [], 1: []}
+    while e.stats().live_branches:
+        for bid, delta in e.step(3).deltas.items():
+            check_logprobs(delta, 2)
+            logprobs[bid.index].extend(delta.logprobs)
+    e.release_prefix("a")
+    assert 0 < len(logprobs[1]) == len(logprobs[0]) <= 10 - head.new_tokens
+    for ours, parents in zip(logprobs[1], logprobs[0]):
+        assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
+        assert ours.top == pytest.approx(parents.top, abs=1e-4)
+    return head, logprobs

@@ -24,6 +24,7 @@ from adapters import (
     check_logprobs,
     check_pruned,
     fresh_vllm,
+    greedy_fork_logprobs,
     pruning_workload,
     run_to_end,
 )
@@ -188,24 +189,9 @@ def test_logprobs_are_the_models_before_temperature(engine: Any) -> None:
 
 
 def test_a_fork_reports_logprobs_for_its_own_tokens(engine: Any) -> None:
-    e = fresh_vllm(engine)
-    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10, logprobs=2))
-    e.start_branches("a", [BranchSpec(0, 0)])
-    head = e.step(3).deltas[BranchId("a", 0)]
-    check_logprobs(head, 2)
-    e.start_branches("a", [BranchSpec(1, 1, parent=0)])
-    logprobs: dict[int, list[TokenLogprobs]] = {0: [], 1: []}
-    while e.stats().live_branches:
-        for bid, delta in e.step(3).deltas.items():
-            check_logprobs(delta, 2)
-            logprobs[bid.index].extend(delta.logprobs)
-    e.release_prefix("a")
     # Greedy: the fork continues as its parent does from the same context, token for
     # token, and reports only those tokens (not the 3 it inherited).
-    assert 0 < len(logprobs[1]) == len(logprobs[0]) <= 10 - head.new_tokens
-    for ours, parents in zip(logprobs[1], logprobs[0]):
-        assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
-        assert ours.top == pytest.approx(parents.top, abs=1e-4)
+    greedy_fork_logprobs(fresh_vllm(engine))
 
 
 def test_logprobs_above_vllms_max_fail_the_request_at_prefill(engine: Any) -> None:

@@ -18,9 +18,8 @@ from typing import Any
 import pytest
 
 import sart
-from adapters import PROMPTS, check_logprobs, fresh_vllm_async, run_to_end
+from adapters import PROMPTS, check_logprobs, fresh_vllm_async, greedy_fork_logprobs, run_to_end
 from sart.engines.base import BranchSpec
-from sart.messages import TokenLogprobs
 from sart.types import BranchId
 
 
@@ -76,27 +75,11 @@ def test_each_new_token_carries_the_logprobs_asked_for(bridge: Any) -> None:
 
 
 def test_greedy_samples_the_top_logprob_and_a_fork_reports_its_own(bridge: Any) -> None:
-    e = fresh_vllm_async(bridge)
-    sampling = sart.SamplingSettings(temperature=0.0, max_tokens=10, logprobs=2)
-    e.prefill("a", PROMPTS[0], sampling)
-    e.start_branches("a", [BranchSpec(0, 0)])
-    head = e.step(3).deltas[BranchId("a", 0)]
-    check_logprobs(head, 2)
-    e.start_branches("a", [BranchSpec(1, 1, parent=0)])
-    logprobs: dict[int, list[TokenLogprobs]] = {0: [], 1: []}
-    while e.stats().live_branches:
-        for bid, delta in e.step(3).deltas.items():
-            check_logprobs(delta, 2)
-            logprobs[bid.index].extend(delta.logprobs)
-    e.release_prefix("a")
-    for lp in [*head.logprobs, *logprobs[0], *logprobs[1]]:
-        assert lp.logprob == pytest.approx(lp.top[0], abs=1e-4)
     # The fork continues as its parent does from the same context and reports only
     # its own tokens (not the ones it inherited).
-    assert 0 < len(logprobs[1]) == len(logprobs[0]) <= 10 - head.new_tokens
-    for ours, parents in zip(logprobs[1], logprobs[0]):
-        assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
-        assert ours.top == pytest.approx(parents.top, abs=1e-4)
+    head, logprobs = greedy_fork_logprobs(fresh_vllm_async(bridge))
+    for lp in [*head.logprobs, *logprobs[0], *logprobs[1]]:
+        assert lp.logprob == pytest.approx(lp.top[0], abs=1e-4)
 
 
 def test_logprobs_above_vllms_max_fail_the_request_at_prefill(bridge: Any) -> None:

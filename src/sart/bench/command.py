@@ -41,8 +41,6 @@ TESTBED_MAX_TOKENS = 256
 """Above the longest testbed trace (under 256 tokens with its prompt)."""
 TESTBED_INTERVAL = 16
 """``T`` for the testbed: its traces are tens of tokens long, not thousands."""
-#: Top log-probabilities recorded per token by ``--record-trace`` (DeepConf's k).
-RECORD_TOP_LOGPROBS = 20
 
 
 #: Defaults of flags that only some runs use, where the default is not None (given
@@ -544,12 +542,9 @@ def _mix_on_real_engine(
     return ``serve(rate, priorities)`` for ``--mix`` on the run's prompts, and ``close``."""
     from sart.bench.mix import run_mix_real
     from sart.bench.real import WARMUP_REQUESTS
-    from sart.bench.runner import PRM_FREE_METHODS
 
     setup = real_setup(args)
-    with_prm = [c.method for c in classes if c.method not in PRM_FREE_METHODS]
-    if with_prm and not setup.prm:
-        raise ConfigError(f"--engine {args.engine} needs --prm PATH for methods {with_prm}")
+    with_prm = _methods_with_prm(args, setup, [c.method for c in classes])
     engine = _load_engine(args, setup.model, config.batch_size or REAL_BATCH_SIZE)
     prm = _load_prm(args, setup) if with_prm else None
     # One unmeasured pass, so that neither run pays the engine's first-call costs.
@@ -569,14 +564,28 @@ def _mix_on_real_engine(
             setup.items, classes, engine, prm, config, setup.sampling, rate, priorities=priorities
         )
 
-    def close() -> None:
-        stop = getattr(prm, "close", None)
-        if stop is not None:
-            stop()
-        if args.engine == "sglang":
-            engine.close()  # the bridge shuts SGLang's processes down
+    return serve, functools.partial(_close_real, args, engine, prm)
 
-    return serve, close
+
+def _methods_with_prm(
+    args: argparse.Namespace, setup: RealSetup, methods: Sequence[str]
+) -> list[str]:
+    """Those of ``methods`` that need the PRM (``ConfigError`` if ``--prm`` gave none)."""
+    from sart.bench.runner import PRM_FREE_METHODS
+
+    with_prm = [m for m in methods if m not in PRM_FREE_METHODS]
+    if with_prm and not setup.prm:
+        raise ConfigError(f"--engine {args.engine} needs --prm PATH for methods {with_prm}")
+    return with_prm
+
+
+def _close_real(args: argparse.Namespace, engine: Any, prm: Any) -> None:
+    """Stop a real run's PRM (its process, if it has one) and engine (SGLang's)."""
+    close = getattr(prm, "close", None)
+    if close is not None:
+        close()
+    if args.engine == "sglang":
+        engine.close()  # the bridge shuts SGLang's processes down
 
 
 def _workload_file(name: str | None) -> str | None:
@@ -870,15 +879,11 @@ def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
 def _run_real(
     args: argparse.Namespace, config: BenchConfig, progress: Any, sink: ResultsFile
 ) -> None:
-    from sart.bench.real import record_trace, run_real
+    from sart.bench.real import record_trace, recording_sampling, run_real
 
     setup = real_setup(args)
     items, sampling = setup.items, setup.sampling
-    from sart.bench.runner import PRM_FREE_METHODS
-
-    with_prm = [m for m in config.methods if m not in PRM_FREE_METHODS]
-    if with_prm and not setup.prm:
-        raise ConfigError(f"--engine {args.engine} needs --prm PATH for methods {with_prm}")
+    _methods_with_prm(args, setup, config.methods)
     gold = {item.id: item.answer for item in items if item.answer is not None}
     sink.gold = dict.fromkeys(config.rates, gold)
     sink.serving = _serving(args, setup)
@@ -896,30 +901,19 @@ def _run_real(
         if args.record_trace:
             if prm is None:
                 raise ConfigError("--record-trace needs --prm")
-            # With the policy's log-probabilities (DeepConf's top 20), so that the trace
-            # replays the confidence methods too; they cost the recording pass little.
-            recorded = (
-                sampling
-                if sampling.logprobs is not None
-                else attrs.evolve(sampling, logprobs=RECORD_TOP_LOGPROBS)
-            )
             trace = record_trace(
                 items,
                 engine,
                 prm,
                 max(config.ns),
                 config.interval,
-                recorded,
+                recording_sampling(sampling),
                 config.rates[0],
                 config.seed,
             )
             trace.dump(args.record_trace)
     finally:
-        close = getattr(prm, "close", None)
-        if close is not None:
-            close()
-        if args.engine == "sglang":
-            engine.close()  # the bridge shuts SGLang's processes down
+        _close_real(args, engine, prm)
 
 
 def _serving(args: argparse.Namespace, setup: RealSetup) -> dict[str, Any]:

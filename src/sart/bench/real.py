@@ -194,6 +194,17 @@ def recording_driver(engine: Engine, prm: PRM, batch_size: int, **kwargs: Any) -
 
 #: Tokens per segment of the log-probabilities a recording keeps.
 RECORD_LOGPROB_EVERY = 16
+#: Top log-probabilities a recording asks for per token (DeepConf's k).
+RECORD_TOP_LOGPROBS = 20
+
+
+def recording_sampling(sampling: SamplingSettings) -> SamplingSettings:
+    """``sampling`` for a recorded pass: with the policy's top-``RECORD_TOP_LOGPROBS``
+    log-probabilities unless it asks for some already, so that the recording replays
+    the confidence methods too (their cost falls on that one pass)."""
+    if sampling.logprobs is not None:
+        return sampling
+    return attrs.evolve(sampling, logprobs=RECORD_TOP_LOGPROBS)
 
 
 class _Segments:

@@ -57,8 +57,10 @@ METHODS: dict[str, Callable[[int, int], Policy]] = {
     "deepconf": lambda n, t: deepconf_online(n, interval=t),
     "sart-conf": lambda n, t: sart_confidence(n, interval=t),
 }
+#: Methods scored by the policy's own log-probabilities (``Policy.reward``), not a PRM.
+CONFIDENCE_METHODS = frozenset({"deepconf", "sart-conf"})
 #: Methods that need no PRM: no rewards, or rewards from the policy's own log-probabilities.
-PRM_FREE_METHODS = frozenset({"vanilla", "sc", "deepconf", "sart-conf"})
+PRM_FREE_METHODS = frozenset({"vanilla", "sc"}) | CONFIDENCE_METHODS
 #: Methods that run with blocking checks whatever ``--scoring`` says, so that one run
 #: compares SART's two scoring modes side by side.
 BLOCKING_METHODS = frozenset({"sart-blocking"})

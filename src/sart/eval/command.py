@@ -20,11 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from sart.bench.command import (
     REAL_BATCH_SIZE,
-    RECORD_TOP_LOGPROBS,
     TESTBED,
     TESTBED_INTERVAL,
     RealSetup,
@@ -36,8 +33,8 @@ from sart.bench.command import (
     model_setup,
     sampling_setup,
 )
-from sart.bench.real import PolicyFactory, PromptItem
-from sart.bench.runner import METHODS, BenchConfig, method_policy, plan
+from sart.bench.real import PolicyFactory, PromptItem, recording_sampling
+from sart.bench.runner import CONFIDENCE_METHODS, METHODS, BenchConfig, method_policy, plan
 from sart.engines.costs import PRESETS
 from sart.errors import ConfigError, MissingDependencyError, SartError
 from sart.eval.accuracy import EvalRun
@@ -45,7 +42,7 @@ from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.eval.grading import Grader, make_grader
 from sart.eval.problems_file import ProblemRecord, ProblemsFile
 from sart.policies.equivalence import Equivalence
-from sart.types import SamplingSettings, Scoring
+from sart.types import Scoring
 
 DATASET_CHOICES = (*DATASETS, "testbed")
 TESTBED_LIMIT = 40
@@ -506,10 +503,6 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
     run.wall["derive"] = time.perf_counter() - started
 
 
-#: Methods whose replay reads the recorded log-probabilities (confidence, no PRM).
-CONFIDENCE_METHODS = frozenset({"deepconf", "sart-conf"})
-
-
 def _check_logprobs(run: _Run, records: Sequence[ProblemRecord], path: Path) -> None:
     """Refuse to derive a confidence method from records that hold no log-probabilities
     (recorded by an older sart): it would replay every branch as equally confident."""
@@ -555,9 +548,7 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
             run.grader,
             n=run.args.n,
             interval=run.interval,
-            # With the policy's top-20 log-probabilities, which the confidence methods
-            # replay (their cost falls on this one offline pass).
-            sampling=_with_logprobs(run.setup.sampling),
+            sampling=recording_sampling(run.setup.sampling),
             batch_size=run.args.batch_size,
             on_record=recorded,
         )
@@ -616,12 +607,6 @@ def _live(run: _Run, progress: Any) -> None:
         )
     finally:
         _close(prm)
-
-
-def _with_logprobs(sampling: SamplingSettings) -> SamplingSettings:
-    if sampling.logprobs is not None:
-        return sampling
-    return attrs.evolve(sampling, logprobs=RECORD_TOP_LOGPROBS)
 
 
 def _close(prm: Any) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from sart.errors import config_check
 from sart.policies.base import Policy
 from sart.policies.confidence import (
@@ -150,14 +152,9 @@ def sart_confidence(
     confidence signal that depends on ``scale`` (``sart.policies.confidence``); phase 2
     compares branches with each other and does not."""
     m = _paper_m(n, m)
-    beta = n // 2 if beta is None else beta
     signal = LowestTokenLogprob() if signal is None else signal
-    return Policy(
-        n=n,
-        stop=FirstM(m),
-        prune=TwoPhasePrune(alpha=alpha, beta=beta),
-        select=BestReward(),
-        interval=interval,
+    return attrs.evolve(
+        sart(n, m, alpha, beta, interval),
         name=f"sart-confidence(n={n},m={m})",
         reward=ConfidenceScorer(signal=signal, top_k=top_k, scale=scale),
     )
