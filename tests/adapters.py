@@ -49,6 +49,11 @@ VLLM_ENGINE_ARGS: dict[str, Any] = dict(
 """Engine arguments of the session's vLLM engines (the demo policy's head_dim of 32
 is what vLLM-CPU's attention needs)."""
 
+VLLM_ENGINES_BUILT: list[Any] = []
+"""The vLLM engines this test process built, in order (conftest's fixtures append).
+vLLM's Prometheus metrics are process-wide and the engine built last registers them
+anew, so only that engine's numbers can be read from them."""
+
 VLLM_SERVER_MAX_MODEL_LEN = 4096
 """``--max-model-len`` of the session's ``vllm serve``: room for branches that
 outlive an abort (the tiny model is fast)."""

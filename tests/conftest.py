@@ -29,6 +29,7 @@ from hypothesis import settings
 
 from adapters import (
     VLLM_ENGINE_ARGS,
+    VLLM_ENGINES_BUILT,
     VLLM_ENV,
     vllm_serve,
 )
@@ -92,7 +93,9 @@ def vllm_engine(demo_models: dict[str, Path]) -> Any:
     from sart.engines.vllm import VLLMEngine
 
     with _vllm_env():
-        return VLLMEngine.from_engine_args(str(demo_models["policy"]), **VLLM_ENGINE_ARGS)
+        engine = VLLMEngine.from_engine_args(str(demo_models["policy"]), **VLLM_ENGINE_ARGS)
+    VLLM_ENGINES_BUILT.append(engine)
+    return engine
 
 
 @pytest.fixture(scope="session")
@@ -107,6 +110,7 @@ def vllm_async_bridge(demo_models: dict[str, Path]) -> Iterator[Any]:
         bridge = SyncBridge.build(
             lambda: VLLMAsyncEngine.from_engine_args(str(demo_models["policy"]), **VLLM_ENGINE_ARGS)
         )
+    VLLM_ENGINES_BUILT.append(bridge.engine)
     yield bridge
     bridge.close()  # shuts vLLM down and drains the loop (else exit hangs in ZeroMQ)
 
