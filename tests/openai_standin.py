@@ -47,7 +47,8 @@ class StandInServer:
     status. ``error_after``: send an error object after that many tokens.
     ``abort_endpoint``: serve vLLM's ``/inference/v1/abort_requests`` (it stops
     the named streams, as vLLM's engine aborts them). ``logprobs``: honour
-    ``logprobs`` (else the request's tokens come without them).
+    ``logprobs`` (else the request's tokens come without them). ``max_logprobs``:
+    answer 400 to a larger ``logprobs``, as vLLM does.
     """
 
     _hosts = itertools.count()
@@ -64,9 +65,11 @@ class StandInServer:
         error_after: int | None = None,
         abort_endpoint: bool = False,
         logprobs: bool = True,
+        max_logprobs: int | None = None,
     ) -> None:
         self.token_delay = token_delay
         self.honour_logprobs = logprobs
+        self.max_logprobs = max_logprobs
         self.abort_endpoint = abort_endpoint
         self.abort_calls: list[list[str]] = []
         """The ``request_ids`` of every call to the abort endpoint (served or not)."""
@@ -107,6 +110,12 @@ class StandInServer:
         self.requests.append({"id": rid, "body": body})
         if self.fail is not None:
             return httpx.Response(self.fail, json={"error": {"message": "unavailable"}})
+        if self.max_logprobs is not None and body.get("logprobs", 0) > self.max_logprobs:
+            message = (
+                f"Requested sample logprobs of {body['logprobs']}, which is greater "
+                f"than max allowed: {self.max_logprobs}"
+            )
+            return httpx.Response(400, json={"error": {"message": message}})
         if self.strict and ("return_token_ids" in body or "continuous_usage_stats" in str(body)):
             return httpx.Response(400, json={"error": {"message": "unknown field"}})
         events = self._events(rid, body)

@@ -221,6 +221,31 @@ def test_a_strict_server_gets_the_request_again_without_the_extensions() -> None
     assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False]
 
 
+def test_a_request_the_server_refuses_fails_alone_and_keeps_the_extensions() -> None:
+    # vLLM answers 400 to logprobs above its --max-logprobs: that is the request's
+    # fault, not a rejection of the extensions, which later requests still get.
+    server = StandInServer(max_logprobs=20)
+
+    async def scenario() -> None:
+        e = engine(server)
+        await e.prefill("a", "p q", sart.SamplingSettings(max_tokens=5, logprobs=50))
+        await e.start_branches("a", [BranchSpec(0, 0)])
+        with pytest.raises(sart.EngineError, match="greater than max allowed: 20") as info:
+            await drain(e)
+        assert info.value.request_ids == {"a"}
+        await e.release_prefix("a")
+        await e.prefill("b", "p q", sart.SamplingSettings(max_tokens=40, logprobs=3))
+        await e.start_branches("b", [BranchSpec(0, 5)])
+        deltas = (await drain(e))[BranchId("b", 0)]
+        assert [t for d in deltas for t in d.token_ids] == StandInServer.tokens("p q", 5)
+        await e.release_prefix("b")
+        await e.aclose()
+
+    asyncio.run(scenario())
+    # a's request once with the extensions and once without; b's with them.
+    assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False, True]
+
+
 def test_abort_closes_the_stream_and_the_server_sees_it() -> None:
     # A real socket: the server must see the client's disconnect.
     server = SocketServer(token_delay=0.02)

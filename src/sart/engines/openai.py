@@ -16,9 +16,12 @@ tokenized them. Otherwise the engine counts tokens from
 (vLLM and SGLang report the cumulative ``completion_tokens`` in every chunk),
 else one token per chunk that has text; the final usage chunk then tops up the
 count of the branch's last chunk. By default (``return_token_ids=None``) both
-extensions are sent, and dropped for a server that rejects the request with
-400/422 (it is re-sent once without them; no token was streamed, so nothing
-is duplicated). ``return_token_ids=False`` never sends them (only the
+extensions are sent; a request answered 400/422 is re-sent once to the same
+server without them (no token was streamed, so nothing is duplicated), and
+only if that one is taken does the server get no more of them: a request the
+server refuses for its own sake (vLLM's 400 to ``logprobs`` above its
+``--max-logprobs``, a prompt too long) fails alone and leaves the extensions
+on. ``return_token_ids=False`` never sends them (only the
 standard ``include_usage``), ``True`` always does. The stream's parsing and
 this accounting are pure functions, in ``sart.engines.openai_stream``.
 
@@ -151,7 +154,8 @@ class _Retryable(Exception):
 
 
 class _Downgrade(Exception):
-    """The server rejected the vLLM extensions: re-send without them."""
+    """A 400/422 to a request sent with the vLLM extensions: re-send it to the same
+    server without them; only if that one is taken has the server rejected them."""
 
 
 @attrs.define(eq=False)
@@ -484,14 +488,18 @@ class OpenAIEngine(StreamingEngine):
         tried: set[int] = set()
         failures: list[str] = []
         attempts = 0
+        without_extras = False  # the retry of a 400/422 to the extensions
+        index = 0
         while True:
-            index = self._pick(tried, self._requests.get(branch.request_id))
+            if not without_extras:
+                index = self._pick(tried, self._requests.get(branch.request_id))
             server = self.servers[index]
             self.placement[branch] = server.url
             self._inflight[branch] = (server, rid)
             final: Chunk | None = None
             server.live += 1
-            attempt = self._post(server, branch, body, rid, root)
+            extras = server.extras and not without_extras
+            attempt = self._post(server, branch, body, rid, root, extras, without_extras)
             try:
                 async for chunk in attempt:
                     if chunk.finish is not None:
@@ -499,8 +507,8 @@ class OpenAIEngine(StreamingEngine):
                         break
                     yield chunk
             except _Downgrade:
-                server.extras = False
-                continue  # same server, without the extensions; not an attempt
+                without_extras = True
+                continue  # the same server, without the extensions; not an attempt
             except _Retryable as exc:
                 failures.append(f"{server.url}: {exc}")
                 attempts += 1
@@ -522,11 +530,20 @@ class OpenAIEngine(StreamingEngine):
             return
 
     async def _post(
-        self, server: _Server, branch: BranchId, body: dict[str, Any], rid: str, root: bool
+        self,
+        server: _Server,
+        branch: BranchId,
+        body: dict[str, Any],
+        rid: str,
+        root: bool,
+        extras: bool,
+        retry_without_extras: bool = False,
     ) -> AsyncIterator[Chunk]:
-        """One attempt: stream the completion from ``server``. Yields the finish
-        chunk last, after the response is read to its end and closed."""
-        extras = server.extras  # as sent: another attempt may drop them meanwhile
+        """One attempt: stream the completion from ``server``, with the vLLM extensions
+        if ``extras``. Yields the finish chunk last, after the response is read to its
+        end and closed. ``retry_without_extras``: the same request was answered 400/422
+        with the extensions; if the server takes it without them, it gets no more of
+        them (else the error was the request's own, and they stay)."""
         tally = Tally(top_k=body.get("logprobs"))
         streamed = False
         final: Chunk | None = None
@@ -541,6 +558,8 @@ class OpenAIEngine(StreamingEngine):
                     detail = (await response.aread()).decode(errors="replace")[:500]
                     downgrade = extras and self.return_token_ids is None
                     raise _error_answer(server.url, response.status_code, detail, downgrade)
+                if retry_without_extras:
+                    server.extras = False  # it refused them, not the request
                 async with contextlib.aclosing(_events(response)) as events:
                     async for event in events:
                         if isinstance(event, StreamError):
