@@ -342,12 +342,27 @@ def _setup(args: argparse.Namespace) -> RealSetup:
 
 
 def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], Backend]:
-    """What builds the engine and the PRM: the PRM loads on a thread while the engine
-    loads (a ``PRMProcess`` spends that time starting its process)."""
+    """What builds the engine and the PRM. A PRM in its own process (``PRMProcess``,
+    the default) starts on a thread while the engine loads; one in this process loads
+    after the engine.
+
+    Why not both on threads: transformers 5 resolves its names lazily, and two
+    threads importing it at once can see it half-built ("cannot import name
+    'AutoModelForCausalLM' from 'transformers'": seen here, 1 start in a few, and
+    reported against transformers 5 and vLLM). So the engine's and the PRM's modules
+    are imported on this thread before the PRM's thread starts, and a PRM that would
+    load its model on that thread (``--prm-in-process``, ``vllm-qwen``) is not given
+    one."""
 
     def load() -> Backend:
+        from sart.registry import load_engine, load_prm
+
+        load_engine(args.engine)
+        if setup.prm:
+            load_prm(args.prm_kind)
+        threaded = setup.prm and not args.prm_in_process and args.prm_kind != "vllm-qwen"
         with concurrent.futures.ThreadPoolExecutor(1, "sart-prm-load") as pool:
-            prm_job = pool.submit(_load_prm, args, setup) if setup.prm else None
+            prm_job = pool.submit(_load_prm, args, setup) if threaded else None
             try:
                 engine = _build_engine(args, setup.model)
             except BaseException:
@@ -355,7 +370,10 @@ def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], B
                     _stop(prm_job.result(), "close")
                 raise
             try:
-                prm = prm_job.result() if prm_job is not None else None
+                if prm_job is not None:
+                    prm = prm_job.result()
+                else:
+                    prm = _load_prm(args, setup) if setup.prm else None
             except BaseException:
                 closing = _shutdown(engine)
                 if closing is not None:

@@ -1,0 +1,58 @@
+"""``sart serve``'s loading of its engine and PRM (``sart.serve.command.backend_loader``):
+what runs on which thread, with the model loads themselves stood in for."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import sart.registry
+from sart.cli import _parser
+from sart.serve import command
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """``(what, thread name)`` of every import and load ``backend_loader`` makes."""
+    log: list[tuple[str, str]] = []
+
+    def note(what: str, result: Any = None) -> Any:
+        log.append((what, threading.current_thread().name))
+        return result
+
+    monkeypatch.setattr(sart.registry, "load_engine", lambda name: note(f"import {name}"))
+    monkeypatch.setattr(sart.registry, "load_prm", lambda name: note(f"import prm {name}"))
+    monkeypatch.setattr(command, "_build_engine", lambda args, model: note("engine", object()))
+    monkeypatch.setattr(command, "_load_prm", lambda args, setup: note("prm", object()))
+    return log
+
+
+def load(*flags: str) -> None:
+    args = _parser().parse_args(["serve", "--model", "testbed", *flags])
+    command.backend_loader(args, command._setup(args))()
+
+
+def test_the_modules_are_imported_before_the_prm_process_starts_on_its_thread(
+    calls: list[tuple[str, str]],
+) -> None:
+    # transformers 5 is not safe to import from two threads at once: both modules
+    # are imported on the caller's thread before the PRM's thread starts.
+    load()
+    main = threading.current_thread().name
+    assert calls[:2] == [("import hf", main), ("import prm qwen", main)]
+    assert sorted(calls[2:]) == [("engine", main), ("prm", "sart-prm-load_0")]
+
+
+def test_a_prm_loaded_in_this_process_loads_after_the_engine_on_this_thread(
+    calls: list[tuple[str, str]],
+) -> None:
+    load("--prm-in-process")
+    main = threading.current_thread().name
+    assert calls == [
+        ("import hf", main),
+        ("import prm qwen", main),
+        ("engine", main),
+        ("prm", main),
+    ]
