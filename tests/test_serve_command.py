@@ -22,7 +22,6 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
         log.append((what, threading.current_thread().name))
         return result
 
-    monkeypatch.setattr(sart.registry, "load_engine", lambda name: note(f"import {name}"))
     monkeypatch.setattr(sart.registry, "load_prm", lambda name: note(f"import prm {name}"))
     monkeypatch.setattr(command, "_build_engine", lambda args, model: note("engine", object()))
     monkeypatch.setattr(command, "_load_prm", lambda args, setup: note("prm", object()))
@@ -34,15 +33,16 @@ def load(*flags: str) -> None:
     command.backend_loader(args, command._setup(args))()
 
 
-def test_the_modules_are_imported_before_the_prm_process_starts_on_its_thread(
+def test_the_prm_module_is_imported_before_the_prm_process_starts_on_its_thread(
     calls: list[tuple[str, str]],
 ) -> None:
-    # transformers 5 is not safe to import from two threads at once: both modules
-    # are imported on the caller's thread before the PRM's thread starts.
+    # transformers 5 is not safe to import from two threads at once: the PRM's
+    # module is imported on the caller's thread, which builds the engine, before
+    # the PRM's thread starts (to start the PRM's process, importing nothing).
     load()
     main = threading.current_thread().name
-    assert calls[:2] == [("import hf", main), ("import prm qwen", main)]
-    assert sorted(calls[2:]) == [("engine", main), ("prm", "sart-prm-load_0")]
+    assert calls[0] == ("import prm qwen", main)
+    assert sorted(calls[1:]) == [("engine", main), ("prm", "sart-prm-load_0")]
 
 
 def test_a_prm_loaded_in_this_process_loads_after_the_engine_on_this_thread(
@@ -51,7 +51,6 @@ def test_a_prm_loaded_in_this_process_loads_after_the_engine_on_this_thread(
     load("--prm-in-process")
     main = threading.current_thread().name
     assert calls == [
-        ("import hf", main),
         ("import prm qwen", main),
         ("engine", main),
         ("prm", main),

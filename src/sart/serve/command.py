@@ -349,15 +349,14 @@ def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], B
     Why not both on threads: transformers 5 resolves its names lazily, and two
     threads importing it at once can see it half-built ("cannot import name
     'AutoModelForCausalLM' from 'transformers'": seen here, 1 start in a few, and
-    reported against transformers 5 and vLLM). So the engine's and the PRM's modules
-    are imported on this thread before the PRM's thread starts, and a PRM that would
-    load its model on that thread (``--prm-in-process``, ``vllm-qwen``) is not given
-    one."""
+    reported against transformers 5 and vLLM). So the PRM's module is imported on
+    this thread before its thread starts, which then only starts its process while
+    this one builds the engine; and a PRM that would load its model on that thread
+    (``--prm-in-process``, ``vllm-qwen``) is not given one."""
 
     def load() -> Backend:
-        from sart.registry import load_engine, load_prm
+        from sart.registry import load_prm
 
-        load_engine(args.engine)
         if setup.prm:
             load_prm(args.prm_kind)
         threaded = setup.prm and not args.prm_in_process and args.prm_kind != "vllm-qwen"
