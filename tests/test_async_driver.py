@@ -100,3 +100,31 @@ def test_a_failing_stream_fails_only_its_request() -> None:
     a, b = asyncio.run(main())
     assert not a.ok and "injected stream failure" in (a.reason or "")
     assert b.ok
+
+
+def test_a_cancelled_generate_cancels_its_request_and_frees_its_branches() -> None:
+    script = {"a": [BranchScript(length=400)] * 3, "b": [BranchScript(length=20)] * 2}
+
+    async def main() -> tuple[sart.RequestResult, list[sart.RequestResult]]:
+        engine = FakeStreamingEngine(script)
+        driver = sart.AsyncDriver(engine, batch_size=8)
+        server = asyncio.create_task(driver.serve())
+        slow = asyncio.create_task(
+            driver.generate(sart.Request("a", "p", sart.self_consistency(3, interval=5)))
+        )
+        while engine.stats().live_branches < 3:  # a is decoding
+            await asyncio.sleep(0)
+        slow.cancel()  # its caller went away
+        b = await driver.generate(sart.Request("b", "p", sart.self_consistency(2, interval=5)))
+        driver.stop()
+        await asyncio.wait_for(server, timeout=10)
+        assert slow.cancelled()
+        assert engine.stats().live_branches == 0
+        assert engine.stats().kv_tokens == 0  # its prompt too
+        return b, driver.results
+
+    b, results = asyncio.run(main())
+    assert b.ok
+    (a,) = [r for r in results if r.request_id == "a"]
+    assert a.status is sart.RequestStatus.CANCELLED
+    assert all(0 < x.num_tokens < 400 for x in a.branches)

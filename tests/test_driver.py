@@ -294,3 +294,66 @@ def test_check_servable_names_the_request_the_policy_and_what_is_missing() -> No
     # The asyncio driver refuses the same way, at submit.
     with pytest.raises(sart.ConfigError, match="the driver has no PRM"):
         sart.AsyncDriver(FakeEngine(), batch_size=4).submit(sart_request)
+
+
+# ------------------------------------------------------------------ cancel
+
+
+def test_cancel_aborts_a_running_request_and_the_others_carry_on() -> None:
+    script = scenario(n_requests=2, n=2, length=30)
+    engine = FakeEngine(script)
+    driver = sart.SyncDriver(engine, batch_size=4)
+    for request in requests(script, sart.self_consistency(2, interval=5)):
+        driver.submit(request)
+    while engine.steps < 10:
+        driver.step()
+    assert {b.request_id for b in engine.live_branches} == {"r0", "r1"}
+    assert driver.cancel("r0", "client went away")
+    driver.step()  # the next step carries the cancel out, before any decode
+    assert {b.request_id for b in engine.live_branches} == {"r1"}
+    assert "r0" not in engine.prefixes
+    while driver.step():
+        pass
+    r0, r1 = sorted(driver.results, key=lambda r: r.request_id)
+    assert (r0.status, r0.reason, r0.chosen, r0.answer) == (
+        sart.RequestStatus.CANCELLED,
+        "client went away",
+        None,
+        None,
+    )
+    assert [b.status for b in r0.branches] == [BranchStatus.FAILED] * 2
+    assert [b.num_tokens for b in r0.branches] == [10, 10]
+    assert r0.timings.finished == 10.0
+    assert r1.ok and r1.answer == "1"
+    assert_clean(engine)
+
+
+def test_a_cancelled_request_that_waits_never_reaches_the_engine() -> None:
+    script = scenario(n_requests=2, n=2, length=8)
+    engine = FakeEngine(script)
+    driver = sart.SyncDriver(engine, batch_size=2)  # r1 waits for r0's slots
+    late = sart.Request("late", "p", sart.vanilla(), arrival=50.0)
+    for request in [*requests(script, sart.self_consistency(2)), late]:
+        driver.submit(request)
+    driver.step()
+    assert driver.cancel("r1") and driver.cancel("late")
+    driver.run()
+    results = {r.request_id: r for r in driver.results}
+    assert [e for e in engine.log if "r1" in e or "late" in e] == []
+    for rid, finished in (("r1", 0.0), ("late", 50.0)):
+        result = results[rid]
+        assert (result.status, result.reason) == (sart.RequestStatus.CANCELLED, "cancelled")
+        assert result.timings.scheduled is None and result.timings.finished == finished
+        assert [b.status for b in result.branches] == [BranchStatus.FAILED] * len(result.branches)
+    assert results["r0"].ok
+    assert_clean(engine)
+
+
+def test_cancel_of_a_finished_or_unknown_request_is_false() -> None:
+    script = scenario(n_requests=1, n=1, length=4)
+    driver = sart.SyncDriver(FakeEngine(script), batch_size=2)
+    (result,) = driver.run(requests(script, sart.vanilla()))
+    assert result.ok
+    assert driver.cancel("r0") is False
+    assert driver.cancel("nobody") is False
+    assert driver.scheduler.cancel("r0") is False

@@ -610,6 +610,33 @@ def test_sart_end_to_end_prunes_branches_in_the_backend(adapter: Adapter) -> Non
     adapter.backend_runs(0)
 
 
+def test_a_cancelled_request_leaves_the_backend_and_the_others_go_on(adapter: Adapter) -> None:
+    e = adapter.fresh()
+    driver = sart.SyncDriver(e, batch_size=8)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=400, seed=3)
+    for rid in ("first", "second"):
+        driver.submit(sart.Request(rid, PROMPTS[1], sart.self_consistency(3, interval=4), sampling))
+    while e.stats().live_branches < 6:  # both started
+        assert driver.step()
+    assert driver.step()  # both decoding
+    assert driver.cancel("first", "client went away")
+    assert driver.step()  # carries out the cancel, and nothing else
+    assert e.stats().live_branches == 3
+    for _ in range(2):  # the other one goes on
+        assert driver.step()
+    adapter.backend_runs(3)  # (vLLM counts its running requests as of its last step)
+    assert driver.cancel("second")
+    while driver.step():
+        pass
+    first, second = sorted(driver.results, key=lambda r: r.request_id)
+    assert (first.status, first.reason) == (sart.RequestStatus.CANCELLED, "client went away")
+    assert second.status is sart.RequestStatus.CANCELLED
+    assert all(b.status is BranchStatus.FAILED for b in (*first.branches, *second.branches))
+    assert max(b.num_tokens for b in first.branches) < min(b.num_tokens for b in second.branches)
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
+    adapter.backend_runs(0)
+
+
 def test_a_failing_prm_fails_only_its_request(adapter: Adapter) -> None:
     e = adapter.fresh()
     prm = ScriptedPRM(every=4, fail_on={BranchId("q0", 1)})

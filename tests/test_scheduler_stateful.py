@@ -8,8 +8,10 @@ branches; every live branch belongs to an unfinished request; a finished
 request holds no prefix; the scheduler never counts more running branches
 than the engine holds, and when it counts fewer (it has pruned, stopped or
 failed branches), the very next step carries out just that cleanup;
-results are unique. Draining (a rule, and the teardown) runs to the end and
-checks every request ended exactly once, and only faulted ones failed.
+results are unique. Requests are also cancelled, at any point of their life
+(``SyncDriver.cancel``). Draining (a rule, and the teardown) runs to the end and
+checks every request ended exactly once, only faulted ones failed, and only
+cancelled ones were cancelled.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.submitted: list[str] = []
         self.results: list[RequestResult] = []
         self.faulted: set[str] = set()
+        self.cancelled: set[str] = set()  # cancel() said they were open
         self.started_at: dict[BranchId, int] = {}  # engine.steps when a branch went live
         self.ready = False
 
@@ -158,6 +161,18 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"fault injected: {kind}")
 
     @precondition(lambda self: bool(self.submitted))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.submitted), label="request")
+        finished = rid in {r.request_id for r in self.results}
+        if self.driver.cancel(rid, "the test cancelled it"):
+            assert not finished
+            self.cancelled.add(rid)
+            event("cancelled an open request")
+        # False: finished, or ended in the scheduler with its result still to come.
+        assert self.driver.cancel("never-submitted") is False
+
+    @precondition(lambda self: bool(self.submitted))
     @rule()
     def drain(self) -> None:
         for _ in range(MAX_DRAIN_STEPS):
@@ -171,6 +186,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             event(f"request {result.status.value}")
             if result.status is RequestStatus.FAILED:
                 assert result.request_id in self.faulted, result.reason
+            elif result.status is RequestStatus.CANCELLED:
+                assert result.request_id in self.cancelled
+                assert result.reason == "the test cancelled it"
+                assert result.chosen is None and result.answer is None
+                assert all(b.status.is_ended for b in result.branches)
             else:
                 assert result.status is RequestStatus.COMPLETED
         assert self.engine.live_branches == frozenset()

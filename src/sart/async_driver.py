@@ -46,11 +46,25 @@ class AsyncDriver(DriverBase):
         self._wakeup.set()
 
     async def generate(self, request: Request) -> RequestResult:
-        """Submit ``request`` and wait for its result (``serve()`` must be running)."""
+        """Submit ``request`` and wait for its result (``serve()`` must be running).
+
+        Cancelling the caller (a client that went away, a timeout) cancels the
+        request, as vLLM's ``AsyncLLM.generate`` aborts its request: its branches
+        are aborted in the engine at the driver's next step."""
         future = asyncio.get_running_loop().create_future()
         self._futures[request.id] = future
         self.submit(request)
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._futures.pop(request.id, None)
+            self.cancel(request.id)
+            raise
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        cancelled = super().cancel(request_id, reason)
+        self._wakeup.set()  # serve() may be waiting for work
+        return cancelled
 
     async def run(self, requests: Iterable[Request] = ()) -> list[RequestResult]:
         """Submit ``requests``, serve until everything has finished, return the results

@@ -247,6 +247,26 @@ class DriverBase:
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
         self._open.add(request.id)
 
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a submitted request that has not finished (``Scheduler.cancel``): its
+        result, ``RequestStatus.CANCELLED`` with ``reason``, is delivered like any
+        other, its branches are aborted in the engine and its prefix released. One
+        that has not arrived yet ends at once, without reaching the engine.
+        ``False`` if no such request is open.
+
+        It takes effect at the driver's next step (a running decode call finishes
+        first). Call it from the thread that runs the driver (for ``AsyncDriver``,
+        its event loop)."""
+        if request_id not in self._open:
+            return False
+        for at, (_, _, request) in enumerate(self._arrivals):
+            if request.id == request_id:  # not arrived: the scheduler ends it at once
+                self._arrivals.pop(at)
+                heapq.heapify(self._arrivals)
+                self.scheduler.submit(request)
+                break
+        return self.scheduler.cancel(request_id, reason)
+
     def _submit_all(self, requests: Iterable[Request]) -> list[Request]:
         """Submit a batch, refusing it whole (before anything runs) if two share an id:
         results are returned by id, and one would hide the other."""

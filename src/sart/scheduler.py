@@ -187,6 +187,7 @@ class Scheduler:
         self._unreleased: set[str] = set()  # prefixes not released because of those
         self._idle_abort_retries = 0
         self._pauses = 0  # branches paused for more urgent work, over the run
+        self._cancels: dict[str, str] = {}  # asked for, applied at the next next_commands
 
     # ------------------------------------------------------------------ intake
 
@@ -198,6 +199,35 @@ class Scheduler:
         self._pending[request.id] = state
         self._request_queue.append(state)
         self._priorities.add(request.priority)
+
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """Cancel a request that has not finished: it ends with
+        ``RequestStatus.CANCELLED`` and ``reason``, its running branches are aborted
+        and its prefix released, like a failed request's, and its waiting branches
+        never start. ``False`` if no such request is open (unknown, or finished).
+
+        It takes effect at the next ``next_commands``, when no command of it is in
+        flight but an overlapped ``Score`` (whose rewards for it are then ignored),
+        so it may be called at any time between the scheduler's calls. Events
+        handled before then may still finish the request (``True`` said it was
+        open, not that it will end cancelled), as a vLLM request may finish before
+        its abort lands."""
+        if request_id not in self._pending:
+            return False
+        self._cancels.setdefault(request_id, reason)
+        return True
+
+    def _apply_cancels(self, now: float) -> None:
+        cancels, self._cancels = self._cancels, {}
+        for request_id, reason in cancels.items():
+            req = self._pending.get(request_id)
+            if req is None or req.ended:
+                continue
+            if req.id not in self._active:  # still queued: never prefilled
+                self._request_queue.remove(req)
+            self._end_unfinished(
+                req, RequestStatus.CANCELLED, reason, max(now, req.request.arrival)
+            )
 
     @property
     def idle(self) -> bool:
@@ -241,6 +271,8 @@ class Scheduler:
             raise SchedulerError("handle() the events of the previous commands first")
         if self._scoring is not None and self.config.scoring is Scoring.BLOCKING:
             return []  # Algorithm 1: nothing runs while the PRM scores
+        if self._cancels:
+            self._apply_cancels(now)
         if self._outbox:
             cmds, self._outbox = self._outbox, []
         else:
@@ -852,6 +884,13 @@ class Scheduler:
         self._close(req, result, now)
 
     def _fail(self, req: RequestState, reason: str, now: float) -> None:
+        self._end_unfinished(req, RequestStatus.FAILED, reason, now)
+
+    def _end_unfinished(
+        self, req: RequestState, status: RequestStatus, reason: str, now: float
+    ) -> None:
+        """End ``req`` without an answer (failed or cancelled): abort its running
+        branches; the waiting ones never start."""
         if req.ended:
             return
         aborted = []
@@ -865,7 +904,7 @@ class Scheduler:
             self._outbox.append(Abort(tuple(aborted)))
         result = RequestResult(
             request_id=req.id,
-            status=RequestStatus.FAILED,
+            status=status,
             chosen=None,
             text=None,
             answer=None,

@@ -69,6 +69,10 @@ class Phase(enum.Enum):
 class RequestStatus(enum.Enum):
     COMPLETED = "completed"
     FAILED = "failed"
+    """An engine, PRM or policy failure ended it (``RequestResult.reason`` says which)."""
+    CANCELLED = "cancelled"
+    """Its caller cancelled it (``Scheduler.cancel``, ``DriverBase.cancel``, or a
+    cancelled ``AsyncDriver.generate``)."""
 
 
 class Admission(enum.Enum):
