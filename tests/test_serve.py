@@ -350,6 +350,9 @@ def test_a_request_cancelled_while_queued_never_reaches_the_engine(serve) -> Non
     served.wait_for(lambda: served.metric("sart:num_requests_running") == 1)
     with pytest.raises(httpx.ReadTimeout):  # waits behind the blocker, then leaves
         served.post("/v1/completions", body("short", method="vanilla"), timeout=0.3)
+    # It leaves the queue at once, not when the blocker's slot frees.
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)
+    assert blocker.is_alive() and served.metric("sart:num_requests_waiting") == 0
     blocker.join()
     served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 2)
     assert len(served.engine.prefilled) == 1  # only the blocker was ever prefilled

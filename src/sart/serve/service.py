@@ -170,14 +170,18 @@ class Service:
         return outcome
 
     def cancel(self, request_id: str) -> None:
-        """Cancel an accepted request unless it has finished: a waiting one is refused
-        when its turn comes, a running one has its branches aborted at the next
-        decode call (see ``sart.serve.engine``). Idempotent."""
+        """Cancel an accepted request unless it has finished: a waiting one leaves the
+        queue at the driver's next step, a running one has its branches aborted at
+        the next engine call (see ``sart.serve.engine``). Idempotent."""
         future = self._futures.pop(request_id, None)
         if future is None or future.done():  # taken, or finished as the client left
             return
         self._waiting.discard(request_id)
+        # The engine refuses its next call at once, even mid-step; the driver ends it
+        # at its next step, so that a waiting one leaves the queue then, not when its
+        # turn comes.
         self.engine.cancel(request_id)
+        self.driver.cancel(request_id, "the client disconnected")
         future.cancel()
 
     # ------------------------------------------------------------ bookkeeping
