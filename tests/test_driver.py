@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import pytest
 
 import sart
@@ -357,3 +358,51 @@ def test_cancel_of_a_finished_or_unknown_request_is_false() -> None:
     assert driver.cancel("r0") is False
     assert driver.cancel("nobody") is False
     assert driver.scheduler.cancel("r0") is False
+
+
+# ------------------------------------------------------------------ timeouts
+
+
+def test_a_request_past_its_deadline_is_cancelled_at_the_next_step() -> None:
+    script = scenario(n_requests=2, n=2, length=30)
+    engine = FakeEngine(script)
+    reqs = requests(script, sart.self_consistency(2, interval=5))
+    reqs[0] = attrs.evolve(reqs[0], timeout=12.0)
+    driver = sart.SyncDriver(engine, batch_size=4)
+    r0, r1 = driver.run(reqs)
+    # Checked between decode chunks of 5 steps: the first step at or past 12 is 15.
+    assert (r0.status, r0.timings.finished) == (sart.RequestStatus.CANCELLED, 15.0)
+    assert r0.reason == "timed out: not finished within timeout=12"
+    assert [b.num_tokens for b in r0.branches] == [15, 15]
+    assert r1.ok and r1.timings.finished == 31.0
+    assert_clean(engine)
+
+
+def test_a_waiting_request_times_out_without_reaching_the_engine() -> None:
+    script = scenario(n_requests=2, n=2, length=30)
+    engine = FakeEngine(script)
+    reqs = requests(script, sart.self_consistency(2, interval=5))
+    reqs[1] = attrs.evolve(reqs[1], arrival=2.0, timeout=6.0)
+    driver = sart.SyncDriver(engine, batch_size=2)  # r1 waits for r0's slots
+    r0, r1 = driver.run(reqs)
+    assert r1.status is sart.RequestStatus.CANCELLED
+    assert (r1.timings.scheduled, r1.timings.finished) == (None, 10.0)
+    assert [e for e in engine.log if "r1" in e] == []
+    assert r0.ok
+
+
+def test_the_driver_wakes_at_a_deadline_while_it_waits_for_the_prm() -> None:
+    # Both branches end at 10; their final rewards take 100 more: the driver, with
+    # nothing else to do, wakes at the deadline (20) rather than at the rewards.
+    script = {"r0": [BranchScript(length=10, answer="1", rewards=(0.9,))] * 2}
+    slow = sart.CostedPRM(ScriptedPRM(script), lambda items: 100.0)
+    request = sart.Request("r0", "p", sart.sart(2, interval=5), timeout=20.0)
+    (result,) = sart.SyncDriver(FakeEngine(script), slow, batch_size=4).run([request])
+    assert (result.status, result.timings.finished) == (sart.RequestStatus.CANCELLED, 20.0)
+    assert [b.status for b in result.branches] == [BranchStatus.FINISHED] * 2
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("nan"), float("inf"), "5", True])
+def test_a_timeout_must_be_a_positive_number(timeout: object) -> None:
+    with pytest.raises(sart.ConfigError, match=r"timeout=.* must be None or a finite number > 0"):
+        sart.Request("r", "p", sart.vanilla(), timeout=timeout)  # type: ignore[arg-type]

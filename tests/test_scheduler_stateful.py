@@ -9,9 +9,10 @@ request holds no prefix; the scheduler never counts more running branches
 than the engine holds, and when it counts fewer (it has pruned, stopped or
 failed branches), the very next step carries out just that cleanup;
 results are unique. Requests are also cancelled, at any point of their life
-(``SyncDriver.cancel``). Draining (a rule, and the teardown) runs to the end and
-checks every request ended exactly once, only faulted ones failed, and only
-cancelled ones were cancelled.
+(``SyncDriver.cancel``), or time out (``Request.timeout``). Draining (a rule,
+and the teardown) runs to the end and checks every request ended exactly once,
+only faulted ones failed, only cancelled ones were cancelled, and timed-out
+ones no sooner than their deadline.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.results: list[RequestResult] = []
         self.faulted: set[str] = set()
         self.cancelled: set[str] = set()  # cancel() said they were open
+        self.deadlines: dict[str, float] = {}  # of requests with a timeout
         self.started_at: dict[BranchId, int] = {}  # engine.steps when a branch went live
         self.ready = False
 
@@ -130,12 +132,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         )
         self.ready = True
 
-    @rule(parts=intervals.flatmap(request_parts), lateness=st.floats(0.0, 1.0))
-    def submit(self, parts: RequestParts, lateness: float) -> None:
+    @rule(
+        parts=intervals.flatmap(request_parts),
+        lateness=st.floats(0.0, 1.0),
+        # One request in four has a timeout, so that most still run to their end.
+        timeout=st.integers(0, 3).flatmap(lambda k: st.floats(0.5, 200.0) if k == 3 else st.none()),
+    )
+    def submit(self, parts: RequestParts, lateness: float, timeout: float | None) -> None:
         rid = f"r{len(self.submitted)}"
         arrival = self.engine.clock.now() * (1.0 - lateness)  # already arrived
         self.scripts[rid] = parts.scripts
-        self.driver.submit(sart.Request(rid, "p", parts.policy, parts.sampling, arrival))
+        request = sart.Request(rid, "p", parts.policy, parts.sampling, arrival, timeout=timeout)
+        if request.deadline is not None:
+            self.deadlines[rid] = request.deadline
+        self.driver.submit(request)
         self.submitted.append(rid)
 
     @rule(times=st.integers(1, 6))
@@ -187,8 +197,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             if result.status is RequestStatus.FAILED:
                 assert result.request_id in self.faulted, result.reason
             elif result.status is RequestStatus.CANCELLED:
-                assert result.request_id in self.cancelled
-                assert result.reason == "the test cancelled it"
+                if result.reason == "the test cancelled it":
+                    assert result.request_id in self.cancelled
+                else:  # timed out: at its deadline or after, never before
+                    assert result.reason.startswith("timed out"), result.reason
+                    assert result.timings.finished >= self.deadlines[result.request_id]
                 assert result.chosen is None and result.answer is None
                 assert all(b.status.is_ended for b in result.branches)
             else:

@@ -325,6 +325,34 @@ def test_a_disconnected_client_has_every_branch_aborted(serve) -> None:
     assert reply.model_extra["sart"]["answer"] is not None
 
 
+def test_a_request_past_its_timeout_is_aborted_and_answered_504(serve) -> None:
+    served = serve()
+    engine = served.engine
+    client = served.openai()
+    with pytest.raises(openai.InternalServerError) as info:
+        client.completions.create(
+            model=MODEL, prompt="long", extra_body={"method": "sc", "n": 3, "timeout": 0.3}
+        )
+    assert info.value.status_code == 504
+    assert "timed out: not finished within timeout=0.3" in str(info.value)
+    assert engine.stats().live_branches == 0 and not engine.prefixes
+    assert served.metric("sart:requests_total", '{status="timeout"}') == 1
+    assert served.metric("sart:branches_failed_total", '{cause="timeout"}') == 3
+    # Streamed: the error event after the keep-alives.
+    stream = client.completions.create(
+        model=MODEL, prompt="long", stream=True, extra_body={"method": "sc", "timeout": 0.3}
+    )
+    with pytest.raises(openai.APIError, match="timed out"):
+        list(stream)
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="timeout"}') == 2)
+    # A request that finishes in time is not touched by its timeout.
+    reply = client.completions.create(model=MODEL, prompt="short", extra_body={"timeout": 60})
+    assert reply.model_extra["sart"]["answer"] is not None
+    for bad in (0, -1, "soon"):
+        with pytest.raises(openai.BadRequestError, match="timeout"):
+            client.completions.create(model=MODEL, prompt="short", extra_body={"timeout": bad})
+
+
 def test_a_disconnected_stream_has_every_branch_aborted(serve) -> None:
     served = serve(keepalive=0.05)
     engine = served.engine

@@ -305,7 +305,12 @@ class DriverBase:
         if not cmds:
             if self._score is None and not self._arrivals:
                 return False
-            yield _Wait(self._arrivals[0][0] if self._arrivals else None)
+            # Until the next arrival or deadline (or the Score's rewards).
+            wake = [self._arrivals[0][0]] if self._arrivals else []
+            deadline = self.scheduler.next_deadline()
+            if deadline is not None:
+                wake.append(deadline)
+            yield _Wait(min(wake, default=None))
             self._collect()
             return True
         answers: dict[int, Event] = {}

@@ -46,6 +46,21 @@ def _check_arrival(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     )
 
 
+def _check_timeout(_inst: object, _attr: attrs.Attribute, value: float | None) -> None:
+    config_check(
+        value is None
+        or (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > 0
+        ),
+        "timeout",
+        value,
+        "None or a finite number > 0",
+    )
+
+
 @attrs.frozen
 class Request:
     """One reasoning request: a prompt, the policy that serves it, how to sample."""
@@ -64,6 +79,16 @@ class Request:
     """Lower is more urgent (vLLM's convention): waiting requests and branches are
     admitted by priority, then in arrival order. One priority for every request is
     first come, first served (Algorithm 1)."""
+    timeout: float | None = attrs.field(default=None, validator=_check_timeout)
+    """The most time it may take, from its arrival, in the clock's unit: a request not
+    finished by its deadline, ``arrival + timeout``, is cancelled there (waiting or
+    running; ``RequestStatus.CANCELLED``, its branches aborted), checked at every
+    driver step. ``None``: no deadline."""
+
+    @property
+    def deadline(self) -> float | None:
+        """``arrival + timeout``: when it is cancelled if it has not finished."""
+        return None if self.timeout is None else self.arrival + self.timeout
 
     @property
     def seed(self) -> int:

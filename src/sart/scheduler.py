@@ -40,6 +40,7 @@ rewards are applied soon after they arrive. Checks that need no rewards
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections import deque
@@ -188,6 +189,9 @@ class Scheduler:
         self._idle_abort_retries = 0
         self._pauses = 0  # branches paused for more urgent work, over the run
         self._cancels: dict[str, str] = {}  # asked for, applied at the next next_commands
+        # (deadline, order, request) of requests with a timeout; ended ones dropped lazily.
+        self._deadlines: list[tuple[float, int, RequestState]] = []
+        self._deadline_order = itertools.count()
 
     # ------------------------------------------------------------------ intake
 
@@ -199,6 +203,8 @@ class Scheduler:
         self._pending[request.id] = state
         self._request_queue.append(state)
         self._priorities.add(request.priority)
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._deadline_order), state))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Cancel a request that has not finished: it ends with
@@ -216,6 +222,21 @@ class Scheduler:
             return False
         self._cancels.setdefault(request_id, reason)
         return True
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline (``Request.deadline``) of a request not finished yet: a
+        driver with nothing else to do wakes then to cancel it."""
+        while self._deadlines and self._deadlines[0][2].ended:
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def _expire(self, now: float) -> None:
+        """Cancel the requests whose deadline has come."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, req = heapq.heappop(self._deadlines)
+            if not req.ended:
+                reason = f"timed out: not finished within timeout={req.request.timeout:g}"
+                self._cancels.setdefault(req.id, reason)
 
     def _apply_cancels(self, now: float) -> None:
         cancels, self._cancels = self._cancels, {}
@@ -271,6 +292,8 @@ class Scheduler:
             raise SchedulerError("handle() the events of the previous commands first")
         if self._scoring is not None and self.config.scoring is Scoring.BLOCKING:
             return []  # Algorithm 1: nothing runs while the PRM scores
+        if self._deadlines and self._deadlines[0][0] <= now:
+            self._expire(now)
         if self._cancels:
             self._apply_cancels(now)
         if self._outbox:

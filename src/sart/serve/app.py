@@ -26,6 +26,11 @@ address, the default ``127.0.0.1``, if their numbers are private).
 connection (as vLLM's ``with_cancellation``): when the client goes away the
 request is cancelled and every branch of it aborted in the engine.
 
+**Timeouts.** A request's ``timeout`` (seconds, sart's extension field) is its
+deadline from arrival: past it, waiting or running, it is cancelled, its
+branches aborted, and it is answered 504 (an error event when streaming).
+A failure of the engine or the PRM is answered 500.
+
 **Streaming** (``stream=true``). Which branch answers is known only when the
 request finishes: the selector picks among the completed branches by PRM
 reward or vote, and any running branch may still be pruned or stopped.
@@ -62,11 +67,13 @@ from starlette.requests import Request as HTTPRequest
 
 from sart.errors import ConfigError
 from sart.request import Request
+from sart.results import RequestResult
 from sart.serve import protocol
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
 from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
+from sart.types import RequestStatus
 
 
 def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) -> FastAPI:
@@ -242,8 +249,17 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 
 def _failed(outcome: Outcome) -> JSONResponse:
-    message = f"the request failed: {outcome.result.reason}"
-    return JSONResponse(protocol.error_body(message, 500), status_code=500)
+    message, status = _failure(outcome.result)
+    return JSONResponse(protocol.error_body(message, status), status_code=status)
+
+
+def _failure(result: RequestResult) -> tuple[str, int]:
+    """The error message and HTTP status of a request that did not complete: 504 for one
+    that ran past its ``timeout`` (a cancelled request whose client is still there),
+    500 for a failure."""
+    if result.status is RequestStatus.CANCELLED:
+        return f"the request {result.reason}", 504
+    return f"the request failed: {result.reason}", 500
 
 
 @attrs.frozen
@@ -293,7 +309,7 @@ async def _events(
             yield DONE
             return
         if not outcome.result.ok:
-            yield _sse(protocol.error_body(f"the request failed: {outcome.result.reason}", 500))
+            yield _sse(protocol.error_body(*_failure(outcome.result)))
             yield DONE
             return
         yield reply.chunk(text=outcome.result.text or "")

@@ -16,13 +16,14 @@ sart:num_branches_waiting                   gauge      branches of prefilled req
 sart:engine_live_branches                   gauge      branches the engine holds (KV)
 sart:kv_tokens                              gauge      KV tokens the engine holds
 sart:requests_total{status}                 counter    finished: completed, failed,
-                                                       cancelled (client disconnected)
+                                                       cancelled (client disconnected),
+                                                       timeout (past its ``timeout``)
 sart:requests_rejected_total{code}          counter    refused before running: 400, 401,
                                                        404, 413, 429
 sart:branches_finished_total{finish_reason} counter    completed branches: stop, length
 sart:branches_pruned_total                  counter    pruned by the PRM
 sart:branches_stopped_total                 counter    stopped early (request had enough)
-sart:branches_failed_total{cause}           counter    error, cancelled
+sart:branches_failed_total{cause}           counter    error, cancelled, timeout
 sart:prompt_tokens_total                    counter    prompt tokens prefilled
 sart:generation_tokens_total                counter    tokens of every branch
 sart:tokens_saved_total                     counter    estimate, see ``SavedTokens``
@@ -130,7 +131,8 @@ class ServeMetrics:
         )
         self.failed = counter(
             "sart:branches_failed",
-            "Branches failed, by cause (error; cancelled: the client disconnected).",
+            "Branches failed, by cause (error; cancelled: the client disconnected; "
+            "timeout: their request ran past its timeout).",
             "cause",
         )
         self.prompt_tokens = counter("sart:prompt_tokens", "Prompt tokens prefilled.")
@@ -169,6 +171,8 @@ class ServeMetrics:
         """Count one finished request."""
         if cancelled:
             status = "cancelled"
+        elif result.status is RequestStatus.CANCELLED:  # not by its client: by its timeout
+            status = "timeout"
         else:
             status = "completed" if result.status is RequestStatus.COMPLETED else "failed"
         self.requests.labels(status).inc()
@@ -182,7 +186,7 @@ class ServeMetrics:
             elif branch.status is BranchStatus.STOPPED:
                 self.stopped.inc()
             elif branch.status is BranchStatus.FAILED:
-                self.failed.labels("cancelled" if cancelled else "error").inc()
+                self.failed.labels(status if status in ("cancelled", "timeout") else "error").inc()
         self.generation_tokens.inc(result.generated_tokens)
         self.tokens_saved.inc(self._saved.add(result, max_tokens))
         timings = result.timings

@@ -92,6 +92,9 @@ class _Body(_Strict):
     selector: str | None = None
     priority: int | None = None
     """Lower is more urgent, as vLLM's server takes it (default 0)."""
+    timeout: float | None = None
+    """Seconds the request may take from its arrival; past them it is cancelled (its
+    branches aborted) and answered 504."""
     # OpenAI fields sart does not implement: accepted only at their neutral values.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -309,7 +312,12 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
         raise Refused("stream_options is only allowed with stream=true", "stream_options")
     return Plan(
         method=method,
-        request_kwargs={"policy": policy, "sampling": sampling, "priority": request.priority or 0},
+        request_kwargs={
+            "policy": policy,
+            "sampling": sampling,
+            "priority": request.priority or 0,
+            "timeout": request.timeout,
+        },
         stream=bool(request.stream),
         include_usage=bool(options is not None and options.include_usage),
     )
