@@ -57,6 +57,24 @@ def test_bench_writes_table_json_and_plots(
         assert (tmp_path / "out" / name).stat().st_size > 10_000
 
 
+def test_an_slo_reports_the_share_of_requests_answered_within_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    plain = bench(tmp_path / "plain", "--methods", "sc", "sart", "--no-plots")
+    capsys.readouterr()
+    doc = bench(tmp_path / "slo", "--methods", "sc", "sart", "--no-plots", "--slo", "150")
+    printed = capsys.readouterr().out
+    assert "SLO %" in printed and "answered within 150 s" in printed
+    assert doc["config"]["slo"] == 150.0
+    for run, before in zip(doc["runs"], plain["runs"], strict=True):
+        latencies = [r["queueing"] + r["inference"] for r in run["requests"]]
+        expected = sum(1 for t in latencies if t <= 150.0) / len(latencies)
+        assert run["slo_attainment"] == pytest.approx(expected)
+        assert run["summary"] == before["summary"]  # serving is unchanged
+    assert "slo_attainment" not in plain["runs"][0]
+    assert {r["slo_attainment"] for r in doc["runs"]} - {0.0, 1.0}  # not all or nothing
+
+
 def check_prm_records(doc: dict, printed: str) -> None:
     """The default run prices Qwen2.5-Math-PRM-7B re-encoding on its own H100, overlapped,
     and records what the PRM cost each run and each request."""
@@ -144,6 +162,8 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
         (["bench", "--prm-cost", "cached"], "--prm-cost: invalid choice: 'cached'"),
         (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
+        (["bench", "--slo", "0"], "--slo 0.0 must be None or a finite number > 0"),
+        (["bench", "--slo", "inf"], "--slo inf must be None or a finite number > 0"),
         (["bench", "--prm-device", "cuda:1"], "--prm-device 'cuda:1': the simulator's PRM"),
         (
             ["bench", "--model", "steps", "--prm-cost", "incremental"],
@@ -183,6 +203,10 @@ UNUSED_FLAGS = {
     "preemption on a real engine": (
         ["--engine", "hf", "--model", "testbed", "--no-preemption"],
         "--no-preemption has no effect with --engine hf (it is for --engine sim)",
+    ),
+    "an SLO with a mix": (
+        ["--mix", "a:0.5:sart:2,b:0.5:sc:2", "--slo", "60"],
+        "--slo has no effect with --mix",
     ),
     "replicas on a real engine": (
         ["--engine", "hf", "--model", "testbed", "--replicas", "2"],

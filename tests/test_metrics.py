@@ -10,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sart.driver import TimelineSample
-from sart.metrics import Distribution, RunSummary, is_correct, percentile, request_record
+from sart.metrics import (
+    Distribution,
+    RunSummary,
+    is_correct,
+    percentile,
+    request_record,
+    slo_attainment,
+)
 from sart.results import BranchOutcome, RequestResult, Timings
 from sart.types import BranchStatus, Phase, RequestStatus
 
@@ -189,3 +196,19 @@ def test_request_record() -> None:
     assert record["branches"][0]["status"] == "finished"
     assert (record["prm_seconds"], record["prm_wait_seconds"]) == (0.0, 0.0)
     assert request_record(failed("c", 0.0, 1.0, [1]))["correct"] is None
+
+
+# ------------------------------------------------------------------ SLO attainment
+
+
+def test_slo_attainment_counts_requests_answered_in_time_and_failed_ones_as_misses() -> None:
+    results = [
+        completed("a", "1", arrival=0.0, scheduled=0.0, finished=5.0, tokens=[5]),
+        completed("b", "1", arrival=2.0, scheduled=4.0, finished=12.0, tokens=[8]),  # 10
+        completed("c", "1", arrival=1.0, scheduled=1.0, finished=12.5, tokens=[9]),  # 11.5
+        failed("d", arrival=0.0, finished=1.0, tokens=[0]),  # quick, but no answer
+    ]
+    assert slo_attainment(results, 10.0) == 0.5  # a and b: the bound is inclusive
+    assert slo_attainment(results, 4.0) == 0.0
+    assert slo_attainment(results, 100.0) == 0.75
+    assert slo_attainment([], 10.0) == 0.0

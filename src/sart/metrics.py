@@ -108,6 +108,15 @@ class RunSummary:
         )
 
 
+def slo_attainment(results: Sequence[RequestResult], slo: float) -> float:
+    """The fraction of requests answered within ``slo`` of their arrival (end to end);
+    a failed request misses it. 0.0 for no requests."""
+    if not results:
+        return 0.0
+    met = sum(1 for r in results if r.ok and r.timings.end_to_end <= slo)
+    return met / len(results)
+
+
 def request_record(result: RequestResult, gold: str | None = None) -> dict:
     """One request as plain data (for JSON reports)."""
     t = result.timings

@@ -97,6 +97,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "paper's 8 H100s: --model h100-14b --replicas 8, or --model 8xh100-14b-tp8",
     )
     p.add_argument(
+        "--slo",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a latency objective: each run also reports the percentage of its requests "
+        "answered within it, end to end (failed ones miss it); serving is unchanged",
+    )
+    p.add_argument(
         "--no-preemption",
         dest="preemption",
         action="store_false",
@@ -331,6 +339,7 @@ FLAGS = {
     "prm_device": "--prm-device",
     "preemption": "--no-preemption",
     "replicas": "--replicas",
+    "slo": "--slo",
     "mix": "--mix",
     "max_tokens": "--max-tokens",
     "temperature": "--temperature",
@@ -382,6 +391,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         scoring=Scoring(args.scoring),
         preemption=args.preemption,
         replicas=args.replicas,
+        slo=args.slo,
         **_prm_flags(args),
     )
 
@@ -410,6 +420,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "preemption": sim,
         "replicas": sim,
         "mix": not trace,
+        "slo": args.mix is None,  # the mix's own table compares classes, not an SLO
         **dict.fromkeys(REAL_ONLY, real),
         "vllm_arg": args.engine == "vllm",
         "sglang_arg": args.engine == "sglang",
@@ -443,6 +454,8 @@ def _why_unused(dest: str, args: argparse.Namespace) -> str:
         return "with --trace (the trace's own requests and arrival times are replayed)"
     if dest == "requests" and args.prompts is not None:
         return "with --prompts (each line of the file is one request)"
+    if dest == "slo":
+        return "with --mix (its table compares the classes' latencies, FCFS and by priority)"
     if dest in ("vllm_arg", "sglang_arg"):
         engine = dest.removesuffix("_arg")
         return f"with --engine {args.engine} (it is for --engine {engine})"

@@ -10,7 +10,7 @@ import attrs
 
 from sart.bench.runner import LABELS, SHORT_LABELS, BenchConfig, RunRecord, prm_cost_model
 from sart.engines.costs import cost_model
-from sart.metrics import Distribution, RunSummary, request_record
+from sart.metrics import Distribution, RunSummary, request_record, slo_attainment
 
 SCHEMA = "sart.bench/1"
 
@@ -26,7 +26,10 @@ def summary_json(s: RunSummary) -> dict[str, Any]:
     return out
 
 
-def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str, Any]:
+def run_json(
+    record: RunRecord, gold: dict[str, str] | None = None, slo: float | None = None
+) -> dict[str, Any]:
+    """One run as plain data; with ``slo``, its ``slo_attainment`` too."""
     gold = gold or {}
     return {
         "method": record.method,
@@ -37,6 +40,7 @@ def run_json(record: RunRecord, gold: dict[str, str] | None = None) -> dict[str,
         "preemptions": record.preemptions,
         "batch_size": record.batch_size,
         "summary": summary_json(record.summary),
+        **({"slo_attainment": slo_attainment(record.results, slo)} if slo is not None else {}),
         # Run totals; the per-request wait is in summary.prm_wait and each request.
         "prm": {
             "busy_seconds": record.prm_busy,
@@ -75,7 +79,7 @@ def bench_json(
         ),
         "wall_seconds": wall_seconds,
         "ratios_p97": ratios(records),
-        "runs": [run_json(r, gold.get(r.rate)) for r in records],
+        "runs": [run_json(r, gold.get(r.rate), config.slo) for r in records],
     }
 
 
@@ -167,7 +171,8 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     table = Table(
         title=f"sart bench: {_setting(config)}, "
         f"B={_batch_sizes(records)}, T={config.interval}; {_prm_setting(config)}; "
-        f"E2E latency in {unit}",
+        f"E2E latency in {unit}"
+        + ("" if config.slo is None else f"; SLO %: answered within {config.slo:g} {unit}"),
         box=box.SIMPLE_HEAD,
     )
     # Failed requests are counted apart (and left out of the percentiles); the column
@@ -183,6 +188,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         "P90",
         "P97",
         "P99",
+        *(["SLO %"] if config.slo is not None else []),
         f"queue {unit}",
         "PRM wait",
         "tokens/req",
@@ -206,6 +212,11 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             _time(s.e2e.p90),
             _time(s.e2e.p97),
             _time(s.e2e.p99),
+            *(
+                [_fmt(100 * slo_attainment(r.results, config.slo))]
+                if config.slo is not None
+                else []
+            ),
             _time(s.queueing.mean),
             _time(s.prm_wait.mean),
             _fmt(s.tokens_per_request, 0),

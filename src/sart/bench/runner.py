@@ -14,6 +14,7 @@ the policy's kind, with overlapped scoring (see ``BenchConfig``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -211,6 +212,10 @@ class BenchConfig:
     """``sim``: model vLLM's preemption when the live branches' KV outgrows the cost
     model's capacity (``SimEngine``); ``False`` prices such runs as if memory were
     unlimited (and flags them)."""
+    slo: float | None = None
+    """A latency objective (end to end, in the clock's unit): each run also reports
+    the fraction of its requests answered within it (``sart.metrics.slo_attainment``).
+    It changes nothing in how requests are served."""
 
     def __attrs_post_init__(self) -> None:
         for m in self.methods:
@@ -232,6 +237,13 @@ class BenchConfig:
             "None (auto) or >= 1",
         )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
+        config_check(
+            self.slo is None
+            or (isinstance(self.slo, (int, float)) and math.isfinite(self.slo) and self.slo > 0),
+            "slo",
+            self.slo,
+            "None or a finite number > 0",
+        )
         cost_model(self.cost)
         config_check(
             self.poll_steps is None or self.poll_steps >= 1,
