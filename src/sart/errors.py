@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
@@ -134,6 +135,26 @@ def int_at_least(
     def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
         ok = (optional and value is None) or (isinstance(value, int) and value >= low)
         config_check(ok, attr.name, value, rule)
+
+    return check
+
+
+def number_above(
+    low: float, *, optional: bool = False
+) -> Callable[[object, attrs.Attribute, object], None]:
+    """An attrs validator: the value is a finite number (an int or a float, not a bool)
+    ``> low`` (or ``None`` if ``optional``), else ``ConfigError("field=value must be
+    None or a finite number > low")``, the field named by attrs."""
+    rule = f"{'None or ' if optional else ''}a finite number > {low:g}"
+
+    def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
+        number = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value > low
+        )
+        config_check(number or (optional and value is None), attr.name, value, rule)
 
     return check
 

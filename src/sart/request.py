@@ -6,7 +6,7 @@ import math
 
 import attrs
 
-from sart.errors import ConfigError, config_check
+from sart.errors import ConfigError, config_check, number_above
 from sart.policies.base import Policy
 from sart.types import Prompt, SamplingSettings, default_seed
 
@@ -46,21 +46,6 @@ def _check_arrival(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     )
 
 
-def _check_timeout(_inst: object, _attr: attrs.Attribute, value: float | None) -> None:
-    config_check(
-        value is None
-        or (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value > 0
-        ),
-        "timeout",
-        value,
-        "None or a finite number > 0",
-    )
-
-
 @attrs.frozen
 class Request:
     """One reasoning request: a prompt, the policy that serves it, how to sample."""
@@ -79,7 +64,7 @@ class Request:
     """Lower is more urgent (vLLM's convention): waiting requests and branches are
     admitted by priority, then in arrival order. One priority for every request is
     first come, first served (Algorithm 1)."""
-    timeout: float | None = attrs.field(default=None, validator=_check_timeout)
+    timeout: float | None = attrs.field(default=None, validator=number_above(0, optional=True))
     """The most time it may take, from its arrival, in the clock's unit: a request not
     finished by its deadline, ``arrival + timeout``, is cancelled there (waiting or
     running; ``RequestStatus.CANCELLED``, its branches aborted), checked at every

@@ -14,7 +14,6 @@ the policy's kind, with overlapped scoring (see ``BenchConfig``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +26,7 @@ from sart.engines.base import ReportsUsage
 from sart.engines.costs import cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
-from sart.errors import ConfigError, config_check, enum_converter, int_at_least
+from sart.errors import ConfigError, config_check, enum_converter, int_at_least, number_above
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
@@ -212,7 +211,7 @@ class BenchConfig:
     """``sim``: model vLLM's preemption when the live branches' KV outgrows the cost
     model's capacity (``SimEngine``); ``False`` prices such runs as if memory were
     unlimited (and flags them)."""
-    slo: float | None = None
+    slo: float | None = attrs.field(default=None, validator=number_above(0, optional=True))
     """A latency objective (end to end, in the clock's unit): each run also reports
     the fraction of its requests answered within it (``sart.metrics.slo_attainment``).
     It changes nothing in how requests are served."""
@@ -237,13 +236,6 @@ class BenchConfig:
             "None (auto) or >= 1",
         )
         config_check(self.interval >= 1, "interval", self.interval, ">= 1")
-        config_check(
-            self.slo is None
-            or (isinstance(self.slo, (int, float)) and math.isfinite(self.slo) and self.slo > 0),
-            "slo",
-            self.slo,
-            "None or a finite number > 0",
-        )
         cost_model(self.cost)
         config_check(
             self.poll_steps is None or self.poll_steps >= 1,
