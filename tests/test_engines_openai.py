@@ -62,6 +62,18 @@ async def drain(e: OpenAIEngine, chunk: int = 3) -> dict[BranchId, list[Any]]:
     return deltas
 
 
+async def fails_alone(
+    e: OpenAIEngine, prompt: str, sampling: sart.SamplingSettings, match: str, chunk: int = 3
+) -> None:
+    """Start one branch (seed 1) of request "a" and step it: it must fail with an
+    ``EngineError`` matching ``match`` that names "a" alone."""
+    await e.prefill("a", prompt, sampling)
+    await e.start_branches("a", [BranchSpec(0, 1)])
+    with pytest.raises(sart.EngineError, match=match) as info:
+        await drain(e, chunk=chunk)
+    assert info.value.request_ids == {"a"}
+
+
 # --------------------------------------------------------------- stand-in tests
 
 
@@ -194,11 +206,8 @@ def test_tokens_without_their_logprobs_fail_the_request(ids: bool) -> None:
 
     async def scenario() -> None:
         e = engine(server)
-        await e.prefill("a", "p", sart.SamplingSettings(max_tokens=30, logprobs=1))
-        await e.start_branches("a", [BranchSpec(0, 1)])
-        with pytest.raises(sart.EngineError, match="log-probabilities that do not match") as info:
-            await drain(e, chunk=1)
-        assert info.value.request_ids == {"a"}
+        sampling = sart.SamplingSettings(max_tokens=30, logprobs=1)
+        await fails_alone(e, "p", sampling, "log-probabilities that do not match", chunk=1)
         await e.abort([BranchId("a", 0)])
         await e.release_prefix("a")
         await e.aclose()
@@ -228,11 +237,8 @@ def test_a_request_the_server_refuses_fails_alone_and_keeps_the_extensions() -> 
 
     async def scenario() -> None:
         e = engine(server)
-        await e.prefill("a", "p q", sart.SamplingSettings(max_tokens=5, logprobs=50))
-        await e.start_branches("a", [BranchSpec(0, 0)])
-        with pytest.raises(sart.EngineError, match="greater than max allowed: 20") as info:
-            await drain(e)
-        assert info.value.request_ids == {"a"}
+        sampling = sart.SamplingSettings(max_tokens=5, logprobs=50)
+        await fails_alone(e, "p q", sampling, "greater than max allowed: 20")
         await e.release_prefix("a")
         await e.prefill("b", "p q", sart.SamplingSettings(max_tokens=40, logprobs=3))
         await e.start_branches("b", [BranchSpec(0, 5)])
@@ -337,11 +343,7 @@ def test_an_error_answer_fails_its_request_without_a_retry(status: int) -> None:
 
     async def scenario() -> None:
         e = engine(bad, good, return_token_ids=False)
-        await e.prefill("a", "p", sart.SamplingSettings(max_tokens=5))
-        await e.start_branches("a", [BranchSpec(0, 0)])
-        with pytest.raises(sart.EngineError, match=f"answered HTTP {status}") as info:
-            await drain(e)
-        assert info.value.request_ids == {"a"}
+        await fails_alone(e, "p", sart.SamplingSettings(max_tokens=5), f"answered HTTP {status}")
         assert len(bad.requests) == 1 and not good.requests
         await e.release_prefix("a")
 
@@ -353,11 +355,8 @@ def test_an_error_event_mid_stream_fails_only_its_request() -> None:
 
     async def scenario() -> None:
         e = engine(server)
-        await e.prefill("a", "p", sart.SamplingSettings(temperature=1.0, max_tokens=30))
-        await e.start_branches("a", [BranchSpec(0, 1)])
-        with pytest.raises(sart.EngineError, match="reported an error") as info:
-            await drain(e, chunk=1)
-        assert info.value.request_ids == {"a"}
+        sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30)
+        await fails_alone(e, "p", sampling, "reported an error", chunk=1)
         assert len(server.requests) == 1  # never retried: it had streamed tokens
         await e.release_prefix("a")
 

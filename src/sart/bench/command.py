@@ -869,6 +869,12 @@ def _load_engine(
     return engine
 
 
+def prm_in_child_process(args: argparse.Namespace) -> bool:
+    """Whether ``_load_prm`` hosts the PRM in a ``PRMProcess`` (it loads its model
+    there), rather than loading it in this process."""
+    return args.prm_kind != "vllm-qwen" and not args.prm_in_process
+
+
 def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
     from sart.registry import load_prm
 
@@ -882,7 +888,7 @@ def _load_prm(args: argparse.Namespace, setup: RealSetup) -> Any:
         **trust,
         **setup.prm_options,
     )
-    if args.prm_in_process:
+    if not prm_in_child_process(args):
         return factory()
     from sart.prm.process import PRMProcess
 

@@ -42,6 +42,7 @@ from sart.bench.command import (
     RealSetup,
     _load_engine,
     _load_prm,
+    prm_in_child_process,
     vllm_engine_args,
 )
 from sart.errors import ConfigError
@@ -359,7 +360,7 @@ def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], B
 
         if setup.prm:
             load_prm(args.prm_kind)
-        threaded = setup.prm and not args.prm_in_process and args.prm_kind != "vllm-qwen"
+        threaded = setup.prm and prm_in_child_process(args)
         with concurrent.futures.ThreadPoolExecutor(1, "sart-prm-load") as pool:
             prm_job = pool.submit(_load_prm, args, setup) if threaded else None
             try:
