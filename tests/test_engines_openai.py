@@ -657,43 +657,56 @@ def test_real_logprobs_come_one_per_token_before_the_temperature(
 def test_real_abort_makes_the_server_drop_the_request(vllm_server: str, explicit: bool) -> None:
     # The tiny model decodes thousands of tokens a second, so the branches must be
     # long (ignore_eos, 4000 tokens) and many for aborts to reach requests still running.
+    # The aborted ones are the last started: the server admits the streams one by one,
+    # and on a loaded machine the first ones can run to their end before the last has
+    # its first token (CI once saw 15 of 32 done by then, when the first 16 were cut).
     width, cut, max_tokens = 32, 16, 4000
+    kept = width - cut
 
-    async def scenario() -> None:
+    async def scenario(rid: str) -> tuple[float, float, float]:
         e = OpenAIEngine(
             vllm_server, "demo", extra_body={"ignore_eos": True}, explicit_abort=explicit
         )
         sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens, seed=1)
-        await e.prefill("a", PROMPTS[1], sampling)
+        await e.prefill(rid, PROMPTS[1], sampling)
         finished0 = finished(vllm_server)
         tokens0 = server_metric(vllm_server, "vllm:generation_tokens_total")
-        await e.start_branches("a", [BranchSpec(j, 10 + j) for j in range(width)])
+        await e.start_branches(rid, [BranchSpec(j, 10 + j) for j in range(width)])
         await e.step(1)
         done_before = finished(vllm_server) - finished0
-        await e.abort([BranchId("a", j) for j in range(cut)])
-        assert e.stats().live_branches == width - cut
+        await e.abort([BranchId(rid, j) for j in range(kept, width)])
+        assert e.stats().live_branches == kept
         assert e.servers[0].abort_endpoint is (True if explicit else None)
         while e.stats().live_branches:
             for delta in (await e.step(1000)).deltas.values():
                 assert delta.finish in (None, FinishReason.LENGTH)
-        await e.release_prefix("a")
+        await e.release_prefix(rid)
         await e.aclose()
         for _ in range(100):
             if running(vllm_server) == 0:
                 break
             await asyncio.sleep(0.1)
         assert running(vllm_server) == 0
-        # What the engine promises: an aborted branch stops on the server; it ran
-        # out of tokens only if it had before the abort (one more may end between
-        # the metric's read and the abort). How many tokens an aborted branch still
-        # makes depends on the machine's load (on this 2-core machine from ~0 to
-        # ~800 through a disconnect): benchmarks/abort_latency.py measures it.
         ran_out = finished(vllm_server) - finished0
-        assert width - cut <= ran_out <= width - cut + done_before + 1
         made = server_metric(vllm_server, "vllm:generation_tokens_total") - tokens0
-        assert (width - cut) * max_tokens <= made < width * max_tokens
+        return done_before, ran_out, made
 
-    asyncio.run(scenario())
+    # What the engine promises: an aborted branch stops on the server, the kept ones
+    # run on. Not how soon: the abort races the decode, and on this 2-core machine
+    # with two busy loops beside it up to 13 of the 16 aborted branches still ran
+    # out, and once 21 of the 32 had run out before the client saw the last one's
+    # first token. So a scenario in which every aborted branch ran out is tried again
+    # (three tries); an abort that never stops anything fails all three.
+    # benchmarks/abort_latency.py measures how many tokens an aborted branch still
+    # makes.
+    tries = []
+    for attempt in range(3):
+        done_before, ran_out, made = asyncio.run(scenario(f"a{attempt}"))
+        tries.append(f"{done_before:.0f} done before the abort, {ran_out:.0f} ran out")
+        assert kept <= ran_out <= width and made >= kept * max_tokens, tries
+        if ran_out < width:
+            break
+    assert ran_out < width and made < width * max_tokens, tries
 
 
 def test_close_closes_the_http_client_from_synchronous_code() -> None:
