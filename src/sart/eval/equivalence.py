@@ -25,7 +25,7 @@ import re
 
 import attrs
 
-from sart.eval.mathverify import MathVerify, boxed
+from sart.eval.mathverify import UsesMathVerify, boxed
 from sart.policies.equivalence import Equivalence
 
 _FRAC = re.compile(r"\\[dt]frac(?![A-Za-z])")
@@ -44,28 +44,15 @@ def typographic_key(answer: str) -> str:
 
 
 @attrs.frozen
-class MathVerifyEquivalence(Equivalence):
-    """Answers are the same when math-verify verifies one against the other."""
-
-    timeout: int = 5
-    """Seconds for each parse and each comparison; a timeout counts as different."""
-    workers: int = 1
-    """Worker processes for calls made off the main thread."""
-    _verifier: MathVerify = attrs.field(init=False, eq=False, repr=False)
-
-    @_verifier.default
-    def _make_verifier(self) -> MathVerify:
-        return MathVerify(self.timeout, self.workers)
+class MathVerifyEquivalence(UsesMathVerify, Equivalence):
+    """Answers are the same when math-verify verifies one against the other
+    (``timeout``: a parse or comparison past it counts as different)."""
 
     def key(self, answer: str) -> str:
         return typographic_key(answer)
 
     def same(self, a: str, b: str) -> bool:
         return self._verifier.verify(boxed(a), boxed(b))
-
-    def close(self) -> None:
-        """Stop the worker processes, if any were started."""
-        self._verifier.close()
 
 
 __all__ = ["MathVerifyEquivalence", "typographic_key"]

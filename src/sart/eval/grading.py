@@ -35,7 +35,7 @@ import attrs
 
 from sart.answers import extract_answer
 from sart.errors import ConfigError, config_check
-from sart.eval.mathverify import MathVerify, boxed
+from sart.eval.mathverify import UsesMathVerify, boxed
 
 
 @runtime_checkable
@@ -116,18 +116,9 @@ class ChoiceGrader:
 
 
 @attrs.frozen
-class MathVerifyGrader:
-    """Mathematical equivalence: math-verify's ``verify(parse(\\boxed{gold}), parse(response))``."""
-
-    timeout: int = 5
-    """Seconds for each parse and each comparison; a timeout grades as wrong."""
-    workers: int = 1
-    """Worker processes for grading from threads other than the main one."""
-    _verifier: MathVerify = attrs.field(init=False, eq=False, repr=False)
-
-    @_verifier.default
-    def _make_verifier(self) -> MathVerify:
-        return MathVerify(self.timeout, self.workers)
+class MathVerifyGrader(UsesMathVerify):
+    """Mathematical equivalence: math-verify's ``verify(parse(\\boxed{gold}), parse(response))``
+    (``timeout``: a parse or comparison past it grades as wrong)."""
 
     def extract(self, response: str) -> str:
         """The last ``\\boxed{}``'s content, else the last line (what votes compare)."""
@@ -137,10 +128,6 @@ class MathVerifyGrader:
         """math-verify reads ``response`` as a whole (its last ``\\boxed{}`` first, then
         "final answer is ...", then the last LaTeX or number); ``gold`` is boxed."""
         return self._verifier.verify(boxed(gold.strip()), response)
-
-    def close(self) -> None:
-        """Stop the worker processes, if any were started."""
-        self._verifier.close()
 
 
 GRADERS: dict[str, type[MathVerifyGrader] | type[ChoiceGrader] | type[ExactGrader]] = {

@@ -203,4 +203,25 @@ class MathVerify:
         self._worker.close()
 
 
-__all__ = ["CallTimedOut", "MathVerify", "boxed", "verify_texts"]
+@attrs.frozen
+class UsesMathVerify:
+    """What a grader or a vote's equivalence that asks math-verify is configured by:
+    ``timeout`` and ``workers`` (``MathVerify``'s) and the ``MathVerify`` built from
+    them, which ``close`` stops."""
+
+    timeout: int = 5
+    """Seconds for each parse and each comparison; a timeout counts as a mismatch."""
+    workers: int = 1
+    """Worker processes for calls made off the main thread."""
+    _verifier: MathVerify = attrs.field(init=False, eq=False, repr=False)
+
+    @_verifier.default
+    def _make_verifier(self) -> MathVerify:
+        return MathVerify(self.timeout, self.workers)
+
+    def close(self) -> None:
+        """Stop the worker processes, if any were started."""
+        self._verifier.close()
+
+
+__all__ = ["CallTimedOut", "MathVerify", "UsesMathVerify", "boxed", "verify_texts"]
