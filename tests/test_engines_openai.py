@@ -664,8 +664,14 @@ def test_real_abort_makes_the_server_drop_the_request(vllm_server: str, explicit
     kept = width - cut
 
     async def scenario(rid: str) -> tuple[float, float, float]:
+        # A server starved of CPU can take over the default 5 s to accept 32 streams
+        # at once (seen with two busy loops beside it); connecting is not under test.
         e = OpenAIEngine(
-            vllm_server, "demo", extra_body={"ignore_eos": True}, explicit_abort=explicit
+            vllm_server,
+            "demo",
+            extra_body={"ignore_eos": True},
+            explicit_abort=explicit,
+            connect_timeout=30.0,
         )
         sampling = sart.SamplingSettings(temperature=1.0, max_tokens=max_tokens, seed=1)
         await e.prefill(rid, PROMPTS[1], sampling)
