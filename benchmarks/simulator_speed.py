@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from sart.bench.runner import METHODS, BenchConfig, run_method
+from sart.bench.runner import BenchConfig, run_method
 from sart.bench.workloads import workload
+from sart.methods import method_names
 
 
 def main() -> None:
@@ -26,7 +27,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--model", default="h100-14b")
     parser.add_argument("--workload", default="gaokao")
-    parser.add_argument("--methods", nargs="+", default=["sart"], choices=sorted(METHODS))
+    parser.add_argument("--methods", nargs="+", default=["sart"], choices=method_names())
     args = parser.parse_args()
     config = BenchConfig(
         workload=args.workload,

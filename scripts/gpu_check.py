@@ -193,11 +193,12 @@ def overhead(engine: Any, batch_size: int, max_tokens: int, repeats: int) -> str
 
 
 def prm_check(path: str, engine_args: dict[str, Any]) -> str:
+    from sart.launch import LoadSpec, build_prm
     from sart.prm.base import ScoreItem
-    from sart.prm.vllm import VLLMQwenPRM
     from sart.types import BranchId
 
-    prm = VLLMQwenPRM.from_engine_args(path, **engine_args)
+    # The PRM as every sart command loads it (sart.launch); its options are vLLM's.
+    prm = build_prm(LoadSpec("vllm", path, prm=path, prm_kind="vllm-qwen", prm_options=engine_args))
     steps = "Step 1: 17 + 25 = 42.\n\nStep 2: so the answer is \\boxed{42}."
     items = [
         ScoreItem(BranchId(f"r{i}", j), PROMPTS[0], steps[: 12 + 9 * j], num_tokens=0, final=False)
@@ -257,10 +258,11 @@ def main() -> int:
     holder: dict[str, Any] = {}
 
     def start() -> str:
-        from sart.engines.vllm import VLLMEngine
+        from sart.launch import LoadSpec, build_engine
 
-        engine = VLLMEngine.from_engine_args(model, max_num_seqs=args.batch_size, **engine_args)
-        engine.check_batch_size(args.batch_size)
+        # As every sart command loads it (sart.launch): max_num_seqs = B, checked.
+        spec = LoadSpec("vllm", model, vllm_args=engine_args, batch_size=args.batch_size)
+        engine = build_engine(spec)
         holder["engine"] = engine
         return f"{model}, max_num_seqs={args.batch_size}, KV capacity {engine.kv_capacity:,} tokens"
 

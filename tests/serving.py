@@ -74,9 +74,9 @@ KEY = "sk-test-key"
 class Server:
     """``sart serve`` in a child process."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sart-serve-", suffix=".log")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         env.pop("SART_API_KEY", None)
         command = [sys.executable, "-m", "sart.cli", "serve", "--port", "0", *flags]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)

@@ -79,14 +79,14 @@ def check_prm_records(doc: dict, printed: str) -> None:
     """The default run prices Qwen2.5-Math-PRM-7B re-encoding on its own H100, overlapped,
     and records what the PRM cost each run and each request."""
     config = doc["config"]
-    assert (config["scoring"], config["prm_cost"], config["prm_device"]) == (
+    assert (config["scoring"], config["prm_cost"], config["prm_placement"]) == (
         "overlapped",
         "reencode",
         "own",
     )
     pricing = config["prm_pricing"]
     assert pricing["model"] == "Qwen2.5-Math-PRM-7B on H100-SXM5-80GB"
-    assert (pricing["context"], pricing["input"], pricing["device"]) == (4096, "reencode", "own")
+    assert (pricing["context"], pricing["input"], pricing["placement"]) == (4096, "reencode", "own")
     assert "PRM reencode, own H100, overlapped" in " ".join(printed.split())
     assert "PRM wait" in printed
     for run in doc["runs"]:
@@ -137,10 +137,10 @@ def test_trace_record_then_replay_under_the_steps_model(
     assert len(lines) == 5
     assert json.loads(lines[0])["interval"] == 50
     first = bench(
-        tmp_path, "--trace", str(trace), "--model", "steps", "--interval", "50", "--no-plots"
+        tmp_path, "--trace", str(trace), "--cost-model", "steps", "--interval", "50", "--no-plots"
     )
     again = bench(
-        tmp_path, "--trace", str(trace), "--model", "steps", "--interval", "50", "--no-plots"
+        tmp_path, "--trace", str(trace), "--cost-model", "steps", "--interval", "50", "--no-plots"
     )
     assert first["time_unit"] == "decode steps"
     assert [r["rate"] for r in first["runs"]] == [None] * len(first["runs"])
@@ -156,17 +156,24 @@ def test_trace_record_then_replay_under_the_steps_model(
         (["bench", "--rate", "-1"], "--rate (-1.0,) must be non-empty, each > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
         (
-            ["bench", "--model", "tpu"],
+            ["bench", "--cost-model", "tpu"],
             "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
         ),
-        (["bench", "--methods", "beam"], "invalid choice: 'beam'"),
+        (
+            ["bench", "--model", "tpu"],  # the former spelling, taken with a warning
+            "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
+        ),
+        (["bench", "--methods", "beam"], "--methods 'beam' must be one of ['deepconf', "),
         (["bench", "--prm-cost", "cached"], "--prm-cost: invalid choice: 'cached'"),
         (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
         (["bench", "--slo", "0"], "--slo 0.0 must be None or a finite number > 0"),
         (["bench", "--slo", "inf"], "--slo inf must be None or a finite number > 0"),
-        (["bench", "--prm-device", "cuda:1"], "--prm-device 'cuda:1': the simulator's PRM"),
         (
-            ["bench", "--model", "steps", "--prm-cost", "incremental"],
+            ["bench", "--prm-device", "cuda:1"],
+            "--prm-device has no effect with --engine sim (it is for the real engines",
+        ),
+        (
+            ["bench", "--cost-model", "steps", "--prm-cost", "incremental"],
             "--prm-cost 'incremental' must be 'free' under cost='steps'",
         ),
     ],
@@ -178,6 +185,20 @@ def test_bad_flags_are_usage_errors(
         main([*argv, "--out", str(tmp_path)])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_simulators_former_flags_are_taken_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --model PRESET is now --cost-model, --prm-device own|shared --prm-placement.
+    argv = ["bench", "--model", "h200-14b", "--prm-device", "shared", "--methods", "sc"]
+    argv += ["--n", "2", "--rate", "4", "--requests", "5", "--no-plots", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "--model h200-14b with --engine sim is deprecated; use --cost-model h200-14b" in err
+    assert "--prm-device shared is deprecated; use --prm-placement shared" in err
+    config = json.loads((tmp_path / "results.json").read_text())["config"]
+    assert (config["cost"], config["prm_placement"]) == ("h200-14b", "shared")
 
 
 # Issue 13, case 7: flags a run does not use were ignored, yet recorded in
@@ -263,7 +284,7 @@ def test_default_branch_budget_fits_the_kv_cache(tmp_path: Path) -> None:
     # h100-14b KV capacity / (gaokao prompt 300 + 1.25 x median length 3500)
     expected = PRESETS["h100-14b"].kv_capacity_tokens // (300 + 1.25 * 3500)
     assert {r["batch_size"] for r in doc["runs"]} == {int(expected)} == {46}
-    doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--model", "steps")
+    doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--cost-model", "steps")
     assert {r["batch_size"] for r in doc["runs"]} == {64}  # no KV capacity: the default
     doc = bench(tmp_path, "--no-plots", "--methods", "sart", "--batch-size", "7")
     assert {r["batch_size"] for r in doc["runs"]} == {7}
@@ -286,13 +307,13 @@ def test_a_replay_defaults_to_the_traces_width_and_interval(tmp_path: Path) -> N
 
 
 def test_vllm_engine_args_parse_json_values_and_keep_strings() -> None:
-    from sart.bench.command import vllm_engine_args
+    from sart.flags import key_values
 
-    assert vllm_engine_args(
-        ["tensor_parallel_size=2", "enforce_eager=true", "dtype=bfloat16", "x=[1, 2]"]
+    assert key_values(
+        ["tensor_parallel_size=2", "enforce_eager=true", "dtype=bfloat16", "x=[1, 2]"], "--vllm-arg"
     ) == {"tensor_parallel_size": 2, "enforce_eager": True, "dtype": "bfloat16", "x": [1, 2]}
-    with pytest.raises(sart.ConfigError, match="must be KEY=VALUE"):
-        vllm_engine_args(["tensor_parallel_size"])
+    with pytest.raises(sart.ConfigError, match="--vllm-arg='tensor_parallel_size' must be KEY="):
+        key_values(["tensor_parallel_size"], "--vllm-arg")
 
 
 class _StandInVLLM(FakeEngine):
@@ -363,7 +384,8 @@ def test_vllm_args_are_refused_for_other_engines(
     with pytest.raises(SystemExit):
         main(argv)
     assert (
-        "sart: error: --vllm-arg has no effect with --engine hf (it is for --engine vllm)"
+        "sart: error: --vllm-arg has no effect with --engine hf (it is for --engine vllm or "
+        "vllm-async)"
         in capsys.readouterr().err
     )
 
@@ -417,11 +439,15 @@ def _args(*argv: str) -> Any:
 
 def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Path) -> None:
     from sart import testbed
-    from sart.bench.command import TESTBED_MAX_TOKENS, real_setup
+    from sart.bench.command import real_setup
+    from sart.launch import TESTBED_MAX_TOKENS
 
     setup = real_setup(_args("--engine", "hf", "--model", "testbed", "--requests", "12"))
-    assert setup.model == str(testbed.POLICY_PATH)
-    assert (setup.prm, setup.prm_options) == (str(testbed.PRM_PATH), testbed.prm_kwargs())
+    assert setup.spec.model == str(testbed.POLICY_PATH)
+    assert (setup.spec.prm, setup.spec.prm_options) == (
+        str(testbed.PRM_PATH),
+        testbed.prm_kwargs(),
+    )
     questions = testbed.make_questions(0, 12)
     assert [(i.prompt, i.answer) for i in setup.items] == [(q.prompt, q.answer) for q in questions]
     assert setup.sampling.temperature == 1.0
@@ -436,12 +462,12 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
             str(prompts), "--temperature", "0.5", "--max-tokens", "9", "--top-p", "0.9",
         )
     )  # fmt: skip
-    assert (setup.prm, setup.prm_options) == ("other", {})
+    assert (setup.spec.prm, setup.spec.prm_options) == ("other", {})
     assert [i.prompt for i in setup.items] == ["Q p1 3 S"]
     assert (setup.sampling.temperature, setup.sampling.max_tokens) == (0.5, 9)
     assert setup.sampling.top_p == 0.9
     # The testbed PRM is transformers code: another PRM kind for it is refused.
-    with pytest.raises(sart.ConfigError, match="--prm-kind vllm-qwen: the testbed PRM"):
+    with pytest.raises(sart.ConfigError, match="prm_kind='vllm-qwen': the testbed PRM"):
         real_setup(_args("--engine", "vllm", "--model", "testbed", "--prm-kind", "vllm-qwen"))
 
 

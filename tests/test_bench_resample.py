@@ -78,7 +78,7 @@ def test_a_trace_file_is_a_workload_for_sart_bench(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     code = main(
         ["bench", "--workload", str(path), "--requests", "30", "--rate", "2", "--n", "2", "4",
-         "--methods", "sc", "sart", "--no-plots", "--out", str(out), "--model", "steps"]
+         "--methods", "sc", "sart", "--no-plots", "--out", str(out), "--cost-model", "steps"]
     )  # fmt: skip
     assert code == 0
     text = (out / "results.json").read_text()

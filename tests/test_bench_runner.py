@@ -19,7 +19,7 @@ def run(**changes: object) -> RunRecord:
 
 def test_the_default_prices_a_re_encoding_prm_on_its_own_device_overlapped() -> None:
     config = BenchConfig()
-    assert (config.prm_cost, config.prm_device, config.scoring) == (
+    assert (config.prm_cost, config.prm_placement, config.scoring) == (
         "reencode",
         "own",
         Scoring.OVERLAPPED,
@@ -27,7 +27,7 @@ def test_the_default_prices_a_re_encoding_prm_on_its_own_device_overlapped() -> 
     # The steps model has no seconds to price a PRM in; a real engine's PRM is real.
     assert BenchConfig(cost="steps").prm_cost == "free"
     real = BenchConfig(engine="hf", model="m")
-    assert (real.prm_cost, real.prm_device) == (None, None)
+    assert (real.prm_cost, real.prm_placement) == (None, None)
 
 
 def test_fields_a_source_does_not_use_default_to_none() -> None:
@@ -47,7 +47,7 @@ def test_fields_a_source_does_not_use_default_to_none() -> None:
     ("changes", "message"),
     [
         ({"prm_cost": "cached"}, "prm_cost='cached' must be one of ('free', 'incremental'"),
-        ({"prm_device": "gpu1"}, "prm_device='gpu1' must be one of ('own', 'shared')"),
+        ({"prm_placement": "gpu1"}, "prm_placement='gpu1' must be one of ('own', 'shared')"),
         ({"cost": "steps", "prm_cost": "reencode"}, "prm_cost='reencode' must be 'free' under"),
         ({"engine": "hf", "prm_cost": "free"}, "prm_cost='free' must be None for a real engine"),
         ({"scoring": "lazy"}, "scoring='lazy' must be one of 'blocking', 'overlapped'"),
@@ -92,7 +92,7 @@ def test_blocking_on_a_priced_prm_is_slower_than_overlapped() -> None:
 
 
 def test_a_prm_sharing_the_policys_device_holds_decoding_up_like_blocking() -> None:
-    shared, blocking = run(prm_device="shared"), run(scoring="blocking")
+    shared, blocking = run(prm_placement="shared"), run(scoring="blocking")
     assert shared.prm_wait > 0
     assert [r.timings for r in shared.results] == [r.timings for r in blocking.results]
 

@@ -137,7 +137,7 @@ def test_any_trace_ends_in_a_clean_error_or_a_full_account(data: st.DataObject) 
         out = Path(tmp) / "out"
         stderr = io.StringIO()
         argv = ["bench", "--trace", str(path), "--methods", "sc", "sart", "rebase"]
-        argv += ["--model", "steps", "--no-plots", "--json", "--out", str(out)]
+        argv += ["--cost-model", "steps", "--no-plots", "--json", "--out", str(out)]
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):
             try:
                 code = main(argv)

@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from sart.bench.runner import METHODS, BenchConfig, method_policy, run_method
+from sart.bench.runner import BenchConfig, method_policy, run_method
 from sart.bench.traces import Trace, TraceRequest
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
@@ -21,6 +21,7 @@ from sart.eval.derive import derive, replay_trace, unboxed
 from sart.eval.grading import ExactGrader, grade_answer, make_grader
 from sart.eval.problems_file import SCHEMA, ProblemRecord, ProblemsFile
 from sart.policies.equivalence import ExactMatch
+from sart.policies.recipes import self_consistency
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 
 needs_math_verify = pytest.mark.skipif(
@@ -127,7 +128,7 @@ def test_method_policy_sets_the_votes_equivalence_and_leaves_the_rest() -> None:
     sart = method_policy("sart", 4, 8, equivalence=Loose())
     assert isinstance(sart.select, BestReward)
     # Without options it is the bench's recipe, unchanged.
-    assert method_policy("sc", 4, 8) == METHODS["sc"](4, 8)
+    assert method_policy("sc", 4, 8) == self_consistency(4, interval=8)
 
 
 def test_run_method_serves_the_policy_it_is_given() -> None:

@@ -17,6 +17,7 @@ from sart.eval.command import _Run
 from sart.eval.datasets import load_testbed
 from sart.eval.grading import ExactGrader
 from sart.eval.record import Failure, record_problems
+from sart.launch import Loaded
 from sart.prm.scripted import ScriptedPRM
 from sart.types import SamplingSettings
 
@@ -76,7 +77,7 @@ def test_sart_eval_keeps_what_was_recorded_when_a_problem_fails_and_retries_it(
 
     def fake_models(failing: set[str]):
         engine = FakeEngine(script, fail_prefill=failing)
-        return lambda self: (engine, ScriptedPRM(script, every=16))
+        return lambda self: Loaded(engine, ScriptedPRM(script, every=16))
 
     argv = ["eval", "--dataset", "testbed", "--limit", "3", "--model", "testbed", "--n", "4"]
     argv += ["--out", str(tmp_path / "out"), "--no-plots"]
@@ -108,7 +109,7 @@ def fake_eval(
     answering ``answers[id][j]``; the results document."""
     script = scripts(answers)
     engine, prm = FakeEngine(script), ScriptedPRM(script, every=T)
-    monkeypatch.setattr(_Run, "load", lambda self: (engine, prm))
+    monkeypatch.setattr(_Run, "load", lambda self: Loaded(engine, prm))
     out = tmp_path / "out"
     argv = ["eval", *flags, "--model", "m", "--prm", "p", "--chat", "off", "--interval", str(T)]
     assert main([*argv, "--n", "3", "--out", str(out), "--no-plots"]) == 0

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import pytest
 
 import sart
-from sart.policies.rebase import allocate
+from sart.policies.reward_balance import allocate
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM, ScriptTable
 from sart.types import BranchId, BranchStatus
 from sart.views import BranchView

@@ -430,11 +430,13 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--n", "0"], "n=0 must be an int >= 1"),
-        (["--n", "40"], "n=40 must be <= max_n=32"),
+        (["--n", "0"], "--n 0 must be an int >= 1"),
+        (["--n", "40"], "--n 40 must be <= max_n=32"),
         (["--method", "best"], "--method='best' must be one of"),
-        (["--model", "./no/such/model"], "--model='./no/such/model': no such file or directory"),
-        (["--max-tokens", "300", "--max-tokens-limit", "200"], "max_tokens=300 must be <="),
+        (["--model", "./no/such/model"], "--model './no/such/model': no such file or directory"),
+        (["--max-tokens", "300", "--max-tokens-limit", "200"], "--max-tokens 300 must be <="),
+        (["--device", "cuda:0", "--engine", "vllm"], "--device has no effect with --engine vllm"),
+        (["--vllm-arg", "dtype=half"], "--vllm-arg has no effect with --engine hf"),
         (["--engine", "sglang", "--model", "m", "--sglang-arg", "tp"], "--sglang-arg='tp' must be"),
         (["--engine", "openai"], "--engine openai needs --upstream URL"),
         (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
@@ -453,7 +455,7 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
                 "--tokenizer",
                 "./no/such/dir",
             ],
-            "--tokenizer='./no/such/dir': no such file or directory",
+            "--tokenizer './no/such/dir': no such file or directory",
         ),
     ],
 )

@@ -1,5 +1,6 @@
-"""``sart serve``'s loading of its engine and PRM (``sart.serve.command.backend_loader``):
-what runs on which thread, with the model loads themselves stood in for."""
+"""``sart serve``'s loading of its engine and PRM (``sart.serve.command.backend_loader``,
+which is ``sart.launch.load``): what runs on which thread, with the model loads
+themselves stood in for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import pytest
 
+import sart.launch
 import sart.registry
 from sart.cli import _parser
 from sart.serve import command
@@ -23,14 +25,14 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
         return result
 
     monkeypatch.setattr(sart.registry, "load_prm", lambda name: note(f"import prm {name}"))
-    monkeypatch.setattr(command, "_build_engine", lambda args, model: note("engine", object()))
-    monkeypatch.setattr(command, "_load_prm", lambda args, setup: note("prm", object()))
+    monkeypatch.setattr(sart.launch, "build_engine", lambda spec: note("engine", object()))
+    monkeypatch.setattr(sart.launch, "build_prm", lambda spec: note("prm", object()))
     return log
 
 
 def load(*flags: str) -> None:
     args = _parser().parse_args(["serve", "--model", "testbed", *flags])
-    command.backend_loader(args, command._setup(args))()
+    command.backend_loader(command.load_spec_of(args))()
 
 
 def test_the_prm_module_is_imported_before_the_prm_process_starts_on_its_thread(

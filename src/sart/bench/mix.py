@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from sart.bench.runner import METHODS, BenchConfig, RunRecord, run_method
+from sart.bench.runner import BenchConfig, RunRecord, method_policy, run_method
 from sart.bench.traces import Trace, TraceRequest
 from sart.errors import ConfigError
+from sart.methods import method_names
 from sart.metrics import Distribution, is_correct
 from sart.results import RequestResult
 
@@ -61,8 +62,8 @@ def parse_mix(spec: str) -> tuple[MixClass, ...]:
             raise ConfigError(
                 f"mix={spec!r}: in {part!r}, SHARE must be a number, N an int"
             ) from None
-        if method not in METHODS:
-            raise ConfigError(f"mix={spec!r}: method {method!r} must be one of {sorted(METHODS)}")
+        if method not in method_names():
+            raise ConfigError(f"mix={spec!r}: method {method!r} must be one of {method_names()}")
         if klass.share <= 0 or klass.n < 1:
             raise ConfigError(f"mix={spec!r}: in {part!r}, SHARE must be > 0 and N >= 1")
         classes.append(klass)
@@ -112,7 +113,7 @@ def run_mix(
 ) -> MixRun:
     """Serve the mixed workload on ``trace`` (see the module docstring)."""
     of = classes_of([r.id for r in trace], classes, config.seed)
-    policies = [METHODS[c.method](c.n, config.interval) for c in classes]
+    policies = [method_policy(c.method, c.n, config.interval) for c in classes]
 
     def per_request(r: TraceRequest) -> dict[str, Any]:
         k = of[r.id]
@@ -145,7 +146,7 @@ def run_mix_real(
     from sart.request import Request
 
     of = classes_of([item.id for item in items], classes, config.seed)
-    policies = [METHODS[c.method](c.n, config.interval) for c in classes]
+    policies = [method_policy(c.method, c.n, config.interval) for c in classes]
     times = [0.0] * len(items) if rate is None else arrivals(len(items), rate, config.seed)
     requests = [
         Request(

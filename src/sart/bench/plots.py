@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.runner import LABELS, BenchConfig, RunRecord
+from sart.bench.runner import BenchConfig, RunRecord
+from sart.methods import get_method
 from sart.types import BranchStatus
 
 
@@ -66,18 +67,25 @@ def _latency_accuracy(
             runs = sorted((r for r in here if r.method == method), key=lambda r: r.n)
             if method == "vanilla":
                 s = runs[0].summary
-                lat_ax.axhline(s.e2e.p97, color="gray", linestyle="--", label=LABELS[method])
+                lat_ax.axhline(
+                    s.e2e.p97, color="gray", linestyle="--", label=get_method(method).label
+                )
                 acc_ax.axhline(
-                    100 * (s.accuracy or 0), color="gray", linestyle="--", label=LABELS[method]
+                    100 * (s.accuracy or 0),
+                    color="gray",
+                    linestyle="--",
+                    label=get_method(method).label,
                 )
                 continue
             ns = [r.n for r in runs]
-            lat_ax.plot(ns, [r.summary.e2e.p97 for r in runs], marker="o", label=LABELS[method])
+            lat_ax.plot(
+                ns, [r.summary.e2e.p97 for r in runs], marker="o", label=get_method(method).label
+            )
             acc_ax.plot(
                 ns,
                 [100 * (r.summary.accuracy or 0) for r in runs],
                 marker="o",
-                label=LABELS[method],
+                label=get_method(method).label,
             )
         title = "trace" if rate is None else f"{rate:g} req/s"
         lat_ax.set(
@@ -120,7 +128,7 @@ def _resources(
     rid = _example_request(runs[-1])
     fig, axes = plt.subplots(2, 2, figsize=(11, 6.5))
     for record in runs:
-        label = LABELS[record.method]
+        label = get_method(record.method).label
         timings = next(r.timings for r in record.results if r.request_id == rid)
         start = timings.scheduled or timings.arrival
         # Samples follow each decode call; the request holds nothing once it finishes.
@@ -152,7 +160,7 @@ def _distributions(
         return None
     fig, (len_ax, queue_ax) = plt.subplots(1, 2, figsize=(11, 3.8))
     for record in runs:
-        label = f"{LABELS[record.method]} (N={record.n})"
+        label = f"{get_method(record.method).label} (N={record.n})"
         lengths = [
             b.num_tokens for r in record.results for b in r.branches if b.status.is_completed
         ]

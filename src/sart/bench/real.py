@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 
 from sart.answers import extract_answer
-from sart.bench.runner import METHODS, BenchConfig, RunRecord, method_scoring, plan, serve
+from sart.bench.runner import BenchConfig, RunRecord, method_policy, method_scoring, plan, serve
 from sart.bench.trace_lines import MAX_CONFIDENCE, MIN_LOGPROB
 from sart.bench.traces import Trace, TraceRequest
 from sart.driver import SyncDriver
@@ -114,9 +114,9 @@ def run_real(
 ) -> list[RunRecord]:
     """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``, after
     a warm-up of ``WARMUP_REQUESTS`` requests per method. ``policy_for(method, n)``
-    builds each method's policy (default: ``METHODS[method](n, config.interval)``)."""
+    builds each method's policy (default: ``method_policy(method, n, config.interval)``)."""
     gold = {item.id: item.answer for item in items if item.answer is not None}
-    policy_for = policy_for or (lambda method, n: METHODS[method](n, config.interval))
+    policy_for = policy_for or (lambda method, n: method_policy(method, n, config.interval))
     warmup = items[:WARMUP_REQUESTS]
     for method, n in plan(config):
         policy = policy_for(method, n)

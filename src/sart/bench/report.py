@@ -8,8 +8,9 @@ from typing import Any
 
 import attrs
 
-from sart.bench.runner import LABELS, SHORT_LABELS, BenchConfig, RunRecord, prm_cost_model
+from sart.bench.runner import BenchConfig, RunRecord, prm_cost_model
 from sart.engines.costs import cost_model
+from sart.methods import get_method
 from sart.metrics import Distribution, RunSummary, request_record, slo_attainment
 
 SCHEMA = "sart.bench/1"
@@ -33,7 +34,7 @@ def run_json(
     gold = gold or {}
     return {
         "method": record.method,
-        "label": LABELS[record.method],
+        "label": get_method(record.method).label,
         "n": record.n,
         "rate": record.rate,
         "kv_capacity": record.kv_capacity,
@@ -92,7 +93,7 @@ def prm_pricing(config: BenchConfig) -> dict[str, Any] | None:
         "model": model.name,
         "params": model.model.params,
         "context": model.window,
-        "device": config.prm_device,
+        "placement": config.prm_placement,
         "input": config.prm_cost,
         "effective_flops": model.flops,
         "call_overhead_seconds": model.call_overhead,
@@ -155,7 +156,7 @@ def _prm_setting(config: BenchConfig) -> str:
         return f"PRM free, {config.scoring.value}"
     accelerator = cost_model(config.cost).accelerator
     kind = accelerator.name.split("-")[0] if accelerator is not None else "?"
-    return f"PRM {config.prm_cost}, {config.prm_device} {kind}, {config.scoring.value}"
+    return f"PRM {config.prm_cost}, {config.prm_placement} {kind}, {config.scoring.value}"
 
 
 def _batch_sizes(records: Sequence[RunRecord]) -> str:
@@ -204,7 +205,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             peak = f"{peak} [yellow]p{r.preemptions}[/yellow]"
         table.add_row(
             "trace" if r.rate is None else _fmt(r.rate, 0),
-            SHORT_LABELS[r.method],
+            get_method(r.method).short_label,
             str(r.n),
             *([f"[red]{s.failed}[/red]" if s.failed else "0"] if failures else []),
             _fmt(None if s.accuracy is None else 100 * s.accuracy),

@@ -27,63 +27,16 @@ from sart.engines.costs import cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
 from sart.errors import ConfigError, config_check, enum_converter, int_at_least, number_above
+from sart.methods import check_methods, get_method
 from sart.metrics import RunSummary
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
-from sart.policies.recipes import (
-    deepconf_online,
-    rebase,
-    sart,
-    sart_confidence,
-    sart_without_pruning,
-    self_consistency,
-    vanilla,
-)
 from sart.prm.base import PRM
 from sart.prm.priced import CostedPRM
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
 from sart.types import Admission, SamplingSettings, Scoring
-
-#: Method name -> policy for ``n`` branches and interval ``T``.
-METHODS: dict[str, Callable[[int, int], Policy]] = {
-    "vanilla": lambda n, t: vanilla(interval=t),
-    "sc": lambda n, t: self_consistency(n, interval=t),
-    "sart-no-prune": lambda n, t: sart_without_pruning(n, interval=t),
-    "rebase": lambda n, t: rebase(n, interval=t),
-    "sart": lambda n, t: sart(n, interval=t),
-    "sart-blocking": lambda n, t: sart(n, interval=t),
-    "deepconf": lambda n, t: deepconf_online(n, interval=t),
-    "sart-conf": lambda n, t: sart_confidence(n, interval=t),
-}
-#: Methods scored by the policy's own log-probabilities (``Policy.reward``), not a PRM.
-CONFIDENCE_METHODS = frozenset({"deepconf", "sart-conf"})
-#: Methods that need no PRM: no rewards, or rewards from the policy's own log-probabilities.
-PRM_FREE_METHODS = frozenset({"vanilla", "sc"}) | CONFIDENCE_METHODS
-#: Methods that run with blocking checks whatever ``--scoring`` says, so that one run
-#: compares SART's two scoring modes side by side.
-BLOCKING_METHODS = frozenset({"sart-blocking"})
-SHORT_LABELS = {
-    "vanilla": "Vanilla",
-    "sc": "SC",
-    "rebase": "Rebase",
-    "sart-no-prune": "SART-noprune",
-    "sart": "SART",
-    "sart-blocking": "SART-blocking",
-    "deepconf": "DeepConf",
-    "sart-conf": "SART-conf",
-}
-LABELS = {
-    "vanilla": "Vanilla",
-    "sc": "Self-Consistency",
-    "rebase": "Rebase",
-    "sart-no-prune": "SART (w/o pruning)",
-    "sart": "SART",
-    "sart-blocking": "SART (blocking checks)",
-    "deepconf": "DeepConf-online (confidence, no PRM)",
-    "sart-conf": "SART on confidence (no PRM)",
-}
 
 
 def method_policy(
@@ -94,10 +47,11 @@ def method_policy(
     equivalence: Equivalence | None = None,
     extract: Callable[[str], str] | None = None,
 ) -> Policy:
-    """``METHODS[method](n, interval)``, its votes (``MajorityVote``, ``WeightedVote``)
+    """The registered ``method``'s policy (``sart.methods``) for ``n`` branches
+    checked every ``interval`` tokens, its votes (``MajorityVote``, ``WeightedVote``)
     grouping answers under ``equivalence`` and its answers read from a branch's text
     by ``extract``; ``None`` keeps the recipe's (exact strings; ``extract_answer``)."""
-    policy = METHODS[method](n, interval)
+    policy = get_method(method).policy(n, interval)
     changes: dict[str, object] = {}
     select = policy.select
     if equivalence is not None and "equivalence" in attrs.fields_dict(type(select)):
@@ -108,15 +62,15 @@ def method_policy(
 
 
 def method_scoring(method: str, config: BenchConfig) -> Scoring:
-    """How ``method``'s checks are scored: ``config.scoring``, but always blocking for
-    ``sart-blocking``."""
-    return Scoring.BLOCKING if method in BLOCKING_METHODS else config.scoring
+    """How ``method``'s checks are scored: ``config.scoring``, unless the method fixes
+    its own (``sart-blocking``)."""
+    return get_method(method).scoring_in(config.scoring)
 
 
 #: ``prm_cost`` choices: a PRM that costs nothing, or priced reading inputs one ``PRMInput`` way.
 PRM_COSTS = ("free", *(mode.value for mode in PRMInput))
-#: ``prm_device`` choices: the PRM on its own accelerator, or sharing the policy's.
-PRM_DEVICES = ("own", "shared")
+#: ``prm_placement`` choices: the PRM on its own accelerator, or sharing the policy's.
+PRM_PLACEMENTS = ("own", "shared")
 
 
 def _tuple(value: Sequence) -> tuple:
@@ -150,7 +104,7 @@ def _default_prm_cost(config: BenchConfig) -> str | None:
     return "free" if cost_model(config.cost).accelerator is None else PRMInput.REENCODE.value
 
 
-def _default_prm_device(config: BenchConfig) -> str | None:
+def _default_prm_placement(config: BenchConfig) -> str | None:
     return "own" if config.engine == "sim" else None
 
 
@@ -198,8 +152,8 @@ class BenchConfig:
     prm_cost: str | None = attrs.field(default=attrs.Factory(_default_prm_cost, takes_self=True))
     """``sim``: how the PRM is priced, one of ``PRM_COSTS`` (default ``reencode``, or
     ``free`` under the ``steps`` model); ``None`` on a real engine."""
-    prm_device: str | None = attrs.field(
-        default=attrs.Factory(_default_prm_device, takes_self=True)
+    prm_placement: str | None = attrs.field(
+        default=attrs.Factory(_default_prm_placement, takes_self=True)
     )
     """``sim``: the PRM on its ``own`` accelerator (default) or ``shared`` with the
     policy (a call holds decoding up); ``None`` on a real engine."""
@@ -217,9 +171,7 @@ class BenchConfig:
     It changes nothing in how requests are served."""
 
     def __attrs_post_init__(self) -> None:
-        for m in self.methods:
-            if m not in METHODS:
-                raise ConfigError(f"method={m!r} must be one of {sorted(METHODS)}")
+        check_methods(self.methods)
         config_check(bool(self.methods), "methods", self.methods, "non-empty")
         config_check(bool(self.ns) and min(self.ns) >= 1, "ns", self.ns, "non-empty, each >= 1")
         config_check(
@@ -244,13 +196,16 @@ class BenchConfig:
             "None or >= 1",
         )
         if self.engine != "sim":
-            for name in ("prm_cost", "prm_device"):
+            for name in ("prm_cost", "prm_placement"):
                 value = getattr(self, name)
                 config_check(value is None, name, value, "None for a real engine (its PRM is real)")
             return
         config_check(self.prm_cost in PRM_COSTS, "prm_cost", self.prm_cost, f"one of {PRM_COSTS}")
         config_check(
-            self.prm_device in PRM_DEVICES, "prm_device", self.prm_device, f"one of {PRM_DEVICES}"
+            self.prm_placement in PRM_PLACEMENTS,
+            "prm_placement",
+            self.prm_placement,
+            f"one of {PRM_PLACEMENTS}",
         )
         config_check(
             self.prm_cost == "free" or cost_model(self.cost).accelerator is not None,
@@ -348,13 +303,13 @@ def run_method(
     per_request: Callable[[TraceRequest], dict[str, Any]] | None = None,
 ) -> RunRecord:
     """Serve ``trace`` with one method on a fresh simulated engine (``policy``, when
-    given, instead of ``METHODS[method](n, config.interval)``: see ``method_policy``;
+    given, instead of ``method_policy(method, n, config.interval)``;
     ``per_request(r)``: ``Request`` fields that replace those for trace request ``r``,
     e.g. its own ``policy`` and ``priority`` in a mixed workload)."""
     if n > trace.width:
         raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
     if policy is None:
-        policy = METHODS[method](n, config.interval)
+        policy = method_policy(method, n, config.interval)
     script = trace.script()
     batch_size = config.batch_size or auto_batch_size(config, trace)
     replicas = []
@@ -418,7 +373,7 @@ def sim_prm(config: BenchConfig, prm: PRM) -> tuple[PRM, PRMPricer | None]:
     if model is None:
         return prm, None
     pricer = PRMPricer(model, str(config.prm_cost))
-    return CostedPRM(prm, pricer, shares_engine=config.prm_device == "shared"), pricer
+    return CostedPRM(prm, pricer, shares_engine=config.prm_placement == "shared"), pricer
 
 
 def serve(

@@ -14,33 +14,34 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.command import (
-    REAL_BATCH_SIZE,
-    TESTBED,
-    TESTBED_INTERVAL,
-    RealSetup,
-    _load_engine,
-    _load_prm,
-    _serving,
-    add_model_flags,
-    in_flags,
-    model_setup,
-    sampling_setup,
-)
+import attrs
+
+from sart.bench.command import REAL_BATCH_SIZE, RealSetup
 from sart.bench.real import PolicyFactory, PromptItem, recording_sampling
-from sart.bench.runner import CONFIDENCE_METHODS, METHODS, BenchConfig, method_policy, plan
+from sart.bench.results_file import progress_console, write_json
+from sart.bench.runner import BenchConfig, method_policy, plan
 from sart.engines.costs import PRESETS
-from sart.errors import ConfigError, MissingDependencyError, SartError
+from sart.errors import ConfigError, SartError
 from sart.eval.accuracy import EvalRun
 from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.eval.grading import Grader, make_grader
 from sart.eval.problems_file import ProblemRecord, ProblemsFile
+from sart.flags import (
+    add_model_flags,
+    add_plugin_flag,
+    add_sampling_flags,
+    import_plugins,
+    in_flags,
+    load_spec,
+    sampling,
+)
+from sart.launch import TESTBED, TESTBED_INTERVAL, Loaded, load
+from sart.methods import Rewards, check_methods, get_method, method_names
 from sart.policies.equivalence import Equivalence
 from sart.types import Scoring
 
@@ -118,8 +119,9 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="the policy's directory or hub id, or 'testbed' (the shipped tiny reasoning "
         "model, with its PRM by default)",
     )
-    add_model_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
-    p.add_argument("--prm-device", default=None, help="transformers PRMs: a torch device")
+    add_model_flags(p)
+    add_sampling_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
+    add_plugin_flag(p)
     p.add_argument(
         "--chat",
         choices=["auto", "on", "off"],
@@ -143,9 +145,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--methods",
         nargs="+",
-        choices=sorted(METHODS),
         default=list(DEFAULT_METHODS),
-        help="methods to evaluate (default: " + " ".join(DEFAULT_METHODS) + ")",
+        metavar="METHOD",
+        help="methods to evaluate (default: "
+        + " ".join(DEFAULT_METHODS)
+        + "; built in: "
+        + ", ".join(method_names())
+        + "; --plugin modules may register more)",
     )
     p.add_argument(
         "--interval",
@@ -203,6 +209,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     try:
+        import_plugins(args.plugin)
         return _eval(args)
     except ConfigError as exc:
         raise in_flags(exc) from None
@@ -216,17 +223,16 @@ class _Run:
         self.testbed = args.model == TESTBED
         _check_flags(args)
         self.dataset = _dataset(args)
-        model, prm, prm_options = model_setup(args)
-        if prm is None:
+        spec = load_spec(args, batch_size=args.batch_size)
+        if spec.prm is None:
             raise ConfigError("--prm is needed: the PRM scores every branch every T tokens")
-        sampling = sampling_setup(args, EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
         self.items = [
             PromptItem(p.id, self.dataset.prompt(p), p.answer) for p in self.dataset.problems
         ]
-        self.setup = RealSetup(model, prm, prm_options, self.items, sampling)
+        self.setup = RealSetup(spec, self.items, sampling(args, EVAL_MAX_TOKENS, EVAL_TEMPERATURE))
         self.interval = args.interval or (TESTBED_INTERVAL if self.testbed else DEFAULT_INTERVAL)
         self.ns = _ns(args)
-        self.methods = tuple(dict.fromkeys(args.methods))
+        self.methods = check_methods(args.methods)
         self.grader: Grader = make_grader(self.dataset.grading)
         self.equivalence: Equivalence | None = None
         if self.dataset.grading == "math-verify":
@@ -269,16 +275,13 @@ class _Run:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(
-            self.setup.model, trust_remote_code=self.args.trust_remote_code
+            self.setup.spec.model, trust_remote_code=self.args.trust_remote_code
         )
         return getattr(tokenizer, "chat_template", None) is not None
 
-    def load(self) -> tuple[Any, Any]:
-        """The engine and the PRM."""
-        engine = _load_engine(
-            self.args, self.setup.model, self.args.batch_size, chat=bool(self.use_chat)
-        )
-        return engine, _load_prm(self.args, self.setup)
+    def load(self) -> Loaded:
+        """The engine and the PRM (close them when done)."""
+        return load(attrs.evolve(self.setup.spec, chat=bool(self.use_chat)))
 
     def document(self, *, complete: bool) -> dict[str, Any]:
         from sart.eval.report import eval_json
@@ -322,16 +325,11 @@ class _Run:
 
     def write(self, *, complete: bool) -> dict[str, Any]:
         document = self.document(complete=complete)
-        path = self.out / "results.json"
-        temporary = path.with_name(".results.json.tmp")
-        temporary.write_text(json.dumps(document, indent=1), encoding="utf-8")
-        os.replace(temporary, path)
+        write_json(self.out / "results.json", document)
         return document
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    if args.engine != "vllm" and args.vllm_arg:
-        raise ConfigError(f"--vllm-arg has no effect with --engine {args.engine}")
     if args.n < 1:
         raise ConfigError(f"--n {args.n} must be >= 1")
     if args.batch_size < 1:
@@ -373,24 +371,9 @@ def _ns(args: argparse.Namespace) -> tuple[int, ...]:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    try:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "sart eval needs rich and matplotlib; install them with: pip install 'sart[bench]'"
-        ) from exc
+    console, progress = progress_console("sart eval", to_stderr=args.json)
     run = _Run(args)
-    console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
     run.out.mkdir(parents=True, exist_ok=True)
-    progress = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    )
     started = time.perf_counter()
     try:
         with progress:
@@ -460,7 +443,7 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         "model": args.model,
         "prm": args.prm,  # None: the testbed's own
         "prm_kind": args.prm_kind,
-        "prm_options": setup.prm_options,
+        "prm_options": setup.spec.prm_options,
         "chat": run.use_chat,
         "n": args.n,
         "interval": run.interval,
@@ -506,7 +489,7 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
 def _check_logprobs(run: _Run, records: Sequence[ProblemRecord], path: Path) -> None:
     """Refuse to derive a confidence method from records that hold no log-probabilities
     (recorded by an older sart): it would replay every branch as equally confident."""
-    wanted = sorted(CONFIDENCE_METHODS.intersection(run.methods))
+    wanted = sorted(m for m in run.methods if get_method(m).rewards is Rewards.CONFIDENCE)
     bare = [r.id for r in records if any(not b.logprobs for b in r.trace.branches)]
     if wanted and bare:
         raise ConfigError(
@@ -531,7 +514,7 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
     from sart.eval.record import record_problems
 
     loading = progress.add_task("loading models", total=None)
-    engine, prm = run.load()
+    loaded = run.load()
     progress.remove_task(loading)
     task = progress.add_task(f"recording {len(missing)} problems", total=len(missing))
 
@@ -543,8 +526,8 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
     try:
         failures = record_problems(
             missing,
-            engine,
-            prm,
+            loaded.engine,
+            loaded.prm,
             run.grader,
             n=run.args.n,
             interval=run.interval,
@@ -554,7 +537,7 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
         )
     finally:
         run.wall["record"] = time.perf_counter() - started
-        _close(prm)
+        loaded.close()
     if failures:
         run.write(complete=False)
         listed = "; ".join(f"{f.id}: {f.reason}" for f in failures[:5])
@@ -570,10 +553,10 @@ def _live(run: _Run, progress: Any) -> None:
 
     args = run.args
     run.use_chat = run.chat()
-    run.settings = _serving(args, run.setup) | {"chat": run.use_chat, "n": args.n}
+    run.settings = run.setup.serving() | {"chat": run.use_chat, "n": args.n}
     config = BenchConfig(
         engine=args.engine,
-        model=run.setup.model,
+        model=run.setup.spec.model,
         methods=run.methods,
         ns=run.ns,
         rates=(args.rate,),
@@ -584,7 +567,7 @@ def _live(run: _Run, progress: Any) -> None:
         scoring=Scoring(args.scoring),
     )
     loading = progress.add_task("loading models", total=None)
-    engine, prm = run.load()
+    loaded = run.load()
     progress.remove_task(loading)
     task = progress.add_task("serving", total=len(plan(config)))
 
@@ -597,8 +580,8 @@ def _live(run: _Run, progress: Any) -> None:
     try:
         serve_live(
             run.items,
-            engine,
-            prm,
+            loaded.engine,
+            loaded.prm,
             config,
             run.setup.sampling,
             run.policy_for(run.grader.extract),
@@ -606,13 +589,7 @@ def _live(run: _Run, progress: Any) -> None:
             on_run=finished,
         )
     finally:
-        _close(prm)
-
-
-def _close(prm: Any) -> None:
-    close = getattr(prm, "close", None)
-    if close is not None:
-        close()
+        loaded.close()
 
 
 __all__ = ["add_eval_parser", "run_eval_command"]

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.plots import pyplot, save_figure
-from sart.bench.runner import LABELS
 from sart.eval.accuracy import EvalRun
+from sart.methods import get_method
 
 
 def write_plots(
@@ -47,7 +47,9 @@ def _accuracy_vs_n(plt: Any, runs: Sequence[EvalRun], path: Path) -> Path:
         if method == "vanilla":
             run = here[0]
             low, high = run.interval
-            ax.axhline(100 * run.accuracy, color="gray", linestyle="--", label=LABELS[method])
+            ax.axhline(
+                100 * run.accuracy, color="gray", linestyle="--", label=get_method(method).label
+            )
             ax.axhspan(100 * low, 100 * high, color="gray", alpha=0.12)
             continue
         xs = [r.n for r in here]
@@ -56,7 +58,7 @@ def _accuracy_vs_n(plt: Any, runs: Sequence[EvalRun], path: Path) -> Path:
             [100 * (r.accuracy - r.interval[0]) for r in here],
             [100 * (r.interval[1] - r.accuracy) for r in here],
         ]
-        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=LABELS[method])
+        ax.errorbar(xs, ys, yerr=errors, marker="o", capsize=3, label=get_method(method).label)
     ax.set(title="Accuracy (95% Wilson interval)", xlabel="N", ylabel="accuracy (%)", xticks=ns)
     ax.legend(fontsize=8)
     return save_figure(plt, fig, path)
@@ -67,7 +69,7 @@ def _accuracy_vs_tokens(plt: Any, runs: Sequence[EvalRun], path: Path) -> Path:
     for method, here in _methods(runs).items():
         xs = [r.tokens_per_request for r in here]
         ys = [100 * r.accuracy for r in here]
-        ax.plot(xs, ys, marker="o", label=LABELS[method])
+        ax.plot(xs, ys, marker="o", label=get_method(method).label)
         for run, x, y in zip(here, xs, ys):
             ax.annotate(f"N={run.n}", (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set(
@@ -93,7 +95,7 @@ def _accuracy_by_level(
             100 * tally[v][0] / tally[v][1] if v in tally and tally[v][1] else 0.0 for v in values
         ]
         xs = [j + (i - (len(shown) - 1) / 2) * width for j in range(len(values))]
-        ax.bar(xs, ys, width=width, label=f"{LABELS[run.method]} (N={run.n})")
+        ax.bar(xs, ys, width=width, label=f"{get_method(run.method).label} (N={run.n})")
     ax.set_xticks(range(len(values)), [str(v) for v in values])
     ax.set(title="Accuracy by level", xlabel="level", ylabel="accuracy (%)", ylim=(0, 105))
     ax.legend(fontsize=8)

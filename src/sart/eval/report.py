@@ -23,8 +23,8 @@ from typing import Any
 
 import attrs
 
-from sart.bench.runner import LABELS, SHORT_LABELS
 from sart.eval.accuracy import EvalRun
+from sart.methods import get_method
 
 SCHEMA = "sart.eval/1"
 
@@ -35,7 +35,7 @@ def run_json(run: EvalRun, levels: dict[str, object] | None = None) -> dict[str,
     low, high = run.interval
     out: dict[str, Any] = {
         "method": run.method,
-        "label": LABELS[run.method],
+        "label": get_method(run.method).label,
         "n": run.n,
         "problems": run.problems,
         "correct": run.num_correct,
@@ -113,7 +113,7 @@ def render(runs: Sequence[EvalRun], console: Any, title: str, unit: str) -> None
         low, high = run.interval
         e2e = run.record.summary.e2e
         table.add_row(
-            SHORT_LABELS[run.method],
+            get_method(run.method).short_label,
             str(run.n),
             f"{100 * run.accuracy:.1f}% ({run.num_correct}/{run.problems})",
             f"{100 * low:.1f}-{100 * high:.1f}%",

@@ -13,7 +13,6 @@ from sart.policies.confidence import (
 )
 from sart.policies.equivalence import Equivalence, ExactMatch
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
-from sart.policies.rebase import RewardBalance
 from sart.policies.recipes import (
     deepconf_online,
     rebase,
@@ -23,6 +22,7 @@ from sart.policies.recipes import (
     self_consistency,
     vanilla,
 )
+from sart.policies.reward_balance import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 

@@ -13,7 +13,7 @@ from sart.policies.confidence import (
     Signal,
 )
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
-from sart.policies.rebase import RewardBalance
+from sart.policies.reward_balance import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 
@@ -82,7 +82,7 @@ def sart_without_pruning(n: int, m: int | None = None, interval: int = 400) -> P
 
 def rebase(n: int, temperature: float = 0.2, interval: int = 400) -> Policy:
     """Rebase (Wu et al., 2024): reward-balanced tree search keeping at most ``n``
-    leaves, answering by reward-weighted vote. See ``sart.policies.rebase``."""
+    leaves, answering by reward-weighted vote. See ``sart.policies.reward_balance``."""
     return Policy(
         n=n,
         stop=AllDone(),

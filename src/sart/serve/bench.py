@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import re
 import statistics
 import subprocess
@@ -48,7 +47,14 @@ import attrs
 
 import sart
 from sart import testbed
-from sart.bench.command import TESTBED_INTERVAL, TESTBED_MAX_TOKENS
+from sart.launch import (
+    TESTBED,
+    TESTBED_INTERVAL,
+    TESTBED_MAX_TOKENS,
+    LoadSpec,
+    load,
+    resolve_models,
+)
 from sart.metrics import percentile
 from sart.serve.config import ServeConfig
 from sart.serve.methods import PolicyFields, build_policy
@@ -275,18 +281,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
 
-    from sart.engines.hf import HFEngine
-    from sart.prm.hf import QwenMathPRM
-    from sart.prm.process import PRMProcess
-
-    engine = HFEngine.from_pretrained(str(testbed.POLICY_PATH))
-    factory = functools.partial(
-        QwenMathPRM.from_pretrained, str(testbed.PRM_PATH), **testbed.prm_kwargs()
-    )
+    # What ``sart serve --model testbed`` loads: the policy on transformers, the PRM in
+    # a process of its own.
+    model, prm_path, options = resolve_models(TESTBED, None, "qwen")
+    spec = LoadSpec("hf", model, prm=prm_path, prm_options=options, batch_size=args.batch_size)
     runs: list[Run] = []
     server = _Server(args) if "http" in args.modes else None
     try:
-        with PRMProcess(factory) as prm:
+        with load(spec) as loaded:
+            engine, prm = loaded.engine, loaded.prm
 
             def build(mode: str, settings: argparse.Namespace) -> Callable[[str], Run]:
                 if mode == "driver":

@@ -2,8 +2,8 @@
 
 ``sart serve`` with no flags serves the shipped testbed (``--model testbed``:
 its policy on transformers, its PRM in a process of its own) on
-``127.0.0.1:8000``. Models load as ``sart bench`` loads them (the same
-helpers, the same flags); ``--engine`` picks the adapter:
+``127.0.0.1:8000``. Models load as every command loads them (``sart.launch``,
+the same flags: ``sart.flags``); ``--engine`` picks the adapter:
 
 - ``hf`` (default): transformers, on ``--device``; its calls run on a
   worker thread so that the event loop keeps answering;
@@ -26,33 +26,32 @@ helpers, the same flags); ``--engine`` picks the adapter:
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import importlib
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-from sart.bench.command import (
-    REAL_TEMPERATURE,
+from sart.errors import ConfigError
+from sart.flags import add_model_flags, add_plugin_flag, import_plugins, in_flags, load_spec
+from sart.flags import sampling as sampling_flags
+from sart.launch import (
+    ENGINES,
     TESTBED,
     TESTBED_INTERVAL,
     TESTBED_MAX_TOKENS,
-    RealSetup,
-    _load_engine,
-    _load_prm,
-    prm_in_child_process,
-    vllm_engine_args,
+    Gateway,
+    LoadSpec,
+    check_path,
 )
-from sart.errors import ConfigError
+from sart.launch import load as load_models
+from sart.methods import method_names
 from sart.serve.config import Backend, ServeConfig
-from sart.serve.methods import method_names
 from sart.types import Scoring
 
+REAL_TEMPERATURE = 0.7
+"""Temperature of requests that do not say, for a model other than the testbed."""
+MAX_TOKENS = 16384
+"""Tokens per branch of requests that do not say, for a model other than the testbed."""
 DEFAULT_PORT = 8000
-ENGINES = ("hf", "vllm", "vllm-async", "sglang", "openai")
-"""Engines ``sart serve`` runs (the simulator and the fake engine are not servers)."""
 API_KEY_ENV = "SART_API_KEY"
 UPSTREAM_KEY_ENV = "SART_UPSTREAM_API_KEY"
 LOOP_BOUND = frozenset({"vllm-async"})
@@ -87,57 +86,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default="hf",
         help="the engine (default hf); openai: a gateway in front of --upstream servers",
     )
-    g.add_argument(
-        "--prm",
-        default=None,
-        help="the PRM's directory or hub id, or 'testbed' (--model testbed: its own PRM). "
-        "Without one only methods that need no rewards run (vanilla, sc)",
-    )
-    g.add_argument(
-        "--prm-kind",
-        choices=["qwen", "shepherd", "vllm-qwen"],
-        default="qwen",
-        help="Qwen2.5-Math-PRM style on transformers (default), Math-Shepherd style, or "
-        "Qwen2.5-Math-PRM served by vLLM as a pooling model",
-    )
-    g.add_argument("--device", default="cpu", help="hf: the model's device (default cpu)")
-    g.add_argument("--prm-device", default=None, help="the PRM's torch device (default --device)")
-    g.add_argument(
-        "--prm-in-process",
-        action="store_true",
-        help="run a transformers PRM on a thread of this process instead of a process of "
-        "its own (the default: on CPUs a PRM thread barely runs beside decoding)",
-    )
-    g.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="allow the model and the PRM to run modelling code their checkpoints ship "
-        "(off by default; requests can never load models or code)",
-    )
-    g.add_argument(
-        "--vllm-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="vllm, vllm-async: an engine argument (repeatable); max_num_seqs defaults to "
-        "--batch-size",
-    )
-    g.add_argument(
-        "--sglang-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="sglang: a ServerArgs field (repeatable), e.g. tp_size=2; "
-        "max_running_requests defaults to --batch-size",
-    )
-    g.add_argument(
-        "--plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="import this module at start, e.g. one that calls "
-        "sart.serve.register_method (repeatable)",
-    )
+    add_model_flags(g)
+    add_plugin_flag(g)
 
     g = p.add_argument_group("gateway (--engine openai)")
     g.add_argument(
@@ -282,9 +232,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
     """The ``ServeConfig`` the flags describe (testbed defaults under ``--model testbed``;
-    ``args.model`` resolved, see ``_setup``)."""
+    ``args.model`` resolved, see ``load_spec_of``)."""
     testbed = args.model == TESTBED
-    max_tokens = args.max_tokens or (TESTBED_MAX_TOKENS if testbed else 16384)
+    sampling = sampling_flags(args, MAX_TOKENS, REAL_TEMPERATURE)
     method = args.method or ("sart" if has_prm else "sc")
     if method not in method_names():
         raise ConfigError(f"--method={method!r} must be one of {method_names()}")
@@ -294,10 +244,10 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         n=args.n,
         max_n=args.max_n,
         interval=args.interval or (TESTBED_INTERVAL if testbed else 400),
-        max_tokens=max_tokens,
-        max_tokens_limit=args.max_tokens_limit or max_tokens,
-        temperature=_first(args.temperature, 1.0 if testbed else REAL_TEMPERATURE),
-        top_p=_first(args.top_p, 1.0 if testbed else 0.95),
+        max_tokens=sampling.max_tokens,
+        max_tokens_limit=args.max_tokens_limit or sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
         batch_size=args.batch_size,
         scoring=args.scoring,
         max_queue=args.max_queue,
@@ -308,113 +258,44 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
     )
 
 
-def _first(value: float | None, default: float) -> float:
-    return default if value is None else value
-
-
-def _setup(args: argparse.Namespace) -> RealSetup:
-    """Model and PRM paths (the testbed's, under ``--model testbed``); resolves
-    ``args.model`` (the gateway asks its upstream for it)."""
-    from sart.types import SamplingSettings
-
+def load_spec_of(args: argparse.Namespace) -> LoadSpec:
+    """What to load (the testbed's models under ``--model testbed``, the default);
+    resolves ``args.model`` (the gateway asks its upstream for it)."""
+    gateway = None
     if args.engine == "openai":
         if not args.upstream:
             raise ConfigError("--engine openai needs --upstream URL [URL ...]")
-        args.model = args.model or _upstream_model(args.upstream[0], _upstream_key(args))
-    elif args.upstream:
-        raise ConfigError(f"--upstream is for --engine openai, not --engine {args.engine}")
+        check_path("tokenizer", args.tokenizer)
+        key = _upstream_key(args)
+        args.model = args.model or _upstream_model(args.upstream[0], key)
+        gateway = Gateway(
+            tuple(args.upstream),
+            api_key=key,
+            tokenizer=args.tokenizer,
+            affinity=args.placement == "request",
+            explicit_abort=args.upstream_abort == "explicit",
+        )
+    else:
+        for flag, given in (
+            ("--upstream", args.upstream),
+            ("--tokenizer", args.tokenizer),
+            ("--upstream-api-key", args.upstream_api_key),
+        ):
+            if given:
+                raise ConfigError(f"{flag} is for --engine openai, not --engine {args.engine}")
     args.model = args.model or TESTBED
-    local_testbed = args.model == TESTBED and args.engine != "openai"
-    _check_path("--model", None if args.engine == "openai" else args.model)
-    _check_path("--prm", args.prm)
-    _check_path("--tokenizer", args.tokenizer)
-    from sart import testbed as tb
-
-    model = str(tb.POLICY_PATH) if local_testbed else args.model
-    prm, options = args.prm, {}
-    if prm == TESTBED or (prm is None and local_testbed):
-        if args.prm_kind != "qwen":
-            raise ConfigError(
-                f"--prm-kind {args.prm_kind}: the testbed PRM runs on transformers only "
-                "(--prm-kind qwen, the default)"
-            )
-        prm, options = str(tb.PRM_PATH), tb.prm_kwargs()
-    return RealSetup(model, prm, options, [], SamplingSettings())
+    return load_spec(args, batch_size=args.batch_size, gateway=gateway)
 
 
-def backend_loader(args: argparse.Namespace, setup: RealSetup) -> Callable[[], Backend]:
-    """What builds the engine and the PRM. A PRM in its own process (``PRMProcess``,
-    the default) starts on a thread while the engine loads; one in this process loads
-    after the engine.
+def backend_loader(spec: LoadSpec) -> Callable[[], Backend]:
+    """What builds the engine and the PRM (``sart.launch.load``: a PRM in its own
+    process starts while the engine loads), as the server's ``Backend``."""
 
-    Why not both on threads: transformers 5 resolves its names lazily, and two
-    threads importing it at once can see it half-built ("cannot import name
-    'AutoModelForCausalLM' from 'transformers'": seen here, 1 start in a few, and
-    reported against transformers 5 and vLLM). So the PRM's module is imported on
-    this thread before its thread starts, which then only starts its process while
-    this one builds the engine; and a PRM that would load its model on that thread
-    (``--prm-in-process``, ``vllm-qwen``) is not given one."""
+    def build() -> Backend:
+        loaded = load_models(spec)
+        return Backend(loaded.engine, loaded.prm, loaded.close_on_loop)
 
-    def load() -> Backend:
-        from sart.registry import load_prm
-
-        if setup.prm:
-            load_prm(args.prm_kind)
-        threaded = setup.prm and prm_in_child_process(args)
-        with concurrent.futures.ThreadPoolExecutor(1, "sart-prm-load") as pool:
-            prm_job = pool.submit(_load_prm, args, setup) if threaded else None
-            try:
-                engine = _build_engine(args, setup.model)
-            except BaseException:
-                if prm_job is not None and prm_job.exception() is None:
-                    _stop(prm_job.result(), "close")
-                raise
-            try:
-                if prm_job is not None:
-                    prm = prm_job.result()
-                else:
-                    prm = _load_prm(args, setup) if setup.prm else None
-            except BaseException:
-                closing = _shutdown(engine)
-                if closing is not None:
-                    closing.close()  # nothing was opened yet: no need to run it
-                raise
-
-        def close() -> Any:
-            _stop(prm, "close")
-            return _shutdown(engine)
-
-        return Backend(engine, prm, close)
-
-    return load
-
-
-def _shutdown(engine: Any) -> Any:
-    """Stop what ``engine`` holds: the gateway's HTTP client (returned, to be awaited on
-    the server's loop), vLLM's engine core, or SGLang's through its bridge."""
-    if hasattr(engine, "aclose"):
-        return engine.aclose()
-    if hasattr(engine, "shutdown"):
-        engine.shutdown()
-    elif hasattr(engine, "close"):
-        engine.close()
-    return None
-
-
-def _stop(thing: object, method: str) -> None:
-    stop = getattr(thing, method, None)
-    if stop is not None:
-        stop()
-
-
-def _check_path(flag: str, value: str | None) -> None:
-    """A local path that does not exist is refused now (a hub id is left to the loader)."""
-    if (
-        value
-        and value.startswith(("/", "./", "../", "~"))
-        and not Path(value).expanduser().exists()
-    ):
-        raise ConfigError(f"{flag}={value!r}: no such file or directory")
+    return build
 
 
 def _upstream_key(args: argparse.Namespace) -> str | None:
@@ -439,63 +320,22 @@ def _upstream_model(url: str, api_key: str | None) -> str:
         ) from None
 
 
-def _gateway(args: argparse.Namespace, model: str) -> Any:
-    """``OpenAIEngine`` over ``--upstream``, with the tokenizer if one is given or local."""
-    from sart.registry import load_engine
-
-    tokenizer = None
-    source = args.tokenizer or (model if Path(model).expanduser().is_dir() else None)
-    if source is not None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise ConfigError(
-                f"--tokenizer {source}: loading it needs transformers (pip install "
-                f"'sart[hf]'): {exc}"
-            ) from None
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=args.trust_remote_code)
-    return load_engine("openai")(
-        args.upstream,
-        model,
-        api_key=_upstream_key(args),
-        tokenizer=tokenizer,
-        affinity=args.placement == "request",
-        explicit_abort=args.upstream_abort == "explicit",
-    )
-
-
-def _build_engine(args: argparse.Namespace, model: str) -> Any:
-    if args.engine == "openai":
-        return _gateway(args, model)
-    if args.engine in ("hf", "vllm"):
-        return _load_engine(args, model, args.batch_size)
-    from sart.registry import load_engine
-
-    if args.engine == "sglang":
-        server_args = {
-            "max_running_requests": args.batch_size,
-            **({"trust_remote_code": True} if args.trust_remote_code else {}),
-            **vllm_engine_args(args.sglang_arg, "--sglang-arg"),
-        }
-        return load_engine("sglang").from_args(model, **server_args).bridge()
-
-    trust = {"trust_remote_code": True} if args.trust_remote_code else {}
-    engine_args = {"max_num_seqs": args.batch_size, **trust, **vllm_engine_args(args.vllm_arg)}
-    engine = load_engine(args.engine).from_engine_args(model, **engine_args)
-    engine.check_batch_size(args.batch_size)
-    return engine
-
-
 def run_serve_command(args: argparse.Namespace) -> int:
-    for module in args.plugin:
-        importlib.import_module(module)
-    setup = _setup(args)
-    config = serve_config(args, has_prm=setup.prm is not None)
+    try:
+        import_plugins(args.plugin)
+        spec = load_spec_of(args)
+        config = serve_config(args, has_prm=spec.prm is not None)
+    except ConfigError as exc:
+        raise in_flags(exc) from None
+    return _serve(args, spec, config)
+
+
+def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int:
     import uvicorn  # before loading models: a missing extra is said at once
 
     from sart.serve import create_app
 
-    load = backend_loader(args, setup)
+    load = backend_loader(spec)
     # Models load now, so that a wrong path or a missing extra ends the command with
     # its message; vLLM's AsyncLLM binds to the loop that builds it, so it is built
     # when the server starts, on the server's loop.
@@ -515,7 +355,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(
-        f"sart serve: {', '.join(config.models)} on {args.engine} (PRM: {setup.prm or 'none'}); "
+        f"sart serve: {', '.join(config.models)} on {args.engine} (PRM: {spec.prm or 'none'}); "
         f"default method {config.method}, n={config.n}; B={config.batch_size}; API key {key}",
         flush=True,
     )

@@ -297,6 +297,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             n=config.n,
             max_n=config.max_n,
             interval=config.interval,
+            scoring=config.scoring,
         )
         sampling = SamplingSettings(
             temperature=config.temperature if request.temperature is None else request.temperature,

@@ -1,0 +1,98 @@
+"""Writing a command's ``results.json`` atomically, and the progress display commands share.
+
+``ResultsFile`` is ``sart bench``'s: rewritten after every finished run, so that an
+interrupted or failing benchmark keeps what finished. ``write_json`` is the atomic
+write both it and ``sart eval`` use (a reader never sees half a file);
+``progress_console`` is the rich console and progress bar of both.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sart.errors import ConfigError, MissingDependencyError
+
+
+def write_json(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` to ``path`` through a temporary file and a rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(document, indent=1), encoding="utf-8")
+    os.replace(temporary, path)
+
+
+def check_writable(out: Path, name: str = "results.json") -> Path:
+    """``out / name``, once ``out`` is known to take it (``ConfigError`` naming ``--out``
+    otherwise, before any work is done)."""
+    path = out / name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        probe = out / f".{name}.tmp"
+        probe.write_text("", encoding="utf-8")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"--out {str(out)!r}: cannot write {name} there ({exc.strerror or exc})"
+        ) from None
+    return path
+
+
+def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
+    """A rich console (on stderr when stdout carries JSON) and a transient progress bar
+    on it. A pipe or CI log gets a table wide enough not to wrap (rich assumes 80)."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"{command} needs rich and matplotlib; install them with: pip install 'sart[bench]'"
+        ) from exc
+    console = Console(stderr=to_stderr, width=None if Console().is_terminal else 120)
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    )
+    return console, progress
+
+
+class ResultsFile:
+    """``results.json``, rewritten atomically after every finished run; ``complete``
+    says whether every run did."""
+
+    def __init__(self, out: Path, config: Any, document: Callable[..., dict]) -> None:
+        self.path = check_writable(out)
+        self.config = config
+        self.records: list[Any] = []
+        self.gold: dict[float | None, dict[str, str]] = {}
+        self.serving: dict[str, Any] | None = None
+        self._document = document
+        self._started = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._started
+
+    def add(self, record: Any) -> None:
+        self.records.append(record)
+        self.write(complete=False)
+
+    def write(self, *, complete: bool) -> dict[str, Any]:
+        document = self._document(
+            self.config, self.records, self.gold, self.elapsed(), self.serving
+        )
+        document["complete"] = complete
+        write_json(self.path, document)
+        return document
+
+
+__all__ = ["ResultsFile", "check_writable", "progress_console", "write_json"]

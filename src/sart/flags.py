@@ -1,0 +1,303 @@
+"""The flags the commands share, and errors in their words.
+
+``sart bench``, ``sart eval`` and ``sart serve`` take the same flags for the same
+things, built here once:
+
+- ``add_model_flags``: the PRM and the engine's options (``--prm``, ``--prm-kind``,
+  ``--device``, ``--prm-device``, ``--prm-in-process``, ``--trust-remote-code``,
+  ``--vllm-arg``, ``--sglang-arg``); ``load_spec`` turns them, with ``--engine`` and
+  ``--model``, into a ``sart.launch.LoadSpec``, which refuses a flag the engine (or
+  PRM) would ignore;
+- ``add_sampling_flags``: ``--max-tokens``, ``--temperature``, ``--top-p`` ->
+  ``sampling`` (the testbed's calibration under ``--model testbed``);
+- ``add_plugin_flag``: ``--plugin MODULE`` (a module that registers methods,
+  engines or PRMs), imported by ``import_plugins`` before anything is checked;
+- ``in_flags``: a ``ConfigError`` about a field, in the words of the flag that set it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from typing import Any
+
+from sart.errors import ConfigError
+from sart.launch import (
+    PRM_KINDS,
+    TESTBED_MAX_TOKENS,
+    Gateway,
+    IgnoredSetting,
+    LoadSpec,
+    check_path,
+    resolve_models,
+    sampling_defaults,
+)
+from sart.types import SamplingSettings
+
+FLAGS = {
+    # What to load (sart.launch.LoadSpec).
+    "engine": "--engine",
+    "model": "--model",
+    "prm": "--prm",
+    "prm_kind": "--prm-kind",
+    "device": "--device",
+    "prm_device": "--prm-device",
+    "prm_in_process": "--prm-in-process",
+    "trust_remote_code": "--trust-remote-code",
+    "vllm_args": "--vllm-arg",
+    "sglang_args": "--sglang-arg",
+    "gateway": "--upstream",
+    "upstreams": "--upstream",
+    "tokenizer": "--tokenizer",
+    "chat": "--chat",
+    # Runs (sart.bench.runner.BenchConfig and the like).
+    "workload": "--workload",
+    "cost": "--cost-model",
+    "methods": "--methods",
+    "method": "--method",
+    "ns": "--n",
+    "n": "--n",
+    "rates": "--rate",
+    "rate": "--rate",
+    "num_requests": "--requests",
+    "batch_size": "--batch-size",
+    "interval": "--interval",
+    "seed": "--seed",
+    "admission": "--admission",
+    "trace": "--trace",
+    "scoring": "--scoring",
+    "prm_cost": "--prm-cost",
+    "prm_placement": "--prm-placement",
+    "preemption": "--no-preemption",
+    "replicas": "--replicas",
+    "slo": "--slo",
+    "mix": "--mix",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+}
+"""Config field -> the flag that sets it, so that errors use the user's words."""
+
+MODEL_DESTS = (
+    "prm",
+    "prm_kind",
+    "device",
+    "prm_device",
+    "prm_in_process",
+    "trust_remote_code",
+    "vllm_arg",
+    "sglang_arg",
+)
+"""The ``dest`` of each flag ``add_model_flags`` adds."""
+
+
+def in_flags(exc: ConfigError, renames: dict[str, str] | None = None) -> ConfigError:
+    """``exc`` in the words of the command line: "batch_size=0 must be ..." becomes
+    "--batch-size 0 must be ..." (messages about anything else are kept). ``renames``
+    overrides ``FLAGS`` for one command."""
+    table = FLAGS | (renames or {})
+    field, sep, rest = str(exc).partition("=")
+    return ConfigError(f"{table[field]} {rest}") if sep and field in table else exc
+
+
+def add_model_flags(p: Any, scope: str = "") -> None:
+    """The flags of the PRM and of the engines' own options; ``scope`` prefixes the
+    help texts of flags that only some runs read (e.g. "hf, vllm: ")."""
+    p.add_argument(
+        "--prm",
+        default=None,
+        help=f"{scope}the PRM's directory or hub id, or 'testbed' (the shipped testbed PRM; "
+        "the default under --model testbed)",
+    )
+    p.add_argument(
+        "--prm-kind",
+        choices=PRM_KINDS,
+        default=None,
+        help=f"{scope}Qwen2.5-Math-PRM style on transformers (qwen, the default), "
+        "Math-Shepherd style (shepherd), or Qwen2.5-Math-PRM served by vLLM as a pooling "
+        "model (vllm-qwen)",
+    )
+    p.add_argument("--device", default=None, help="hf: the policy's torch device (default cpu)")
+    p.add_argument(
+        "--prm-device",
+        default=None,
+        help="transformers PRMs (qwen, shepherd): their torch device (default --device, else cpu)",
+    )
+    p.add_argument(
+        "--prm-in-process",
+        action="store_true",
+        help="transformers PRMs: run in this process, on a worker thread, instead of in a "
+        "process of their own (the default: threads of one process share the interpreter "
+        "lock, so on CPUs a PRM thread barely runs beside decoding)",
+    )
+    p.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help=f"{scope}allow the model and the PRM to run modelling code their checkpoints "
+        "ship (needed by e.g. Qwen2.5-Math-PRM-7B; off by default, as in transformers and "
+        "vLLM: that code runs with your permissions)",
+    )
+    p.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="vllm, vllm-async: an EngineArgs field for the policy model, e.g. "
+        "tensor_parallel_size=2, dtype=bfloat16, enforce_eager=true (repeatable; VALUE is "
+        "parsed as JSON when it can be). max_num_seqs defaults to --batch-size",
+    )
+    p.add_argument(
+        "--sglang-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="sglang: a ServerArgs field, e.g. tp_size=2, attention_backend=torch_native "
+        "(repeatable; JSON values). max_running_requests defaults to --batch-size",
+    )
+
+
+def add_sampling_flags(p: Any, scope: str, max_tokens: int, temperature: float) -> None:
+    """``--max-tokens``, ``--temperature``, ``--top-p``; ``max_tokens`` and ``temperature``
+    are the defaults the help states for a model other than the testbed."""
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help=f"{scope}tokens per branch (default {max_tokens}; testbed: {TESTBED_MAX_TOKENS})",
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"{scope}sampling temperature (default {temperature}; testbed: 1.0, as calibrated)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help=f"{scope}nucleus sampling mass (default 0.95; testbed: 1.0, as calibrated: a cut "
+        "tail would drop most of its slips)",
+    )
+
+
+def sampling(args: argparse.Namespace, max_tokens: int, temperature: float) -> SamplingSettings:
+    """``--max-tokens``, ``--temperature`` and ``--top-p`` as sampling settings, with
+    ``max_tokens`` and ``temperature`` as defaults, or the testbed's calibration under
+    ``--model testbed``."""
+    return sampling_defaults(
+        args.model,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        default_max_tokens=max_tokens,
+        default_temperature=temperature,
+    )
+
+
+def add_plugin_flag(p: Any) -> None:
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import this module first, e.g. one that registers a method with "
+        "sart.methods.register_method (repeatable)",
+    )
+
+
+def import_plugins(modules: list[str]) -> None:
+    """Import each ``--plugin`` module (they register methods, engines or PRMs)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(f"--plugin {module}: cannot import it ({exc})") from None
+
+
+def key_values(pairs: list[str], flag: str) -> dict[str, Any]:
+    """``["tensor_parallel_size=2", "dtype=bfloat16"]`` -> keyword arguments (``flag``
+    names the option in errors). A value is parsed as JSON when it can be (numbers,
+    ``true``, lists), else kept as a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{flag}={pair!r} must be KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def load_spec(
+    args: argparse.Namespace,
+    *,
+    batch_size: int,
+    chat: bool = False,
+    gateway: Gateway | None = None,
+) -> LoadSpec:
+    """What ``args`` say to load (``--model testbed`` resolved; a local path that does
+    not exist, or a flag the engine or PRM would ignore, refused)."""
+    engine = args.engine
+    local = engine != "openai"
+    check_path("model", args.model if local else None)
+    check_path("prm", args.prm)
+    prm_kind = args.prm_kind or "qwen"
+    model, prm, prm_options = resolve_models(args.model, args.prm, prm_kind, local=local)
+    try:
+        return _spec(args, engine, model, prm, prm_kind, prm_options, batch_size, chat, gateway)
+    except IgnoredSetting as exc:
+        flag = FLAGS.get(exc.field, exc.field)
+        if exc.chosen is None:
+            raise ConfigError(f"{flag} has no effect without a PRM (--prm)") from None
+        by = "--engine" if exc.kind == "engine" else "--prm-kind"
+        raise ConfigError(
+            f"{flag} has no effect with {by} {exc.chosen} (it is for {by} "
+            f"{' or '.join(exc.readers)})"
+        ) from None
+
+
+def _spec(
+    args: argparse.Namespace,
+    engine: str,
+    model: str,
+    prm: str | None,
+    prm_kind: str,
+    prm_options: dict[str, Any],
+    batch_size: int,
+    chat: bool,
+    gateway: Gateway | None,
+) -> LoadSpec:
+    return LoadSpec(
+        engine=engine,
+        model=model,
+        prm=prm,
+        prm_kind=prm_kind,
+        prm_options=prm_options,
+        device=args.device,
+        prm_device=args.prm_device,
+        prm_in_process=args.prm_in_process,
+        trust_remote_code=args.trust_remote_code,
+        vllm_args=key_values(args.vllm_arg, "--vllm-arg"),
+        sglang_args=key_values(args.sglang_arg, "--sglang-arg"),
+        batch_size=batch_size,
+        chat=chat,
+        gateway=gateway,
+    )
+
+
+__all__ = [
+    "FLAGS",
+    "MODEL_DESTS",
+    "add_model_flags",
+    "add_plugin_flag",
+    "add_sampling_flags",
+    "import_plugins",
+    "in_flags",
+    "key_values",
+    "load_spec",
+    "sampling",
+]

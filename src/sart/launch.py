@@ -1,0 +1,447 @@
+"""One model loader for every command: what to load (``LoadSpec``), and building it.
+
+``sart bench``, ``sart eval``, ``sart serve``, ``python -m sart.serve.bench`` and
+``scripts/gpu_check.py`` describe the policy engine and the PRM they need as a
+frozen ``LoadSpec`` and build it here (``load``, or ``build_engine`` and
+``build_prm``), so that a model loads the same way whichever command asks.
+
+The spec knows which of its fields each engine and each PRM kind reads
+(``ENGINE_READS``, ``PRM_READS``); a field set where it would be ignored is
+refused with a ``ConfigError`` naming it, so no command silently drops a flag.
+The commands build specs from one set of flags (``sart.launch_flags``).
+
+``--model testbed`` (``TESTBED``) stands for the shipped testbed policy, and, unless
+another PRM is named, its PRM with the options it is calibrated for
+(``resolve_models``).
+
+Nothing here imports torch or an engine until a build function runs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from sart.errors import ConfigError, config_check
+from sart.types import SamplingSettings
+
+TESTBED = "testbed"
+"""``--model testbed``: the shipped testbed policy, PRM and questions (``sart.testbed``)."""
+TESTBED_MAX_TOKENS = 256
+"""Above the longest testbed trace (under 256 tokens with its prompt)."""
+TESTBED_INTERVAL = 16
+"""``T`` for the testbed: its traces are tens of tokens long, not thousands."""
+
+SYNC_ENGINES = ("hf", "vllm", "sglang")
+"""Engines the step driver runs (SGLang through its ``SyncBridge``): bench and eval's."""
+ENGINES = (*SYNC_ENGINES, "vllm-async", "openai")
+"""Every engine the loader builds from a model name (names of ``sart.registry``)."""
+TRANSFORMERS_PRMS = ("qwen", "shepherd")
+"""PRM kinds that load with transformers, on a torch device, in a process of their own
+by default."""
+PRM_KINDS = (*TRANSFORMERS_PRMS, "vllm-qwen")
+"""PRM kinds the loader builds (names of ``sart.registry``)."""
+
+ENGINE_READS: dict[str, tuple[str, ...]] = {
+    "device": ("hf",),
+    "vllm_args": ("vllm", "vllm-async"),
+    "sglang_args": ("sglang",),
+    "chat": ("hf", "vllm", "vllm-async", "sglang"),
+    "gateway": ("openai",),
+}
+"""``LoadSpec`` fields only some engines read -> those engines."""
+PRM_READS: dict[str, tuple[str, ...]] = {
+    "prm_device": TRANSFORMERS_PRMS,
+    "prm_in_process": TRANSFORMERS_PRMS,
+}
+"""``LoadSpec`` fields only some PRM kinds read -> those kinds."""
+
+
+class IgnoredSetting(ConfigError):
+    """A ``LoadSpec`` field set where the chosen engine or PRM would ignore it."""
+
+    def __init__(self, field: str, value: Any, kind: str, chosen: str | None,
+                 readers: tuple[str, ...]) -> None:  # fmt: skip
+        self.field, self.value, self.kind, self.chosen, self.readers = (
+            field,
+            value,
+            kind,
+            chosen,
+            readers,
+        )
+        where = f"with {kind} {chosen!r}" if chosen is not None else "without a PRM (prm=None)"
+        only = f" (only {', '.join(readers)} read{'s' if len(readers) == 1 else ''} it)"
+        super().__init__(f"{field}={value!r} has no effect {where}{only if readers else ''}")
+
+
+def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any]:
+    return dict(value or {})
+
+
+@attrs.frozen
+class Gateway:
+    """``engine="openai"``: sart in front of OpenAI-compatible servers of one model."""
+
+    upstreams: tuple[str, ...] = attrs.field(converter=tuple)
+    api_key: str | None = None
+    tokenizer: str | None = None
+    """A tokenizer directory or hub id (chat templates, exact token counts)."""
+    affinity: bool = True
+    """Every branch of a request on one upstream (its prompt prefilled once)."""
+    explicit_abort: bool = False
+    """Also POST vLLM's abort endpoint for a pruned branch (not only disconnect)."""
+
+    def __attrs_post_init__(self) -> None:
+        config_check(bool(self.upstreams), "upstreams", self.upstreams, "at least one URL")
+
+
+@attrs.frozen
+class LoadSpec:
+    """What to load: the policy on an engine, and optionally a PRM.
+
+    Fields an engine (or PRM kind) does not read must keep their defaults: see
+    ``ENGINE_READS`` and ``PRM_READS``."""
+
+    engine: str
+    model: str
+    """A model directory or hub id (resolved: not ``'testbed'``, see ``resolve_models``);
+    the upstreams' model name for ``openai``."""
+    prm: str | None = None
+    prm_kind: str = "qwen"
+    prm_options: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
+    """Keyword arguments of the PRM's constructor (the testbed's calibration)."""
+    device: str | None = None
+    """``hf``: the policy's torch device (``None``: cpu)."""
+    prm_device: str | None = None
+    """Transformers PRMs: their torch device (``None``: ``device``, else cpu)."""
+    prm_in_process: bool = False
+    """Transformers PRMs: load in this process (on its thread) instead of a process of
+    their own (``PRMProcess``): threads share the interpreter lock, so on CPUs a PRM
+    thread barely runs beside decoding."""
+    trust_remote_code: bool = False
+    vllm_args: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
+    """``vllm``, ``vllm-async``: ``EngineArgs`` fields (``max_num_seqs`` defaults to
+    ``batch_size``)."""
+    sglang_args: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
+    """``sglang``: ``ServerArgs`` fields (``max_running_requests`` defaults to
+    ``batch_size``)."""
+    batch_size: int = 16
+    """The branch budget ``B``: the engine is sized to run that many branches at once."""
+    chat: bool = False
+    """Prompts go through the model's chat template."""
+    gateway: Gateway | None = None
+
+    def __attrs_post_init__(self) -> None:
+        config_check(self.engine in ENGINES, "engine", self.engine, f"one of {ENGINES}")
+        config_check(bool(self.model), "model", self.model, "a model name or path")
+        config_check(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
+        config_check(self.prm_kind in PRM_KINDS, "prm_kind", self.prm_kind, f"one of {PRM_KINDS}")
+        if (self.engine == "openai") != (self.gateway is not None):
+            config_check(False, "gateway", self.gateway, "set exactly when engine='openai'")
+        defaults = {f.name: f.default for f in attrs.fields(LoadSpec)}
+        for name, readers in ENGINE_READS.items():
+            _refuse_unread(self, name, defaults[name], readers, "engine", self.engine)
+        if self.prm is None:
+            for name in ("prm_kind", "prm_device", "prm_in_process"):
+                if getattr(self, name) != _default(defaults[name]):
+                    raise IgnoredSetting(name, getattr(self, name), "PRM kind", None, ())
+            return
+        for name, readers in PRM_READS.items():
+            _refuse_unread(self, name, defaults[name], readers, "PRM kind", self.prm_kind)
+
+    @property
+    def prm_process(self) -> bool:
+        """Whether ``build_prm`` hosts the PRM in a ``PRMProcess`` (it loads its model
+        there) rather than loading it in this process (vLLM's PRM has its own engine
+        process already)."""
+        return (
+            self.prm is not None
+            and self.prm_kind in TRANSFORMERS_PRMS
+            and not (self.prm_in_process)
+        )
+
+    @property
+    def resolved_prm_device(self) -> str | None:
+        """The transformers PRM's torch device (``None`` for other PRMs)."""
+        if self.prm is None or self.prm_kind not in TRANSFORMERS_PRMS:
+            return None
+        return self.prm_device or self.device or "cpu"
+
+    def describe(self) -> dict[str, Any]:
+        """What was loaded, for a results file: accuracies and latencies are not
+        comparable across runs without it."""
+        return {
+            "model": self.model,
+            "prm": self.prm,
+            "prm_kind": self.prm_kind if self.prm else None,
+            "prm_options": self.prm_options,
+            "prm_process": self.prm_process,
+            # Overlapped checks only overlap if the PRM has its own device (or cores).
+            "prm_device": self.resolved_prm_device,
+        }
+
+
+def _default(value: Any) -> Any:
+    return value.factory() if isinstance(value, attrs.Factory) else value  # type: ignore[misc]
+
+
+def _refuse_unread(
+    spec: LoadSpec, name: str, default: Any, readers: tuple[str, ...], kind: str, chosen: str
+) -> None:
+    value = getattr(spec, name)
+    if chosen not in readers and value != _default(default):
+        raise IgnoredSetting(name, value, kind, chosen, readers)
+
+
+def resolve_models(
+    model: str, prm: str | None, prm_kind: str, *, local: bool = True
+) -> tuple[str, str | None, dict[str, Any]]:
+    """``(model, prm, prm options)`` with ``'testbed'`` resolved: as the model, the
+    shipped policy and, unless ``prm`` names another, its PRM with the options it is
+    calibrated for; as the PRM, the shipped PRM. ``local=False``: the model is a
+    remote server's model name, kept as given."""
+    from sart import testbed as tb
+
+    testbed_model = local and model == TESTBED
+    if prm == TESTBED or (prm is None and testbed_model):
+        if prm_kind != "qwen":
+            # Its model class is custom transformers code (auto_map), which vLLM's
+            # pooling runner cannot load.
+            raise ConfigError(
+                f"prm_kind={prm_kind!r}: the testbed PRM runs on transformers only "
+                "('qwen', the default; the policy may still run on vLLM)"
+            )
+        prm, options = str(tb.PRM_PATH), tb.prm_kwargs()
+    else:
+        options = {}
+    return (str(tb.POLICY_PATH) if testbed_model else model), prm, options
+
+
+def sampling_defaults(
+    model: str | None,
+    *,
+    max_tokens: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    default_max_tokens: int,
+    default_temperature: float,
+) -> SamplingSettings:
+    """Sampling settings from what was given, with the given defaults, or the testbed's
+    calibration (``TESTBED_MAX_TOKENS``, temperature 1.0, top-p 1.0) for the testbed."""
+    testbed = model == TESTBED
+    chosen_top_p: dict[str, float] = {}
+    if top_p is not None:
+        chosen_top_p["top_p"] = top_p
+    elif testbed:
+        # The calibration samples the full distribution: the testbed's slips are
+        # low-probability tokens that a top-p cut would mostly remove.
+        chosen_top_p["top_p"] = 1.0
+    return SamplingSettings(
+        temperature=(1.0 if testbed else default_temperature)
+        if temperature is None
+        else temperature,
+        max_tokens=(TESTBED_MAX_TOKENS if testbed else default_max_tokens)
+        if max_tokens is None
+        else max_tokens,
+        **chosen_top_p,
+    )
+
+
+def check_path(field: str, value: str | None) -> None:
+    """A local path that does not exist is refused now (a hub id is left to the loader)."""
+    if (
+        value
+        and value.startswith(("/", "./", "../", "~"))
+        and not Path(value).expanduser().exists()
+    ):
+        raise ConfigError(f"{field}={value!r}: no such file or directory")
+
+
+def build_engine(spec: LoadSpec) -> Any:
+    """The policy's engine, sized to ``spec.batch_size`` branches."""
+    from sart.registry import load_engine
+
+    options: dict[str, Any] = {"trust_remote_code": True} if spec.trust_remote_code else {}
+    if spec.chat:
+        options["chat"] = True
+    if spec.engine == "hf":
+        return load_engine("hf").from_pretrained(spec.model, device=spec.device or "cpu", **options)
+    if spec.engine == "sglang":
+        server_args = {"max_running_requests": spec.batch_size, **spec.sglang_args}
+        # sglang.Engine runs its calls on its own loop: the bridge drives it.
+        return load_engine("sglang").from_args(spec.model, **options, **server_args).bridge()
+    if spec.engine == "openai":
+        return _gateway(spec)
+    engine_args = {"max_num_seqs": spec.batch_size, **options, **spec.vllm_args}
+    engine = load_engine(spec.engine).from_engine_args(spec.model, **engine_args)
+    # sart's branch budget, not vLLM's queue, must decide admission.
+    engine.check_batch_size(spec.batch_size)
+    return engine
+
+
+def _gateway(spec: LoadSpec) -> Any:
+    """``OpenAIEngine`` over the upstreams, with the tokenizer if one is given or local."""
+    from sart.registry import load_engine
+
+    gateway = spec.gateway
+    assert gateway is not None
+    tokenizer = None
+    source = gateway.tokenizer or (spec.model if Path(spec.model).expanduser().is_dir() else None)
+    if source is not None:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as exc:
+            raise ConfigError(
+                f"tokenizer={source!r}: loading it needs transformers (pip install "
+                f"'sart[hf]'): {exc}"
+            ) from None
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
+    return load_engine("openai")(
+        list(gateway.upstreams),
+        spec.model,
+        api_key=gateway.api_key,
+        tokenizer=tokenizer,
+        affinity=gateway.affinity,
+        explicit_abort=gateway.explicit_abort,
+    )
+
+
+def build_prm(spec: LoadSpec) -> Any:
+    """The PRM (``None`` without one): a transformers PRM in a ``PRMProcess`` unless
+    ``prm_in_process``; vLLM's in its own engine."""
+    from sart.registry import load_prm
+
+    if spec.prm is None:
+        return None
+    trust = {"trust_remote_code": True} if spec.trust_remote_code else {}
+    if spec.prm_kind not in TRANSFORMERS_PRMS:  # vLLM runs it in its own engine process
+        return load_prm(spec.prm_kind).from_engine_args(spec.prm, **trust, **spec.prm_options)
+    factory = functools.partial(
+        load_prm(spec.prm_kind).from_pretrained,
+        spec.prm,
+        device=spec.resolved_prm_device,
+        **trust,
+        **spec.prm_options,
+    )
+    if not spec.prm_process:
+        return factory()
+    from sart.prm.process import PRMProcess
+
+    return PRMProcess(factory)
+
+
+@attrs.define
+class Loaded:
+    """A loaded engine and PRM; ``close()`` (or ``with``) stops what they hold."""
+
+    engine: Any
+    prm: Any = None
+
+    def close(self) -> None:
+        """Stop the PRM (its process) and the engine (vLLM's engine core, SGLang's
+        processes, the gateway's HTTP client), from synchronous code."""
+        _stop(self.prm, "close")
+        if hasattr(self.engine, "aclose"):
+            self.engine.close()  # the gateway's own close, with no loop running
+        else:
+            shutdown_engine(self.engine)
+
+    def close_on_loop(self) -> Awaitable[None] | None:
+        """Stop the PRM now; what the engine must await on the loop it runs on (the
+        gateway's HTTP client), or ``None``."""
+        _stop(self.prm, "close")
+        return shutdown_engine(self.engine)
+
+    def __enter__(self) -> Loaded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def shutdown_engine(engine: Any) -> Any:
+    """Stop what ``engine`` holds: the gateway's HTTP client (a coroutine is returned,
+    to be awaited on the loop the engine runs on), vLLM's engine core, or SGLang's
+    processes through its bridge."""
+    if hasattr(engine, "aclose"):
+        return engine.aclose()
+    if hasattr(engine, "shutdown"):
+        engine.shutdown()
+    elif hasattr(engine, "close"):
+        engine.close()
+    return None
+
+
+def _stop(thing: object, method: str) -> None:
+    stop = getattr(thing, method, None)
+    if stop is not None:
+        stop()
+
+
+def load(spec: LoadSpec, *, with_prm: bool = True) -> Loaded:
+    """The engine and (with ``with_prm`` and ``spec.prm``) the PRM.
+
+    A PRM in its own process (``PRMProcess``, the default) starts on a thread while
+    the engine loads; one in this process loads after the engine, on this thread.
+
+    Why not both on threads: transformers 5 resolves its names lazily, and two threads
+    importing it at once can see it half-built ("cannot import name
+    'AutoModelForCausalLM' from 'transformers'": seen here, 1 start in a few, and
+    reported against transformers 5 and vLLM). So the PRM's module is imported on this
+    thread before its thread starts, which then only starts its process while this one
+    builds the engine; and a PRM that would load its model on that thread
+    (``prm_in_process``, ``vllm-qwen``) is not given one. Whatever fails, nothing
+    loaded stays running."""
+    from sart.registry import load_prm
+
+    wants_prm = with_prm and spec.prm is not None
+    if wants_prm:
+        load_prm(spec.prm_kind)
+    threaded = wants_prm and spec.prm_process
+    with concurrent.futures.ThreadPoolExecutor(1, "sart-prm-load") as pool:
+        prm_job = pool.submit(build_prm, spec) if threaded else None
+        try:
+            engine = build_engine(spec)
+        except BaseException:
+            if prm_job is not None and prm_job.exception() is None:
+                _stop(prm_job.result(), "close")
+            raise
+        try:
+            if prm_job is not None:
+                prm = prm_job.result()
+            else:
+                prm = build_prm(spec) if wants_prm else None
+        except BaseException:
+            Loaded(engine).close()
+            raise
+    return Loaded(engine, prm)
+
+
+LoadFunction = Callable[[LoadSpec], Loaded]
+
+__all__ = [
+    "ENGINES",
+    "ENGINE_READS",
+    "PRM_KINDS",
+    "PRM_READS",
+    "SYNC_ENGINES",
+    "TESTBED",
+    "TESTBED_INTERVAL",
+    "TESTBED_MAX_TOKENS",
+    "Gateway",
+    "IgnoredSetting",
+    "LoadSpec",
+    "Loaded",
+    "build_engine",
+    "build_prm",
+    "check_path",
+    "load",
+    "resolve_models",
+    "sampling_defaults",
+    "shutdown_engine",
+]

@@ -1,0 +1,148 @@
+"""The one model loader (``sart.launch``): what a spec accepts, what it builds, and that
+whatever it started is stopped, with the engines and PRMs stood in for."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+
+import sart
+import sart.registry
+from sart import testbed
+from sart.launch import (
+    ENGINES,
+    Gateway,
+    LoadSpec,
+    build_engine,
+    build_prm,
+    load,
+    resolve_models,
+)
+
+
+class StandIn:
+    """An engine or PRM class that records how it was built and whether it was closed."""
+
+    built: ClassVar[list[tuple[str, str, dict]]] = []
+    closed: ClassVar[list[str]] = []
+    fail: ClassVar[set[str]] = set()
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    @classmethod
+    def _make(cls, how: str, model: str, **kwargs: Any) -> StandIn:
+        if how in cls.fail:
+            raise sart.ConfigError(f"{how} failed")
+        cls.built.append((how, model, kwargs))
+        return cls(how)
+
+    @classmethod
+    def from_pretrained(cls, model: str, **kwargs: Any) -> StandIn:
+        return cls._make("from_pretrained", model, **kwargs)
+
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs: Any) -> StandIn:
+        return cls._make("from_engine_args", model, **kwargs)
+
+    def check_batch_size(self, batch_size: int) -> None:
+        self.built.append(("check_batch_size", "", {"batch_size": batch_size}))
+
+    def close(self) -> None:
+        self.closed.append(self.name)
+
+
+@pytest.fixture(autouse=True)
+def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
+    StandIn.built, StandIn.closed, StandIn.fail = [], [], set()
+    for name in ("hf", "vllm", "vllm-async"):
+        monkeypatch.setitem(sart.registry._ENGINES, name, StandIn)
+    for name in ("qwen", "shepherd", "vllm-qwen"):
+        monkeypatch.setitem(sart.registry._PRMS, name, StandIn)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"engine": "vllm", "device": "cuda:0"},
+            "device='cuda:0' has no effect with engine 'vllm'",
+        ),
+        ({"engine": "hf", "vllm_args": {"dtype": "half"}}, "vllm_args={'dtype': 'half'} has no"),
+        ({"engine": "vllm", "sglang_args": {"tp_size": 2}}, "sglang_args={'tp_size': 2} has no"),
+        ({"engine": "hf", "prm_device": "cuda:1"}, "prm_device='cuda:1' has no effect without"),
+        (
+            {"engine": "hf", "prm": "p", "prm_kind": "vllm-qwen", "prm_device": "cuda:1"},
+            "prm_device='cuda:1' has no effect with PRM kind 'vllm-qwen' (only qwen, shepherd",
+        ),
+        (
+            {"engine": "vllm", "prm": "p", "prm_kind": "vllm-qwen", "prm_in_process": True},
+            "prm_in_process=True has no effect with PRM kind 'vllm-qwen'",
+        ),
+        ({"engine": "openai"}, "gateway=None must be set exactly when engine='openai'"),
+        ({"engine": "hf", "gateway": Gateway(("http://x",))}, "gateway=Gateway("),
+        ({"engine": "tgi"}, "engine='tgi' must be one of"),
+        ({"engine": "hf", "batch_size": 0}, "batch_size=0 must be >= 1"),
+    ],
+)
+def test_a_field_the_engine_or_prm_would_ignore_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(sart.ConfigError) as info:
+        LoadSpec(model="m", **fields)
+    assert message in str(info.value)
+
+
+def test_every_loader_engine_is_a_registry_name() -> None:
+    assert set(ENGINES) <= set(sart.registry.engine_names())
+
+
+def test_testbed_stands_for_the_shipped_policy_and_its_calibrated_prm() -> None:
+    policy, prm, options = str(testbed.POLICY_PATH), str(testbed.PRM_PATH), testbed.prm_kwargs()
+    assert resolve_models("testbed", None, "qwen") == (policy, prm, options)
+    assert resolve_models("testbed", "other", "qwen") == (policy, "other", {})
+    assert resolve_models("m", "testbed", "qwen") == ("m", prm, options)
+    # A remote server's model named "testbed" is a name, not the shipped files.
+    assert resolve_models("testbed", None, "qwen", local=False) == ("testbed", None, {})
+    with pytest.raises(sart.ConfigError, match="the testbed PRM runs on transformers only"):
+        resolve_models("testbed", None, "vllm-qwen")
+
+
+def test_engines_are_sized_to_the_branch_budget_with_their_own_arguments() -> None:
+    build_engine(LoadSpec("hf", "m", device="cuda:0", trust_remote_code=True, chat=True))
+    spec = LoadSpec("vllm", "m", vllm_args={"dtype": "half", "max_num_seqs": 64}, batch_size=32)
+    build_engine(spec)
+    assert StandIn.built == [
+        ("from_pretrained", "m", {"device": "cuda:0", "trust_remote_code": True, "chat": True}),
+        ("from_engine_args", "m", {"max_num_seqs": 64, "dtype": "half"}),
+        ("check_batch_size", "", {"batch_size": 32}),
+    ]
+
+
+def test_prm_placement_and_hosting() -> None:
+    spec = LoadSpec("hf", "m", prm="p", device="cuda:0", prm_in_process=True)
+    assert (spec.prm_process, spec.resolved_prm_device) == (False, "cuda:0")
+    build_prm(spec)
+    assert StandIn.built[-1] == ("from_pretrained", "p", {"device": "cuda:0"})
+    vllm_prm = LoadSpec("vllm", "m", prm="p", prm_kind="vllm-qwen", prm_options={"x": 1})
+    assert (vllm_prm.prm_process, vllm_prm.resolved_prm_device) == (False, None)
+    build_prm(vllm_prm)
+    assert StandIn.built[-1] == ("from_engine_args", "p", {"x": 1})
+    assert LoadSpec("vllm", "m", prm="p").resolved_prm_device == "cpu"
+    assert LoadSpec("vllm", "m", prm="p").prm_process  # its own process by default
+    assert build_prm(LoadSpec("hf", "m")) is None
+
+
+def test_load_builds_both_and_close_stops_both() -> None:
+    with load(LoadSpec("hf", "m", prm="p", prm_in_process=True)) as loaded:
+        assert (loaded.engine.name, loaded.prm.name) == ("from_pretrained", "from_pretrained")
+    assert StandIn.closed == ["from_pretrained", "from_pretrained"]
+    StandIn.closed.clear()
+    with load(LoadSpec("hf", "m", prm="p", prm_in_process=True), with_prm=False) as loaded:
+        assert loaded.prm is None
+
+
+def test_a_prm_that_fails_to_load_stops_the_engine_already_loaded() -> None:
+    StandIn.fail = {"from_engine_args"}  # the PRM (vllm-qwen); the engine is hf
+    with pytest.raises(sart.ConfigError, match="from_engine_args failed"):
+        load(LoadSpec("hf", "m", prm="p", prm_kind="vllm-qwen"))
+    assert StandIn.closed == ["from_pretrained"]
