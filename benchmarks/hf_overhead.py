@@ -6,7 +6,8 @@ splits wall time into: the model's forward passes, the engine's own work
 (repacking caches into a batch, sampling, detokenizing), and sart's
 scheduler + driver. Reported per decode step.
 
-    python benchmarks/hf_overhead.py [--n 4] [--max-tokens 64] [--interval 16]
+    python benchmarks/hf_overhead.py [--n 4] [--max-tokens 64] [--interval 16] [--threads 2]
+    python benchmarks/hf_overhead.py --n 2 --max-tokens 16 --threads 1   # seconds: a smoke run
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--interval", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     paths = build_demo_models(tempfile.mkdtemp())
     engine = HFEngine.from_pretrained(str(paths["policy"]), dtype=torch.float32)
     items = load_prompts(paths["prompts"])

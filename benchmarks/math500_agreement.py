@@ -3,6 +3,7 @@ rewrites of themselves, and against every other problem's answer.
 
     python benchmarks/math500_agreement.py                      # ../shared/data, 8 processes
     python benchmarks/math500_agreement.py --data math500.jsonl --processes 16
+    python benchmarks/math500_agreement.py --quick              # first 20 answers, 2 processes
 
 Needs ``sart[eval]``. Prints:
 
@@ -14,6 +15,10 @@ Needs ``sart[eval]``. Prints:
 - cross pairs: every ordered pair of *different* answer strings (gold first)
   that verifies: the same answer written two ways, or a convention of
   math-verify's. About 90 000 comparisons: minutes, spread over processes.
+
+``--quick`` (a few seconds; what the tests run so that the script keeps
+working) does all of that on the first 20 problems only, on 2 processes
+unless ``--processes`` says otherwise: a smoke run, not the measurement.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from sart.eval.mathverify import boxed, verify_texts
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500" / "test.jsonl"
 
 ANSWERS: list[str] = []
+QUICK_PROBLEMS = 20
 
 
 def rewrites(answer: str) -> Iterator[tuple[str, str]]:
@@ -61,9 +67,16 @@ def _init(answers: list[str]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--processes", type=int, help="default 8 (2 with --quick)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"first {QUICK_PROBLEMS} problems only: a smoke run"
+    )
     args = parser.parse_args()
+    if args.processes is None:
+        args.processes = 2 if args.quick else 8
     golds = [p.answer for p in load_dataset("math500", args.data)]
+    if args.quick:
+        golds = golds[:QUICK_PROBLEMS]
     grader = MathVerifyGrader()
 
     failed = [(i, g) for i, g in enumerate(golds) if not grader.grade(boxed(g), g)]

@@ -14,9 +14,13 @@ The second table is the context limit: the real Qwen2.5-Math-PRM-7B has 4096
 positions, so an 8k branch is windowed; with ``window_stride=1`` the window's
 start moves at nearly every check and the cache must be rebuilt, with a
 stride it moves in jumps and the cache is reused between them.
+``--context-limit`` sets that limit (the model is built with at least that
+many positions); a branch no longer than it is never windowed.
 
     python benchmarks/prm_cost.py                    # T = 100, 400; L = 1k, 2k, 4k, 8k
     python benchmarks/prm_cost.py --lengths 2000 --intervals 100
+    python benchmarks/prm_cost.py --lengths 300 --intervals 100 --strides 1 32 \
+        --context-limit 128                          # a few seconds: both tables, windowed
 
 Target (the PRM issue): incremental <= 1.2 PRM tokens per generated token.
 """
@@ -82,12 +86,19 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1000, 2000, 4000, 8000])
     parser.add_argument("--intervals", type=int, nargs="+", default=[100, 400])
     parser.add_argument("--strides", type=int, nargs="+", default=[1, 1024, 2048])
+    parser.add_argument(
+        "--context-limit",
+        type=int,
+        default=4096,
+        help="the second table's PRM context (default 4096, Qwen2.5-Math-PRM-7B's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(min(8, torch.get_num_threads()))
 
     tokenizer = build_tokenizer()
     longest = max(args.lengths)
-    model = build_prm_model(tokenizer, positions=2 * longest)
+    # Enough positions for both tables: QwenMathPRM refuses a max_length beyond them.
+    model = build_prm_model(tokenizer, positions=max(2 * longest, args.context_limit))
     ids = synthetic_response(tokenizer, longest)
     steps = tokenizer.decode(ids).count("\n\n") + 1
     print(f"synthetic response: {len(ids)} tokens, {steps} steps; PRM context {2 * longest}")
@@ -114,11 +125,13 @@ def main() -> None:
             )
 
     print()
-    print(f"context limit 4096 (Qwen2.5-Math-PRM-7B), incremental, L = {longest}")
+    limit = args.context_limit
+    named = " (Qwen2.5-Math-PRM-7B)" if limit == 4096 else ""
+    print(f"context limit {limit}{named}, incremental, L = {longest}")
     print(f"{'T':>5} {'stride':>7} {'PRM tokens / L':>15}")
     for interval in args.intervals:
         for stride in args.strides:
-            prm = QwenMathPRM(model, tokenizer, max_length=4096, window_stride=stride)
+            prm = QwenMathPRM(model, tokenizer, max_length=limit, window_stride=stride)
             run = simulate(prm, tokenizer, ids, interval, longest)
             print(f"{interval:>5} {stride:>7} {run['ratio']:>15.3f}")
 

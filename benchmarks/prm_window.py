@@ -16,11 +16,17 @@ report`` draws them) scored with the shipped PRM through ``QwenMathPRM`` with
 each window: AUROC for final correctness at 50% of the trace and on whole
 traces, and best-of-8 accuracy, with the PRM's own aggregation (``last``).
 The testbed's traces are short (20-150 tokens, 59 on average), so its
-windows are a few steps. Needs the ``[hf]`` extra only.
+windows are a few steps. Needs the ``[hf]`` extra only. ``quality --quick``
+draws 8 questions x 8 instead of 120 x 8 (a few seconds: a smoke run, what the
+tests run; its numbers mean little).
 
     VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 \\
       VLLM_CPU_OMP_THREADS_BIND=nobind python benchmarks/prm_window.py cost
     OMP_NUM_THREADS=1 python benchmarks/prm_window.py quality
+    OMP_NUM_THREADS=1 python benchmarks/prm_window.py quality --quick --windows 16
+
+``cost`` is made small with its own flags, e.g. ``cost --lengths 256 --intervals 128
+--windows 64``.
 
 About 20 s and 30 s on this project's 2-core machine; the numbers are in
 ``docs/how-to/custom-prm.md`` ("Which PRM backend and mode to pick when").
@@ -86,6 +92,9 @@ def cost(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- quality
 
+QUICK_QUESTIONS = 8
+"""Questions (of ``n`` = 8 branches each) that ``quality --quick`` draws."""
+
 
 def quality(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,7 +107,7 @@ def quality(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(POLICY_PATH)
     policy = AutoModelForCausalLM.from_pretrained(POLICY_PATH).eval()
-    report = ReportConfig()
+    report = ReportConfig(questions=QUICK_QUESTIONS) if args.quick else ReportConfig()
     questions = make_questions(report.seed, report.questions, report.difficulties)
     drawn = draw(questions, report.n, policy, tokenizer, report.seed, report.max_new_tokens)
     shipped = QwenMathPRM.from_pretrained(PRM_PATH, **prm_kwargs())
@@ -146,6 +155,11 @@ def main() -> None:
     p = sub.add_parser("quality", help="testbed AUROC and best-of-8 per window")
     p.add_argument("--windows", type=int, nargs="+", default=[64, 32, 16, 8])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK_QUESTIONS} questions instead of 120: a smoke run",
+    )
     args = parser.parse_args()
     {"cost": cost, "quality": quality}[args.part](args)
 

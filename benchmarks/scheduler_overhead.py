@@ -25,11 +25,22 @@ from sart.testing import FakeEngine, ScriptedPRM, random_scripts
 
 
 class TimedScheduler:
-    """Wraps the driver's scheduler and accumulates the time spent inside it."""
+    """Wraps the driver's scheduler and accumulates the time spent inside it.
+
+    Times ``submit``, ``next_commands`` and ``handle``; everything else the driver
+    reads (``config``, ``next_deadline``, ``cancel``, ``running_request_ids``, ...)
+    is passed through to the wrapped scheduler untimed, so that the wrapper keeps
+    working when the driver starts using another part of the scheduler."""
 
     def __init__(self, inner: sart.Scheduler) -> None:
         self.inner = inner
         self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for what this class does not define itself.
+        if name == "inner":  # not set yet (e.g. while unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
     def _timed(self, fn: Callable[..., Any], *args: Any) -> Any:
         start = time.perf_counter()

@@ -24,7 +24,13 @@ And two oracles that read the grader, not the trace's likelihood:
   ahead (from the true sums), each combination's outcome rate on the
   training rollouts: about the best any judge of the prefix can do.
 
-    python benchmarks/testbed_prm_ablation.py        # about 2 minutes on 1 thread
+    python benchmarks/testbed_prm_ablation.py          # about 2 minutes on 1 thread
+    python benchmarks/testbed_prm_ablation.py --quick  # seconds: a smoke run
+
+``--quick`` shrinks every sample: 256 training rollouts instead of 4096, 8
+evaluation questions x 8 instead of 120 x 8, and 256 oracle rollouts instead
+of 4096. It runs every step (what the tests do, so that the script keeps
+working), but its numbers mean little.
 
 Needs the ``[hf]`` extra.
 """
@@ -50,6 +56,10 @@ from sart.testbed.tasks import Question, grade, make_question, make_questions, s
 from sart.testbed.train import TrainConfig, _pad, fit_logistic, prm_examples
 
 _POSITION = re.compile(r"p(\d+) \d \+")
+QUICK_ROLLOUTS = 256
+"""``--quick``'s training and oracle rollouts (4096 each otherwise)."""
+QUICK_QUESTIONS = 8
+"""``--quick``'s evaluation questions (8 branches each; 120 otherwise)."""
 
 
 @torch.no_grad()
@@ -109,7 +119,9 @@ def _best_of(scores: Sequence[float], labels: Sequence[bool], n: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="small samples: a smoke run")
     args = parser.parse_args()
+    oracle_rollouts = QUICK_ROLLOUTS if args.quick else 4096
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     prm = QwenMathPRM.from_pretrained(PRM_PATH, incremental=False, **prm_kwargs())
@@ -117,7 +129,7 @@ def main() -> None:
     policy = prm.model.policy
 
     # Training data: the PRM's own training examples (same seeds as train_prm).
-    config = TrainConfig()
+    config = TrainConfig(prm_rollouts=QUICK_ROLLOUTS) if args.quick else TrainConfig()
     examples = prm_examples(config, policy, tokenizer, prm, log=lambda _line: None)
     train = inputs(prm, [e[0] for e in examples], [e[1] for e in examples])
     train_f = torch.cat([f for f, _ in train])
@@ -125,17 +137,17 @@ def main() -> None:
     train_y = torch.tensor([float(e[2]) for e in examples for _ in e[1]])
 
     # Evaluation: the report's branches, cut at 50% and whole.
-    report = ReportConfig()
+    report = ReportConfig(questions=QUICK_QUESTIONS) if args.quick else ReportConfig()
     questions = make_questions(report.seed, report.questions, report.difficulties)
     drawn = draw(questions, report.n, policy, tokenizer, report.seed, report.max_new_tokens)
     branches = [(d.question, d.half, d.text, grade(d.question, d.text)) for d in drawn]
     labels = [b[3] for b in branches]
 
     # The oracle table: outcome rate per (on track, ahead, carries), from 4096
-    # other rollouts of the policy (1 to 8 digits, as the PRM's training
+    # (--quick: 256) other rollouts of the policy (1 to 8 digits, as the PRM's training
     # rollouts) cut at 50% as the evaluation is.
     rng = random.Random(10)
-    others = [make_question(rng, rng.randint(1, 8)) for _ in range(4096)]
+    others = [make_question(rng, rng.randint(1, 8)) for _ in range(oracle_rollouts)]
     table: dict[tuple[int, int, int], list[float]] = defaultdict(list)
     for d in draw(others, 1, policy, tokenizer, seed=10):
         table[oracle(d.question, d.half)].append(float(grade(d.question, d.text)))

@@ -149,10 +149,12 @@ VLLM_SERVER_ENV = {
 
 
 @contextlib.contextmanager
-def vllm_serve(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
+def vllm_serve(
+    model: Path, log_path: Path, *flags: str, handles: list[Any] | None = None
+) -> Iterator[str]:
     """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
-    block ends, its output in ``log_path``; yields its URL once healthy. (Also used
-    by ``benchmarks/gateway.py``.)"""
+    block ends, its output in ``log_path``; yields its URL once healthy (``handles``,
+    if given, receives its ``Popen``). (Also used by ``benchmarks/gateway.py``.)"""
     port = free_port()
     cmd = [
         # `vllm serve` reads the version of a distribution named "vllm", which
@@ -187,17 +189,24 @@ def vllm_serve(model: Path, log_path: Path, *flags: str) -> Iterator[str]:
         "8192",
         *flags,
     ]
-    with serve_subprocess(cmd, {**os.environ, **VLLM_SERVER_ENV}, log_path, port) as url:
+    env = {**os.environ, **VLLM_SERVER_ENV}
+    with serve_subprocess(cmd, env, log_path, port, handles=handles) as url:
         yield url
 
 
 @contextlib.contextmanager
 def serve_subprocess(
-    cmd: list[str], env: dict[str, str], log_path: Path, port: int, timeout: float = 240
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    port: int,
+    timeout: float = 240,
+    handles: list[Any] | None = None,
 ) -> Iterator[str]:
     """Run a server command (in a session of its own, its output in ``log_path``) until
-    the block ends; yields ``http://127.0.0.1:{port}`` once its ``/health`` answers 200.
-    Stops it with SIGTERM, then SIGKILL, whatever happens in the block."""
+    the block ends; yields ``http://127.0.0.1:{port}`` once its ``/health`` answers 200
+    (``handles``, if given, receives the ``Popen``). Stops it with SIGTERM, then
+    SIGKILL, whatever happens in the block."""
     import httpx
 
     name = cmd[2] if cmd[1:2] == ["-m"] else cmd[0]
@@ -205,6 +214,8 @@ def serve_subprocess(
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        if handles is not None:
+            handles.append(proc)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + timeout

@@ -164,7 +164,7 @@ def test_trace_record_then_replay_under_the_steps_model(
             "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
         ),
         (["bench", "--methods", "beam"], "--methods 'beam' must be one of ['deepconf', "),
-        (["bench", "--prm-cost", "cached"], "--prm-cost: invalid choice: 'cached'"),
+        (["bench", "--prm-cost", "cheap"], "--prm-cost: invalid choice: 'cheap'"),
         (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
         (["bench", "--slo", "0"], "--slo 0.0 must be None or a finite number > 0"),
         (["bench", "--slo", "inf"], "--slo inf must be None or a finite number > 0"),
@@ -385,8 +385,7 @@ def test_vllm_args_are_refused_for_other_engines(
         main(argv)
     assert (
         "sart: error: --vllm-arg has no effect with --engine hf (it is for --engine vllm or "
-        "vllm-async)"
-        in capsys.readouterr().err
+        "vllm-async)" in capsys.readouterr().err
     )
 
 

@@ -46,12 +46,18 @@ def test_fields_a_source_does_not_use_default_to_none() -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"prm_cost": "cached"}, "prm_cost='cached' must be one of ('free', 'incremental'"),
+        ({"prm_cost": "cheap"}, "prm_cost='cheap' must be one of ('free', 'incremental'"),
         ({"prm_placement": "gpu1"}, "prm_placement='gpu1' must be one of ('own', 'shared')"),
         ({"cost": "steps", "prm_cost": "reencode"}, "prm_cost='reencode' must be 'free' under"),
         ({"engine": "hf", "prm_cost": "free"}, "prm_cost='free' must be None for a real engine"),
         ({"scoring": "lazy"}, "scoring='lazy' must be one of 'blocking', 'overlapped'"),
         ({"poll_steps": 0}, "poll_steps=0 must be None or >= 1"),
+        ({"prm_replicas": 0}, "prm_replicas=0 must be an int >= 1"),
+        ({"prm_gpu": "tpu"}, "prm_gpu='tpu' must be None or one of"),
+        (
+            {"prm_placement": "shared", "prm_replicas": 2},
+            "prm_placement='shared' must be 'own' with prm_replicas > 1",
+        ),
         # Only the fields the run uses are set (results.json records the config).
         ({"trace": "t.jsonl", "rates": (1.0,)}, "rates=(1.0,) has no effect with a trace"),
         ({"trace": "t.jsonl", "num_requests": 5}, "num_requests=5 has no effect with a trace"),
@@ -185,3 +191,20 @@ def test_replicas_serve_every_request_once_and_share_the_load() -> None:
 def test_replicas_must_be_positive() -> None:
     with pytest.raises(sart.ConfigError, match="replicas=0 must be >= 1"):
         BenchConfig(replicas=0)
+
+
+def test_prm_replicas_score_side_by_side_in_the_simulator() -> None:
+    # The paper's 8 H100s as one engine outrun one re-encoding PRM H100: checks land
+    # late and branches run on. Two replicas keep two checks in flight.
+    from sart.bench.runner import run_bench
+
+    def sart_p97(replicas: int) -> tuple[float, float]:
+        config = BenchConfig(
+            cost="8xh100-14b-tp8", methods=("sart",), ns=(8,), rates=(4.0,),
+            num_requests=60, prm_replicas=replicas,
+        )  # fmt: skip
+        (record,) = run_bench(config)
+        return record.summary.e2e.p97, record.summary.tokens_per_request
+
+    one, two = sart_p97(1), sart_p97(2)
+    assert two[0] < one[0] and two[1] < one[1]

@@ -93,6 +93,27 @@ def test_incremental_re_encodes_the_window_once_it_moves() -> None:
     assert pricer([item(0, 4000, prompt=300)]) == PRM.call_time([Chunk(4096)])  # moved
 
 
+def test_cached_reads_what_the_prefix_caches_blocks_lack() -> None:
+    pricer = PRMPricer(PRM, PRMInput.CACHED)  # 16-token blocks
+    pricer([item(0, 405, prompt=300)])
+    assert pricer.tokens == 705  # first check: all of it
+    # The cache holds the previous input's full blocks: 704 of its 705 tokens.
+    assert pricer([item(0, 805, prompt=300)]) == PRM.call_time([Chunk(401, 704)])
+    assert pricer([item(1, 100, prompt=300, final=True)]) == PRM.call_time([Chunk(400)])
+    pricer.release("r")
+    assert pricer([item(0, 900, prompt=300)]) == PRM.call_time([Chunk(1200)])
+
+
+def test_cached_moves_the_window_in_strides_and_reads_it_once_per_move() -> None:
+    pricer = PRMPricer(PRM, "cached", stride=1024)
+    pricer([item(0, 3700, prompt=300)])  # 4000 tokens: fits the 4096 context
+    # 4400 tokens: the window starts at 1024 (the first stride past the context).
+    assert pricer([item(0, 4100, prompt=300)]) == PRM.call_time([Chunk(3376)])
+    # Until the next stride the window's start stays, and so does its cache.
+    assert pricer([item(0, 4500, prompt=300)]) == PRM.call_time([Chunk(400, 3376)])
+    assert pricer([item(0, 4900, prompt=300)]) == PRM.call_time([Chunk(3152)])  # moved: 2048
+
+
 def test_reencode_costs_about_l_over_2t_times_incremental_over_a_branch() -> None:
     """A branch of L tokens checked every T: re-encoding reads T + 2T + ... + L tokens,
     incremental reading L (no prompt, no tail here): (L / T + 1) / 2 times as many."""
@@ -113,8 +134,10 @@ def test_reencode_costs_about_l_over_2t_times_incremental_over_a_branch() -> Non
 
 
 def test_bad_settings_name_the_field() -> None:
-    with pytest.raises(sart.ConfigError, match="mode='cached' must be one of 'incremental'"):
-        PRMPricer(PRM, "cached")
+    with pytest.raises(sart.ConfigError, match="mode='lazy' must be one of 'incremental'"):
+        PRMPricer(PRM, "lazy")
+    with pytest.raises(sart.ConfigError, match=r"stride=5000 must be in 1\.\.4096"):
+        PRMPricer(PRM, "cached", stride=5000)
     with pytest.raises(sart.ConfigError, match="flops=0 must be > 0"):
         PRMCostModel("x", QWEN_MATH_PRM_7B, flops=0, bandwidth=1, call_overhead=0)
     with pytest.raises(sart.ConfigError, match="call_overhead=-1 must be >= 0"):

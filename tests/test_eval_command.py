@@ -294,7 +294,7 @@ def test_records_without_logprobs_are_refused_for_the_confidence_methods(
         (["--limit", "0"], "--limit 0 must be >= 1"),
         (["--data", "x.jsonl"], "--data has no effect with --dataset testbed"),
         (["--vllm-arg", "enforce_eager=true"], "--vllm-arg has no effect with --engine hf"),
-            (["--sglang-arg", "tp_size=2"], "--sglang-arg has no effect with --engine hf"),
+        (["--sglang-arg", "tp_size=2"], "--sglang-arg has no effect with --engine hf"),
         (["--cost-model", "tpu"], "--cost-model 'tpu' must be one of"),
         (["--rate", "0"], "--rate 0.0 must be > 0"),
     ],

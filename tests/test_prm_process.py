@@ -78,3 +78,49 @@ def test_calls_after_close_fail_as_prm_errors() -> None:
     prm.close()  # idempotent
     with pytest.raises(sart.PRMError, match="PRM process is gone"):
         prm.score([])
+
+
+# ---------------------------------------------------------------- PRMPool: K processes
+
+
+def test_a_pool_scores_side_by_side_with_the_results_of_one_prm() -> None:
+    from sart.prm.process import PRMPool
+
+    here = sart.run(requests(), FakeEngine(SCRIPT), scripted(), batch_size=12)
+    with PRMPool(functools.partial(scripted), workers=2) as pool:
+        assert pool.workers == 2
+        driver = sart.SyncDriver(FakeEngine(SCRIPT), pool, batch_size=12)
+        assert driver.scheduler.config.max_scores == 2  # one check in flight per process
+        there = driver.run(requests())
+        # Each request was placed on one process and kept there; the six spread evenly.
+        placed = [pool.placement.placed(f"q{i}") for i in range(6)]
+        assert placed == [None] * 6  # released as each request finished
+    # On a virtual clock the rewards, not the timing, decide: the same results.
+    assert [(r.answer, r.chosen) for r in there] == [(r.answer, r.chosen) for r in here]
+
+
+def test_a_pool_process_that_fails_fails_only_the_requests_it_held() -> None:
+    from sart.driver import score_items
+    from sart.prm.process import PRMPool
+
+    failing = sart.BranchId("q1", 2)
+    factory = functools.partial(scripted, fail_on=[failing], attribute_failures=False)
+    with PRMPool(factory, workers=2) as pool:
+        items = [
+            sart.ScoreItem(sart.BranchId(f"q{i}", j), "p", "x" * 8, 8, False)
+            for i in range(4)
+            for j in range(4)
+        ]
+        scored = score_items(pool, items)
+        assert set(scored.failures) == {"q1"}
+        assert {b.request_id for b in scored.rewards} == {"q0", "q2", "q3"}
+        assert pool.placement.load() == [2, 2]
+
+
+def test_a_pool_that_cannot_start_stops_what_did_start() -> None:
+    from sart.prm.process import PRMPool
+
+    with pytest.raises(RuntimeError, match="no weights here"):
+        PRMPool(Broken, workers=2)
+    with pytest.raises(sart.ConfigError, match="workers=0 must be an int >= 1"):
+        PRMPool(Broken, workers=0)

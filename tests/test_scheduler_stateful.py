@@ -9,7 +9,10 @@ request holds no prefix; the scheduler never counts more running branches
 than the engine holds, and when it counts fewer (it has pruned, stopped or
 failed branches), the very next step carries out just that cleanup;
 results are unique. Requests are also cancelled, at any point of their life
-(``SyncDriver.cancel``), or time out (``Request.timeout``). Draining (a rule,
+(``SyncDriver.cancel``), or time out (``Request.timeout``). They carry
+priorities (strict, or aging), so the fake engine's pause and resume run among
+the faults; and overlapped checks keep up to ``K`` (drawn) ``Score`` commands in
+flight on a PRM of one or more replicas. Draining (a rule,
 and the teardown) runs to the end and checks every request ended exactly once,
 only faulted ones failed, only cancelled ones were cancelled, and timed-out
 ones no sooner than their deadline.
@@ -94,6 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.live_branches_belong_to_unfinished_requests()
         self.finished_requests_hold_no_prefix()
         self.scheduler_running_within_engine_live()
+        self.at_most_k_scores_in_flight()
         self.results_are_unique()
         return more
 
@@ -106,6 +110,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         attribute_failures=st.booleans(),
         scoring=st.sampled_from(sart.Scoring),
         prm_cost=st.integers(0, 40),
+        max_scores=st.integers(1, 3),
+        replicas=st.integers(1, 3),
+        aging=st.none() | st.floats(1.0, 100.0),
     )
     def setup(
         self,
@@ -115,21 +122,29 @@ class SchedulerMachine(RuleBasedStateMachine):
         attribute_failures: bool,
         scoring: sart.Scoring,
         prm_cost: int,
+        max_scores: int,
+        replicas: int,
+        aging: float | None,
     ) -> None:
         self.batch_size = batch_size
         self.engine = FakeEngine(self._script, max_branches=batch_size)
         self.prm = ScriptedPRM(self._script, every=every, attribute_failures=attribute_failures)
         # A PRM call takes ``prm_cost`` steps of virtual time: overlapped, rewards
         # arrive while decoding goes on.
-        priced = sart.CostedPRM(self.prm, lambda _items: float(prm_cost))
+        priced = sart.CostedPRM(self.prm, lambda _items: float(prm_cost), replicas=replicas)
+        overlapped = scoring is sart.Scoring.OVERLAPPED
+        self.max_scores = max_scores if overlapped else 1
         self.driver = sart.SyncDriver(
             self.engine,
             priced,
             batch_size=batch_size,
             admission=admission,
             scoring=scoring,
+            max_scores=self.max_scores,
+            aging=aging,
             on_result=self._deliver,
         )
+        event(f"K={self.max_scores}, replicas={replicas}")
         self.ready = True
 
     @rule(
@@ -137,12 +152,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         lateness=st.floats(0.0, 1.0),
         # One request in four has a timeout, so that most still run to their end.
         timeout=st.integers(0, 3).flatmap(lambda k: st.floats(0.5, 200.0) if k == 3 else st.none()),
+        priority=st.integers(0, 2),
     )
-    def submit(self, parts: RequestParts, lateness: float, timeout: float | None) -> None:
+    def submit(
+        self, parts: RequestParts, lateness: float, timeout: float | None, priority: int
+    ) -> None:
         rid = f"r{len(self.submitted)}"
         arrival = self.engine.clock.now() * (1.0 - lateness)  # already arrived
         self.scripts[rid] = parts.scripts
-        request = sart.Request(rid, "p", parts.policy, parts.sampling, arrival, timeout=timeout)
+        request = sart.Request(
+            rid, "p", parts.policy, parts.sampling, arrival, timeout=timeout, priority=priority
+        )
         if request.deadline is not None:
             self.deadlines[rid] = request.deadline
         self.driver.submit(request)
@@ -236,6 +256,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def scheduler_running_within_engine_live(self) -> None:
         assert self._lag() >= 0
+
+    @invariant()
+    def at_most_k_scores_in_flight(self) -> None:
+        if self.ready:
+            in_flight = self.driver.scheduler.scores_in_flight
+            assert in_flight <= self.max_scores
+            if in_flight > 1:
+                event("more than one Score in flight")
 
     @invariant()
     def results_are_unique(self) -> None:

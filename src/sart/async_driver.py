@@ -144,23 +144,21 @@ class AsyncDriver(DriverBase):
         return _PendingScore(command, future=future)
 
     async def _wait(self, until: float | None) -> None:
-        pending = self._score
+        pending = self._scores
         start = self.clock.now()
         if self._virtual:  # a virtual clock jumps
-            targets = [t for t in (until, pending and pending.ready_at) if t is not None]
+            targets = [t for t in (until, *(p.ready_at for p in pending)) if t is not None]
             self.clock.sleep_until(min(targets))
         else:
-            # Wake for the Score, the next arrival, or a new submission (serving).
+            # Wake for a Score, the next arrival, or a new submission (serving).
             self._wakeup.clear()
-            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(self._wakeup.wait())}
-            if pending is not None:
-                waits.add(pending.future)
+            wakeup = asyncio.ensure_future(self._wakeup.wait())
+            waits: set[asyncio.Future[Any]] = {wakeup, *(p.future for p in pending)}
             timeout = None if until is None else max(0.0, until - start)
-            _, waiting = await asyncio.wait(waits, timeout=timeout, return_when="FIRST_COMPLETED")
-            for task in waiting:
-                if pending is None or task is not pending.future:
-                    task.cancel()
-        if pending is not None:
+            await asyncio.wait(waits, timeout=timeout, return_when="FIRST_COMPLETED")
+            if not wakeup.done():
+                wakeup.cancel()
+        if pending:
             self._stalled(self.clock.now() - start)
 
     def _finished(self, result: RequestResult) -> Done:

@@ -10,6 +10,12 @@ standard ``from_pretrained`` code, exactly like a hub checkpoint would:
 - ``shepherd-prm/``: a causal LM whose vocabulary has the Math-Shepherd step
   tag ``ки`` and the ``+``/``-`` rating tokens.
 
+``build_qwen2_prm(dir)`` writes a checkpoint of the real architecture of
+Qwen2.5-Math-PRM (``architectures=["Qwen2ForProcessRewardModel"]``: a Qwen2
+body and the two-layer ``score`` head, the weights named as vLLM loads them),
+for vLLM's PRM adapters (``sart.prm.vllm``, ``sart.prm.vllm_cached``), and
+returns the same network in plain torch (``TinyQwen2PRM``) as a reference.
+
 They share a byte-level BPE tokenizer trained here on synthetic arithmetic
 reasoning text, with a Qwen-style chat template. The weights are random: the
 models exercise every code path (shapes, formats, caches, masks) but their
@@ -133,3 +139,76 @@ def build_demo_models(directory: str | Path, seed: int = 0) -> dict[str, Path]:
         tokenizer.save_pretrained(paths[name])
     paths["prompts"] = write_demo_prompts(root / "prompts.jsonl")
     return paths
+
+
+def _tiny_qwen2_prm_class() -> type:
+    import torch
+    import transformers
+
+    class TinyQwen2PRM(torch.nn.Module):
+        """Qwen2.5-Math-PRM's network in plain transformers + torch: ``Qwen2Model`` and
+        ``score = Sequential(Linear(h, h), ReLU, Linear(h, 2))``; ``forward`` returns
+        ``.logits`` per token (the transformers PRM's contract)."""
+
+        def __init__(self, config: Any) -> None:
+            super().__init__()
+            self.config = config
+            self.model = transformers.Qwen2Model(config)
+            self.score = torch.nn.Sequential(
+                torch.nn.Linear(config.hidden_size, config.hidden_size),
+                torch.nn.ReLU(),
+                torch.nn.Linear(config.hidden_size, 2),
+            )
+
+        def forward(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> Any:
+            from types import SimpleNamespace
+
+            hidden = self.model(
+                input_ids=input_ids, attention_mask=attention_mask
+            ).last_hidden_state
+            return SimpleNamespace(logits=self.score(hidden))
+
+    return TinyQwen2PRM
+
+
+def build_qwen2_prm(
+    directory: str | Path,
+    tokenizer: Any = None,
+    *,
+    hidden: int = 64,
+    positions: int = 4096,
+    seed: int = 0,
+) -> tuple[Path, Any]:
+    """Write a random ``Qwen2ForProcessRewardModel`` checkpoint (2 layers, ``hidden``
+    wide, heads of 32: vLLM-CPU's attention needs a multiple of 32) with ``tokenizer``
+    (default ``build_tokenizer()``) under ``directory``; return its path and the same
+    network as a torch module (``.logits`` per token)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    tokenizer = tokenizer or build_tokenizer()
+    config = transformers.Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=2,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=1,
+        max_position_embeddings=positions,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        num_labels=2,
+    )
+    config.architectures = ["Qwen2ForProcessRewardModel"]
+    torch.manual_seed(seed)
+    net = _tiny_qwen2_prm_class()(config).eval()
+    weights = {name: tensor.contiguous() for name, tensor in net.state_dict().items()}
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return root, net

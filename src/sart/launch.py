@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -44,7 +45,10 @@ ENGINES = (*SYNC_ENGINES, "vllm-async", "openai")
 TRANSFORMERS_PRMS = ("qwen", "shepherd")
 """PRM kinds that load with transformers, on a torch device, in a process of their own
 by default."""
-PRM_KINDS = (*TRANSFORMERS_PRMS, "vllm-qwen")
+VLLM_PRMS = ("vllm-qwen", "vllm-cached")
+"""PRM kinds served by a vLLM engine of their own (built from ``prm_options`` as engine
+arguments)."""
+PRM_KINDS = (*TRANSFORMERS_PRMS, *VLLM_PRMS)
 """PRM kinds the loader builds (names of ``sart.registry``)."""
 
 ENGINE_READS: dict[str, tuple[str, ...]] = {
@@ -58,6 +62,9 @@ ENGINE_READS: dict[str, tuple[str, ...]] = {
 PRM_READS: dict[str, tuple[str, ...]] = {
     "prm_device": TRANSFORMERS_PRMS,
     "prm_in_process": TRANSFORMERS_PRMS,
+    "prm_replicas": TRANSFORMERS_PRMS,
+    "prm_urls": ("vllm-cached",),
+    "prm_api_key": ("vllm-cached",),
 }
 """``LoadSpec`` fields only some PRM kinds read -> those kinds."""
 
@@ -123,6 +130,15 @@ class LoadSpec:
     """Transformers PRMs: load in this process (on its thread) instead of a process of
     their own (``PRMProcess``): threads share the interpreter lock, so on CPUs a PRM
     thread barely runs beside decoding."""
+    prm_replicas: int = 1
+    """Transformers PRMs: processes hosting a copy of the PRM each, scoring checks side
+    by side (``sart.prm.process.PRMPool``; the driver keeps as many in flight)."""
+    prm_urls: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """``vllm-cached``: ``vllm serve`` servers of the PRM to score on
+    (``sart.prm.remote.RemotePRM``) instead of an engine in this process; ``prm`` is
+    then the PRM's tokenizer (its directory or hub id)."""
+    prm_api_key: str | None = None
+    """``prm_urls``: the servers' API key."""
     trust_remote_code: bool = False
     vllm_args: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
     """``vllm``, ``vllm-async``: ``EngineArgs`` fields (``max_num_seqs`` defaults to
@@ -141,13 +157,25 @@ class LoadSpec:
         config_check(bool(self.model), "model", self.model, "a model name or path")
         config_check(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
         config_check(self.prm_kind in PRM_KINDS, "prm_kind", self.prm_kind, f"one of {PRM_KINDS}")
+        config_check(
+            isinstance(self.prm_replicas, int) and self.prm_replicas >= 1,
+            "prm_replicas",
+            self.prm_replicas,
+            "an int >= 1",
+        )
+        if self.prm_replicas > 1 and self.prm_in_process:
+            raise ConfigError(
+                f"prm_replicas={self.prm_replicas} needs processes of their own; "
+                "prm_in_process=True runs one PRM in this process"
+            )
         if (self.engine == "openai") != (self.gateway is not None):
             config_check(False, "gateway", self.gateway, "set exactly when engine='openai'")
         defaults = {f.name: f.default for f in attrs.fields(LoadSpec)}
         for name, readers in ENGINE_READS.items():
             _refuse_unread(self, name, defaults[name], readers, "engine", self.engine)
         if self.prm is None:
-            for name in ("prm_kind", "prm_device", "prm_in_process"):
+            unread = ("prm_kind", "prm_device", "prm_in_process", "prm_replicas", "prm_urls")
+            for name in (*unread, "prm_api_key"):
                 if getattr(self, name) != _default(defaults[name]):
                     raise IgnoredSetting(name, getattr(self, name), "PRM kind", None, ())
             return
@@ -183,11 +211,15 @@ class LoadSpec:
             "prm_process": self.prm_process,
             # Overlapped checks only overlap if the PRM has its own device (or cores).
             "prm_device": self.resolved_prm_device,
+            "prm_replicas": self.prm_replicas if self.prm_process else None,
+            "prm_urls": list(self.prm_urls),
         }
 
 
 def _default(value: Any) -> Any:
-    return value.factory() if isinstance(value, attrs.Factory) else value  # type: ignore[misc]
+    """An attrs field's default value (a ``Factory``'s product)."""
+    factory = getattr(value, "factory", None)
+    return factory() if callable(factory) and hasattr(value, "takes_self") else value
 
 
 def _refuse_unread(
@@ -234,22 +266,21 @@ def sampling_defaults(
     """Sampling settings from what was given, with the given defaults, or the testbed's
     calibration (``TESTBED_MAX_TOKENS``, temperature 1.0, top-p 1.0) for the testbed."""
     testbed = model == TESTBED
-    chosen_top_p: dict[str, float] = {}
-    if top_p is not None:
-        chosen_top_p["top_p"] = top_p
-    elif testbed:
-        # The calibration samples the full distribution: the testbed's slips are
-        # low-probability tokens that a top-p cut would mostly remove.
-        chosen_top_p["top_p"] = 1.0
-    return SamplingSettings(
+    settings = SamplingSettings(
         temperature=(1.0 if testbed else default_temperature)
         if temperature is None
         else temperature,
         max_tokens=(TESTBED_MAX_TOKENS if testbed else default_max_tokens)
         if max_tokens is None
         else max_tokens,
-        **chosen_top_p,
     )
+    if top_p is not None:
+        return attrs.evolve(settings, top_p=top_p)
+    if testbed:
+        # The calibration samples the full distribution: the testbed's slips are
+        # low-probability tokens that a top-p cut would mostly remove.
+        return attrs.evolve(settings, top_p=1.0)
+    return settings
 
 
 def check_path(field: str, value: str | None) -> None:
@@ -278,10 +309,79 @@ def build_engine(spec: LoadSpec) -> Any:
     if spec.engine == "openai":
         return _gateway(spec)
     engine_args = {"max_num_seqs": spec.batch_size, **options, **spec.vllm_args}
+    if spec.engine == "vllm":
+        engine_args = vllm_layout(engine_args)
     engine = load_engine(spec.engine).from_engine_args(spec.model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
     engine.check_batch_size(spec.batch_size)
     return engine
+
+
+IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM's switch between its engine core in a process of its own (``1``, its default)
+and in the caller's process (``0``)."""
+BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+"""vLLM-CPU's pinning of its OpenMP threads (``auto``, its default: one per core)."""
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def _on_vllm_cpu() -> bool:
+    """Whether vLLM is installed and its platform here is the CPU."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM: loading the engine says what to install
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def cpu_layout(spec: LoadSpec, *, with_prm: bool = True) -> dict[str, str]:
+    """On a machine without an accelerator, run vLLM's engine in this process and split
+    the cores between it and the PRM; return the settings chosen (empty: none).
+
+    vLLM-CPU's default layout (its engine core in a process of its own, OpenMP threads
+    pinned to every core) starves a PRM in its own process on a small machine:
+    measured on this project's 2-core machine (``sart bench --engine vllm --model
+    testbed``, N = 8, 8 req/s, seed 0), SC / SART at P97 was 0.77 with vLLM's layout,
+    0.06 with the engine in sart's process but pinned to every core, and 2.07 with
+    the engine in sart's process on one unpinned thread and the PRM on the other core.
+    So, for the ``vllm`` engine (or a vLLM PRM) on vLLM's CPU platform: the engine core
+    runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and
+    ``distributed_executor_backend="uni"`` in ``vllm_layout``), unpinned
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind``), on half the cores when a PRM has its own
+    process(es) (``torch.set_num_threads``), which get the other half
+    (``OMP_NUM_THREADS`` in their environment). Each setting stays the user's where the
+    environment already has it. On GPUs nothing changes."""
+    has_prm = with_prm and spec.prm is not None
+    local_vllm_prm = has_prm and spec.prm_kind in VLLM_PRMS and not spec.prm_urls
+    if not (spec.engine == "vllm" or local_vllm_prm) or not _on_vllm_cpu():
+        return {}
+    chosen: dict[str, str] = {}
+    for name, value in ((IN_PROCESS_ENV, "0"), (BIND_ENV, "nobind")):
+        if name not in os.environ:
+            os.environ[name] = chosen[name] = value
+    if THREADS_ENV not in os.environ and has_prm and spec.prm_process:
+        import torch
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        engine = max(1, cores // 2)
+        prm = max(1, (cores - engine) // max(1, spec.prm_replicas))
+        torch.set_num_threads(engine)
+        # Read by the PRM's processes, which start after this (spawned: a fresh
+        # interpreter takes its threads from the environment).
+        os.environ[THREADS_ENV] = chosen[THREADS_ENV] = str(prm)
+        chosen["engine threads"] = str(engine)
+    return chosen
+
+
+def vllm_layout(engine_args: dict[str, Any]) -> dict[str, Any]:
+    """``engine_args`` for a vLLM ``LLMEngine`` (the ``vllm`` engine, vLLM PRMs): on
+    vLLM's CPU platform, the single-process executor (``distributed_executor_backend=
+    "uni"``, unless given) to go with the engine core in this process (``cpu_layout``);
+    elsewhere unchanged."""
+    if not _on_vllm_cpu():
+        return engine_args
+    os.environ.setdefault(IN_PROCESS_ENV, "0")
+    return {"distributed_executor_backend": "uni", **engine_args}
 
 
 def _gateway(spec: LoadSpec) -> Any:
@@ -319,8 +419,19 @@ def build_prm(spec: LoadSpec) -> Any:
     if spec.prm is None:
         return None
     trust = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    if spec.prm_kind not in TRANSFORMERS_PRMS:  # vLLM runs it in its own engine process
-        return load_prm(spec.prm_kind).from_engine_args(spec.prm, **trust, **spec.prm_options)
+    if spec.prm_urls:
+        from sart.prm.remote import RemotePRM
+
+        return RemotePRM(
+            spec.prm_urls,
+            spec.prm,
+            api_key=spec.prm_api_key,
+            trust_remote_code=spec.trust_remote_code,
+            **spec.prm_options,
+        )
+    if spec.prm_kind not in TRANSFORMERS_PRMS:  # a vLLM engine of its own
+        options = vllm_layout({**trust, **spec.prm_options})
+        return load_prm(spec.prm_kind).from_engine_args(spec.prm, **options)
     factory = functools.partial(
         load_prm(spec.prm_kind).from_pretrained,
         spec.prm,
@@ -330,9 +441,9 @@ def build_prm(spec: LoadSpec) -> Any:
     )
     if not spec.prm_process:
         return factory()
-    from sart.prm.process import PRMProcess
+    from sart.prm.process import PRMPool, PRMProcess
 
-    return PRMProcess(factory)
+    return PRMPool(factory, spec.prm_replicas) if spec.prm_replicas > 1 else PRMProcess(factory)
 
 
 @attrs.define
@@ -400,6 +511,7 @@ def load(spec: LoadSpec, *, with_prm: bool = True) -> Loaded:
     from sart.registry import load_prm
 
     wants_prm = with_prm and spec.prm is not None
+    cpu_layout(spec, with_prm=wants_prm)
     if wants_prm:
         load_prm(spec.prm_kind)
     threaded = wants_prm and spec.prm_process
@@ -440,6 +552,7 @@ __all__ = [
     "build_engine",
     "build_prm",
     "check_path",
+    "cpu_layout",
     "load",
     "resolve_models",
     "sampling_defaults",

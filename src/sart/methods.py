@@ -71,6 +71,14 @@ class Rewards(enum.Enum):
     """No rewards: the method never scores a branch."""
 
 
+def _options(value: Iterable[str]) -> frozenset[str]:
+    return frozenset(value)
+
+
+def _to_rewards(value: object) -> Rewards:
+    return enum_converter(Rewards, "rewards")(value)
+
+
 def _optional_scoring(value: Scoring | str | None) -> Scoring | None:
     return None if value is None else enum_converter(Scoring, "scoring")(value)
 
@@ -86,10 +94,8 @@ class Method:
     """For legends and JSON (``"Self-Consistency"``)."""
     short_label: str
     """For table columns (``"SC"``)."""
-    rewards: Rewards = attrs.field(
-        default=Rewards.PRM, converter=enum_converter(Rewards, "rewards")
-    )
-    options: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset)
+    rewards: Rewards = attrs.field(default=Rewards.PRM, converter=_to_rewards)
+    options: frozenset[str] = attrs.field(default=frozenset(), converter=_options)
     """Which of ``OPTIONS`` it reads; setting another one is refused."""
     branches: bool = True
     """``False`` for one-branch methods (vanilla): ``n`` is then always 1."""
@@ -186,14 +192,18 @@ def check_methods(names: Iterable[str]) -> tuple[str, ...]:
     return chosen
 
 
-def _sart(n: int, interval: int, m: int | None = None, alpha: float = 0.5,
-          beta: int | None = None) -> Policy:  # fmt: skip
-    return sart(n, m=m, alpha=alpha, beta=beta, interval=interval)
+def _two_phase(recipe: Callable[..., Policy]) -> Callable[..., Policy]:
+    """A method factory for a recipe with SART's options (``m``, ``alpha``, ``beta``)."""
+
+    def build(
+        n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
+    ) -> Policy:
+        return recipe(n, m=m, alpha=alpha, beta=beta, interval=interval)
+
+    return build
 
 
-def _sart_confidence(n: int, interval: int, m: int | None = None, alpha: float = 0.5,
-                     beta: int | None = None) -> Policy:  # fmt: skip
-    return sart_confidence(n, m=m, alpha=alpha, beta=beta, interval=interval)
+_sart = _two_phase(sart)
 
 
 register_method(
@@ -238,7 +248,7 @@ register_method(
 )
 register_method(
     "sart-conf",
-    _sart_confidence,
+    _two_phase(sart_confidence),
     label="SART on confidence (no PRM)",
     short_label="SART-conf",
     rewards=Rewards.CONFIDENCE,

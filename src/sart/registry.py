@@ -32,6 +32,7 @@ _PRMS: dict[str, Any] = {
     "qwen": "sart.prm.hf:QwenMathPRM",
     "shepherd": "sart.prm.hf:StepTagPRM",
     "vllm-qwen": "sart.prm.vllm:VLLMQwenPRM",
+    "vllm-cached": "sart.prm.vllm_cached:VLLMCachedPRM",
 }
 
 # Which extra provides a third-party module, for the error message (one table for

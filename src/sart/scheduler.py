@@ -31,11 +31,13 @@ branches' state at that moment: a branch that ended or was pruned meanwhile
 is not pruned again, a request that finished meanwhile ignores them, and
 branches that ended after the snapshot wait for the next check. A request
 never finalises while one of its completed branches still waits for its
-final reward, so selection sees the same rewards in both modes. At most one
-``Score`` is in flight (the PRM is one model); checks that come due
-meanwhile wait for it, and decode chunks are cut to ``poll_steps`` so its
-rewards are applied soon after they arrive. Checks that need no rewards
-(Self-Consistency, Vanilla) run at once in both modes.
+final reward, so selection sees the same rewards in both modes. At most
+``max_scores`` (``K``: the PRM's workers) ``Score`` commands are in flight,
+each with its own snapshot, and one request has at most one check in flight;
+checks that come due while ``K`` are in flight wait for one to come back, and
+decode chunks are cut to ``poll_steps`` so rewards are applied soon after they
+arrive. Checks that need no rewards (Self-Consistency, Vanilla) run at once in
+both modes. Blocking scoring keeps one ``Score`` at a time.
 """
 
 from __future__ import annotations
@@ -92,23 +94,32 @@ def _positive_or_none(_inst: object, attr: attrs.Attribute, value: float | None)
         raise ConfigError(f"{attr.name}={value!r} must be None or > 0")
 
 
+def _to_admission(value: object) -> Admission:
+    return enum_converter(Admission, "admission")(value)
+
+
+def _to_scoring(value: object) -> Scoring:
+    return enum_converter(Scoring, "scoring")(value)
+
+
 @attrs.frozen
 class SchedulerConfig:
     """Settings of the scheduler (per-request settings live in each request's ``Policy``)."""
 
     batch_size: int = attrs.field(validator=int_at_least(1))
     """``B``: the most branches decoding at once."""
-    admission: Admission = attrs.field(
-        default=Admission.CHUNK, converter=enum_converter(Admission, "admission")
-    )
+    admission: Admission = attrs.field(default=Admission.CHUNK, converter=_to_admission)
     """When freed slots are refilled: between chunks (Algorithm 1) or at the next step."""
-    scoring: Scoring = attrs.field(
-        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
-    )
+    scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=_to_scoring)
     """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
     poll_steps: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     """With overlapped scoring, the longest decode chunk while a ``Score`` is in flight;
     ``None``: an eighth of the shortest interval among running requests."""
+    max_scores: int = attrs.field(default=1, validator=int_at_least(1))
+    """With overlapped scoring, the most ``Score`` commands in flight at once (``K``:
+    as many as the PRM has workers -- processes, servers, replicas -- to score them
+    side by side). Blocking scoring (Algorithm 1) scores one check batch at a time:
+    it takes only 1."""
     aging: float | None = attrs.field(default=None, validator=_positive_or_none)
     """With several priorities: every waiting request gains one level of urgency per
     ``aging`` time units it has waited since its arrival, so that none waits for
@@ -125,6 +136,13 @@ class SchedulerConfig:
     waiting work can take, never a request's last running branch; which ones, its
     policy's ``PauseRule`` says. Needs an engine that can (``supports_pause``): the
     drivers turn it on for one."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.scoring is Scoring.BLOCKING and self.max_scores != 1:
+            raise ConfigError(
+                f"max_scores={self.max_scores} must be 1 with scoring='blocking' (Algorithm 1 "
+                "waits for each check before anything else runs)"
+            )
 
 
 @attrs.frozen
@@ -175,9 +193,10 @@ class Scheduler:
         self._outbox: list[Command] = []
         self._ids = itertools.count(1)
         self._inflight: dict[int, Command] = {}  # emitted, not answered, by id
-        # The checks waiting for the rewards of the Score in the outbox or in flight.
-        self._score_checks: list[_Check] = []
-        self._scoring: int | None = None  # id of the Score in flight
+        # The checks waiting for the rewards of each Score in flight (by its id), and of
+        # those still in the outbox (in the order they were queued: they get ids so).
+        self._scores: dict[int, list[_Check]] = {}
+        self._queued_scores: deque[list[_Check]] = deque()
         # Overlapped scoring: requests whose check needs rewards, waiting for the PRM.
         self._wanted: dict[str, RequestState] = {}
         self._finished = 0
@@ -258,7 +277,12 @@ class Scheduler:
     @property
     def scoring_in_flight(self) -> bool:
         """A ``Score`` has been emitted and not answered yet."""
-        return self._scoring is not None
+        return bool(self._scores)
+
+    @property
+    def scores_in_flight(self) -> int:
+        """``Score`` commands emitted and not answered yet (at most ``max_scores``)."""
+        return len(self._scores)
 
     def running_request_ids(self) -> list[str]:
         """Requests with branches decoding now (the ones a stalled decode delays)."""
@@ -290,7 +314,7 @@ class Scheduler:
         call (``SchedulerError`` otherwise)."""
         if any(not isinstance(c, Score) for c in self._inflight.values()):
             raise SchedulerError("handle() the events of the previous commands first")
-        if self._scoring is not None and self.config.scoring is Scoring.BLOCKING:
+        if self._scores and self.config.scoring is Scoring.BLOCKING:
             return []  # Algorithm 1: nothing runs while the PRM scores
         if self._deadlines and self._deadlines[0][0] <= now:
             self._expire(now)
@@ -302,13 +326,13 @@ class Scheduler:
             cmds = self._admit(now)
             if not cmds and self._running:
                 cmds = [self._decode_command()]
-            if not cmds and self._scoring is None:
+            if not cmds and not self._scores:
                 cmds = self._retry_aborts()
         cmds = [attrs.evolve(cmd, id=next(self._ids)) for cmd in cmds]
         for cmd in cmds:
             self._inflight[cmd.id] = cmd
             if isinstance(cmd, Score):
-                self._scoring = cmd.id
+                self._scores[cmd.id] = self._queued_scores.popleft()
         return cmds
 
     #: Aborts retried when nothing else runs, before the scheduler gives up on them.
@@ -496,7 +520,7 @@ class Scheduler:
     def _decode_command(self) -> Decode:
         # Decode until the next request's check is due; with one policy that is T steps.
         running = [req for req in self._active.values() if req.running]
-        if self._scoring is None:
+        if not self._scores:
             steps = min(req.policy.interval - req.steps_since_check for req in running)
         else:
             # A check that waits for the PRM cannot run sooner by decoding less; the
@@ -574,10 +598,11 @@ class Scheduler:
         self._failed_cleanups += isinstance(event, Failed)
         self._unaborted.update(cmd.branches)
         self._outbox.append(Abort(cmd.branches))
+        why = event.reason if isinstance(event, Failed) else "skipped after an earlier failure"
         for rid in sorted(cmd.request_ids):
             req = self._pending.get(rid)
             if req is not None:
-                self._fail(req, f"pausing branches failed: {event.reason}", now)
+                self._fail(req, f"pausing branches failed: {why}", now)
 
     def _on_prefill(self, cmd: Prefill, event: Event, now: float) -> None:
         req = self._active[cmd.request.id]
@@ -685,8 +710,9 @@ class Scheduler:
 
     def _flush_checks(self, now: float) -> None:
         """Overlapped scoring: run the wanted checks that need no rewards now; send the
-        others' snapshot to the PRM unless a ``Score`` is already in flight."""
-        busy = self._scoring is not None or bool(self._score_checks)
+        others' snapshot to the PRM, in one ``Score``, unless ``max_scores`` are in
+        flight already."""
+        busy = len(self._scores) + len(self._queued_scores) >= self.config.max_scores
         sent: list[_Check] = []
         items: list[ScoreItem] = []
         ready: list[_Check] = []
@@ -714,7 +740,7 @@ class Scheduler:
             check.req.in_score = True
         for item in items:
             self._pending[item.branch.request_id].prm_items += 1
-        self._score_checks = checks
+        self._queued_scores.append(checks)
         self._outbox.append(Score(tuple(items)))
 
     def _score_items(self, check: _Check) -> list[ScoreItem]:
@@ -746,8 +772,7 @@ class Scheduler:
     def _on_score(self, cmd: Score, event: Event, now: float) -> None:
         if not isinstance(event, Scored):
             raise SchedulerError(f"Score answered by {event!r}")
-        self._scoring = None
-        checks, self._score_checks = self._score_checks, []
+        checks = self._scores.pop(cmd.id)
         for check in checks:
             check.req.in_score = False
         for request_id, reason in event.failures.items():

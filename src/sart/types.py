@@ -19,7 +19,7 @@ class BranchId(NamedTuple):
     """Identity of one branch: the request it belongs to and its index ``0..n-1``."""
 
     request_id: str
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index: the name is the API
 
     def __str__(self) -> str:
         # vLLM's convention for child requests of a parallel-sampling parent.

@@ -23,6 +23,7 @@ from sart.bench.real import PromptItem
 from sart.bench.results_file import ResultsFile, progress_console
 from sart.bench.runner import (
     PRM_COSTS,
+    PRM_GPUS,
     PRM_PLACEMENTS,
     BenchConfig,
     RunRecord,
@@ -36,6 +37,7 @@ from sart.engines.costs import PRESETS
 from sart.errors import ConfigError
 from sart.flags import (
     MODEL_DESTS,
+    add_methods_flag,
     add_model_flags,
     add_plugin_flag,
     add_sampling_flags,
@@ -45,7 +47,7 @@ from sart.flags import (
     sampling,
 )
 from sart.launch import SYNC_ENGINES, TESTBED, TESTBED_INTERVAL, LoadSpec, load
-from sart.methods import check_methods, get_method, method_names
+from sart.methods import check_methods, get_method
 from sart.types import Admission, SamplingSettings, Scoring
 
 REAL_BATCH_SIZE = 16
@@ -102,6 +104,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "or on the policy's (shared: a PRM call holds decoding up)",
     )
     p.add_argument(
+        "--prm-gpu",
+        choices=sorted(PRM_GPUS),
+        default=None,
+        help="sim: the accelerator of each PRM replica (default: the policy's kind)",
+    )
+    p.add_argument(
         "--mix",
         default=None,
         metavar="NAME:SHARE:METHOD:N,...",
@@ -137,9 +145,11 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         choices=list(PRM_COSTS),
         default=None,
         help="sim: how long a PRM call takes: Qwen2.5-Math-PRM-7B's prefill of the tokens it "
-        "reads, re-encoding each input at every check as vLLM's pooling PRM does "
-        "(reencode, the default), or reading only the tokens not yet scored (incremental), "
-        "or nothing (free; the default under --cost-model steps)",
+        "reads, re-encoding each input at every check as vLLM's STEP-pooled PRM does "
+        "(reencode, the default), reading only the tokens not yet scored (incremental, "
+        "sart's transformers PRM), reading what vLLM's prefix cache does not hold (cached: "
+        "sart's LAST-pooled vLLM PRM, 16-token blocks), or nothing (free; the default under "
+        "--cost-model steps)",
     )
     p.add_argument(
         "--scoring",
@@ -161,17 +171,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="sim: generative workload preset (default gaokao), or a trace recorded with "
         "--record-trace to resample requests from (docs: sart.bench.resample)",
     )
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        default=None,
-        metavar="METHOD",
-        help="methods to compare (default: "
-        + " ".join(DEFAULT_METHODS)
-        + "; built in: "
-        + ", ".join(method_names())
-        + "; --plugin modules may register more)",
-    )
+    add_methods_flag(p, "compare", DEFAULT_METHODS, default=None)
     p.add_argument(
         "--n",
         type=int,
@@ -314,6 +314,8 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         slo=args.slo,
         **({"prm_cost": args.prm_cost} if args.prm_cost is not None else {}),
         **({"prm_placement": args.prm_placement} if args.prm_placement is not None else {}),
+        **({"prm_replicas": args.prm_replicas} if sim and args.prm_replicas is not None else {}),
+        prm_gpu=args.prm_gpu,
     )
 
 
@@ -322,9 +324,25 @@ def _requests(args: argparse.Namespace) -> int:
 
 
 #: Flags of the real engines (hf, vllm and sglang) only, by ``dest``.
-REAL_ONLY = (*MODEL_DESTS, "model", "prompts", "max_tokens", "temperature", "top_p", "record_trace")
+REAL_ONLY = (
+    *(dest for dest in MODEL_DESTS if dest != "prm_replicas"),  # both: PRM copies
+    "model",
+    "prompts",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "record_trace",
+)
 #: Flags of the simulator only, by ``dest``.
-SIM_ONLY = ("cost_model", "trace", "prm_cost", "prm_placement", "preemption", "replicas")
+SIM_ONLY = (
+    "cost_model",
+    "trace",
+    "prm_cost",
+    "prm_placement",
+    "prm_gpu",
+    "preemption",
+    "replicas",
+)
 
 
 def _uses(args: argparse.Namespace) -> dict[str, bool]:

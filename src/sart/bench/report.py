@@ -9,7 +9,6 @@ from typing import Any
 import attrs
 
 from sart.bench.runner import BenchConfig, RunRecord, prm_cost_model
-from sart.engines.costs import cost_model
 from sart.methods import get_method
 from sart.metrics import Distribution, RunSummary, request_record, slo_attainment
 
@@ -94,6 +93,7 @@ def prm_pricing(config: BenchConfig) -> dict[str, Any] | None:
         "params": model.model.params,
         "context": model.window,
         "placement": config.prm_placement,
+        "replicas": config.prm_replicas,
         "input": config.prm_cost,
         "effective_flops": model.flops,
         "call_overhead_seconds": model.call_overhead,
@@ -148,15 +148,15 @@ def _setting(config: BenchConfig) -> str:
 
 
 def _prm_setting(config: BenchConfig) -> str:
-    """E.g. ``PRM reencode, own H100, overlapped``."""
+    """E.g. ``PRM reencode, own H100, overlapped`` (``4x own H100`` with 4 replicas)."""
     model = prm_cost_model(config)
     if config.prm_cost is None:  # a real PRM
         return f"{config.scoring.value} PRM checks"
     if model is None:
         return f"PRM free, {config.scoring.value}"
-    accelerator = cost_model(config.cost).accelerator
-    kind = accelerator.name.split("-")[0] if accelerator is not None else "?"
-    return f"PRM {config.prm_cost}, {config.prm_placement} {kind}, {config.scoring.value}"
+    kind = model.name.rsplit(" on ", 1)[-1].split("-")[0]
+    count = f"{config.prm_replicas}x " if (config.prm_replicas or 1) > 1 else ""
+    return f"PRM {config.prm_cost}, {count}{config.prm_placement} {kind}, {config.scoring.value}"
 
 
 def _batch_sizes(records: Sequence[RunRecord]) -> str:

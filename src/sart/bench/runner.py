@@ -23,7 +23,7 @@ from sart.bench.traces import Trace, TraceRequest
 from sart.bench.workloads import workload
 from sart.driver import SyncDriver, TimelineSample
 from sart.engines.base import ReportsUsage
-from sart.engines.costs import cost_model
+from sart.engines.costs import H100, H200, cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMInput, PRMPricer, prm_serving
 from sart.engines.sim import SimEngine
 from sart.errors import ConfigError, config_check, enum_converter, int_at_least, number_above
@@ -108,6 +108,14 @@ def _default_prm_placement(config: BenchConfig) -> str | None:
     return "own" if config.engine == "sim" else None
 
 
+def _default_prm_replicas(config: BenchConfig) -> int | None:
+    return 1 if config.engine == "sim" else None
+
+
+#: ``prm_gpu`` choices: the accelerator each simulated PRM replica runs on.
+PRM_GPUS = {"h100": H100, "h200": H200}
+
+
 @attrs.frozen
 class BenchConfig:
     """One benchmark: methods x N values x rates on one workload and one engine model."""
@@ -157,6 +165,15 @@ class BenchConfig:
     )
     """``sim``: the PRM on its ``own`` accelerator (default) or ``shared`` with the
     policy (a call holds decoding up); ``None`` on a real engine."""
+    prm_replicas: int | None = attrs.field(
+        default=attrs.Factory(_default_prm_replicas, takes_self=True)
+    )
+    """``sim``: PRM replicas, each on its own accelerator, scoring checks side by side
+    (the driver keeps as many ``Score`` commands in flight: ``SchedulerConfig.max_scores``);
+    every engine replica (``replicas``) has this many. ``None`` on a real engine."""
+    prm_gpu: str | None = None
+    """``sim``: the accelerator of each PRM replica, one of ``PRM_GPUS`` (``None``: the
+    policy's kind)."""
     replicas: int = attrs.field(default=1, validator=int_at_least(1))
     """``sim``: engine replicas (data parallel), each with its own budget ``B``, KV
     cache and PRM; a request goes, at its arrival, to the replica with the fewest
@@ -196,10 +213,29 @@ class BenchConfig:
             "None or >= 1",
         )
         if self.engine != "sim":
-            for name in ("prm_cost", "prm_placement"):
+            for name in ("prm_cost", "prm_placement", "prm_replicas", "prm_gpu"):
                 value = getattr(self, name)
                 config_check(value is None, name, value, "None for a real engine (its PRM is real)")
             return
+        config_check(
+            isinstance(self.prm_replicas, int) and self.prm_replicas >= 1,
+            "prm_replicas",
+            self.prm_replicas,
+            "an int >= 1",
+        )
+        config_check(
+            self.prm_gpu is None or self.prm_gpu in PRM_GPUS,
+            "prm_gpu",
+            self.prm_gpu,
+            f"None or one of {sorted(PRM_GPUS)}",
+        )
+        shared = self.prm_placement == "shared"
+        config_check(
+            not shared or (self.prm_replicas == 1 and self.prm_gpu is None),
+            "prm_placement",
+            self.prm_placement,
+            "'own' with prm_replicas > 1 or a prm_gpu (a shared PRM is the policy's GPU)",
+        )
         config_check(self.prm_cost in PRM_COSTS, "prm_cost", self.prm_cost, f"one of {PRM_COSTS}")
         config_check(
             self.prm_placement in PRM_PLACEMENTS,
@@ -357,12 +393,15 @@ def run_method(
 def prm_cost_model(config: BenchConfig) -> PRMCostModel | None:
     """The simulated PRM's cost model (``None``: free, or a real engine's PRM).
 
-    The PRM runs on one accelerator of the policy's kind: another one
-    (``own``), or the policy's (``shared``; under tensor parallelism one GPU of
-    the group, which holds the whole group's decoding up)."""
+    Each PRM replica runs on one accelerator (``prm_gpu``, by default of the
+    policy's kind): another one (``own``), or the policy's (``shared``; under
+    tensor parallelism one GPU of the group, which holds the whole group's
+    decoding up)."""
     if config.prm_cost in (None, "free"):
         return None
-    accelerator = cost_model(config.cost).accelerator
+    accelerator = (
+        PRM_GPUS[config.prm_gpu] if config.prm_gpu else cost_model(config.cost).accelerator
+    )
     assert accelerator is not None  # BenchConfig refuses a priced PRM without one
     return prm_serving(accelerator)
 
@@ -373,7 +412,9 @@ def sim_prm(config: BenchConfig, prm: PRM) -> tuple[PRM, PRMPricer | None]:
     if model is None:
         return prm, None
     pricer = PRMPricer(model, str(config.prm_cost))
-    return CostedPRM(prm, pricer, shares_engine=config.prm_placement == "shared"), pricer
+    shared = config.prm_placement == "shared"
+    replicas = config.prm_replicas or 1
+    return CostedPRM(prm, pricer, shares_engine=shared, replicas=replicas), pricer
 
 
 def serve(

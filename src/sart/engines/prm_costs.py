@@ -28,6 +28,14 @@ prefill of the tokens the PRM actually processes:
     every check, so the window is re-encoded (``sart.prm.hf`` with its default
     ``window_stride=1``). A branch's state is dropped after its final item and
     when its request is released.
+  - ``cached`` (a ``LAST``-pooled PRM served from vLLM's prefix cache, asked for
+    the prefix ending at the branch's latest step: ``sart.prm.vllm``): each check
+    feeds what the cache does not hold. The cache holds the previous input's
+    full ``block``-token blocks (16, vLLM's default block size), so a check
+    feeds the new tokens plus the previous input's last partial block,
+    attending to the cached blocks. Past the context, the window's start moves
+    in strides of ``stride`` tokens (1,024): between moves the window's prefix
+    is the same and stays cached; each move re-encodes the new window once.
 
 The PRM is Qwen2.5-Math-PRM-7B, with the shape of its ``config.json``: the
 Qwen2.5-Math-7B body (hidden size 3584, 28 layers, 28 attention heads of dim
@@ -76,6 +84,7 @@ class PRMInput(enum.Enum):
 
     INCREMENTAL = "incremental"
     REENCODE = "reencode"
+    CACHED = "cached"
 
 
 @attrs.frozen
@@ -168,11 +177,23 @@ class PRMPricer:
     ``tokens`` counts the tokens fed over all calls.
     """
 
-    def __init__(self, model: PRMCostModel, mode: PRMInput | str = PRMInput.REENCODE) -> None:
+    def __init__(
+        self,
+        model: PRMCostModel,
+        mode: PRMInput | str = PRMInput.REENCODE,
+        *,
+        block: int = 16,
+        stride: int = 1024,
+    ) -> None:
+        config_check(block >= 1, "block", block, ">= 1")
+        config_check(1 <= stride <= model.window, "stride", stride, f"in 1..{model.window}")
         self.model = model
         self.mode = enum_converter(PRMInput, "mode")(mode)
+        self.block = block
+        self.stride = stride
         self.tokens = 0
-        self._cached: dict[str, dict[int, int]] = {}  # request id -> branch index -> tokens
+        # request id -> branch index -> (tokens in the PRM's cache, the window's start)
+        self._cached: dict[str, dict[int, tuple[int, int]]] = {}
 
     def __call__(self, items: Sequence[ScoreItem]) -> float:
         chunks = [self._chunk(item) for item in items]
@@ -184,13 +205,23 @@ class PRMPricer:
         size = min(full, self.model.window)
         if self.mode is PRMInput.REENCODE:
             return Chunk(size)
+        start = 0
+        if self.mode is PRMInput.CACHED and full > self.model.window:
+            over = full - self.model.window
+            start = -(-over // self.stride) * self.stride  # the window moves in strides
+            size = full - start
         branches = self._cached.setdefault(item.branch.request_id, {})
-        cached = branches.pop(item.branch.index, None)
+        previous = branches.pop(item.branch.index, None)
         if not item.final:
-            branches[item.branch.index] = size
-        if cached is None or full > self.model.window:
+            branches[item.branch.index] = (size, start)
+        if self.mode is PRMInput.CACHED:
+            if previous is None or previous[1] != start:
+                return Chunk(size)  # first check, or the window moved: encode it all
+            keep = min(size, previous[0] // self.block * self.block)
+            return Chunk(size - keep, keep)
+        if previous is None or full > self.model.window:
             return Chunk(size)  # first check, or the window moved: encode it all
-        keep = min(size, max(0, cached - self.model.tail_tokens))
+        keep = min(size, max(0, previous[0] - self.model.tail_tokens))
         return Chunk(size - keep, keep)
 
     def release(self, request_id: str) -> None:

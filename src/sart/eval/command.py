@@ -32,6 +32,7 @@ from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.eval.grading import Grader, make_grader
 from sart.eval.problems_file import ProblemRecord, ProblemsFile
 from sart.flags import (
+    add_methods_flag,
     add_model_flags,
     add_plugin_flag,
     add_sampling_flags,
@@ -41,7 +42,7 @@ from sart.flags import (
     sampling,
 )
 from sart.launch import TESTBED, TESTBED_INTERVAL, Loaded, load
-from sart.methods import Rewards, check_methods, get_method, method_names
+from sart.methods import Rewards, check_methods, get_method
 from sart.policies.equivalence import Equivalence
 from sart.types import Scoring
 
@@ -142,17 +143,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="the N values to report (default: 2, 4, 8... up to --n, and --n); Vanilla is N = 1",
     )
-    p.add_argument(
-        "--methods",
-        nargs="+",
-        default=list(DEFAULT_METHODS),
-        metavar="METHOD",
-        help="methods to evaluate (default: "
-        + " ".join(DEFAULT_METHODS)
-        + "; built in: "
-        + ", ".join(method_names())
-        + "; --plugin modules may register more)",
-    )
+    add_methods_flag(p, "evaluate", DEFAULT_METHODS, default=list(DEFAULT_METHODS))
     p.add_argument(
         "--interval",
         type=int,

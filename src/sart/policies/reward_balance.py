@@ -41,17 +41,20 @@ def allocate(leaves: Sequence[BranchView], temperature: float) -> dict[int, int]
     """Share ``len(leaves)`` slots by ``softmax(reward / temperature)``, largest
     remainders first (ties: higher reward, then lower index). ``{}`` if a leaf
     has no reward yet."""
-    if not leaves or any(b.reward is None for b in leaves):
-        return {}
-    rewards = [b.reward for b in leaves]
-    top = max(rewards)  # type: ignore[type-var]
-    weights = [math.exp((r - top) / temperature) for r in rewards]  # type: ignore[operator]
+    rewards: dict[int, float] = {}
+    for b in leaves:
+        if b.reward is None:
+            return {}
+        rewards[b.index] = b.reward
+    top = max(rewards.values())
+    weights = [math.exp((rewards[b.index] - top) / temperature) for b in leaves]
     total = sum(weights)
     quotas = [len(leaves) * w / total for w in weights]
     shares = {b.index: math.floor(q) for b, q in zip(leaves, quotas)}
     left = len(leaves) - sum(shares.values())
     order = sorted(
-        zip(leaves, quotas), key=lambda p: (-(p[1] - math.floor(p[1])), -p[0].reward, p[0].index)
+        zip(leaves, quotas),
+        key=lambda p: (-(p[1] - math.floor(p[1])), -rewards[p[0].index], p[0].index),
     )
     for leaf, _ in order[:left]:
         shares[leaf.index] += 1

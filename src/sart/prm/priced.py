@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from sart.errors import ConfigError
 from sart.prm.base import PRM, ScoreItem
 
 
@@ -19,6 +20,9 @@ class CostedPRM:
 
     ``shares_engine``: the PRM runs on the policy's accelerator, so a call
     holds decoding up for its whole cost even when checks are overlapped.
+    ``replicas``: copies of the PRM, each serving one call at a time, so that
+    overlapped calls run side by side (the driver keeps as many in flight:
+    ``workers``).
     """
 
     def __init__(
@@ -27,10 +31,19 @@ class CostedPRM:
         cost: Callable[[Sequence[ScoreItem]], float],
         *,
         shares_engine: bool = False,
+        replicas: int = 1,
     ) -> None:
+        if not (isinstance(replicas, int) and replicas >= 1):
+            raise ConfigError(f"replicas={replicas!r} must be an int >= 1")
         self.prm = prm
         self._cost = cost
         self.shares_engine = shares_engine
+        self.replicas = replicas
+
+    @property
+    def workers(self) -> int:
+        """Calls the driver keeps in flight by default: one per replica."""
+        return self.replicas
 
     def score(self, items: Sequence[ScoreItem]) -> Sequence[float]:
         return self.prm.score(items)

@@ -20,17 +20,25 @@ isolates request by request, as it does for a PRM in the same process. A
 child that died fails every later call with ``PRMError``. ``close()`` (or
 leaving the ``with`` block) stops the child; it is a daemon, so it never
 outlives the parent.
+
+``PRMPool(factory, workers=K)`` hosts ``K`` such processes and scores on them
+side by side: a request's items always go to one process (its cache is there;
+``sart.prm.placement``), one ``score`` call sends each process the items it
+holds, at once, and ``workers`` tells the driver to keep ``K`` checks in flight.
+A process that fails (or died) fails only the requests it held.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sart.errors import PRMError
+from sart.errors import ConfigError, PRMError
 from sart.prm.base import PRM, ScoreItem
+from sart.prm.placement import Placement
 
 _SCORE, _RELEASE, _CLOSE = "score", "release", "close"
 
@@ -148,3 +156,88 @@ class PRMProcess:
 
     def _recv(self) -> tuple[str, Any]:
         return self._conn.recv()  # type: ignore[no-any-return]
+
+
+class PRMPool:
+    """``workers`` ``PRMProcess`` es built by ``factory``, scoring side by side (see the
+    module docstring). Started together; if one fails to start, the others stop."""
+
+    def __init__(
+        self, factory: Callable[[], PRM], workers: int, *, start_timeout: float = 600.0
+    ) -> None:
+        if not (isinstance(workers, int) and workers >= 1):
+            raise ConfigError(f"workers={workers!r} must be an int >= 1")
+        self._calls = concurrent.futures.ThreadPoolExecutor(workers, "sart-prm-pool")
+        starts = [
+            self._calls.submit(PRMProcess, factory, start_timeout=start_timeout)
+            for _ in range(workers)
+        ]
+        self._processes: list[PRMProcess] = []
+        errors: list[BaseException] = []
+        for start in starts:
+            try:
+                self._processes.append(start.result())
+            except BaseException as exc:  # re-raised below, once the others are closed
+                errors.append(exc)
+        if errors:
+            self.close()
+            raise errors[0]
+        self.placement = Placement(workers, cooldown=0.0)
+        """Which process scores each request (``sart.prm.placement``)."""
+
+    @property
+    def workers(self) -> int:
+        """Processes scoring side by side: the driver keeps that many checks in flight."""
+        return len(self._processes)
+
+    def score(self, items: Sequence[ScoreItem]) -> list[float]:
+        """Each item scored by its request's process, all processes at once. A process
+        that fails fails its requests' items (``PRMError`` naming them)."""
+        items = list(items)
+        groups = self.placement.split(item.branch.request_id for item in items)
+        calls = {
+            worker: self._calls.submit(self._processes[worker].score, [items[k] for k in held])
+            for worker, held in groups.items()
+        }
+        rewards: list[float] = [0.0] * len(items)
+        failed: dict[str, str] = {}
+        unattributed: Exception | None = None
+        for worker, call in calls.items():
+            held = groups[worker]
+            try:
+                values = call.result()
+            except PRMError as exc:
+                # Named requests, or (a process that is gone) all it held.
+                named = set(exc.request_ids) or {items[k].branch.request_id for k in held}
+                failed.update((rid, str(exc)) for rid in named)
+                continue
+            except Exception as exc:
+                unattributed = exc
+                continue
+            for k, value in zip(held, values):
+                rewards[k] = value
+        if unattributed is not None:
+            # As from a PRM in this process: the driver retries request by request to
+            # find the one at fault.
+            raise unattributed
+        if failed:
+            raise PRMError("; ".join(sorted(set(failed.values()))), sorted(failed))
+        return rewards
+
+    def release(self, request_id: str) -> None:
+        """Forget the request; its process drops its caches in the background (a call
+        from the driver's loop must not wait for a check that process is scoring)."""
+        worker = self.placement.release(request_id)
+        if worker is not None:
+            self._calls.submit(self._processes[worker].release, request_id)
+
+    def close(self) -> None:
+        for process in self._processes:
+            process.close()
+        self._calls.shutdown(wait=True)
+
+    def __enter__(self) -> PRMPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

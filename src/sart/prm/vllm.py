@@ -142,22 +142,10 @@ class VLLMQwenPRM:
         model_config = llm.model_config
         if getattr(model_config, "runner_type", "pooling") != "pooling":
             raise ConfigError(
-                "VLLMQwenPRM needs an LLM built with runner='pooling', not "
+                f"{type(self).__name__} needs an LLM built with runner='pooling', not "
                 f"runner={model_config.runner_type!r}"
             )
-        supported = getattr(llm, "supported_tasks", ("token_classify",))
-        if "token_classify" not in supported:
-            raise ConfigError(
-                f"this vLLM model does not support pooling_task='token_classify' "
-                f"(its tasks: {tuple(supported)}); a PRM needs per-token outputs"
-            )
-        task = getattr(llm, "pooling_task", "token_classify")
-        if task != "token_classify":
-            raise ConfigError(
-                f"this vLLM model's pooling task is {task!r}; build the LLM with "
-                "pooler_config={'task': 'token_classify'} so that LLM.encode returns "
-                "per-token outputs"
-            )
+        self._check_task(llm)
         model_max = int(model_config.max_model_len)
         if options.get("max_length") is None:
             options["max_length"] = min(DEFAULT_MAX_LENGTH, model_max)
@@ -215,6 +203,23 @@ class VLLMQwenPRM:
             trust_remote_code=bool(engine_args.get("trust_remote_code", False)),
             **options,
         )
+
+    #: The pooling task this adapter asks vLLM for.
+    TASK: ClassVar[str] = "token_classify"
+
+    def _check_task(self, llm: Any) -> None:
+        supported = getattr(llm, "supported_tasks", (self.TASK,))
+        if self.TASK not in supported:
+            raise ConfigError(
+                f"this vLLM model does not support pooling_task={self.TASK!r} "
+                f"(its tasks: {tuple(supported)}); {type(self).__name__} needs it"
+            )
+        task = getattr(llm, "pooling_task", self.TASK)
+        if task != self.TASK:
+            raise ConfigError(
+                f"this vLLM model's pooling task is {task!r}; build the LLM with "
+                f"pooler_config={{'task': {self.TASK!r}}}"
+            )
 
     # ------------------------------------------------------------------ protocol
 
@@ -275,7 +280,7 @@ class VLLMQwenPRM:
                 outputs = self.llm.encode(
                     [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
                     self._params(),
-                    pooling_task="token_classify",
+                    pooling_task=self.TASK,
                     use_tqdm=False,
                 )
         except Exception as exc:
@@ -286,9 +291,13 @@ class VLLMQwenPRM:
             ) from exc
         self.forward_calls += 1
         self.tokens_processed += sum(map(len, prompts))
+        self._counted(outputs)
         if len(outputs) != len(prompts):
             raise PRMError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} inputs")
         return [out.outputs.data for out in outputs]
+
+    def _counted(self, outputs: Sequence[Any]) -> None:
+        """Hook: what a subclass counts of vLLM's outputs (here nothing more)."""
 
     def _read(self, item: ScoreItem, enc: Encoded, data: Any) -> list[float]:
         """The step rewards of ``enc`` from vLLM's rows for it."""

@@ -1,0 +1,248 @@
+"""``RemotePRM``: the PRM on one or more ``vllm serve`` servers, scored over HTTP.
+
+At the scale sart is deployed at, one PRM cannot read tokens as fast as a
+tensor-parallel policy generates them; the PRM side is then a pool of servers,
+each ``vllm serve`` of the PRM checkpoint loaded as sart's ``LAST``-pooled
+architecture, so that each check is served from that server's prefix cache
+(``sart.prm.vllm_cached``; the same network and weights as Qwen2.5-Math-PRM)::
+
+    pip install 'sart[vllm]'          # in the PRM servers' environment too: the
+                                      # entry point registers the architecture
+    vllm serve Qwen/Qwen2.5-Math-PRM-7B --runner pooling --trust-remote-code \\
+        --hf-overrides '{"architectures": ["SartLastStepQwen2PRM"]}' --port 8100
+
+The wire format is vLLM's ``/classify`` endpoint: ``{"input": [[token ids], ...],
+"use_activation": false}`` (token ids: the client encodes with the PRM's own
+tokenizer, ``sart.prm.formats.QwenFormat``, exactly as the in-process PRMs do),
+answered with ``{"data": [{"index": i, "probs": [logit_0, logit_1]}, ...]}``;
+the reward is the softmax's column 1. Each input ends at a branch's latest step
+separator, so the reward is that step's; the client keeps each branch's rated
+steps and aggregates them as ``VLLMCachedPRM`` does (same options, same
+meaning of ``min``/``prod``/``mean``).
+
+Placement. A request's items always go to the same server (its branches share
+the question's prefix, and a branch's checks hit the blocks its previous check
+left): a request is placed, at its first check, on the server with the fewest
+requests placed, and stays there until ``release``. One ``score`` call sends one
+HTTP request per server involved, side by side. ``workers`` is the number of
+servers: the driver keeps that many checks in flight.
+
+Failures. A server that answers with an error, an unreadable body or not within
+``timeout`` seconds (``connect_timeout`` to connect) fails the items it held: a
+``PRMError`` names their requests, and the driver fails those requests and
+carries on with the others (scoring them again: cheap, from the caches). The
+server is then left out of new placements for ``cooldown`` seconds, and its
+requests are placed again at their next check. ``api_key`` is sent as
+``Authorization: Bearer``. Needs ``httpx`` (``pip install 'sart[remote]'``) and a
+tokenizer (transformers, for ``from_pretrained``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import threading
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from sart.errors import ConfigError, PRMError, config_check, needs_extra
+from sart.prm.aggregate import aggregate as aggregate_rewards
+from sart.prm.aggregate import check_finite
+from sart.prm.base import ScoreItem
+from sart.prm.formats import QwenFormat
+from sart.prm.options import VLLMQwenOptions, build_options
+from sart.prm.placement import Placement
+from sart.types import BranchId
+
+with needs_extra("the remote PRM", "remote"):
+    import httpx
+
+__all__ = ["RemotePRM"]
+
+DEFAULT_MAX_LENGTH = 4096
+
+
+def _reward(logits: Sequence[float]) -> float:
+    """Softmax column 1 of two logits, in float64 (as ``good_probability`` in float32)."""
+    a, b = float(logits[0]), float(logits[1])
+    top = max(a, b)
+    ea, eb = math.exp(a - top), math.exp(b - top)
+    return eb / (ea + eb)
+
+
+class RemotePRM:
+    """Qwen2.5-Math-PRM's last-step reward from ``vllm serve`` servers at ``urls``; see
+    the module docstring. ``tokenizer`` is the PRM's tokenizer (an object, or a
+    directory / hub id for ``AutoTokenizer``); ``options`` are ``VLLMQwenPRM``'s
+    (``max_length`` defaults to 4096, ``window_stride`` to ``max_length // 4``)."""
+
+    Options: ClassVar[type[VLLMQwenOptions]] = VLLMQwenOptions
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        tokenizer: Any,
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        connect_timeout: float = 5.0,
+        cooldown: float = 30.0,
+        trust_remote_code: bool = False,
+        transport: Any = None,
+        **options: Any,
+    ) -> None:
+        urls = [str(u).rstrip("/") for u in urls]
+        config_check(bool(urls), "urls", urls, "at least one server URL")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"urls={url!r} must start with http:// or https://")
+        config_check(timeout > 0, "timeout", timeout, "> 0")
+        config_check(connect_timeout > 0, "connect_timeout", connect_timeout, "> 0")
+        config_check(cooldown >= 0, "cooldown", cooldown, ">= 0")
+        if options.get("max_length") is None:
+            options["max_length"] = DEFAULT_MAX_LENGTH
+        if options.get("window_stride") is None:
+            options["window_stride"] = max(1, options["max_length"] // 4)
+        self.options = build_options(self.Options, type(self).__name__, options)
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(
+                tokenizer, trust_remote_code=trust_remote_code
+            )
+        if tokenizer is None:
+            raise ConfigError("tokenizer=None: RemotePRM encodes with the PRM's tokenizer")
+        self.urls = urls
+        self.model = model
+        self.limit = self.options.limit
+        self.aggregate = self.options.aggregate
+        self.format = QwenFormat(tokenizer, self.options, self.limit, owner=type(self).__name__)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client = httpx.Client(
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            transport=transport,
+        )
+        self._pool = concurrent.futures.ThreadPoolExecutor(len(urls), "sart-remote-prm")
+        self._lock = threading.Lock()
+        self.placement = Placement(len(urls), cooldown=cooldown)
+        """Which server scores each request (``sart.prm.placement``)."""
+        self._steps: dict[BranchId, dict[int, float]] = {}  # branch -> step -> reward
+        self.tokens_processed = 0
+        """Tokens sent to the servers."""
+        self.tokens_cached = 0
+        """Of those, the servers' prefix caches held (from their ``usage``, when they
+        report it)."""
+        self.requests_sent = [0] * len(urls)
+        """HTTP requests sent to each server."""
+
+    @property
+    def workers(self) -> int:
+        """Calls taken side by side: one per server (the driver keeps that many checks
+        in flight). Safe to call from several threads."""
+        return len(self.urls)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.format.tokenizer
+
+    @property
+    def tokens_computed(self) -> int:
+        return self.tokens_processed - self.tokens_cached
+
+    # ------------------------------------------------------------------ protocol
+
+    def score(self, items: Sequence[ScoreItem]) -> list[float]:
+        """One reward in [0, 1] per item: its rated steps' rewards reduced with
+        ``aggregate``. Raises ``PRMError`` naming the requests of the items a failed
+        server held (after recording the others' rewards)."""
+        return [aggregate_rewards(r, self.aggregate) for r in self.step_rewards(items)]
+
+    def step_rewards(self, items: Sequence[ScoreItem]) -> list[list[float]]:
+        """Per item, the rewards of the steps its branch's checks have rated, in order."""
+        encoded = [self.format.encode_item(item) for item in items]
+        jobs = [i for i, enc in enumerate(encoded) if enc.segments]
+        split = self.placement.split(items[i].branch.request_id for i in jobs)
+        by_server = {server: [jobs[k] for k in held] for server, held in split.items()}
+        inputs = {i: encoded[i].ids()[: encoded[i].positions()[-1] + 1] for i in jobs}
+        calls = {
+            server: self._pool.submit(self._post, server, [inputs[i] for i in held])
+            for server, held in by_server.items()
+        }
+        failed: dict[str, str] = {}
+        for server, call in calls.items():
+            held = by_server[server]
+            try:
+                logits = call.result()
+            except PRMError as exc:
+                self.placement.mark_down(server)
+                for i in held:
+                    failed.setdefault(items[i].branch.request_id, str(exc))
+                continue
+            for i, pair in zip(held, logits):
+                enc = encoded[i]
+                step = enc.first_step + len(enc.segments) - 1
+                with self._lock:
+                    self._steps.setdefault(items[i].branch, {})[step] = _reward(pair)
+        if failed:
+            reasons = sorted(set(failed.values()))
+            raise PRMError("; ".join(reasons), sorted(failed))
+        with self._lock:
+            results = [
+                [r for _, r in sorted(self._steps.get(item.branch, {}).items())] for item in items
+            ]
+            for item in items:
+                if item.final:
+                    self._steps.pop(item.branch, None)
+        check_finite(items, results)
+        return results
+
+    def release(self, request_id: str) -> None:
+        """Forget the request: its placement and its branches' rated steps."""
+        self.placement.release(request_id)
+        with self._lock:
+            for branch in [b for b in self._steps if b.request_id == request_id]:
+                del self._steps[branch]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._client.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _post(self, server: int, inputs: list[list[int]]) -> list[list[float]]:
+        """One ``/classify`` request: each input's two logits (``PRMError`` on failure)."""
+        url = f"{self.urls[server]}/classify"
+        body: dict[str, Any] = {"input": inputs, "use_activation": False}
+        if self.model is not None:
+            body["model"] = self.model
+        with self._lock:
+            self.requests_sent[server] += 1
+        try:
+            response = self._client.post(url, json=body)
+        except httpx.HTTPError as exc:
+            raise PRMError(f"PRM server {self.urls[server]}: {type(exc).__name__}: {exc}") from exc
+        if response.status_code != 200:
+            raise PRMError(
+                f"PRM server {self.urls[server]} answered {response.status_code}: "
+                f"{response.text[:200]}"
+            )
+        try:
+            document = response.json()
+            data = sorted(document["data"], key=lambda d: d["index"])
+            logits = [[float(x) for x in d["probs"]] for d in data]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PRMError(f"PRM server {self.urls[server]}: unreadable answer ({exc})") from exc
+        if len(logits) != len(inputs) or any(len(pair) != 2 for pair in logits):
+            raise PRMError(
+                f"PRM server {self.urls[server]} answered {len(logits)} results for "
+                f"{len(inputs)} inputs; a PRM needs two logits each (is it serving "
+                "the LAST-pooled architecture?)"
+            )
+        usage = document.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+        with self._lock:
+            self.tokens_processed += sum(map(len, inputs))
+            self.tokens_cached += int(details.get("cached_tokens") or 0)
+        return logits

@@ -1,0 +1,60 @@
+"""The loader's process layout for vLLM on a machine without an accelerator
+(``sart.launch.cpu_layout``, ``vllm_layout``). Needs vLLM (its CPU platform); CI runs it
+in its vLLM stage."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from sart import launch
+from sart.launch import LoadSpec, cpu_layout, vllm_layout
+
+NAMES = (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV)
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """No layout variable set; ``torch.set_num_threads`` recorded, not applied."""
+    import torch
+
+    for name in NAMES:
+        monkeypatch.delenv(name, raising=False)
+    calls: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _pid: set(range(4)))
+    return calls
+
+
+def test_on_cpu_the_engine_runs_here_unpinned_on_half_the_cores(
+    clean_env: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chosen = cpu_layout(LoadSpec("vllm", "m", prm="p"))  # a transformers PRM, own process
+    assert chosen == {
+        launch.IN_PROCESS_ENV: "0",
+        launch.BIND_ENV: "nobind",
+        launch.THREADS_ENV: "2",  # the PRM's process: the other half
+        "engine threads": "2",
+    }
+    assert clean_env == [2]
+    assert vllm_layout({"max_num_seqs": 8})["distributed_executor_backend"] == "uni"
+    assert (
+        vllm_layout({"distributed_executor_backend": "mp"})["distributed_executor_backend"] == "mp"
+    )
+
+
+def test_what_the_user_set_is_kept(clean_env: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(launch.IN_PROCESS_ENV, "1")
+    monkeypatch.setenv(launch.THREADS_ENV, "3")
+    chosen = cpu_layout(LoadSpec("vllm", "m", prm="p", prm_replicas=2))
+    assert chosen == {launch.BIND_ENV: "nobind"}
+    assert clean_env == []
+
+
+def test_other_engines_are_left_alone(clean_env: list[int]) -> None:
+    assert cpu_layout(LoadSpec("hf", "m", prm="p")) == {}
+    # A vLLM PRM in this process (no process of its own): the engine core here, all cores.
+    chosen = cpu_layout(LoadSpec("hf", "m", prm="p", prm_kind="vllm-cached"))
+    assert chosen == {launch.IN_PROCESS_ENV: "0", launch.BIND_ENV: "nobind"}
+    assert clean_env == []
