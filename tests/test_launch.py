@@ -146,3 +146,28 @@ def test_a_prm_that_fails_to_load_stops_the_engine_already_loaded() -> None:
     with pytest.raises(sart.ConfigError, match="from_engine_args failed"):
         load(LoadSpec("hf", "m", prm="p", prm_kind="vllm-qwen"))
     assert StandIn.closed == ["from_pretrained"]
+
+
+def test_on_a_cpu_the_policy_and_the_prm_process_split_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from sart import launch
+
+    for name in (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV):
+        monkeypatch.delenv(name, raising=False)
+    threads: list[int] = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _pid: set(range(6)))
+    monkeypatch.setattr(launch, "_on_vllm_cpu", lambda: False)
+    # The transformers policy on the CPU, the PRM in 3 processes of its own: 3 cores here,
+    # one for each PRM process.
+    chosen = launch.cpu_layout(LoadSpec("hf", "m", prm="p", prm_replicas=3))
+    assert chosen == {launch.THREADS_ENV: "1", "engine threads": "3"} and threads == [3]
+    assert launch.os.environ[launch.THREADS_ENV] == "1"
+    # Set by the user: kept; on GPUs, or with the PRM in this process: nothing to split.
+    assert launch.cpu_layout(LoadSpec("hf", "m", prm="p")) == {}
+    monkeypatch.delenv(launch.THREADS_ENV)
+    assert launch.cpu_layout(LoadSpec("hf", "m", prm="p", device="cuda:0")) == {}
+    assert launch.cpu_layout(LoadSpec("hf", "m", prm="p", prm_in_process=True)) == {}
+    assert launch.cpu_layout(LoadSpec("hf", "m")) == {}

@@ -52,8 +52,8 @@ def test_what_the_user_set_is_kept(clean_env: list[int], monkeypatch: pytest.Mon
     assert clean_env == []
 
 
-def test_other_engines_are_left_alone(clean_env: list[int]) -> None:
-    assert cpu_layout(LoadSpec("hf", "m", prm="p")) == {}
+def test_other_engines_get_only_the_core_split(clean_env: list[int]) -> None:
+    assert cpu_layout(LoadSpec("hf", "m", prm="p", device="cuda:0", prm_device="cuda:1")) == {}
     # A vLLM PRM in this process (no process of its own): the engine core here, all cores.
     chosen = cpu_layout(LoadSpec("hf", "m", prm="p", prm_kind="vllm-cached"))
     assert chosen == {launch.IN_PROCESS_ENV: "0", launch.BIND_ENV: "nobind"}

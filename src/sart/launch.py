@@ -184,9 +184,9 @@ class LoadSpec:
 
     @property
     def prm_process(self) -> bool:
-        """Whether ``build_prm`` hosts the PRM in a ``PRMProcess`` (it loads its model
-        there) rather than loading it in this process (vLLM's PRM has its own engine
-        process already)."""
+        """Whether ``build_prm`` hosts the PRM in a ``PRMProcess`` (or a ``PRMPool``: it
+        loads its model there) rather than loading it in this process (vLLM's PRMs are
+        engines of their own; remote ones are servers)."""
         return (
             self.prm is not None
             and self.prm_kind in TRANSFORMERS_PRMS
@@ -335,31 +335,44 @@ def _on_vllm_cpu() -> bool:
 
 
 def cpu_layout(spec: LoadSpec, *, with_prm: bool = True) -> dict[str, str]:
-    """On a machine without an accelerator, run vLLM's engine in this process and split
-    the cores between it and the PRM; return the settings chosen (empty: none).
+    """Where the policy runs on CPUs: split the cores between it and a PRM in a process of
+    its own, and run vLLM's engine in this process; return the settings chosen (empty:
+    none).
 
-    vLLM-CPU's default layout (its engine core in a process of its own, OpenMP threads
-    pinned to every core) starves a PRM in its own process on a small machine:
-    measured on this project's 2-core machine (``sart bench --engine vllm --model
-    testbed``, N = 8, 8 req/s, seed 0), SC / SART at P97 was 0.77 with vLLM's layout,
-    0.06 with the engine in sart's process but pinned to every core, and 2.07 with
-    the engine in sart's process on one unpinned thread and the PRM on the other core.
-    So, for the ``vllm`` engine (or a vLLM PRM) on vLLM's CPU platform: the engine core
-    runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, and
-    ``distributed_executor_backend="uni"`` in ``vllm_layout``), unpinned
-    (``VLLM_CPU_OMP_THREADS_BIND=nobind``), on half the cores when a PRM has its own
-    process(es) (``torch.set_num_threads``), which get the other half
-    (``OMP_NUM_THREADS`` in their environment). Each setting stays the user's where the
-    environment already has it. On GPUs nothing changes."""
+    On a CPU, a policy and a PRM that each take every core fight over them, and SART,
+    which waits for the PRM, loses most: measured on this project's 2-core machine
+    (the testbed, N = 8, 8 req/s, seed 0, no environment variables):
+
+    - transformers (``sart bench --engine hf --model testbed --requests 40 --n 8
+      --rate 8 --methods sc sart``): SC / SART at P97 0.54 and 0.47 (two runs) with
+      every core each; 2.55 and 2.70 with the cores split as below;
+    - vLLM-CPU (``--engine vllm``): 0.77 with vLLM's layout (an engine-core process
+      with an OpenMP thread pinned to every core), 0.06 with the engine in sart's
+      process still pinned to every core, 0.97-2.07 in repeats with it in sart's
+      process on one unpinned thread.
+
+    So, when the policy runs on the CPU (``hf`` on ``device`` cpu, or ``vllm`` on vLLM's
+    CPU platform) and a transformers PRM has its own process(es) on the CPU, this
+    process takes half the cores (``torch.set_num_threads``) and the PRM's processes
+    the rest (``OMP_NUM_THREADS`` in their environment, split among ``prm_replicas``;
+    at least one each). For the ``vllm`` engine (or a vLLM PRM) on vLLM's CPU platform
+    its engine core also runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+    and ``distributed_executor_backend="uni"`` in ``vllm_layout``), unpinned
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind``). Each setting stays the user's where the
+    environment already has it; on GPUs nothing changes."""
     has_prm = with_prm and spec.prm is not None
     local_vllm_prm = has_prm and spec.prm_kind in VLLM_PRMS and not spec.prm_urls
-    if not (spec.engine == "vllm" or local_vllm_prm) or not _on_vllm_cpu():
-        return {}
+    vllm_cpu = (spec.engine == "vllm" or local_vllm_prm) and _on_vllm_cpu()
     chosen: dict[str, str] = {}
-    for name, value in ((IN_PROCESS_ENV, "0"), (BIND_ENV, "nobind")):
-        if name not in os.environ:
-            os.environ[name] = chosen[name] = value
-    if THREADS_ENV not in os.environ and has_prm and spec.prm_process:
+    if vllm_cpu:
+        for name, value in ((IN_PROCESS_ENV, "0"), (BIND_ENV, "nobind")):
+            if name not in os.environ:
+                os.environ[name] = chosen[name] = value
+    policy_on_cpu = (spec.engine == "hf" and (spec.device or "cpu") == "cpu") or (
+        spec.engine == "vllm" and vllm_cpu
+    )
+    prm_beside = has_prm and spec.prm_process and spec.resolved_prm_device == "cpu"
+    if THREADS_ENV not in os.environ and policy_on_cpu and prm_beside:
         import torch
 
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1

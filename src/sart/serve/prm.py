@@ -6,8 +6,9 @@ rendered by the server), but a PRM formats its own input around the
 a chat request the server registers the question — the last user message —
 and the PRM sees that text as the item's prompt. Completion prompts pass as
 they are. A question is forgotten when the PRM is told to release its
-request (the driver holds releases back while a check is in flight, so no
-check can miss it).
+request (the driver holds releases back while a check is in flight for a
+one-worker PRM; a PRM with several workers releases at once, and a check of a
+request that has ended is ignored anyway).
 
 Each call's duration goes to ``sart:prm_latency_seconds``.
 """
@@ -29,6 +30,14 @@ class ServedPRM:
         self.prm = prm
         self._observe = observe
         self._questions: dict[str, str] = {}
+
+    @property
+    def workers(self) -> int:
+        """The wrapped PRM's workers (a pool, PRM servers): the driver keeps as many
+        checks in flight."""
+        from sart.driver import prm_workers
+
+        return prm_workers(self.prm)
 
     def ask(self, request_id: str, question: str) -> None:
         """Show the PRM ``question`` as the prompt of ``request_id``'s items."""
