@@ -58,10 +58,26 @@ def test_sart_bench_mix_writes_its_comparison(tmp_path: Path) -> None:
 
     out = tmp_path / "mix"
     assert main(["bench", "--mix", SPEC, "--requests", "40", "--rate", "2", "--out", str(out)]) == 0
-    data = json.loads((out / "mix.json").read_text())
+    data = json.loads((out / "results.json").read_text())
     (rate,) = data["rates"]
     assert [run["scheduling"] for run in rate["runs"]] == ["fcfs", "priority"]
     assert [c["name"] for c in rate["runs"][1]["classes"]] == ["interactive", "bulk"]
+
+
+def test_sart_bench_mix_json_prints_the_document_as_the_other_runs_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: the rich tables on stdout, and mix.json where every other run writes
+    # results.json.
+    from sart.cli import main
+
+    argv = ["bench", "--mix", SPEC, "--requests", "20", "--rate", "2", "--json"]
+    assert main([*argv, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr()
+    document = json.loads(printed.out)
+    assert document == json.loads((tmp_path / "results.json").read_text())
+    assert document["complete"] and document["mix"] == SPEC
+    assert "Mixed workload at 2 req/s" in printed.err
 
 
 def test_mix_replaces_methods_and_n(capsys: pytest.CaptureFixture[str]) -> None:

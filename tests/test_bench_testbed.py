@@ -155,7 +155,7 @@ def test_bench_mix_serves_urgent_and_bulk_testbed_requests_with_transformers(
     out = tmp_path / "out"
     argv = [a for a in bench_argv("hf", out) if a not in ("--n", "4")]
     assert main([*argv, "--mix", "interactive:0.3:sart:2,bulk:0.7:sc:4"]) == 0
-    (document,) = json.loads((out / "mix.json").read_text())["rates"]
+    (document,) = json.loads((out / "results.json").read_text())["rates"]
     assert [c["name"] for c in document["classes"]] == ["interactive", "bulk"]
     fcfs, priority = document["runs"]
     assert (fcfs["scheduling"], priority["scheduling"]) == ("fcfs", "priority")

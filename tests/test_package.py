@@ -72,4 +72,17 @@ def test_cli_reports_bad_settings_without_a_traceback(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit) as info:
         main(["quickstart", "--n", "0"])
     assert info.value.code == 2
-    assert "sart: error: n=0 must be >= 1" in capsys.readouterr().err
+    assert "sart: error: --n 0 must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flag", ["--requests", "--n", "--batch-size", "--interval", "--max-tokens"]
+)
+def test_quickstart_refuses_a_count_below_one(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: "sart quickstart --requests -1" ran "-1 requests" and exited 0.
+    with pytest.raises(SystemExit) as info:
+        main(["quickstart", flag, "-1"])
+    assert info.value.code == 2
+    assert f"{flag} -1 must be >= 1" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from sart.bench.tune_command import add_tune_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
-from sart.errors import EXTRAS, SartError, install_hint, needs_extra
+from sart.errors import EXTRAS, ConfigError, SartError, install_hint, needs_extra
 from sart.eval.command import add_eval_parser
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
@@ -25,6 +25,10 @@ from sart.types import BranchStatus, SamplingSettings
 
 
 def _quickstart(args: argparse.Namespace) -> int:
+    for flag in ("requests", "n", "batch_size", "interval", "max_tokens"):
+        value = getattr(args, flag)
+        if value < 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value} must be >= 1")
     interval = args.interval
     script = random_scripts(seed=args.seed, median_length=4 * interval, every=interval)
     engine = FakeEngine(script)

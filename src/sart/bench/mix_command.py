@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sart.bench.results_file import check_writable, write_json
 from sart.bench.runner import BenchConfig
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
@@ -24,9 +25,10 @@ def bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     if args.ns or args.methods:
         raise ConfigError("--mix names each class's method and N: drop --methods and --n")
     classes = parse_mix(args.mix)
-    console = Console(width=None if Console().is_terminal else 120)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    # With --json the tables go to stderr and stdout carries the document, as for the
+    # other runs of sart bench.
+    console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
+    path = check_writable(Path(args.out))
     serve_rate, loaded = (
         _on_real_engine(args, config, classes) if args.engine != "sim" else (None, None)
     )
@@ -35,8 +37,11 @@ def bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     finally:
         if loaded is not None:
             loaded.close()
-    (out / "mix.json").write_text(json.dumps({"mix": args.mix, "rates": documents}, indent=2))
-    console.print(f"wrote {out / 'mix.json'}")
+    document = {"mix": args.mix, "rates": documents, "complete": True}
+    write_json(path, document)
+    if args.json:
+        print(json.dumps(document, indent=1))
+    console.print(f"wrote {path}")
     return 0
 
 
