@@ -152,7 +152,7 @@ def test_on_a_cpu_the_policy_and_the_prm_process_split_the_cores(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
-    from sart import launch
+    from sart import cpu_layout as launch
 
     for name in (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV):
         monkeypatch.delenv(name, raising=False)

@@ -8,8 +8,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from sart import launch
-from sart.launch import LoadSpec, cpu_layout, vllm_layout
+from sart import cpu_layout as launch
+from sart.cpu_layout import cpu_layout, vllm_layout
+from sart.launch import LoadSpec
 
 NAMES = (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV)
 

@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
 
+from sart.cpu_layout import VLLM_PRMS, cpu_layout, vllm_layout
 from sart.errors import ConfigError, config_check
 from sart.types import SamplingSettings
 
@@ -45,9 +45,6 @@ ENGINES = (*SYNC_ENGINES, "vllm-async", "openai")
 TRANSFORMERS_PRMS = ("qwen", "shepherd")
 """PRM kinds that load with transformers, on a torch device, in a process of their own
 by default."""
-VLLM_PRMS = ("vllm-qwen", "vllm-cached")
-"""PRM kinds served by a vLLM engine of their own (built from ``prm_options`` as engine
-arguments)."""
 PRM_KINDS = (*TRANSFORMERS_PRMS, *VLLM_PRMS)
 """PRM kinds the loader builds (names of ``sart.registry``)."""
 
@@ -317,86 +314,6 @@ def build_engine(spec: LoadSpec) -> Any:
     return engine
 
 
-IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-"""vLLM's switch between its engine core in a process of its own (``1``, its default)
-and in the caller's process (``0``)."""
-BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
-"""vLLM-CPU's pinning of its OpenMP threads (``auto``, its default: one per core)."""
-THREADS_ENV = "OMP_NUM_THREADS"
-
-
-def _on_vllm_cpu() -> bool:
-    """Whether vLLM is installed and its platform here is the CPU."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError:  # no vLLM: loading the engine says what to install
-        return False
-    return bool(current_platform.is_cpu())
-
-
-def cpu_layout(spec: LoadSpec, *, with_prm: bool = True) -> dict[str, str]:
-    """Where the policy runs on CPUs: split the cores between it and a PRM in a process of
-    its own, and run vLLM's engine in this process; return the settings chosen (empty:
-    none).
-
-    On a CPU, a policy and a PRM that each take every core fight over them, and SART,
-    which waits for the PRM, loses most: measured on this project's 2-core machine
-    (the testbed, N = 8, 8 req/s, seed 0, no environment variables):
-
-    - transformers (``sart bench --engine hf --model testbed --requests 40 --n 8
-      --rate 8 --methods sc sart``): SC / SART at P97 0.54 and 0.47 (two runs) with
-      every core each; 2.55 and 2.70 with the cores split as below;
-    - vLLM-CPU (``--engine vllm``): 0.77 with vLLM's layout (an engine-core process
-      with an OpenMP thread pinned to every core), 0.06 with the engine in sart's
-      process still pinned to every core, 0.97-2.07 in repeats with it in sart's
-      process on one unpinned thread.
-
-    So, when the policy runs on the CPU (``hf`` on ``device`` cpu, or ``vllm`` on vLLM's
-    CPU platform) and a transformers PRM has its own process(es) on the CPU, this
-    process takes half the cores (``torch.set_num_threads``) and the PRM's processes
-    the rest (``OMP_NUM_THREADS`` in their environment, split among ``prm_replicas``;
-    at least one each). For the ``vllm`` engine (or a vLLM PRM) on vLLM's CPU platform
-    its engine core also runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-    and ``distributed_executor_backend="uni"`` in ``vllm_layout``), unpinned
-    (``VLLM_CPU_OMP_THREADS_BIND=nobind``). Each setting stays the user's where the
-    environment already has it; on GPUs nothing changes."""
-    has_prm = with_prm and spec.prm is not None
-    local_vllm_prm = has_prm and spec.prm_kind in VLLM_PRMS and not spec.prm_urls
-    vllm_cpu = (spec.engine == "vllm" or local_vllm_prm) and _on_vllm_cpu()
-    chosen: dict[str, str] = {}
-    if vllm_cpu:
-        for name, value in ((IN_PROCESS_ENV, "0"), (BIND_ENV, "nobind")):
-            if name not in os.environ:
-                os.environ[name] = chosen[name] = value
-    policy_on_cpu = (spec.engine == "hf" and (spec.device or "cpu") == "cpu") or (
-        spec.engine == "vllm" and vllm_cpu
-    )
-    prm_beside = has_prm and spec.prm_process and spec.resolved_prm_device == "cpu"
-    if THREADS_ENV not in os.environ and policy_on_cpu and prm_beside:
-        import torch
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        engine = max(1, cores // 2)
-        prm = max(1, (cores - engine) // max(1, spec.prm_replicas))
-        torch.set_num_threads(engine)
-        # Read by the PRM's processes, which start after this (spawned: a fresh
-        # interpreter takes its threads from the environment).
-        os.environ[THREADS_ENV] = chosen[THREADS_ENV] = str(prm)
-        chosen["engine threads"] = str(engine)
-    return chosen
-
-
-def vllm_layout(engine_args: dict[str, Any]) -> dict[str, Any]:
-    """``engine_args`` for a vLLM ``LLMEngine`` (the ``vllm`` engine, vLLM PRMs): on
-    vLLM's CPU platform, the single-process executor (``distributed_executor_backend=
-    "uni"``, unless given) to go with the engine core in this process (``cpu_layout``);
-    elsewhere unchanged."""
-    if not _on_vllm_cpu():
-        return engine_args
-    os.environ.setdefault(IN_PROCESS_ENV, "0")
-    return {"distributed_executor_backend": "uni", **engine_args}
-
-
 def _gateway(spec: LoadSpec) -> Any:
     """``OpenAIEngine`` over the upstreams, with the tokenizer if one is given or local."""
     from sart.registry import load_engine
@@ -565,7 +482,6 @@ __all__ = [
     "build_engine",
     "build_prm",
     "check_path",
-    "cpu_layout",
     "load",
     "resolve_models",
     "sampling_defaults",
