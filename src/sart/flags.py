@@ -249,6 +249,16 @@ def add_methods_flag(p: Any, verb: str, defaults: tuple[str, ...], *, default: A
     )
 
 
+def add_output_flags(p: Any, out: str, printed: str) -> None:
+    """``--out DIR`` (default ``out``), ``--json`` (print ``printed`` instead of the
+    table) and ``--no-plots``: how ``sart bench`` and ``sart eval`` report."""
+    p.add_argument("--out", default=out, help=f"output directory (default {out})")
+    p.add_argument(
+        "--json", action="store_true", help=f"print {printed} to stdout instead of the table"
+    )
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+
+
 def add_plugin_flag(p: Any) -> None:
     p.add_argument(
         "--plugin",
@@ -358,6 +368,7 @@ __all__ = [
     "MODEL_DESTS",
     "add_methods_flag",
     "add_model_flags",
+    "add_output_flags",
     "add_plugin_flag",
     "add_sampling_flags",
     "import_plugins",

@@ -39,6 +39,7 @@ from sart.flags import (
     MODEL_DESTS,
     add_methods_flag,
     add_model_flags,
+    add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
     import_plugins,
@@ -218,11 +219,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--trace", help="sim: replay this JSONL trace instead of generating a workload")
-    p.add_argument("--out", default="sart-bench", help="output directory (default sart-bench)")
-    p.add_argument(
-        "--json", action="store_true", help="print the summary JSON to stdout instead of the table"
-    )
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    add_output_flags(p, "sart-bench", "the summary JSON")
     p.set_defaults(func=run_bench_command)
 
 

@@ -34,6 +34,7 @@ from sart.eval.problems_file import ProblemRecord, ProblemsFile
 from sart.flags import (
     add_methods_flag,
     add_model_flags,
+    add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
     import_plugins,
@@ -190,11 +191,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="serve every method for real, one after the other (wall-clock latency, each "
         "method generating its own branches), instead of deriving them from one pass",
     )
-    p.add_argument("--out", default="sart-eval", help="output directory (default sart-eval)")
-    p.add_argument(
-        "--json", action="store_true", help="print the results JSON (without per-request rows)"
-    )
-    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    add_output_flags(p, "sart-eval", "the results JSON (without per-request rows)")
     p.set_defaults(func=run_eval_command)
 
 
