@@ -100,8 +100,8 @@ def test_a_pool_scores_side_by_side_with_the_results_of_one_prm() -> None:
 
 
 def test_a_pool_process_that_fails_fails_only_the_requests_it_held() -> None:
-    from sart.driver import score_items
     from sart.prm.process import PRMPool
+    from sart.rewards import score_items
 
     failing = sart.BranchId("q1", 2)
     factory = functools.partial(scripted, fail_on=[failing], attribute_failures=False)

@@ -28,9 +28,9 @@ pytest.importorskip("httpx")
 import sart  # noqa: E402
 from adapters import vllm_serve  # noqa: E402
 from sart.demo_models import build_qwen2_prm, build_tokenizer, write_demo_prompts  # noqa: E402
-from sart.driver import score_items  # noqa: E402
 from sart.prm.aggregate import split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
+from sart.rewards import score_items  # noqa: E402
 from sart.types import BranchId  # noqa: E402
 
 QUESTION = "What is 7 + 8?"

@@ -27,11 +27,11 @@ transformers = pytest.importorskip("transformers")
 
 import sart  # noqa: E402
 from sart.demo_models import build_tokenizer  # noqa: E402
-from sart.driver import score_items  # noqa: E402
 from sart.errors import ConfigError, PRMError  # noqa: E402
 from sart.prm.aggregate import NO_STEPS_REWARD, split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
 from sart.prm.hf import QwenMathPRM  # noqa: E402
+from sart.rewards import score_items  # noqa: E402
 from sart.testing import BranchScript, FakeEngine  # noqa: E402
 from sart.types import BranchId  # noqa: E402
 

@@ -68,13 +68,14 @@ from sart.commands import (
     Started,
 )
 from sart.engines.base import Engine, engine_clock, supports_fork, supports_pause
-from sart.errors import ConfigError, EngineError, PRMError, enum_converter
+from sart.errors import ConfigError, EngineError, enum_converter
 from sart.messages import ScoreItem, StepOutput
 from sart.prm.base import PRM, PricedPRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.rewards import RewardRouter, prm_replicas, prm_workers
 from sart.scheduler import Scheduler, SchedulerConfig
-from sart.types import Admission, BranchId, SamplingSettings, Scoring
+from sart.types import Admission, Scoring
 
 
 @attrs.frozen
@@ -232,8 +233,8 @@ class DriverBase:
         self._delivered: list[RequestResult] = []  # finished, not yet given to on_result
         # Requests whose policy brings its own reward source (Policy.reward), and those
         # whose prefix the engine holds (their source is released with it).
-        self._sources: dict[str, PRM] = {}
-        self._held: set[str] = set()
+        self.rewards = RewardRouter(prm)
+        """Which source scores each request, and scoring on it (``sart.rewards``)."""
 
     @property
     def scoring(self) -> Scoring:
@@ -256,8 +257,7 @@ class DriverBase:
                 "submitted and not finished"
             )
         check_servable(request, request.policy.reward or self.prm, self.engine)
-        if request.policy.reward is not None:
-            self._sources[request.id] = request.policy.reward
+        self.rewards.add(request)
         heapq.heappush(self._arrivals, (request.arrival, next(self._seq), request))
         self._open.add(request.id)
 
@@ -375,7 +375,7 @@ class DriverBase:
         if not self._scores:
             releases, self._releases = self._releases, []
             for request_id in releases:
-                self._release_prm(request_id)
+                self.rewards.release(request_id)
 
     # ------------------------------------------------------------------ scoring
 
@@ -383,9 +383,10 @@ class DriverBase:
         """A Score on a virtual clock: computed now, delivered after its modelled cost.
         Only the driver's PRM is priced: a policy's own reward source (confidence from
         log-probabilities) costs no model call."""
-        priced = [i for i in command.items if self._source_of(i.branch.request_id) is self.prm]
+        source_of = self.rewards.source_of
+        priced = [i for i in command.items if source_of(i.branch.request_id) is self.prm]
         cost = self.prm.cost(priced) if isinstance(self.prm, PricedPRM) and priced else 0.0
-        scored = self._score_now(command.items)
+        scored = self.rewards.score(command.items)
         now = self.clock.now()
         shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine and bool(priced)
         if self.scoring is Scoring.BLOCKING or shared:
@@ -401,7 +402,7 @@ class DriverBase:
 
     def _timed_score(self, items: Sequence[ScoreItem]) -> tuple[Scored, float]:
         start = time.monotonic()
-        scored = self._score_now(items)
+        scored = self.rewards.score(items)
         return scored, time.monotonic() - start
 
     def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -409,27 +410,6 @@ class DriverBase:
             workers = self.scheduler.config.max_scores
             self._executor = concurrent.futures.ThreadPoolExecutor(workers, "sart-prm")
         return self._executor
-
-    def _score_now(self, items: Sequence[ScoreItem]) -> Scored:
-        by_source: dict[int, tuple[PRM, list[ScoreItem]]] = {}
-        for item in items:
-            source = self._source_of(item.branch.request_id)
-            assert source is not None  # submit() refuses requests that need one
-            by_source.setdefault(id(source), (source, []))[1].append(item)
-        if len(by_source) == 1:
-            source, group = next(iter(by_source.values()))
-            return score_items(source, group)
-        rewards: dict[BranchId, float] = {}
-        failures: dict[str, str] = {}
-        for source, group in by_source.values():
-            scored = score_items(source, group)
-            rewards.update(scored.rewards)
-            failures.update(scored.failures)
-        return Scored(rewards=rewards, failures=failures)
-
-    def _source_of(self, request_id: str) -> PRM | None:
-        """Where a request's rewards come from: its policy's source, else the PRM."""
-        return self._sources.get(request_id, self.prm)
 
     def _stalled(self, seconds: float) -> None:
         """``seconds`` of decoding lost to the PRM, charged to the requests it held up."""
@@ -465,7 +445,7 @@ class DriverBase:
             req = cmd.request
             return (
                 engine.prefill,
-                (req.id, req.prompt, self._sampling(req)),
+                (req.id, req.prompt, self.rewards.sampling(req)),
                 self._prefilled(req.id),
             )
         if isinstance(cmd, StartBranches):
@@ -490,34 +470,15 @@ class DriverBase:
             return Failed(str(exc), exc.request_ids or None)
         return Failed(f"{type(exc).__name__}: {exc}")
 
-    def _sampling(self, request: Request) -> SamplingSettings:
-        """The request's sampling, asking for the log-probabilities its reward source
-        reads (``logprobs_wanted``), if it reads any."""
-        wanted = getattr(self._source_of(request.id), "logprobs_wanted", None)
-        sampling = request.sampling
-        if wanted is None or (sampling.logprobs is not None and sampling.logprobs >= wanted):
-            return sampling
-        return attrs.evolve(sampling, logprobs=wanted)
-
     def _prefilled(self, request_id: str) -> Callable[[Any], Event]:
         def event(prompt_tokens: Any) -> Event:
-            self._held.add(request_id)
+            self.rewards.hold(request_id)
             return Prefilled(prompt_tokens)
 
         return event
 
-    def _observe(self, output: StepOutput) -> None:
-        """Hand each reward source that reads tokens (``observe``) its requests' deltas."""
-        routed: dict[int, tuple[Any, dict[BranchId, Any]]] = {}
-        for bid, delta in output.deltas.items():
-            source = self._source_of(bid.request_id)
-            if getattr(source, "observe", None) is not None:
-                routed.setdefault(id(source), (source, {}))[1][bid] = delta
-        for source, deltas in routed.values():
-            source.observe(StepOutput(steps=output.steps, deltas=deltas))
-
     def _decoded(self, output: StepOutput) -> Decoded:
-        self._observe(output)
+        self.rewards.observe(output)
         stats = self.engine.stats()
         self.timeline.append(TimelineSample(self.clock.now(), stats.live_branches, stats.kv_tokens))
         return Decoded(output)
@@ -526,21 +487,13 @@ class DriverBase:
         if self._scores and not self._prm_threadsafe:
             self._releases.append(request_id)  # the PRM may be busy on another thread
         else:
-            self._release_prm(request_id)
+            self.rewards.release(request_id)
         return Done()
-
-    def _release_prm(self, request_id: str) -> None:
-        source = self._sources.pop(request_id, self.prm)
-        self._held.discard(request_id)
-        release = getattr(source, "release", None)
-        if release is not None:
-            release(request_id)
 
     def _finished(self, result: RequestResult) -> Done:
         rid = result.request_id
         self._open.discard(rid)
-        if rid not in self._held:  # never prefilled (or released): nothing left to release
-            self._sources.pop(rid, None)
+        self.rewards.finished(rid)
         result = attrs.evolve(
             result,
             prm_seconds=self._busy_of.pop(rid, 0.0),
@@ -624,78 +577,6 @@ class SyncDriver(DriverBase):
             futures = [p.future for p in pending]
             concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
         self._stalled(self.clock.now() - start)
-
-
-def prm_workers(prm: object) -> int:
-    """How many calls ``prm`` takes side by side (its ``workers``; 1 if it does not
-    say): the driver keeps that many overlapped ``Score`` commands in flight."""
-    workers = getattr(prm, "workers", 1)
-    return workers if isinstance(workers, int) and workers >= 1 else 1
-
-
-def prm_replicas(prm: object) -> int:
-    """On a virtual clock, how many calls a priced PRM serves at once (its
-    ``replicas``; 1 if it does not say)."""
-    replicas = getattr(prm, "replicas", 1)
-    return replicas if isinstance(replicas, int) and replicas >= 1 else 1
-
-
-def score_items(prm: PRM, items: Sequence[ScoreItem]) -> Scored:
-    """Score ``items`` in one PRM call; on failure, confine it to the requests at fault
-    (``PRMError.request_ids``, else by retrying request by request)."""
-    groups: dict[str, list[ScoreItem]] = {}
-    for item in items:
-        groups.setdefault(item.branch.request_id, []).append(item)
-    rewards: dict[BranchId, float] = {}
-    failures: dict[str, str] = {}
-    _score_groups(prm, list(groups.items()), rewards, failures)
-    return Scored(rewards=rewards, failures=failures)
-
-
-def _score_groups(
-    prm: PRM,
-    groups: list[tuple[str, list[ScoreItem]]],
-    rewards: dict[BranchId, float],
-    failures: dict[str, str],
-) -> None:
-    batch = [item for _, group in groups for item in group]
-    try:
-        values = list(prm.score(batch))
-        if len(values) != len(batch):
-            raise PRMError(f"PRM returned {len(values)} rewards for {len(batch)} items")
-    except AssertionError:
-        raise
-    except PRMError as exc:
-        named = [g for g in groups if g[0] in exc.request_ids]
-        if not named:
-            _isolate(prm, groups, rewards, failures, exc)
-            return
-        for rid, _ in named:
-            failures[rid] = str(exc)
-        rest = [g for g in groups if g[0] not in exc.request_ids]
-        if rest:
-            _score_groups(prm, rest, rewards, failures)
-        return
-    except Exception as exc:
-        _isolate(prm, groups, rewards, failures, exc)
-        return
-    rewards.update(zip((item.branch for item in batch), values))
-
-
-def _isolate(
-    prm: PRM,
-    groups: list[tuple[str, list[ScoreItem]]],
-    rewards: dict[BranchId, float],
-    failures: dict[str, str],
-    exc: Exception,
-) -> None:
-    # A failure we cannot attribute: retry request by request so that only the
-    # request at fault fails. Costs extra PRM calls only on failure.
-    if len(groups) == 1:
-        failures[groups[0][0]] = f"{type(exc).__name__}: {exc}"
-        return
-    for group in groups:
-        _score_groups(prm, [group], rewards, failures)
 
 
 def run(

@@ -35,7 +35,7 @@ class ServedPRM:
     def workers(self) -> int:
         """The wrapped PRM's workers (a pool, PRM servers): the driver keeps as many
         checks in flight."""
-        from sart.driver import prm_workers
+        from sart.rewards import prm_workers
 
         return prm_workers(self.prm)
 
