@@ -137,3 +137,18 @@ def test_the_verdict_recommends_the_winner_only_if_it_beats_the_defaults(
     line = verdict(result)
     assert ("use it: " + tuned.code() in line) is beats
     assert ("keep the defaults" in line) is not beats
+
+
+def test_tune_names_the_hardware_with_cost_model_as_bench_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from sart.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["tune", "--cost-model", "tpu"])
+    assert "cost model 'tpu' must be one of" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # the former spelling: taken, with a warning
+        main(["tune", "--model", "tpu"])
+    err = capsys.readouterr().err
+    assert "--model tpu is deprecated; use --cost-model tpu" in err
+    assert "cost model 'tpu' must be one of" in err

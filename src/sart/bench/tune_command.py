@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,11 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         help="a workload preset, or a recorded trace to resample requests from (gaokao)",
     )
     p.add_argument(
-        "--model", default="h100-14b", help="the simulated hardware (a cost model preset)"
+        "--cost-model",
+        default=None,
+        help="the simulated hardware, a cost model preset (default h100-14b)",
     )
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the former spelling
     p.add_argument("--rate", type=float, default=4.0, help="arrival rate, req/s (4)")
     p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")
     p.add_argument(
@@ -76,9 +80,14 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tune_command(args: argparse.Namespace) -> int:
+    if args.model is not None:  # taken for a release, as sart bench takes it
+        print(
+            f"sart: warning: --model {args.model} is deprecated; use --cost-model {args.model}",
+            file=sys.stderr,
+        )
     config = BenchConfig(
         workload=args.workload,
-        cost=args.model,
+        cost=args.cost_model or args.model or "h100-14b",
         methods=("sc", "sart"),
         ns=tuple(args.n),
         rates=(args.rate,),
