@@ -130,6 +130,30 @@ def test_sart_bench_scores_on_the_servers(
     assert (run["summary"]["requests"], run["summary"]["failed"]) == (4, 0)
 
 
+def test_sart_serve_scores_on_the_servers(
+    servers: tuple[list[str], list[Any]], checkpoint: tuple[Path, Any], tmp_path: Path
+) -> None:
+    pytest.importorskip("fastapi")
+    from sart.demo_models import build_demo_models
+    from serving import KEY, Server
+
+    urls, _ = servers
+    demo = build_demo_models(tmp_path / "demo")
+    flags = ["--model", str(demo["policy"]), "--prm", str(checkpoint[0]), "--prm-url", *urls]
+    server = Server(*flags, "--api-key", KEY, "--interval", "8", "--max-tokens", "24")
+    try:
+        reply = server.client().completions.create(
+            model=str(demo["policy"]), prompt="1 + 2 =", extra_body={"method": "sart", "n": 4}
+        )
+        outcome = reply.model_extra["sart"]
+        assert outcome["policy"].startswith("sart(n=4")
+        assert len(outcome["branches"]) == 4
+    finally:
+        code, log = server.stop()
+    assert code == 0, log
+    assert "PRM: " + str(checkpoint[0]) in log
+
+
 def test_a_killed_server_fails_only_the_requests_it_held(
     servers: tuple[list[str], list[Any]], checkpoint: tuple[Path, Any]
 ) -> None:
