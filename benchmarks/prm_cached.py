@@ -34,23 +34,12 @@ import tempfile
 import time
 from typing import Any
 
-from prm_cost import build_prm_model, simulate, synthetic_response
+from prm_cost import build_prm_model, simulate, synthetic_response, vllm_cpu_engine_args
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 # vLLM logs on stdout (e.g. at every prefix-cache reset): keep the tables whole.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-
-
-def engine_args(context: int) -> dict[str, Any]:
-    return dict(
-        dtype="float32",
-        block_size=32,  # vLLM-CPU needs a multiple of 32
-        max_model_len=context,
-        max_num_batched_tokens=context,
-        enforce_eager=True,
-        seed=0,
-    )
 
 
 def computed(prm: Any) -> int:
@@ -93,10 +82,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         path, _ = build_qwen2_prm(directory, tokenizer, positions=full_context)
         step = VLLMQwenPRM.from_engine_args(
-            path, tokenizer=tokenizer, max_length=full_context, **engine_args(full_context)
+            path, tokenizer=tokenizer, max_length=full_context, **vllm_cpu_engine_args(full_context)
         )
         cached = VLLMCachedPRM.from_engine_args(
-            path, tokenizer=tokenizer, max_length=full_context, **engine_args(full_context)
+            path, tokenizer=tokenizer, max_length=full_context, **vllm_cpu_engine_args(full_context)
         )
         hf_model = build_prm_model(tokenizer, positions=full_context)
         print(f"synthetic response: {len(ids)} tokens; vLLM prefix-cache blocks: 32 tokens")

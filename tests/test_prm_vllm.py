@@ -7,7 +7,8 @@ Qwen2.5-Math-PRM (``architectures=["Qwen2ForProcessRewardModel"]``, model type
 ``qwen2``: a Qwen2 body and the two-layer ``score`` head), random weights,
 and the demo tokenizer (``<extra_0>`` separator, chat template). The
 reference is a plain transformers/torch re-implementation of the same network
-(``Qwen2Model`` plus the head), fed the documented full-text encoding. One
+(``Qwen2Model`` plus the head, ``sart.demo_models.build_qwen2_prm``), fed the
+documented full-text encoding. One
 vLLM engine is started for the module and shared by every test.
 """
 
@@ -17,7 +18,6 @@ import importlib.util
 import math
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,7 +26,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import sart  # noqa: E402
-from sart.demo_models import build_tokenizer  # noqa: E402
+from sart.demo_models import build_qwen2_prm, build_tokenizer  # noqa: E402
 from sart.errors import ConfigError, PRMError  # noqa: E402
 from sart.prm.aggregate import NO_STEPS_REWARD, split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
@@ -41,7 +41,6 @@ ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
 }
 MAX_MODEL_LEN = 1024
-HIDDEN = 64
 QUESTION = "What is 7 + 8?"
 
 
@@ -56,56 +55,6 @@ def item(text: str, rid: str = "r", index: int = 0, prompt: Any = QUESTION) -> S
     return ScoreItem(BranchId(rid, index), prompt, text, len(text), False)
 
 
-class TinyQwenPRM(torch.nn.Module):
-    """Qwen2.5-Math-PRM's network in plain transformers + torch: ``Qwen2Model``
-    and ``score = Sequential(Linear(h, h), ReLU, Linear(h, 2))``. Its
-    ``forward`` returns ``.logits`` per token, the transformers PRM's contract."""
-
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = transformers.Qwen2Model(config)
-        self.score = torch.nn.Sequential(
-            torch.nn.Linear(config.hidden_size, config.hidden_size),
-            torch.nn.ReLU(),
-            torch.nn.Linear(config.hidden_size, 2),
-        )
-
-    def forward(self, input_ids: Any, attention_mask: Any = None, **_: Any) -> Any:
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return SimpleNamespace(logits=self.score(hidden))
-
-
-def build_qwen_prm(root: Path, tokenizer: Any) -> tuple[Path, TinyQwenPRM]:
-    """Write the checkpoint (weights named as vLLM's loader expects: ``model.*``,
-    ``score.0.*``, ``score.2.*``); return its path and the torch network."""
-    from safetensors.torch import save_file
-
-    config = transformers.Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=HIDDEN,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,  # head_dim 32: vLLM-CPU's attention needs a multiple of 32
-        num_key_value_heads=1,
-        max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-        num_labels=2,
-    )
-    config.architectures = ["Qwen2ForProcessRewardModel"]
-    torch.manual_seed(0)
-    net = TinyQwenPRM(config).eval()
-    weights = {name: tensor.contiguous() for name, tensor in net.state_dict().items()}
-    root.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(root / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(root)
-    tokenizer.save_pretrained(root)
-    return root, net
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     # Passed explicitly: for model type qwen2, AutoTokenizer would load the
@@ -116,7 +65,7 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> tuple[Path, Any]:
     pytest.importorskip("vllm")
-    return build_qwen_prm(tmp_path_factory.mktemp("qwen-prm-vllm"), tokenizer)
+    return build_qwen2_prm(tmp_path_factory.mktemp("qwen-prm-vllm"), tokenizer)
 
 
 @pytest.fixture(scope="module")

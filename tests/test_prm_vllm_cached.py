@@ -17,20 +17,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from adapters import VLLM_ENGINE_ARGS, VLLM_ENV  # noqa: E402
 from sart.demo_models import build_qwen2_prm, build_tokenizer  # noqa: E402
 from sart.prm.aggregate import split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
 from sart.types import BranchId  # noqa: E402
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-ENGINE = dict(
-    dtype="float32",  # compared with float32 references
-    block_size=32,  # vLLM-CPU needs a multiple of 32: its prefix cache is in 32-token blocks
-    max_model_len=2048,
-    max_num_seqs=32,
-    enforce_eager=True,
-    seed=0,
-)
+ENV = VLLM_ENV
+#: The session's engine arguments (float32, 32-token blocks: vLLM-CPU's prefix cache is
+#: in 32-token blocks), with room for the longer responses here.
+ENGINE = {**VLLM_ENGINE_ARGS, "max_model_len": 2048}
 QUESTION = "What is 7 + 8?"
 
 

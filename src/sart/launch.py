@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -463,8 +463,6 @@ def load(spec: LoadSpec, *, with_prm: bool = True) -> Loaded:
             raise
     return Loaded(engine, prm)
 
-
-LoadFunction = Callable[[LoadSpec], Loaded]
 
 __all__ = [
     "ENGINES",
