@@ -27,7 +27,7 @@ def test_import_sart_loads_no_engine_or_torch() -> None:
 #: The pure core: it decides, never acts, and knows no adapter (docs/architecture.md);
 #: and the drivers, which act through the engine and PRM contracts only.
 CORE = (
-    "scheduler.py", "commands.py", "state.py", "views.py", "messages.py", "policies",
+    "scheduler", "commands.py", "state.py", "views.py", "messages.py", "policies",
     "methods.py", "rewards.py", "driver.py", "async_driver.py",
 )  # fmt: skip
 #: The contracts (protocols and their helpers), which the drivers may import.

@@ -1,0 +1,181 @@
+"""The per-request part of Algorithm 1: what one request's check decides.
+
+Read next to the paper (section 4, Algorithm 1, function ``Decode``): after a
+decode chunk each involved request is *checked*:
+
+1. ``count_completions``: the first completed branch moves the request from the
+   exploration phase to the exploitation phase, with the threshold and pruning
+   budget the prune rule's ``enter_exploit`` gives (lines 32-35), and
+   completions are counted (lines 36-39);
+2. ``prune_due`` / ``choose_prunes``: every ``T`` steps, while the pruning budget
+   lasts, the prune rule picks low-reward running branches (lines 40-45: at most
+   ``beta`` in the first phase); ``fork_children`` lets a rule (Rebase) start
+   children of survivors in the slots the prunes freed;
+3. ``should_finish``: the request ends when no branch is left or its stop rule
+   says so (``M`` completed; lines 46-48), and ``choose_answer`` picks the
+   response by the selection rule (the highest PRM reward, section 5.1).
+
+These functions change only the request's own records (``RequestState``); the
+scheduler (``core``) turns what they return into commands and frees the batch
+slots. Every policy hook runs through ``hooks``, so a broken rule fails its
+request alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sart.messages import BranchSpec
+from sart.results import RequestResult
+from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running
+from sart.state import BranchState, RequestState
+from sart.types import BranchId, BranchStatus, Phase, RequestStatus
+from sart.views import RequestView
+
+
+def end_branch(req: RequestState, branch: BranchState, status: BranchStatus, step: int) -> None:
+    """Record that a running branch of ``req`` ended (pruned, stopped, failed) at ``step``."""
+    branch.status = status
+    branch.end_step = step
+    branch.ended_in = req.phase
+    req.running -= 1
+
+
+def count_completions(req: RequestState, ended: Sequence[BranchState]) -> None:
+    """Phase change at the first completion, and the completion count."""
+    completed = [b for b in ended if b.status.is_completed]
+    if completed and req.phase is Phase.EXPLORE:
+        req.phase = Phase.EXPLOIT
+        first = min(completed, key=lambda b: (b.end_step, b.index))
+        limits = call(req.policy.prune.enter_exploit, req.limits, first.view(), req.n)
+        req.limits = checked_limits(limits, "enter_exploit")
+    req.num_completed += len(completed)
+
+
+def may_prune(req: RequestState, ended: Sequence[BranchState]) -> bool:
+    """Whether a check could prune: the budget is not spent, or the phase is
+    about to change (a first completion), which may raise it."""
+    if req.phase is Phase.EXPLORE and any(b.status.is_completed for b in ended):
+        return True
+    return min(req.limits.max_num_pruned, len(req.branches) - 1) > req.num_pruned
+
+
+def prune_due(req: RequestState, due: bool, ended: Sequence[BranchState]) -> bool:
+    """Whether this check prunes: its interval is due, its rule prunes, a branch
+    runs and the budget allows."""
+    return due and req.policy.prune.active and req.running > 0 and may_prune(req, ended)
+
+
+def choose_prunes(req: RequestState) -> tuple[list[BranchState], RequestView]:
+    """The running branches the prune rule picks, cut to the pruning budget (never
+    all ``n``), and the view it picked them from."""
+    view = req.view()
+    victims = choose_running(req, view, req.policy.prune, "prune")
+    # Every choice is checked (above), not only those within the budget, so a bad
+    # rule fails the same way whatever the budget.
+    budget = min(req.limits.max_num_pruned, len(req.branches) - 1) - req.num_pruned
+    del victims[max(budget, 0) :]
+    return victims, view
+
+
+def fork_children(
+    req: RequestState, view: RequestView, slots: int
+) -> tuple[list[BranchState], tuple[BranchSpec, ...]]:
+    """The children the rule asks for, added to ``req``, to start in the ``slots`` its
+    prunes just freed (so a fork never takes a batch slot from another request)."""
+    rule = req.policy.prune
+    wanted = call(lambda v: dict(rule.fork(v)), view, name=f"{type(rule).__name__}.fork")
+    children: list[BranchState] = []
+    specs: list[BranchSpec] = []
+    for index, count in sorted(wanted.items()):
+        if not isinstance(index, int) or not 0 <= index < len(req.branches):
+            raise PolicyFailure(f"fork rule chose {index!r}, not a branch index")
+        parent = req.branches[index]
+        if parent.status is not BranchStatus.RUNNING:
+            raise PolicyFailure(f"fork rule chose branch {index}, which is not running")
+        if not isinstance(count, int) or count < 0:
+            raise PolicyFailure(f"fork rule asked for {count!r} children of branch {index}")
+        for _ in range(count):
+            child = BranchState(
+                BranchId(req.id, len(req.branches)), req.request.seed + len(req.branches)
+            )
+            # The child starts where its parent is: same tokens, same last reward.
+            child.num_tokens = parent.num_tokens
+            child.chunks = [parent.text] if parent.num_tokens else []
+            child.reward = parent.reward
+            req.branches.append(child)
+            children.append(child)
+            specs.append(BranchSpec(index=child.index, seed=child.seed, parent=index))
+    if len(children) > slots:
+        raise PolicyFailure(
+            f"fork rule asked for {len(children)} new branches; pruning freed {slots} slots"
+        )
+    return children, tuple(specs)
+
+
+def should_finish(req: RequestState, view: RequestView | None) -> bool:
+    """Whether ``req`` ends now: no branch left to run, or its stop rule says so
+    (``view``: the request after this check's prunes, if any)."""
+    if any(b.status.is_completed for b in req.newly_ended):
+        # Overlapped: a branch completed after this check's snapshot; its final
+        # reward comes with the next check, and selection waits for it.
+        return False
+    if not req.running and not req.has_waiting():
+        return True
+    # Stop rules are consulted only once a branch has completed, so a finished
+    # request always has an answer.
+    return bool(req.num_completed) and bool(call(req.policy.stop.should_stop, view or req.view()))
+
+
+def choose_answer(req: RequestState) -> tuple[BranchState, dict[int, str]]:
+    """The chosen completed branch, and every completed branch's extracted answer."""
+    candidates = [b for b in req.branches if b.status.is_completed]
+    if not candidates:
+        raise PolicyFailure("no branch completed")
+    policy = req.policy
+    answers = [call(policy.extract, b.text) for b in candidates]
+    if not all(isinstance(a, str) for a in answers):
+        raise PolicyFailure(f"extract returned {answers!r}; answers must be str")
+    if len(candidates) == 1:
+        chosen = candidates[0]
+    else:
+        index = call(policy.select.choose, [b.view() for b in candidates], answers)
+        matches = [b for b in candidates if b.index == index]
+        if not matches:
+            raise PolicyFailure(f"selector chose {index!r}, not a completed branch")
+        chosen = matches[0]
+    return chosen, {b.index: a for b, a in zip(candidates, answers)}
+
+
+def completed_result(
+    req: RequestState, chosen: BranchState, answer_of: dict[int, str], now: float
+) -> RequestResult:
+    return RequestResult(
+        request_id=req.id,
+        status=RequestStatus.COMPLETED,
+        chosen=chosen.index,
+        text=chosen.text,
+        answer=answer_of[chosen.index],
+        branches=tuple(b.outcome(answer_of.get(b.index)) for b in req.branches),
+        timings=req.timings(now),
+        policy=req.policy.name,
+        prm_items=req.prm_items,
+    )
+
+
+def unfinished_result(
+    req: RequestState, status: RequestStatus, reason: str, now: float
+) -> RequestResult:
+    """The result of a request that ends without an answer (failed or cancelled)."""
+    return RequestResult(
+        request_id=req.id,
+        status=status,
+        chosen=None,
+        text=None,
+        answer=None,
+        branches=tuple(b.outcome(None) for b in req.branches),
+        timings=req.timings(now),
+        reason=reason,
+        policy=req.policy.name,
+        prm_items=req.prm_items,
+    )

@@ -1,0 +1,65 @@
+"""Calling a request's policy hooks safely: whatever a hook raises or returns that
+the scheduler cannot use becomes a ``PolicyFailure``, which fails that request
+alone (its branches aborted, a reason naming the hook), never the run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from sart.policies.base import PauseRule, PruneRule
+from sart.state import BranchState, RequestState
+from sart.types import BranchStatus
+from sart.views import Limits, RequestView
+
+T = TypeVar("T")
+
+
+class PolicyFailure(Exception):
+    """A policy hook raised or returned something unusable; fails one request."""
+
+
+def call(fn: Callable[..., T], *args: object, name: str | None = None) -> T:
+    """Run a policy hook; anything it raises fails only its request."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        name = name or getattr(fn, "__qualname__", repr(fn))
+        raise PolicyFailure(f"policy hook {name} raised {exc!r}") from exc
+
+
+def checked_limits(value: object, hook: str) -> Limits:
+    """A hook's ``Limits``, checked, so a bad value fails its request, not the run."""
+    ok = (
+        isinstance(value, Limits)
+        and isinstance(value.max_num_pruned, int)
+        and value.max_num_pruned >= 0
+        and (value.threshold is None or isinstance(value.threshold, (int, float)))
+    )
+    if not ok:
+        raise PolicyFailure(f"prune rule's {hook} returned {value!r}, not valid Limits")
+    return value  # type: ignore[return-value]
+
+
+def running_choices(req: RequestState, chosen: Sequence[object], rule: str) -> list[BranchState]:
+    """The branches a rule named, checked: each an index of a running branch, once
+    (``PolicyFailure`` naming the ``rule`` otherwise)."""
+    picked: list[BranchState] = []
+    for index in chosen:
+        if not isinstance(index, int) or not 0 <= index < len(req.branches):
+            raise PolicyFailure(f"{rule} rule chose {index!r}, not a branch index")
+        branch = req.branches[index]
+        if branch.status is not BranchStatus.RUNNING or branch in picked:
+            raise PolicyFailure(f"{rule} rule chose branch {index}, which is not running")
+        picked.append(branch)
+    return picked
+
+
+def choose_running(
+    req: RequestState, view: RequestView, rule: PruneRule | PauseRule, what: str
+) -> list[BranchState]:
+    """The running branches ``rule.choose`` names from ``view`` of ``req``, checked (a
+    prune or a pause rule: ``what`` says which, in the failure's reason)."""
+    choose = rule.choose
+    chosen = call(lambda v: list(choose(v)), view, name=f"{type(rule).__name__}.choose")
+    return running_choices(req, chosen, what)

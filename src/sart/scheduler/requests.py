@@ -1,0 +1,117 @@
+"""The requests in flight: how each one's check runs, and how each one ends.
+
+A request ends exactly once -- completed with an answer (``finalise``), failed or
+cancelled (``end_unfinished``) -- and ending it stops its running branches
+(their slots freed, one ``Abort``), marks its waiting ones so they never start,
+releases its prefix and emits its ``Finish``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sart.commands import Abort, Command, Finish, ReleasePrefix
+from sart.results import RequestResult
+from sart.scheduler import algorithm
+from sart.scheduler.checks import Check
+from sart.scheduler.hooks import PolicyFailure
+from sart.scheduler.slots import Slots
+from sart.scheduler.waiting import WaitQueue
+from sart.state import BranchState, RequestState
+from sart.types import BranchStatus, RequestStatus
+
+
+class RequestTable:
+    """Open requests (submitted, and prefilled), the decode step, and the outbox the
+    commands their checks and endings emit go to."""
+
+    def __init__(self, slots: Slots, waiting: WaitQueue) -> None:
+        self.pending: dict[str, RequestState] = {}  # submitted, not finished
+        self.active: dict[str, RequestState] = {}  # prefilled (or prefilling), not finished
+        self.outbox: list[Command] = []
+        self.step = 0  # decode steps run so far
+        self.finished = 0
+        self._slots = slots
+        self._waiting = waiting
+
+    def run_checks(self, checks: Sequence[Check], now: float) -> None:
+        for check in checks:
+            if check.req.ended:
+                continue
+            try:
+                self._check(check, now)
+            except PolicyFailure as exc:
+                self.fail(check.req, str(exc), now)
+
+    def _check(self, check: Check, now: float) -> None:
+        """One request's check (``algorithm``'s docstring maps it to the paper)."""
+        req = check.req
+        algorithm.count_completions(req, check.ended)
+        view = None
+        if algorithm.prune_due(req, check.due, check.ended):
+            victims, view = algorithm.choose_prunes(req)
+            if victims:
+                for branch in victims:
+                    self.end_running(req, branch, BranchStatus.PRUNED)
+                req.num_pruned += len(victims)
+                self.outbox.append(Abort(tuple(b.id for b in victims)))
+                if req.policy.prune.forks:
+                    _, specs = algorithm.fork_children(req, view, len(victims))
+                    if specs:
+                        self.outbox.append(self._slots.fork(req.id, specs))
+                view = req.view()
+        if algorithm.should_finish(req, view):
+            self._finalise(req, now)
+
+    def _finalise(self, req: RequestState, now: float) -> None:
+        chosen, answer_of = algorithm.choose_answer(req)
+        stopped = []
+        for branch in req.branches:
+            if branch.status is BranchStatus.RUNNING:
+                self.end_running(req, branch, BranchStatus.STOPPED)
+                stopped.append(branch.id)
+            elif branch.status is BranchStatus.WAITING:
+                branch.status = BranchStatus.STOPPED  # never started: nothing to free
+        if stopped:
+            self.outbox.append(Abort(tuple(stopped)))
+        self._close(req, algorithm.completed_result(req, chosen, answer_of, now), now)
+
+    def fail(self, req: RequestState, reason: str, now: float) -> None:
+        self.end_unfinished(req, RequestStatus.FAILED, reason, now)
+
+    def end_unfinished(
+        self, req: RequestState, status: RequestStatus, reason: str, now: float
+    ) -> None:
+        """End ``req`` without an answer (failed or cancelled): abort its running
+        branches; the waiting ones never start."""
+        if req.ended:
+            return
+        aborted = []
+        for branch in req.branches:
+            if branch.status is BranchStatus.RUNNING:
+                self.end_running(req, branch, BranchStatus.FAILED)
+                aborted.append(branch.id)
+            elif not branch.status.is_ended:
+                branch.status = BranchStatus.FAILED
+        if aborted:
+            self.outbox.append(Abort(tuple(aborted)))
+        self._close(req, algorithm.unfinished_result(req, status, reason, now), now)
+
+    def end_running(
+        self, req: RequestState, branch: BranchState, status: BranchStatus, step: int | None = None
+    ) -> None:
+        """End a running branch of ``req`` at ``step`` (default: now) and free its slot."""
+        algorithm.end_branch(req, branch, status, self.step if step is None else step)
+        del self._slots.running[branch.id]
+
+    def _close(self, req: RequestState, result: RequestResult, now: float) -> None:
+        req.ended = True
+        req.finished_at = now
+        req.newly_ended = []
+        if req.prefilled:
+            self.outbox.append(ReleasePrefix(req.id))
+        self.outbox.append(Finish(result))
+        del self.pending[req.id]
+        self._waiting.forget(req, queued=req.scheduled_at is None)
+        self.active.pop(req.id, None)
+        self.finished += 1

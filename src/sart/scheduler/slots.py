@@ -1,0 +1,99 @@
+"""The batch budget's bookkeeping: which branches hold a slot, and the cleanups
+the engine still owes.
+
+A branch holds one of the ``B`` slots while it runs, while its start command is
+in flight (*reserved*), and -- after the scheduler ended it -- while the engine
+failed to abort it (*unaborted*: the engine may still decode it). Aborts and
+prefix releases the engine failed are asked again when nothing else runs, a
+bounded number of times, then given up on and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sart.commands import Abort, Command, Done, Event, Failed, ReleasePrefix, Skipped, StartBranches
+from sart.errors import SchedulerError
+from sart.messages import BranchSpec
+from sart.state import BranchState
+from sart.types import BranchId
+
+
+class Slots:
+    """Running, reserved and unaborted branches against the budget ``B``."""
+
+    #: Aborts retried when nothing else runs, before the scheduler gives up on them.
+    IDLE_ABORT_RETRIES = 3
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.running: dict[BranchId, BranchState] = {}
+        self.reserved: set[BranchId] = set()  # start commands in flight
+        # Branches the scheduler ended whose Abort the engine failed to carry out: the
+        # engine may still decode them, so they hold a batch slot until it lets go.
+        self.unaborted: set[BranchId] = set()
+        self.unreleased: set[str] = set()  # prefixes not released because of those
+        self.failed_cleanups = 0
+        self._idle_retries = 0
+
+    def free(self) -> int:
+        """Slots free now (negative while the engine holds more than ``B``)."""
+        return self.batch_size - len(self.running) - len(self.reserved) - len(self.unaborted)
+
+    def start(self, request_id: str, branches: Sequence[BranchState]) -> StartBranches:
+        """Reserve slots for ``branches`` and the command that starts (or resumes) them."""
+        self.reserved.update(b.id for b in branches)
+        specs = tuple(BranchSpec(index=b.index, seed=b.seed, resume=b.paused) for b in branches)
+        for branch in branches:
+            branch.paused = False
+        return StartBranches(request_id=request_id, branches=specs)
+
+    def fork(self, request_id: str, specs: tuple[BranchSpec, ...]) -> StartBranches:
+        """Reserve slots for forked children and the command that starts them."""
+        self.reserved.update(BranchId(request_id, spec.index) for spec in specs)
+        return StartBranches(request_id=request_id, branches=specs)
+
+    def late_report(self, branch: BranchId, finished: bool) -> bool:
+        """Whether a decode's report of ``branch`` is of one the scheduler ended but the
+        engine still runs; if so its tokens are dropped, and it lets go of its slot
+        once the engine says it finished (``False``: it must be running)."""
+        if branch not in self.unaborted:
+            return False
+        if finished:
+            self.unaborted.discard(branch)
+        return True
+
+    def retry_aborts(self) -> list[Command]:
+        """Nothing else to do: ask again for aborts the engine failed, then for the
+        prefixes they held up (a branch would otherwise stay live in the engine after
+        the run), a bounded number of times."""
+        if not (self.unaborted or self.unreleased):
+            self._idle_retries = 0
+            return []
+        if self._idle_retries >= self.IDLE_ABORT_RETRIES:
+            # The engine keeps refusing: given up, counted in failed_cleanups.
+            self.unaborted.clear()
+            self.unreleased.clear()
+            return []
+        self._idle_retries += 1
+        cmds: list[Command] = []
+        if self.unaborted:
+            cmds.append(Abort(tuple(sorted(self.unaborted))))
+        cmds.extend(ReleasePrefix(rid) for rid in sorted(self.unreleased))
+        return cmds
+
+    def on_cleanup(self, cmd: Command, event: Event) -> None:
+        """Apply the answer to an ``Abort``, ``ReleasePrefix`` or ``Finish``."""
+        if isinstance(event, Failed):
+            self.failed_cleanups += 1
+            if isinstance(cmd, Abort):  # asked again when the engine next reports them
+                self.unaborted.update(cmd.branches)
+        elif isinstance(event, Done):
+            if isinstance(cmd, Abort):
+                self.unaborted.difference_update(cmd.branches)
+            elif isinstance(cmd, ReleasePrefix):
+                self.unreleased.discard(cmd.request_id)
+        elif isinstance(event, Skipped) and isinstance(cmd, ReleasePrefix):
+            self.unreleased.add(cmd.request_id)  # after its branches' abort, retried
+        else:
+            raise SchedulerError(f"{type(cmd).__name__} answered by {event!r}")
