@@ -1,7 +1,7 @@
 """Where the policy's own confidence beats the PRM: AUROC for final correctness on the testbed.
 
 sart can reward branches from the policy's log-probabilities
-(``sart.policies.confidence``, DeepConf-style) instead of serving a PRM. This
+(``sart.rewards``, DeepConf-style) instead of serving a PRM. This
 measures, on the testbed's calibration branches (``sart testbed report``'s:
 120 questions of 3 to 8 digits, 8 branches each at temperature 1, seed 0),
 how well each confidence signal separates right from wrong branches from the
@@ -55,7 +55,8 @@ from typing import Any
 import attrs
 
 from sart.messages import TokenLogprobs
-from sart.policies.confidence import (
+from sart.prm.aggregate import AGGREGATIONS, aggregate
+from sart.rewards.signals import (
     GroupConfidence,
     LowestGroupConfidence,
     LowestTokenLogprob,
@@ -64,7 +65,6 @@ from sart.policies.confidence import (
     TailConfidence,
     TokenConfidence,
 )
-from sart.prm.aggregate import AGGREGATIONS, aggregate
 from sart.testbed.report import auroc
 
 #: The testbed's check interval T: a window of one check's tokens.
@@ -98,7 +98,7 @@ class Config:
 
 
 def make_signals(window: int, tail: int) -> dict[str, Signal]:
-    """Every signal of ``sart.policies.confidence``, by its ``SIGNALS`` name."""
+    """Every signal of ``sart.rewards.signals``, by its ``SIGNALS`` name."""
     return {
         "token": TokenConfidence(),
         "group": GroupConfidence(window),

@@ -6,7 +6,7 @@ import pytest
 
 import sart
 from sart.async_driver import AsyncDriver
-from sart.policies.confidence import ConfidenceScorer, LowestGroupConfidence
+from sart.rewards import ConfidenceScorer, LowestGroupConfidence
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 from sart.types import BranchStatus
 

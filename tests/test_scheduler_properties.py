@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 import sart
 from sart import BranchStatus, Phase, RequestResult, RequestStatus
-from sart.policies.confidence import NEUTRAL_REWARD, ConfidenceScorer
+from sart.rewards.confidence import ConfidenceScorer
+from sart.rewards.signals import NEUTRAL_REWARD
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 from strategies import (
     PREFILL,

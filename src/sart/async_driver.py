@@ -26,9 +26,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from sart.commands import Done, Score
-from sart.driver import DriverBase, Effect, _Call, _PendingScore, _StartScore
+from sart.driver import DriverBase, Effect, _Call, _StartScore
 from sart.request import Request
 from sart.results import RequestResult
+from sart.score_runner import PendingScore
 from sart.types import Scoring
 
 
@@ -130,23 +131,22 @@ class AsyncDriver(DriverBase):
         await self._wait(effect.until)
         return None
 
-    async def _start_score(self, command: Score) -> _PendingScore:
-        if self._virtual:
-            return self._price(command)
+    async def _start_score(self, command: Score) -> PendingScore:
+        scores = self.scores
+        if scores.virtual:
+            return scores.price(command)
         if self.scoring is Scoring.BLOCKING:
             # PRMs are blocking calls: a thread keeps the event loop free meanwhile.
-            scored, busy = await asyncio.to_thread(self._timed_score, command.items)
-            self._stalled(busy)
-            return _PendingScore(command, outcome=(scored, busy))
+            return scores.waited(command, await asyncio.to_thread(scores.timed, command.items))
         future = asyncio.get_running_loop().run_in_executor(
-            self._worker(), self._timed_score, command.items
+            scores.executor(), scores.timed, command.items
         )
-        return _PendingScore(command, future=future)
+        return PendingScore(command, future=future)
 
     async def _wait(self, until: float | None) -> None:
-        pending = self._scores
+        pending = self.scores.pending
         start = self.clock.now()
-        if self._virtual:  # a virtual clock jumps
+        if self.scores.virtual:  # a virtual clock jumps
             targets = [t for t in (until, *(p.ready_at for p in pending)) if t is not None]
             self.clock.sleep_until(min(targets))
         else:
@@ -159,7 +159,7 @@ class AsyncDriver(DriverBase):
             if not wakeup.done():
                 wakeup.cancel()
         if pending:
-            self._stalled(self.clock.now() - start)
+            self.scores.stalled(self.clock.now() - start)
 
     def _finished(self, result: RequestResult) -> Done:
         done = super()._finished(result)

@@ -12,28 +12,13 @@ the effects it needs (call an engine method, start scoring, wait) and gets
 their results back. ``SyncDriver`` performs them by calling, the asyncio
 driver (``sart.async_driver``) by awaiting; that is the only difference.
 
-Scoring (``sart.Scoring``). A ``Score`` runs where the clock says:
-
-- with a virtual clock (the fake and simulated engines) it is computed at
-  once, deterministically, and takes the time the PRM's cost model gives
-  (``PricedPRM.cost``; zero for any other PRM): blocking, or on a PRM that
-  shares the engine's accelerator, the clock advances by it; overlapped on
-  its own accelerator, the rewards are delivered once the clock has passed
-  it, while decoding goes on;
-- with the wall clock, blocking checks call the PRM and wait; overlapped
-  checks run it on worker threads while the loop keeps decoding, and its
-  rewards are handed to the scheduler at the first step after it finishes.
-
-Up to ``max_scores`` (``K``) overlapped ``Score`` commands are in flight at once:
-by default as many as the PRM has workers (``prm_workers``: 1 for a plain PRM,
-which therefore never sees two threads; a PRM pool or a client of several PRM
-servers says how many calls it takes side by side). On a virtual clock a priced
-PRM with ``replicas`` serves that many calls at once; more wait for a free
-replica. ``release`` calls to a one-worker PRM wait until no call is in flight.
-
-Every result records ``prm_seconds`` (PRM time spent on its items) and
-``prm_wait_seconds`` (time its running branches stood still waiting for the
-PRM); ``prm_busy`` and ``prm_wait`` are the run's totals.
+Scoring (``sart.Scoring``): how a ``Score`` runs -- priced on a virtual clock,
+on worker threads, or blocking -- and the PRM time each request is charged are
+``sart.score_runner``'s. Up to ``max_scores`` (``K``) overlapped ``Score``
+commands are in flight at once: by default as many as the PRM has workers
+(``prm_workers``: 1 for a plain PRM; a PRM pool or a client of several PRM
+servers says how many calls it takes side by side). Which reward source scores
+each request is ``sart.rewards``'.
 """
 
 from __future__ import annotations
@@ -41,7 +26,6 @@ from __future__ import annotations
 import concurrent.futures
 import heapq
 import itertools
-import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import Any
 
@@ -62,19 +46,20 @@ from sart.commands import (
     Prefilled,
     ReleasePrefix,
     Score,
-    Scored,
     Skipped,
     StartBranches,
     Started,
 )
 from sart.engines.base import Engine, engine_clock, supports_fork, supports_pause
 from sart.errors import ConfigError, EngineError, enum_converter
-from sart.messages import ScoreItem, StepOutput
-from sart.prm.base import PRM, PricedPRM
+from sart.messages import StepOutput
+from sart.prm.base import PRM
 from sart.request import Request
 from sart.results import RequestResult
-from sart.rewards import RewardRouter, prm_replicas, prm_workers
+from sart.rewards.isolation import prm_workers
+from sart.rewards.router import RewardRouter
 from sart.scheduler import Scheduler, SchedulerConfig
+from sart.score_runner import PendingScore, ScoreRunner
 from sart.types import Admission, Scoring
 
 
@@ -113,33 +98,6 @@ class _Wait:
 
 
 Effect = _Call | _StartScore | _Wait
-
-
-class _PendingScore:
-    """A ``Score`` being carried out: done at ``ready_at`` on a virtual clock, or when
-    its worker's future is."""
-
-    def __init__(
-        self,
-        command: Score,
-        *,
-        outcome: tuple[Scored, float] | None = None,
-        ready_at: float = float("-inf"),
-        future: Any = None,
-    ) -> None:
-        self.command = command
-        self.ready_at = ready_at
-        self.future = future
-        self._outcome = outcome
-
-    def done(self, clock: Clock) -> bool:
-        if self._outcome is not None:
-            return clock.now() >= self.ready_at
-        return bool(self.future.done())
-
-    def outcome(self) -> tuple[Scored, float]:
-        """The rewards and the PRM's busy seconds (re-raises a worker's ``AssertionError``)."""
-        return self._outcome if self._outcome is not None else self.future.result()
 
 
 def check_servable(
@@ -211,34 +169,39 @@ class DriverBase:
         self.results: list[RequestResult] = []
         """Results in the order requests finished."""
         self.timeline: list[TimelineSample] = []
-        self.prm_busy = 0.0
-        """Seconds the PRM spent scoring, over the run."""
-        self.prm_wait = 0.0
-        """Seconds the loop stood still waiting for the PRM while branches were running."""
         self._on_result = on_result
         self._arrivals: list[tuple[float, int, Request]] = []
         self._seq = itertools.count()
-        # A virtual clock is one that can be advanced: scores are priced, not timed.
-        self._virtual = callable(getattr(self.clock, "advance", None))
-        self._scores: list[_PendingScore] = []  # in flight, in the order started
-        # A one-worker PRM is called from one thread at a time; a pool takes its calls
-        # (releases included) from any thread.
-        self._prm_threadsafe = prm_workers(prm) > 1
-        self._prm_free_at = [float("-inf")] * prm_replicas(prm)  # virtual clock
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._releases: list[str] = []  # PRM releases held back while Scores are in flight
         self._open: set[str] = set()  # submitted, result not delivered
-        self._busy_of: dict[str, float] = {}
-        self._wait_of: dict[str, float] = {}
         self._delivered: list[RequestResult] = []  # finished, not yet given to on_result
         # Requests whose policy brings its own reward source (Policy.reward), and those
         # whose prefix the engine holds (their source is released with it).
         self.rewards = RewardRouter(prm)
         """Which source scores each request, and scoring on it (``sart.rewards``)."""
+        self.scores = ScoreRunner(
+            self.rewards,
+            prm,
+            self.clock,
+            scoring=self.scheduler.config.scoring,
+            max_scores=self.scheduler.config.max_scores,
+            running=self.scheduler.running_request_ids,
+            open_requests=self._open,
+        )
+        """The Scores in flight and the PRM time they cost (``sart.score_runner``)."""
 
     @property
     def scoring(self) -> Scoring:
         return self.scheduler.config.scoring
+
+    @property
+    def prm_busy(self) -> float:
+        """Seconds the PRM spent scoring, over the run."""
+        return self.scores.prm_busy
+
+    @property
+    def prm_wait(self) -> float:
+        """Seconds the loop stood still waiting for the PRM while branches were running."""
+        return self.scores.prm_wait
 
     @property
     def open_requests(self) -> int:
@@ -297,10 +260,8 @@ class DriverBase:
         return requests
 
     def close(self) -> None:
-        """Stop the PRM worker thread, if one was started (a later run starts another)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
+        """Stop the PRM worker threads, if any were started (a later run starts others)."""
+        self.scores.close()
 
     def _admit_arrivals(self, now: float) -> None:
         while self._arrivals and self._arrivals[0][0] <= now:
@@ -320,7 +281,7 @@ class DriverBase:
         self._admit_arrivals(now)
         cmds = self.scheduler.next_commands(now)
         if not cmds:
-            if not self._scores and not self._arrivals:
+            if not self.scores.pending and not self._arrivals:
                 return False
             # Until the next arrival or deadline (or a Score's rewards).
             wake = [self._arrivals[0][0]] if self._arrivals else []
@@ -334,7 +295,7 @@ class DriverBase:
         failed: set[str] = set()
         for cmd in cmds:
             if isinstance(cmd, Score):
-                self._scores.append((yield _StartScore(cmd)))
+                self.scores.pending.append((yield _StartScore(cmd)))
                 continue
             ids = (
                 cmd.request_ids
@@ -361,74 +322,10 @@ class DriverBase:
         return True
 
     def _collect(self) -> None:
-        """Hand the rewards of finished Scores to the scheduler (on a virtual clock in the
-        order they became ready, so a run is deterministic)."""
-        done = [pending for pending in self._scores if pending.done(self.clock)]
-        if not done:
-            return
-        done.sort(key=lambda pending: (pending.ready_at, pending.command.id))
-        for pending in done:
-            self._scores.remove(pending)
-            scored, busy = pending.outcome()
-            self._account_busy(pending.command.items, busy)
-            self.scheduler.handle({pending.command.id: scored}, self.clock.now())
-        if not self._scores:
-            releases, self._releases = self._releases, []
-            for request_id in releases:
-                self.rewards.release(request_id)
-
-    # ------------------------------------------------------------------ scoring
-
-    def _price(self, command: Score) -> _PendingScore:
-        """A Score on a virtual clock: computed now, delivered after its modelled cost.
-        Only the driver's PRM is priced: a policy's own reward source (confidence from
-        log-probabilities) costs no model call."""
-        source_of = self.rewards.source_of
-        priced = [i for i in command.items if source_of(i.branch.request_id) is self.prm]
-        cost = self.prm.cost(priced) if isinstance(self.prm, PricedPRM) and priced else 0.0
-        scored = self.rewards.score(command.items)
-        now = self.clock.now()
-        shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine and bool(priced)
-        if self.scoring is Scoring.BLOCKING or shared:
-            self.clock.advance(cost)  # type: ignore[attr-defined]
-            self._stalled(cost)
-            return _PendingScore(command, outcome=(scored, cost))
-        # The PRM's replicas serve calls side by side; a call waits for the first free.
-        free = self._prm_free_at
-        replica = min(range(len(free)), key=free.__getitem__)
-        ready = max(now, free[replica]) + cost
-        free[replica] = ready
-        return _PendingScore(command, outcome=(scored, cost), ready_at=ready)
-
-    def _timed_score(self, items: Sequence[ScoreItem]) -> tuple[Scored, float]:
-        start = time.monotonic()
-        scored = self.rewards.score(items)
-        return scored, time.monotonic() - start
-
-    def _worker(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._executor is None:
-            workers = self.scheduler.config.max_scores
-            self._executor = concurrent.futures.ThreadPoolExecutor(workers, "sart-prm")
-        return self._executor
-
-    def _stalled(self, seconds: float) -> None:
-        """``seconds`` of decoding lost to the PRM, charged to the requests it held up."""
-        running = self.scheduler.running_request_ids()
-        if seconds <= 0 or not running:
-            return
-        self.prm_wait += seconds
-        for rid in running:
-            self._wait_of[rid] = self._wait_of.get(rid, 0.0) + seconds
-
-    def _account_busy(self, items: Sequence[ScoreItem], seconds: float) -> None:
-        self.prm_busy += seconds
-        if not items:
-            return
-        share = seconds / len(items)
-        for item in items:
-            rid = item.branch.request_id
-            if rid in self._open:
-                self._busy_of[rid] = self._busy_of.get(rid, 0.0) + share
+        """Hand the rewards of finished Scores to the scheduler."""
+        self.scores.collect(
+            lambda cmd_id, scored: self.scheduler.handle({cmd_id: scored}, self.clock.now())
+        )
 
     # ------------------------------------------------------------------ commands
 
@@ -484,21 +381,15 @@ class DriverBase:
         return Decoded(output)
 
     def _released(self, request_id: str) -> Done:
-        if self._scores and not self._prm_threadsafe:
-            self._releases.append(request_id)  # the PRM may be busy on another thread
-        else:
-            self.rewards.release(request_id)
+        self.scores.release(request_id)
         return Done()
 
     def _finished(self, result: RequestResult) -> Done:
         rid = result.request_id
         self._open.discard(rid)
         self.rewards.finished(rid)
-        result = attrs.evolve(
-            result,
-            prm_seconds=self._busy_of.pop(rid, 0.0),
-            prm_wait_seconds=self._wait_of.pop(rid, 0.0),
-        )
+        busy, wait = self.scores.charges(rid)
+        result = attrs.evolve(result, prm_seconds=busy, prm_wait_seconds=wait)
         self.results.append(result)
         self._delivered.append(result)
         return Done()
@@ -552,31 +443,29 @@ class SyncDriver(DriverBase):
         self._wait(effect.until)
         return None
 
-    def _start_score(self, command: Score) -> _PendingScore:
-        if self._virtual:
-            return self._price(command)
+    def _start_score(self, command: Score) -> PendingScore:
+        scores = self.scores
+        if scores.virtual:
+            return scores.price(command)
         if self.scoring is Scoring.BLOCKING:
-            scored, busy = self._timed_score(command.items)
-            self._stalled(busy)
-            return _PendingScore(command, outcome=(scored, busy))
-        future = self._worker().submit(self._timed_score, command.items)
-        return _PendingScore(command, future=future)
+            return scores.waited(command, scores.timed(command.items))
+        return PendingScore(command, future=scores.executor().submit(scores.timed, command.items))
 
     def _wait(self, until: float | None) -> None:
-        pending = self._scores
+        pending = self.scores.pending
         start = self.clock.now()
         if not pending:
             assert until is not None  # the loop waits only for an arrival or a Score
             self.clock.sleep_until(until)
             return
-        if self._virtual:
+        if self.scores.virtual:
             ready = min(p.ready_at for p in pending)
             self.clock.sleep_until(ready if until is None else min(until, ready))
         else:
             timeout = None if until is None else max(0.0, until - start)
             futures = [p.future for p in pending]
             concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
-        self._stalled(self.clock.now() - start)
+        self.scores.stalled(self.clock.now() - start)
 
 
 def run(

@@ -137,4 +137,4 @@ class SamplingSettings:
     """Log-probabilities to return with each generated token, as vLLM's ``logprobs``:
     ``None`` none; ``0`` the sampled token's only; ``k`` also the ``k`` most likely
     tokens' (``BranchDelta.logprobs``). A confidence reward source raises it to the
-    ``k`` it needs (``sart.policies.confidence``)."""
+    ``k`` it needs (``sart.rewards.signals``)."""

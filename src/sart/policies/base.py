@@ -190,7 +190,7 @@ class Policy:
     lowest reward first)."""
     reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
     """This policy's own reward source, used for its requests instead of the driver's
-    PRM (e.g. ``sart.policies.confidence.ConfidenceScorer``: confidence from the policy's
+    PRM (e.g. ``sart.rewards.ConfidenceScorer``: confidence from the policy's
     log-probabilities). ``None``: the driver's PRM."""
 
     def __attrs_post_init__(self) -> None:

@@ -6,16 +6,12 @@ import attrs
 
 from sart.errors import config_check
 from sart.policies.base import Policy
-from sart.policies.confidence import (
-    ConfidenceScorer,
-    LowestGroupConfidence,
-    LowestTokenLogprob,
-    Signal,
-)
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.reward_balance import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
+from sart.rewards.confidence import ConfidenceScorer
+from sart.rewards.signals import LowestGroupConfidence, LowestTokenLogprob, Signal
 
 
 def vanilla(interval: int = 400) -> Policy:
@@ -149,7 +145,7 @@ def sart_confidence(
     and two-phase pruning (``sart()``'s defaults), the best-rewarded answer, rewards from
     ``signal`` (default ``LowestTokenLogprob()``: the lowest sampled-token probability
     so far, which needs no top-k). Phase 1 compares rewards with ``alpha``: for a
-    confidence signal that depends on ``scale`` (``sart.policies.confidence``); phase 2
+    confidence signal that depends on ``scale`` (``sart.rewards.signals``); phase 2
     compares branches with each other and does not."""
     m = _paper_m(n, m)
     signal = LowestTokenLogprob() if signal is None else signal

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from sart.errors import ConfigError, PRMError
 from sart.messages import BranchDelta, ScoreItem, StepOutput, TokenLogprobs
-from sart.policies.confidence import (
+from sart.policies.prune import WarmupThreshold, percentile
+from sart.rewards import (
     ConfidenceScorer,
     GroupConfidence,
     LowestGroupConfidence,
@@ -20,7 +21,6 @@ from sart.policies.confidence import (
     TokenConfidence,
     token_confidence,
 )
-from sart.policies.prune import WarmupThreshold, percentile
 from sart.types import BranchId, BranchStatus, Phase
 from sart.views import BranchView, Limits, RequestView
 

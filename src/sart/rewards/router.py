@@ -1,4 +1,4 @@
-"""Reward sources: which one scores each request, and scoring on it with failures confined.
+"""``RewardRouter``: which reward source scores each request a driver serves.
 
 A request's branch rewards come from its policy's own source (``Policy.reward``,
 e.g. a ``ConfidenceScorer`` reading the policy's log-probabilities) or, by
@@ -8,10 +8,9 @@ log-probabilities it reads, hands sources that read tokens their requests'
 deltas, and releases a request's state in its source when the engine lets go of
 the request (or when it finishes without ever being prefilled).
 
-``score_items`` scores items in one call and confines a failure to the requests
-at fault (``PRMError.request_ids``, else by retrying request by request);
-``prm_workers`` and ``prm_replicas`` say how many calls a PRM takes side by side.
-Pure: no engine, no I/O of its own (the PRMs it calls may do theirs).
+Each source is called through ``sart.rewards.isolation.score_items``, so a
+failure fails only the requests at fault. No engine, no I/O of its own (the
+PRMs it calls may do theirs).
 """
 
 from __future__ import annotations
@@ -22,10 +21,10 @@ from typing import Any
 import attrs
 
 from sart.commands import Scored
-from sart.errors import PRMError
 from sart.messages import ScoreItem, StepOutput
 from sart.prm.base import PRM
 from sart.request import Request
+from sart.rewards.isolation import score_items
 from sart.types import BranchId, SamplingSettings
 
 
@@ -100,75 +99,3 @@ class RewardRouter:
         to release, and is forgotten."""
         if request_id not in self._held:
             self._sources.pop(request_id, None)
-
-
-def prm_workers(prm: object) -> int:
-    """How many calls ``prm`` takes side by side (its ``workers``; 1 if it does not
-    say): the driver keeps that many overlapped ``Score`` commands in flight."""
-    workers = getattr(prm, "workers", 1)
-    return workers if isinstance(workers, int) and workers >= 1 else 1
-
-
-def prm_replicas(prm: object) -> int:
-    """On a virtual clock, how many calls a priced PRM serves at once (its
-    ``replicas``; 1 if it does not say)."""
-    replicas = getattr(prm, "replicas", 1)
-    return replicas if isinstance(replicas, int) and replicas >= 1 else 1
-
-
-def score_items(prm: PRM, items: Sequence[ScoreItem]) -> Scored:
-    """Score ``items`` in one PRM call; on failure, confine it to the requests at fault
-    (``PRMError.request_ids``, else by retrying request by request)."""
-    groups: dict[str, list[ScoreItem]] = {}
-    for item in items:
-        groups.setdefault(item.branch.request_id, []).append(item)
-    rewards: dict[BranchId, float] = {}
-    failures: dict[str, str] = {}
-    _score_groups(prm, list(groups.items()), rewards, failures)
-    return Scored(rewards=rewards, failures=failures)
-
-
-def _score_groups(
-    prm: PRM,
-    groups: list[tuple[str, list[ScoreItem]]],
-    rewards: dict[BranchId, float],
-    failures: dict[str, str],
-) -> None:
-    batch = [item for _, group in groups for item in group]
-    try:
-        values = list(prm.score(batch))
-        if len(values) != len(batch):
-            raise PRMError(f"PRM returned {len(values)} rewards for {len(batch)} items")
-    except AssertionError:
-        raise
-    except PRMError as exc:
-        named = [g for g in groups if g[0] in exc.request_ids]
-        if not named:
-            _isolate(prm, groups, rewards, failures, exc)
-            return
-        for rid, _ in named:
-            failures[rid] = str(exc)
-        rest = [g for g in groups if g[0] not in exc.request_ids]
-        if rest:
-            _score_groups(prm, rest, rewards, failures)
-        return
-    except Exception as exc:
-        _isolate(prm, groups, rewards, failures, exc)
-        return
-    rewards.update(zip((item.branch for item in batch), values))
-
-
-def _isolate(
-    prm: PRM,
-    groups: list[tuple[str, list[ScoreItem]]],
-    rewards: dict[BranchId, float],
-    failures: dict[str, str],
-    exc: Exception,
-) -> None:
-    # A failure we cannot attribute: retry request by request so that only the
-    # request at fault fails. Costs extra PRM calls only on failure.
-    if len(groups) == 1:
-        failures[groups[0][0]] = f"{type(exc).__name__}: {exc}"
-        return
-    for group in groups:
-        _score_groups(prm, [group], rewards, failures)
