@@ -42,6 +42,7 @@ def eval_argv(out: Path, *extra: str, limit: int = LIMIT, n: int = 4) -> list[st
         "--model",
         "testbed",
         "--n",
+        *([] if n <= 2 else ["2"]),
         str(n),
         "--prm-in-process",
         "--rate",
@@ -240,7 +241,7 @@ def test_a_finished_pass_is_derived_again_without_a_model(
     # Another cost model, rate and methods: the simulator only, from the same pass.
     out = copy(recorded, tmp_path)
     monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
-    argv = eval_argv(out, "--cost-model", "h200-14b", "--methods", "sc", "sart", "--ns", "4")
+    argv = eval_argv(out, "--cost-model", "h200-14b", "--methods", "sc", "sart", "--n", "4")
     assert run([*argv, "--no-plots"])[0] == 0
     doc = json.loads((out / "results.json").read_text())
     assert doc["time_unit"] == "seconds (simulated: h200-14b)"
@@ -254,6 +255,39 @@ def test_a_finished_pass_is_derived_again_without_a_model(
     assert [(r["method"], r["n"]) for r in doc["runs"]] == [("sc", 4), ("sart", 4)]
 
 
+def test_several_rates_derive_every_method_at_each_as_bench_sweeps_them(
+    recorded: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --n and --rate mean what they mean in sart bench: N values and rates to sweep.
+    out = copy(recorded, tmp_path)
+    monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
+    argv = eval_argv(out, "--methods", "sc", "sart", "--n", "2", "4", "--rate", "1", "64")
+    assert run([*argv, "--no-plots"])[0] == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert (doc["config"]["rates"], doc["config"]["ns"]) == ([1.0, 64.0], [2, 4])
+    runs = {(r["method"], r["n"], r["rate"]): r for r in doc["runs"]}
+    assert sorted(runs) == sorted(
+        (m, n, rate) for m in ("sc", "sart") for n in (2, 4) for rate in (1.0, 64.0)
+    )
+    for (method, n, _), entry in runs.items():  # the same answers; queueing at 64 req/s
+        slow = runs[method, n, 64.0]
+        assert entry["correct"] == slow["correct"]
+        assert entry["latency"]["p97"] <= slow["latency"]["p97"]
+
+
+def test_the_old_ns_spelling_still_works_with_a_deprecation_message(
+    recorded: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = copy(recorded, tmp_path)
+    argv = eval_argv(out, "--methods", "sc", "--n", "4", "--ns", "2", "--no-plots", "--json")
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "--ns is deprecated: --n takes the N values now" in captured.err
+    doc = json.loads(captured.out)
+    assert doc["settings"]["n"] == 4  # the recording's N: the same file is reused
+    assert [(r["method"], r["n"]) for r in doc["runs"]] == [("sc", 2)]
+
+
 def test_the_confidence_methods_are_derived_from_the_recorded_logprobs(
     recorded: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -263,7 +297,7 @@ def test_the_confidence_methods_are_derived_from_the_recorded_logprobs(
     assert all(b["logprobs"] and b["confidences"] for b in branches)
     out = copy(recorded, tmp_path)
     monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
-    argv = eval_argv(out, "--methods", "sc", "deepconf", "sart-conf", "--ns", "4", "--no-plots")
+    argv = eval_argv(out, "--methods", "sc", "deepconf", "sart-conf", "--n", "4", "--no-plots")
     assert run(argv)[0] == 0
     runs = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["method"], r["n"]) for r in runs] == [("sc", 4), ("deepconf", 4), ("sart-conf", 4)]
@@ -282,21 +316,22 @@ def test_records_without_logprobs_are_refused_for_the_confidence_methods(
                 branch.pop(key, None)
     path.write_text("".join(json.dumps(x) + "\n" for x in [header, *problems]))
     with pytest.raises(SystemExit):
-        main(eval_argv(out, "--methods", "deepconf", "--ns", "4", "--no-plots"))
+        main(eval_argv(out, "--methods", "deepconf", "--n", "4", "--no-plots"))
     assert "delete it to record again" in capsys.readouterr().err
-    assert run(eval_argv(out, "--methods", "sc", "--ns", "4", "--no-plots"))[0] == 0
+    assert run(eval_argv(out, "--methods", "sc", "--n", "4", "--no-plots"))[0] == 0
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--ns", "8"], "--ns [8] must each be in 1..--n (4)"),
+        (["--n", "0", "4"], "--n [0] must each be >= 1"),
+        (["--n", "4", "--ns", "8"], "--ns [8] must each be in 1..--n (4)"),
         (["--limit", "0"], "--limit 0 must be >= 1"),
         (["--data", "x.jsonl"], "--data has no effect with --dataset testbed"),
         (["--vllm-arg", "enforce_eager=true"], "--vllm-arg has no effect with --engine hf"),
         (["--sglang-arg", "tp_size=2"], "--sglang-arg has no effect with --engine hf"),
         (["--cost-model", "tpu"], "--cost-model 'tpu' must be one of"),
-        (["--rate", "0"], "--rate 0.0 must be > 0"),
+        (["--rate", "0"], "--rate [0.0] must each be > 0"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -321,7 +356,7 @@ def test_served_live_the_accuracies_agree_with_the_derived_ones(
     recorded: tuple[Path, str], tmp_path: Path
 ) -> None:
     live = tmp_path / "live"
-    argv = eval_argv(live, "--live", "--methods", "vanilla", "sc", "sart", "--ns", "4")
+    argv = eval_argv(live, "--live", "--methods", "vanilla", "sc", "sart", "--n", "4")
     assert run([*argv, "--no-plots"])[0] == 0
     doc = json.loads((live / "results.json").read_text())
     assert doc["complete"] and doc["mode"] == "live"

@@ -112,7 +112,8 @@ def fake_eval(
     monkeypatch.setattr(_Run, "load", lambda self: Loaded(engine, prm))
     out = tmp_path / "out"
     argv = ["eval", *flags, "--model", "m", "--prm", "p", "--chat", "off", "--interval", str(T)]
-    assert main([*argv, "--n", "3", "--out", str(out), "--no-plots"]) == 0
+    n = [] if "--n" in flags else ["--n", "3"]
+    assert main([*argv, *n, "--out", str(out), "--no-plots"]) == 0
     return json.loads((out / "results.json").read_text())
 
 
@@ -127,7 +128,7 @@ def test_a_math_dataset_is_graded_and_voted_by_meaning(
     # The first completed says 3; one half twice, spelled two ways.
     doc = fake_eval(
         tmp_path, monkeypatch, {"half": ["3", "0.5", "\\dfrac{2}{4}"]}, "--dataset", "jsonl",
-        "--data", str(data), "--methods", "vanilla", "sc", "--ns", "3",
+        "--data", str(data), "--methods", "vanilla", "sc", "--n", "3",
     )  # fmt: skip
     assert doc["dataset"]["grading"] == "math-verify"
     runs = {(r["method"], r["n"]): r for r in doc["runs"]}
@@ -154,6 +155,7 @@ def test_a_multiple_choice_dataset_is_graded_by_letter(
     doc = fake_eval(
         tmp_path, monkeypatch, {"r1": [f"({gold})", wrong, f"\\text{{{gold}}}"]},
         "--dataset", "gpqa-diamond", "--data", str(data), "--methods", "vanilla", "sc",
+        "--n", "2", "3",
     )  # fmt: skip
     assert doc["dataset"]["grading"] == "choice"
     runs = {(r["method"], r["n"]): r for r in doc["runs"]}

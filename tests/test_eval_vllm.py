@@ -66,4 +66,4 @@ def test_eval_records_on_vllm_and_derives_every_method(
         assert f"({entry['correct']}/8)" in printed
     # Run again: every problem is recorded, so nothing is generated (and vLLM is not loaded).
     monkeypatch.setattr("sart.eval.command._Run.load", lambda self: pytest.fail("loaded"))
-    assert main([*argv, "--methods", "sc", "--ns", "4"]) == 0
+    assert main([*argv, "--methods", "sc", "--n", "4"]) == 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -134,16 +135,13 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--n",
         type=int,
-        default=DEFAULT_N,
-        help=f"branches recorded per problem, the largest N (default {DEFAULT_N})",
-    )
-    p.add_argument(
-        "--ns",
-        type=int,
         nargs="+",
         default=None,
-        help="the N values to report (default: 2, 4, 8... up to --n, and --n); Vanilla is N = 1",
+        help="branches per request: the N values to report, as in sart bench (default: 2, "
+        f"4, 8... up to {DEFAULT_N}); the largest is recorded per problem, and the others "
+        "are derived from it. Vanilla is N = 1",
     )
+    p.add_argument("--ns", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
     add_methods_flag(p, "evaluate", DEFAULT_METHODS, default=list(DEFAULT_METHODS))
     p.add_argument(
         "--interval",
@@ -169,9 +167,11 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rate",
         type=float,
-        default=1.0,
-        help="requests arrive as a Poisson process at this rate per second (default 1), "
-        "simulated or, with --live, real",
+        nargs="+",
+        default=[1.0],
+        dest="rates",
+        help="arrival rates in requests/s, as in sart bench: requests arrive as a Poisson "
+        "process at each (default 1), simulated or, with --live, real",
     )
     p.add_argument(
         "--scoring",
@@ -210,6 +210,8 @@ class _Run:
         self.args = args
         self.testbed = args.model == TESTBED
         _check_flags(args)
+        self.n, self.ns = branch_counts(args)
+        """The N recorded per problem, and the N values reported."""
         self.dataset = _dataset(args)
         spec = load_spec(args, batch_size=args.batch_size)
         if spec.prm is None:
@@ -219,7 +221,6 @@ class _Run:
         ]
         self.setup = RealSetup(spec, self.items, sampling(args, EVAL_MAX_TOKENS, EVAL_TEMPERATURE))
         self.interval = args.interval or (TESTBED_INTERVAL if self.testbed else DEFAULT_INTERVAL)
-        self.ns = _ns(args)
         self.methods = check_methods(args.methods)
         self.grader: Grader = make_grader(self.dataset.grading)
         self.equivalence: Equivalence | None = None
@@ -279,7 +280,8 @@ class _Run:
         config: dict[str, Any] = {
             "methods": list(self.methods),
             "ns": list(self.ns),
-            "rate": args.rate,
+            "rate": args.rates[0],
+            "rates": list(args.rates),
             "scoring": args.scoring,
             "seed": args.seed,
         }
@@ -318,12 +320,11 @@ class _Run:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    if args.n < 1:
-        raise ConfigError(f"--n {args.n} must be >= 1")
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    if args.rate <= 0:
-        raise ConfigError(f"--rate {args.rate} must be > 0")
+    bad = [rate for rate in args.rates if not rate > 0]
+    if bad:
+        raise ConfigError(f"--rate {bad} must each be > 0")
     if args.interval is not None and args.interval < 1:
         raise ConfigError(f"--interval {args.interval} must be >= 1")
     if args.cost_model not in PRESETS:
@@ -344,18 +345,34 @@ def _dataset(args: argparse.Namespace) -> Dataset:
     return load_dataset(args.dataset, args.data, seed=args.seed, limit=args.limit)
 
 
-def _ns(args: argparse.Namespace) -> tuple[int, ...]:
-    """The N values to report: ``--ns``, or 2, 4, 8... up to ``--n`` and ``--n`` itself."""
+def branch_counts(args: argparse.Namespace) -> tuple[int, tuple[int, ...]]:
+    """The N recorded per problem and the N values reported: ``--n``'s (the largest
+    recorded), or 2, 4, 8... up to the default. The deprecated ``--ns`` keeps its
+    old meaning: the values reported, with ``--n`` (one value) the N recorded."""
+    given = args.n
     if args.ns is not None:
-        bad = [n for n in args.ns if not 1 <= n <= args.n]
+        print(
+            "sart eval: --ns is deprecated: --n takes the N values now (--n 4 8 reports "
+            "N = 4 and 8 and records 8)",
+            file=sys.stderr,
+        )
+        if given is not None and len(given) > 1:
+            raise ConfigError(f"--n {given} must be one value with the deprecated --ns")
+        recorded = given[0] if given else DEFAULT_N
+        reported = args.ns
+    elif given is not None:
+        recorded, reported = max(given), given
+    else:
+        recorded, reported = DEFAULT_N, [2**k for k in range(1, 8) if 2**k <= DEFAULT_N]
+    small = sorted({n for n in [*(given or []), *reported] if n < 1})
+    if small:
+        raise ConfigError(f"--n {small} must each be >= 1")
+    if args.ns is not None:
+        bad = [n for n in reported if n > recorded]
         if bad:
-            raise ConfigError(f"--ns {bad} must each be in 1..--n ({args.n})")
-        return tuple(sorted(set(args.ns)))
-    ns, n = [], 2
-    while n <= args.n:
-        ns.append(n)
-        n *= 2
-    return tuple(sorted({*ns, args.n}))
+            raise ConfigError(f"--ns {bad} must each be in 1..--n ({recorded})")
+        return recorded, tuple(sorted(set(reported)))
+    return recorded, tuple(sorted({*reported, recorded}))
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -407,7 +424,8 @@ def _eval(args: argparse.Namespace) -> int:
     )
     unit = "steps" if not args.live and args.cost_model == "steps" else "s"
     title = (
-        f"{run.dataset.name}: {len(run.dataset)} problems, {mode}, {args.rate:g} req/s, "
+        f"{run.dataset.name}: {len(run.dataset)} problems, {mode}, "
+        f"{' '.join(f'{r:g}' for r in args.rates)} req/s, "
         f"T={run.interval}"
     )
     render(run.runs, console, title, unit)
@@ -433,7 +451,7 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         "prm_kind": args.prm_kind,
         "prm_options": setup.spec.prm_options,
         "chat": run.use_chat,
-        "n": args.n,
+        "n": run.n,
         "interval": run.interval,
         "temperature": setup.sampling.temperature,
         "top_p": setup.sampling.top_p,
@@ -463,14 +481,15 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         seed=args.seed,
         scoring=Scoring(args.scoring),
     )
-    task = progress.add_task("deriving", total=len(plan(config)))
+    task = progress.add_task("deriving", total=len(plan(config)) * len(args.rates))
     started = time.perf_counter()
 
     def finished(eval_run: EvalRun) -> None:
         run.runs.append(eval_run)
         progress.advance(task)
 
-    derive(records, config, run.policy_for(unboxed), run.grader, rate=args.rate, on_run=finished)
+    for rate in args.rates:
+        derive(records, config, run.policy_for(unboxed), run.grader, rate=rate, on_run=finished)
     run.wall["derive"] = time.perf_counter() - started
 
 
@@ -517,7 +536,7 @@ def _record(run: _Run, problems: ProblemsFile, missing: list[PromptItem], progre
             loaded.engine,
             loaded.prm,
             run.grader,
-            n=run.args.n,
+            n=run.n,
             interval=run.interval,
             sampling=recording_sampling(run.setup.sampling),
             batch_size=run.args.batch_size,
@@ -541,13 +560,13 @@ def _live(run: _Run, progress: Any) -> None:
 
     args = run.args
     run.use_chat = run.chat()
-    run.settings = run.setup.serving() | {"chat": run.use_chat, "n": args.n}
+    run.settings = run.setup.serving() | {"chat": run.use_chat, "n": run.n}
     config = BenchConfig(
         engine=args.engine,
         model=run.setup.spec.model,
         methods=run.methods,
         ns=run.ns,
-        rates=(args.rate,),
+        rates=tuple(args.rates),
         num_requests=None,
         batch_size=args.batch_size,
         interval=run.interval,
@@ -557,7 +576,7 @@ def _live(run: _Run, progress: Any) -> None:
     loading = progress.add_task("loading models", total=None)
     loaded = run.load()
     progress.remove_task(loading)
-    task = progress.add_task("serving", total=len(plan(config)))
+    task = progress.add_task("serving", total=len(plan(config)) * len(config.rates))
 
     def finished(eval_run: EvalRun) -> None:
         run.runs.append(eval_run)

@@ -81,7 +81,7 @@ def derive(
 
     runs = []
     for method, n in plan(config):
-        record = run_method(trace, method, n, config, policy=policy_for(method, n))
+        record = run_method(trace, method, n, config, rate, policy=policy_for(method, n))
         run = EvalRun.graded(record, grade)
         runs.append(run)
         if on_run is not None:

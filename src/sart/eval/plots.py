@@ -6,6 +6,10 @@
   one line per method through its ``N`` values (the cost of each point);
 - ``accuracy_by_level.png``: per-level accuracy of each method at the largest
   ``N`` (and Vanilla), when the problems have a ``level`` (MATH, the testbed).
+
+With several arrival rates, the plots show the first rate's runs: accuracy and
+tokens do not depend on the rate (the tables and ``results.json`` have every
+rate's latency).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ def write_plots(
 ) -> list[Path]:
     """Write the plots into ``out``; return their paths."""
     plt = pyplot()
+    if runs:
+        runs = [run for run in runs if run.record.rate == runs[0].record.rate]
     paths = [
         _accuracy_vs_n(plt, runs, out / "accuracy_vs_n.png"),
         _accuracy_vs_tokens(plt, runs, out / "accuracy_vs_tokens.png"),

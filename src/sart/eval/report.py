@@ -5,14 +5,16 @@
     {"schema": "sart.eval/1", "complete": true, "mode": "derived",
      "dataset": {"name": "math500", "source": "...", "problems": 500, "grading": "math-verify"},
      "settings": {...what generated the branches: the problems.jsonl header's...},
-     "config": {"methods": [...], "ns": [2, 4, 8], "rate": 1.0, "cost_model": "h100-14b", ...},
+     "config": {"methods": [...], "ns": [2, 4, 8], "rates": [1.0], "rate": 1.0,
+                "cost_model": "h100-14b", ...},
      "time_unit": "seconds (simulated: h100-14b)",
      "wall_seconds": {"record": 812.5, "derive": 3.1, "serve": null},
-     "runs": [{"method": "sart", "n": 8, "problems": 500, "correct": 431, "accuracy": 0.862,
+     "runs": [{"method": "sart", "n": 8, "rate": 1.0, "problems": 500, "correct": 431, "accuracy": 0.862,
                "ci95": [0.829, 0.889], "tokens_per_request": 9120.4,
                "latency": {"p50": ..., "p97": ...}, "levels": {"1": {...}}, "requests": [...]}]}
 
-``complete`` is false while a run is under way or after it was interrupted;
+One run per method, ``N`` and arrival rate (``config.rate`` is the first of
+``config.rates``); ``complete`` is false while a run is under way or after it was interrupted;
 ``requests`` holds each problem's selected answer, grade, tokens and latency.
 """
 
@@ -37,6 +39,7 @@ def run_json(run: EvalRun, levels: dict[str, object] | None = None) -> dict[str,
         "method": run.method,
         "label": get_method(run.method).label,
         "n": run.n,
+        "rate": run.record.rate,
         "problems": run.problems,
         "correct": run.num_correct,
         "accuracy": run.accuracy,
@@ -98,12 +101,15 @@ def _latency(value: float) -> str:
 
 def render(runs: Sequence[EvalRun], console: Any, title: str, unit: str) -> None:
     """A rich table: accuracy with its 95% Wilson interval, tokens per request, P50 and
-    P97 end-to-end latency (in ``unit``), per method and ``N``."""
+    P97 end-to-end latency (in ``unit``), per method and ``N`` (and rate, if several)."""
     from rich.table import Table
 
+    rates = len({run.record.rate for run in runs}) > 1
     table = Table(title=title)
     table.add_column("method")
     table.add_column("N", justify="right")
+    if rates:
+        table.add_column("req/s", justify="right")
     table.add_column("accuracy", justify="right")
     table.add_column("95% CI", justify="right")
     table.add_column("tokens/req", justify="right")
@@ -112,9 +118,11 @@ def render(runs: Sequence[EvalRun], console: Any, title: str, unit: str) -> None
     for run in runs:
         low, high = run.interval
         e2e = run.record.summary.e2e
+        rate = [f"{run.record.rate:g}"] if rates else []
         table.add_row(
             get_method(run.method).short_label,
             str(run.n),
+            *rate,
             f"{100 * run.accuracy:.1f}% ({run.num_correct}/{run.problems})",
             f"{100 * low:.1f}-{100 * high:.1f}%",
             f"{run.tokens_per_request:,.0f}",

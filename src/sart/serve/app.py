@@ -68,7 +68,7 @@ from starlette.requests import Request as HTTPRequest
 from sart.errors import ConfigError
 from sart.request import Request
 from sart.results import RequestResult
-from sart.serve import protocol
+from sart.serve import protocol, responses
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
@@ -105,19 +105,19 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
     async def _refused(http: HTTPRequest, exc: Refused) -> JSONResponse:
         _service(http).metrics.reject(exc.status)
         headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-        body = protocol.error_body(str(exc), exc.status, exc.param)
+        body = responses.error_body(str(exc), exc.status, exc.param)
         return JSONResponse(body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(http: HTTPRequest, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(
-            protocol.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code
+            responses.error_body(str(exc.detail), exc.status_code), status_code=exc.status_code
         )
 
     @app.exception_handler(Exception)
     async def _crashed(http: HTTPRequest, exc: Exception) -> JSONResponse:
         message = f"internal error: {type(exc).__name__}: {exc}"
-        return JSONResponse(protocol.error_body(message, 500), status_code=500)
+        return JSONResponse(responses.error_body(message, 500), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest) -> Response:
@@ -130,13 +130,13 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
     @app.get("/v1/models")
     async def models(http: HTTPRequest) -> JSONResponse:
         _authorize(http)
-        return JSONResponse(protocol.models_body(config, app.state.created, method_names()))
+        return JSONResponse(responses.models_body(config, app.state.created, method_names()))
 
     @app.get("/health")
     async def health(http: HTTPRequest) -> Response:
         if _service(http).healthy:
             return Response(status_code=200)
-        return JSONResponse(protocol.error_body("the driver is not running", 503), 503)
+        return JSONResponse(responses.error_body("the driver is not running", 503), 503)
 
     @app.get("/metrics")
     async def metrics(http: HTTPRequest) -> Response:
@@ -250,7 +250,7 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 def _failed(outcome: Outcome) -> JSONResponse:
     message, status = _failure(outcome.result)
-    return JSONResponse(protocol.error_body(message, status), status_code=status)
+    return JSONResponse(responses.error_body(message, status), status_code=status)
 
 
 def _failure(result: RequestResult) -> tuple[str, int]:
@@ -273,12 +273,12 @@ class _Reply:
     chat: bool
 
     def body(self, outcome: Outcome) -> dict[str, Any]:
-        return protocol.completion_body(
+        return responses.completion_body(
             self.id, self.created, self.model, self.method, outcome, chat=self.chat
         )
 
     def chunk(self, **fields: Any) -> bytes:
-        return _sse(protocol.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
+        return _sse(responses.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
 
 
 def _sse(data: dict[str, Any]) -> bytes:
@@ -305,19 +305,21 @@ async def _events(
         try:
             outcome = job.result()
         except Exception as exc:
-            yield _sse(protocol.error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
+            yield _sse(responses.error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
             yield DONE
             return
         if not outcome.result.ok:
-            yield _sse(protocol.error_body(*_failure(outcome.result)))
+            yield _sse(responses.error_body(*_failure(outcome.result)))
             yield DONE
             return
         yield reply.chunk(text=outcome.result.text or "")
-        sart_field = {"sart": protocol.extension(reply.method, outcome)}
-        yield reply.chunk(finish=protocol.finish_reason(outcome), extra=sart_field)
+        sart_field = {"sart": responses.extension(reply.method, outcome)}
+        yield reply.chunk(finish=responses.finish_reason(outcome), extra=sart_field)
         if include_usage:
             yield _sse(
-                protocol.usage_chunk(reply.id, reply.created, reply.model, outcome, chat=reply.chat)
+                responses.usage_chunk(
+                    reply.id, reply.created, reply.model, outcome, chat=reply.chat
+                )
             )
         yield DONE
     finally:

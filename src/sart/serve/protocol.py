@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request and response shapes, and sart's extension fields.
+"""The OpenAI-compatible request shapes, sart's extension fields, and what a request asks for.
 
 Requests are pydantic models in strict mode that forbid unknown fields, as
 OpenAI's API does: a wrong type, a typo (``alpah``) or a field sart does not
@@ -23,18 +23,11 @@ A plain OpenAI client asking ``n=4`` gets a 400 saying so, rather than one
 choice where it expected four. Neither given: the server's default for the
 method (``--n``; always 1 for ``vanilla``).
 
-Responses are OpenAI's, with the chosen branch as the only choice
-(``finish_reason`` ``stop`` or ``length`` as that branch ended),
-``usage.completion_tokens`` counting the tokens of *every* branch (what was
-computed, as OpenAI bills ``best_of``), and a ``sart`` field: the method and
-policy, the chosen branch's index and answer, each branch's status, tokens
-and reward, and the queue, inference and PRM times.
+Responses (OpenAI's, with a ``sart`` field): ``sart.serve.responses``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from http import HTTPStatus
 from typing import Any, Literal
 
 import attrs
@@ -43,8 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sart.errors import ConfigError
 from sart.serve.config import ServeConfig
 from sart.serve.methods import PolicyFields, build_policy
-from sart.serve.service import Outcome
-from sart.types import BranchStatus, Prompt, SamplingSettings
+from sart.types import Prompt, SamplingSettings
 
 
 class Refused(Exception):
@@ -357,152 +349,3 @@ def completion_prompt(request: CompletionRequest) -> Prompt:
 
 
 # ------------------------------------------------------------------- responses
-
-
-def finish_reason(outcome: Outcome) -> str:
-    """OpenAI's ``finish_reason`` of the chosen branch."""
-    result = outcome.result
-    chosen = result.branches[result.chosen] if result.chosen is not None else None
-    return "length" if chosen is not None and chosen.status is BranchStatus.TRUNCATED else "stop"
-
-
-def usage(outcome: Outcome) -> dict[str, int]:
-    """Prompt tokens once (the branches share them), completion tokens of every branch."""
-    generated = outcome.result.generated_tokens
-    return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": generated,
-        "total_tokens": outcome.prompt_tokens + generated,
-    }
-
-
-def extension(method: str, outcome: Outcome) -> dict[str, Any]:
-    """The ``sart`` field of a response."""
-    result = outcome.result
-    timings = result.timings
-    return {
-        "method": method,
-        "policy": result.policy,
-        "n": len(result.branches),
-        "chosen": result.chosen,
-        "answer": result.answer,
-        "branches": [
-            {
-                "index": b.index,
-                "status": b.status.name.lower(),
-                "tokens": b.num_tokens,
-                "reward": b.reward,
-                "answer": b.answer,
-            }
-            for b in result.branches
-        ],
-        "queue_time": timings.queueing,
-        "inference_time": timings.inference,
-        "prm_time": result.prm_seconds,
-        "prm_wait_time": result.prm_wait_seconds,
-    }
-
-
-def completion_body(
-    rid: str, created: int, model: str, method: str, outcome: Outcome, *, chat: bool
-) -> dict[str, Any]:
-    text = outcome.result.text or ""
-    if chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason(outcome),
-        }
-    else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish_reason(outcome),
-        }
-    return {
-        "id": rid,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "usage": usage(outcome),
-        "sart": extension(method, outcome),
-    }
-
-
-def chunk(
-    rid: str,
-    created: int,
-    model: str,
-    *,
-    chat: bool,
-    text: str | None = None,
-    role: bool = False,
-    finish: str | None = None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """One streamed chunk with one choice (or none, for the usage chunk: ``extra``
-    holding ``usage`` and ``text is None``, ``finish is None``, ``role`` false)."""
-    if chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {
-            "index": 0,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": finish,
-        }
-    else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    body: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
-    if extra:
-        body.update(extra)
-    return body
-
-
-def usage_chunk(rid: str, created: int, model: str, outcome: Outcome, *, chat: bool) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(outcome),
-    }
-
-
-def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error shape, typed as vLLM types them (``RefusedError``...)."""
-    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
-def models_body(config: ServeConfig, created: int, methods: Sequence[str]) -> dict[str, Any]:
-    """``GET /v1/models``, with sart's defaults and limits under ``sart``."""
-    limits = {
-        "methods": list(methods),
-        "method": config.method,
-        "n": config.n,
-        "max_n": config.max_n,
-        "interval": config.interval,
-        "max_tokens": config.max_tokens,
-        "max_tokens_limit": config.max_tokens_limit,
-    }
-    return {
-        "object": "list",
-        "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "sart", "sart": limits}
-            for name in config.models
-        ],
-    }
