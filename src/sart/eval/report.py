@@ -9,8 +9,8 @@
                 "cost_model": "h100-14b", ...},
      "time_unit": "seconds (simulated: h100-14b)",
      "wall_seconds": {"record": 812.5, "derive": 3.1, "serve": null},
-     "runs": [{"method": "sart", "n": 8, "rate": 1.0, "problems": 500, "correct": 431, "accuracy": 0.862,
-               "ci95": [0.829, 0.889], "tokens_per_request": 9120.4,
+     "runs": [{"method": "sart", "n": 8, "rate": 1.0, "problems": 500, "correct": 431,
+               "accuracy": 0.862, "ci95": [0.829, 0.889], "tokens_per_request": 9120.4,
                "latency": {"p50": ..., "p97": ...}, "levels": {"1": {...}}, "requests": [...]}]}
 
 One run per method, ``N`` and arrival rate (``config.rate`` is the first of
