@@ -8,13 +8,13 @@ import sys
 from collections.abc import Sequence
 
 from sart import __version__
-from sart.bench.command import add_bench_parser, add_trace_parser
+from sart.bench.parser import add_bench_parser, add_trace_parser
 from sart.bench.tune_command import add_tune_parser
 from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
 from sart.errors import EXTRAS, ConfigError, SartError, install_hint, needs_extra
-from sart.eval.command import add_eval_parser
+from sart.eval.parser import add_eval_parser
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
