@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import sart
 from sart.engines.base import BranchSpec
-from sart.engines.streaming import SyncBridge
+from sart.engines.streaming import BranchStart, SyncBridge
 from sart.testing import (
     BranchScript,
     FakeEngine,
@@ -64,8 +64,8 @@ def test_a_failing_stream_fails_its_request() -> None:
 class _ShortLogprobs(FakeStreamingEngine):
     """Streams chunks whose logprobs are one short of their tokens."""
 
-    async def _open(self, *args, **kwargs):  # type: ignore[no-untyped-def, override]
-        async for chunk in super()._open(*args, **kwargs):
+    async def _open(self, start):  # type: ignore[no-untyped-def, override]
+        async for chunk in super()._open(start):
             yield attrs.evolve(chunk, logprobs=chunk.logprobs[1:])
 
 
@@ -205,10 +205,10 @@ class _FailsToOpen(FakeStreamingEngine):
         super().__init__()
         self.bad, self.exc = bad, exc
 
-    def _open(self, branch: BranchId, *args: object) -> object:
-        if branch.index == self.bad:
+    def _open(self, start: BranchStart) -> object:  # type: ignore[override]
+        if start.branch.index == self.bad:
             raise self.exc
-        return super()._open(branch, *args)
+        return super()._open(start)
 
 
 @pytest.mark.parametrize("exc", [RuntimeError("refused"), sart.EngineError("no", ["a"])])

@@ -223,8 +223,8 @@ class StallingEngine(StreamingEngine):
         super().__init__()
         self.cancelled: list[sart.BranchId] = []
 
-    async def _open(self, branch, prompt, sampling, seed, parent, prefix_tokens):  # type: ignore[no-untyped-def]
-        if branch.request_id == "a":
+    async def _open(self, start):  # type: ignore[no-untyped-def]
+        if start.branch.request_id == "a":
             yield Chunk(token_ids=(1,), text="x")
             await asyncio.Event().wait()  # until cancelled
         for _ in range(9):

@@ -249,6 +249,21 @@ def add_methods_flag(p: Any, verb: str, defaults: tuple[str, ...], *, default: A
     )
 
 
+def add_cost_model_flag(p: Any, scope: str, *, default: str | None, shown: str) -> None:
+    """``--cost-model``: the hardware and model the simulator prices runs on, one of
+    ``sart.engines.costs.PRESETS`` (``shown``: the default named in the help, when
+    ``default`` is ``None`` because the command resolves it later)."""
+    from sart.engines.costs import PRESETS
+
+    p.add_argument(
+        "--cost-model",
+        default=default,
+        help=f"{scope}the simulated hardware and model, a cost-model preset ("
+        + ", ".join(sorted(PRESETS))
+        + f"; default {shown})",
+    )
+
+
 def add_output_flags(p: Any, out: str, printed: str) -> None:
     """``--out DIR`` (default ``out``), ``--json`` (print ``printed`` instead of the
     table) and ``--no-plots``: how ``sart bench`` and ``sart eval`` report."""

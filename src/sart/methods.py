@@ -44,16 +44,8 @@ from typing import Any
 import attrs
 
 from sart.errors import ConfigError, UnknownComponentError, config_check, enum_converter
+from sart.policies import recipes
 from sart.policies.base import Policy
-from sart.policies.recipes import (
-    deepconf_online,
-    rebase,
-    sart,
-    sart_confidence,
-    sart_without_pruning,
-    self_consistency,
-    vanilla,
-)
 from sart.types import Scoring
 
 OPTIONS = ("m", "alpha", "beta")
@@ -203,27 +195,27 @@ def _two_phase(recipe: Callable[..., Policy]) -> Callable[..., Policy]:
     return build
 
 
-_sart = _two_phase(sart)
+_sart = _two_phase(recipes.sart)
 
 
 register_method(
     "vanilla",
-    lambda n, interval: vanilla(interval=interval),
+    lambda n, interval: recipes.vanilla(interval=interval),
     label="Vanilla",
     rewards=Rewards.NONE,
     branches=False,
 )
 register_method(
     "sc",
-    lambda n, interval: self_consistency(n, interval=interval),
+    lambda n, interval: recipes.self_consistency(n, interval=interval),
     label="Self-Consistency",
     short_label="SC",
     rewards=Rewards.NONE,
 )
-register_method("rebase", lambda n, interval: rebase(n, interval=interval), label="Rebase")
+register_method("rebase", lambda n, interval: recipes.rebase(n, interval=interval), label="Rebase")
 register_method(
     "sart-no-prune",
-    lambda n, interval, m=None: sart_without_pruning(n, m=m, interval=interval),
+    lambda n, interval, m=None: recipes.sart_without_pruning(n, m=m, interval=interval),
     label="SART (w/o pruning)",
     short_label="SART-noprune",
     options=("m",),
@@ -241,14 +233,14 @@ register_method(
 )
 register_method(
     "deepconf",
-    lambda n, interval: deepconf_online(n, interval=interval),
+    lambda n, interval: recipes.deepconf_online(n, interval=interval),
     label="DeepConf-online (confidence, no PRM)",
     short_label="DeepConf",
     rewards=Rewards.CONFIDENCE,
 )
 register_method(
     "sart-conf",
-    _two_phase(sart_confidence),
+    _two_phase(recipes.sart_confidence),
     label="SART on confidence (no PRM)",
     short_label="SART-conf",
     rewards=Rewards.CONFIDENCE,

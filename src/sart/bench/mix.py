@@ -140,9 +140,8 @@ def run_mix_real(
     """Serve ``items`` as a mixed workload on a real engine (see the module docstring):
     arrivals drawn from ``rate`` and the seed, so the FCFS and the priority run of a
     rate see the same stream and the same classes."""
-    from sart.bench.real import arrivals
-    from sart.bench.runner import method_scoring, serve
-    from sart.driver import SyncDriver
+    from sart.bench.real import arrivals, real_driver
+    from sart.bench.runner import serve
     from sart.request import Request
 
     of = classes_of([item.id for item in items], classes, config.seed)
@@ -159,14 +158,7 @@ def run_mix_real(
         )
         for item, t in zip(items, times)
     ]
-    driver = SyncDriver(
-        engine,
-        prm,
-        batch_size=config.batch_size or 16,
-        admission=config.admission,
-        scoring=method_scoring("sart", config),
-        poll_steps=config.poll_steps,
-    )
+    driver = real_driver(engine, prm, config, "sart")
     gold = {item.id: item.answer for item in items if item.answer is not None}
     record = serve(driver, requests, gold, "mix", max(c.n for c in classes), rate)
     stats = class_stats(record.results, classes, of, gold, 0.0)

@@ -16,10 +16,10 @@ import sys
 from sart.bench.runner import PRM_COSTS, PRM_GPUS, PRM_PLACEMENTS, BenchConfig
 from sart.bench.traces import Trace
 from sart.bench.workloads import WORKLOADS
-from sart.engines.costs import PRESETS
 from sart.errors import ConfigError
 from sart.flags import (
     MODEL_DESTS,
+    add_cost_model_flag,
     add_methods_flag,
     add_model_flags,
     add_output_flags,
@@ -63,13 +63,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="hf, vllm, sglang: a model directory or hub id, or 'testbed' (the shipped tiny "
         "reasoning model, its PRM and its questions: see docs/testbed.md)",
     )
-    p.add_argument(
-        "--cost-model",
-        default=None,
-        help="sim: the simulated hardware and model, a cost preset ("
-        + ", ".join(sorted(PRESETS))
-        + f"; default {DEFAULT_COST_MODEL})",
-    )
+    add_cost_model_flag(p, "sim: ", default=None, shown=DEFAULT_COST_MODEL)
     add_model_flags(p, "hf, vllm, sglang: ")
     add_sampling_flags(p, "hf, vllm, sglang: ", REAL_MAX_TOKENS, REAL_TEMPERATURE)
     add_plugin_flag(p)

@@ -150,7 +150,13 @@ def _serve(
         Request(item.id, item.prompt, policy, sampling=sampling, arrival=t)
         for item, t in zip(items, times)
     ]
-    driver = SyncDriver(
+    return serve(real_driver(engine, prm, config, method), requests, gold, method, policy.n, rate)
+
+
+def real_driver(engine: Engine, prm: PRM | None, config: BenchConfig, method: str) -> SyncDriver:
+    """A driver for one run on a real engine: ``config``'s B (16 if unset), admission and
+    polling, and the scoring ``method`` runs with."""
+    return SyncDriver(
         engine,
         prm,
         batch_size=config.batch_size or 16,
@@ -158,7 +164,6 @@ def _serve(
         scoring=method_scoring(method, config),
         poll_steps=config.poll_steps,
     )
-    return serve(driver, requests, gold, method, policy.n, rate)
 
 
 class _ScoreEveryCheck(PruneRule):

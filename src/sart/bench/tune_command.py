@@ -25,6 +25,7 @@ from sart.bench.tune import (
     tune,
 )
 from sart.errors import ConfigError, MissingDependencyError
+from sart.flags import add_cost_model_flag
 
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,11 +42,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         metavar="{gaokao,gpqa,FILE.jsonl}",
         help="a workload preset, or a recorded trace to resample requests from (gaokao)",
     )
-    p.add_argument(
-        "--cost-model",
-        default=None,
-        help="the simulated hardware, a cost model preset (default h100-14b)",
-    )
+    add_cost_model_flag(p, "", default=None, shown="h100-14b")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the former spelling
     p.add_argument("--rate", type=float, default=4.0, help="arrival rate, req/s (4)")
     p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
-from sart.engines.streaming import Chunk, StreamingEngine
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
+from sart.types import BranchId, FinishReason
 
 
 class FakeStreamingEngine(StreamingEngine):
@@ -35,15 +35,9 @@ class FakeStreamingEngine(StreamingEngine):
         self.cancelled: list[BranchId] = []
         self._running: dict[BranchId, BranchScript] = {}  # the script each branch follows
 
-    async def _open(
-        self,
-        branch: BranchId,
-        prompt: Prompt,
-        sampling: SamplingSettings,
-        seed: int,
-        parent: BranchId | None,
-        prefix_tokens: Sequence[int],
-    ) -> AsyncIterator[Chunk]:
+    async def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
+        branch, parent, prefix_tokens = start.branch, start.parent, start.prefix_tokens
+        sampling = start.sampling
         if parent is None:
             script = self.script(branch)
         else:  # as FakeEngine: the script's fork if it has one, else what the parent runs
@@ -53,7 +47,7 @@ class FakeStreamingEngine(StreamingEngine):
             else:
                 script = self._running[parent]
         self._running[branch] = script
-        rng = random.Random(seed)
+        rng = random.Random(start.seed)
         pos = len(prefix_tokens)
         end = min(script.length, sampling.max_tokens)
         reason = FinishReason.STOP if script.length <= sampling.max_tokens else FinishReason.LENGTH

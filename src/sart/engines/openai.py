@@ -106,7 +106,7 @@ from sart.engines.openai_wire import (
     tokenize,
     words,
 )
-from sart.engines.streaming import BranchStream, Chunk, HeldPrompt, StreamingEngine
+from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.errors import ConfigError, EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -273,15 +273,14 @@ class OpenAIEngine(StreamingEngine):
         ids, _ = await self._tokenize(prompt, None, None)
         return len(ids) if ids is not None else words(prompt)
 
-    def _open(
-        self,
-        branch: BranchId,
-        prompt: Prompt,
-        sampling: SamplingSettings,
-        seed: int,
-        parent: BranchId | None,
-        prefix_tokens: Sequence[int],
-    ) -> AsyncIterator[Chunk]:
+    def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
+        branch, prompt, parent, prefix_tokens = (
+            start.branch,
+            start.prompt,
+            start.parent,
+            start.prefix_tokens,
+        )
+        sampling = start.sampling
         # Not a generator itself: the parent's progress is read now, at the fork.
         request = self._requests[branch.request_id]
         inherited = _Progress()
@@ -315,7 +314,7 @@ class OpenAIEngine(StreamingEngine):
             "max_tokens": request.max_tokens - inherited.count,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "seed": seed,
+            "seed": start.seed,
         }
         if sampling.stop:
             body["stop"] = list(sampling.stop)

@@ -133,7 +133,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
-from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
+from sart.engines.streaming import BranchStart, Chunk, StreamingEngine, SyncBridge  # noqa: E402
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -267,18 +267,11 @@ class SGLangEngine(StreamingEngine):
             f"SGLang's context length {self.context_len}",
         )
 
-    async def _open(
-        self,
-        branch: BranchId,
-        prompt: Prompt,
-        sampling: SamplingSettings,
-        seed: int,
-        parent: BranchId | None,
-        prefix_tokens: Sequence[int],
-    ) -> AsyncIterator[Chunk]:
-        ids, max_tokens = self._branch_input(branch, prefix_tokens)
+    async def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
+        branch, sampling, parent = start.branch, start.sampling, start.parent
+        ids, max_tokens = self._branch_input(branch, start.prefix_tokens)
         rid = self.rid(branch)
-        params = self.sampling_params(sampling, seed, max_tokens)
+        params = self.sampling_params(sampling, start.seed, max_tokens)
         cached = self._prompt_cached.get(branch.request_id)
         first = parent is None and cached is None
         if first:  # this branch prefills the prompt; the others wait for it

@@ -90,6 +90,25 @@ class HeldPrompt:
     max_tokens: int = 0
 
 
+@attrs.frozen
+class BranchStart:
+    """What ``StreamingEngine._open`` streams: one branch of a request."""
+
+    branch: BranchId
+    prompt: Prompt
+    """The request's prompt."""
+    sampling: SamplingSettings
+    """The request's sampling settings (``max_tokens`` counts the inherited tokens)."""
+    seed: int
+    """The branch's own seed."""
+    parent: BranchId | None
+    """The branch it forks (Rebase), or ``None``."""
+    prefix_tokens: Sequence[int]
+    """Tokens it inherits, already generated: a fork's parent's, or a paused branch's
+    own (a resume, ``parent`` ``None``). Its prompt is then the request's prompt +
+    these tokens, and ``max_tokens`` is reduced by their number."""
+
+
 class StreamingEngine(abc.ABC):
     """Base class of streaming adapters (see the module docstring).
 
@@ -112,18 +131,8 @@ class StreamingEngine(abc.ABC):
     # ---------------------------------------------------------- to implement
 
     @abc.abstractmethod
-    def _open(
-        self,
-        branch: BranchId,
-        prompt: Prompt,
-        sampling: SamplingSettings,
-        seed: int,
-        parent: BranchId | None,
-        prefix_tokens: Sequence[int],
-    ) -> AsyncIterator[Chunk]:
-        """Stream one branch. A fork names its ``parent`` and inherits its tokens,
-        ``prefix_tokens``: its request's prompt is then prompt + those tokens and
-        ``max_tokens`` is reduced by their number."""
+    def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
+        """Stream one branch (``BranchStart``: which, and from where)."""
 
     @abc.abstractmethod
     async def _cancel(self, branch: BranchId) -> None:
@@ -153,9 +162,10 @@ class StreamingEngine(abc.ABC):
                 else:
                     inherited = [] if parent is None else list(self._streams[parent].generated)
                 stream = BranchStream(generated=inherited, reported=len(inherited))
-                chunks = self._open(
+                start = BranchStart(
                     bid, prefix.data.prompt, prefix.sampling, spec.seed, parent, tuple(inherited)
                 )
+                chunks = self._open(start)
                 stream.task = asyncio.ensure_future(self._pump(stream, chunks))
                 opened.append((spec, stream))
         except Exception as exc:

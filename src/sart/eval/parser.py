@@ -15,6 +15,7 @@ from sart.engines.costs import PRESETS
 from sart.errors import ConfigError
 from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.flags import (
+    add_cost_model_flag,
     add_methods_flag,
     add_model_flags,
     add_output_flags,
@@ -133,12 +134,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help=f"the real engine's branch budget B (default {REAL_BATCH_SIZE}); the simulator "
         "sizes its own to the cost model",
     )
-    p.add_argument(
-        "--cost-model",
-        default=DEFAULT_COST_MODEL,
-        help="the accelerator the derived latencies are simulated on: "
-        + ", ".join(sorted(PRESETS))
-        + f" (default {DEFAULT_COST_MODEL})",
+    add_cost_model_flag(
+        p, "derived latencies: ", default=DEFAULT_COST_MODEL, shown=DEFAULT_COST_MODEL
     )
     p.add_argument(
         "--rate",

@@ -1,16 +1,6 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
 from sart.policies.base import PauseRule, Policy, PruneRule, RewardSource, Selector, StopRule
-from sart.policies.confidence import (
-    ConfidenceScorer,
-    GroupConfidence,
-    LowestGroupConfidence,
-    LowestTokenLogprob,
-    MeanTokenLogprob,
-    Signal,
-    TailConfidence,
-    TokenConfidence,
-)
 from sart.policies.equivalence import Equivalence, ExactMatch
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.recipes import (
@@ -25,6 +15,16 @@ from sart.policies.recipes import (
 from sart.policies.reward_balance import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
+from sart.rewards.confidence import ConfidenceScorer
+from sart.rewards.signals import (
+    GroupConfidence,
+    LowestGroupConfidence,
+    LowestTokenLogprob,
+    MeanTokenLogprob,
+    Signal,
+    TailConfidence,
+    TokenConfidence,
+)
 
 __all__ = [
     "AllDone",

@@ -5,32 +5,9 @@ PRMs now, in ``sart.rewards.confidence`` and ``sart.rewards.signals``; this modu
 keeps ``from sart.policies.confidence import ...`` working.
 """
 
+from sart.rewards import signals
 from sart.rewards.confidence import ConfidenceScorer
-from sart.rewards.signals import (
-    NEUTRAL_REWARD,
-    SIGNALS,
-    GroupConfidence,
-    LowestGroupConfidence,
-    LowestTokenLogprob,
-    MeanTokenLogprob,
-    Signal,
-    TailConfidence,
-    TokenConfidence,
-    Tracker,
-    token_confidence,
-)
+from sart.rewards.signals import *  # noqa: F403 - the signals' names, as before
+from sart.rewards.signals import Tracker
 
-__all__ = [
-    "NEUTRAL_REWARD",
-    "SIGNALS",
-    "ConfidenceScorer",
-    "GroupConfidence",
-    "LowestGroupConfidence",
-    "LowestTokenLogprob",
-    "MeanTokenLogprob",
-    "Signal",
-    "TailConfidence",
-    "TokenConfidence",
-    "Tracker",
-    "token_confidence",
-]
+__all__ = ["ConfidenceScorer", "Tracker", *signals.__all__]

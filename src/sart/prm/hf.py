@@ -1,5 +1,4 @@
 """Process reward models on transformers: Qwen2.5-Math-PRM and Math-Shepherd-style PRMs.
-
 Needs the ``[hf]`` extra (torch, transformers); ``import sart`` never imports
 this module. Two reference implementations of the PRM protocol
 (``sart.prm.base``), the torch backend of the input formats of

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -97,15 +97,8 @@ class IncrementalRows:
     _merging: bool
     _merge_pasts: bool
     _state_key: str | None
-
-    def _forward(
-        self,
-        rows: list[list[int]],
-        positions: list[list[int]],
-        cache: Any = None,
-        past: Sequence[int] | None = None,
-    ) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
+    _forward: Callable[..., tuple[Any, list[Any]]]
+    """The PRM's forward over rows (``TransformersPRM._forward``)."""
 
     def _plan(self, branch: BranchId, enc: Encoded) -> Row:
         """The branch's row: its cached entry taken out (put back only once

@@ -19,18 +19,9 @@ signals.
 
 from typing import Any
 
+from sart.rewards import signals
 from sart.rewards.confidence import ConfidenceScorer
-from sart.rewards.signals import (
-    SIGNALS,
-    GroupConfidence,
-    LowestGroupConfidence,
-    LowestTokenLogprob,
-    MeanTokenLogprob,
-    Signal,
-    TailConfidence,
-    TokenConfidence,
-    token_confidence,
-)
+from sart.rewards.signals import *  # noqa: F403 - re-exported: the signals' names
 
 # ``router`` and ``isolation`` import the commands, which import the policies, which
 # re-export ``ConfidenceScorer`` from here: they load on first use.
@@ -50,19 +41,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sart.rewards' has no attribute {name!r}")
 
 
-__all__ = [
-    "SIGNALS",
-    "ConfidenceScorer",
-    "GroupConfidence",
-    "LowestGroupConfidence",
-    "LowestTokenLogprob",
-    "MeanTokenLogprob",
-    "RewardRouter",
-    "Signal",
-    "TailConfidence",
-    "TokenConfidence",
-    "prm_replicas",
-    "prm_workers",
-    "score_items",
-    "token_confidence",
-]
+__all__ = ["ConfidenceScorer", *_LAZY, *signals.__all__]
