@@ -118,6 +118,57 @@ def test_streams_tokens_text_and_finish_reasons(server: StandInServer) -> None:
     asyncio.run(scenario())
 
 
+def test_vllms_sampling_fields_go_upstream_under_their_names(server: StandInServer) -> None:
+    sampling = sart.SamplingSettings(
+        max_tokens=6,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_tokens=8 - 2,
+        stop_token_ids=(7, 9),
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
+
+    async def scenario() -> None:
+        # extra_body fills in only what the request leaves at its default.
+        e = engine(
+            server, extra_body={"top_k": 5, "min_p": 0.3, "spaces_between_special_tokens": False}
+        )
+        await e.prefill("a", "one two", sampling)
+        await e.start_branches("a", [BranchSpec(0, 1)])
+        await drain(e)
+        await e.prefill("b", "one two", sart.SamplingSettings(max_tokens=6))
+        await e.start_branches("b", [BranchSpec(0, 1)])
+        await drain(e)
+        await e.aclose()
+
+    asyncio.run(scenario())
+    body = server.completions("0_a-")[0]["body"]
+    assert {k: body[k] for k in sampling.extra_fields()} == {
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "min_tokens": 6,
+        "stop_token_ids": [7, 9],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "include_stop_str_in_output": True,
+    }
+    plain = server.completions("0_b-")[0]["body"]
+    assert (plain["top_k"], plain["min_p"], plain["spaces_between_special_tokens"]) == (
+        5,
+        0.3,
+        False,
+    )
+    assert not {"repetition_penalty", "min_tokens", "ignore_eos"} & set(plain)
+
+
 def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:
     """The deltas of one branch (seed 5) of the prompt "p q" (max_tokens=40)."""
 

@@ -52,6 +52,7 @@ CONTEXT = "context limit"
 TOKEN_PROMPT_CONTEXT = "context limit on token prompts"
 VOCABULARY = "vocabulary"
 SEEDS = "reproducible seeds"
+SAMPLING = "vLLM's sampling fields"
 
 
 class Adapter:
@@ -294,6 +295,8 @@ class SGLangOnTheStandIn(Adapter):
         GREEDY_FORKS: "the stand-in's tokens are a function of a request's input ids "
         "and seed: a fork does not continue as its parent does",
         STOP_STRINGS: "the stand-in does not apply stop strings",
+        SAMPLING: "the stand-in has no model to sample from: it takes the fields and "
+        "changes nothing",
         VOCABULARY: "the stand-in has no vocabulary",
     }
 
@@ -547,6 +550,37 @@ def test_stop_strings_end_the_branch_and_are_cut(adapter: Adapter) -> None:
     e.release_prefix("b")
     assert deltas[-1].finish is FinishReason.STOP
     assert "".join(d.text for d in deltas) == text[: text.index(stop)]
+
+
+def test_vllms_sampling_fields_reach_the_backend(adapter: Adapter) -> None:
+    # stop_token_ids, min_tokens (which holds stop tokens back) and repetition_penalty
+    # change a greedy decode as vLLM defines them, on every backend.
+    adapter.require(SAMPLING)
+
+    def greedy(**fields: Any) -> tuple[list[int], FinishReason | None]:
+        e = adapter.fresh()
+        sampling = sart.SamplingSettings(temperature=0.0, max_tokens=24, **fields)
+        e.prefill("a", PROMPTS[0], sampling)
+        e.start_branches("a", [BranchSpec(0, 1)])
+        tokens: list[int] = []
+        finish = None
+        while e.stats().live_branches:
+            for delta in e.step(5).deltas.values():
+                tokens += delta.token_ids
+                finish = delta.finish or finish
+        e.release_prefix("a")
+        return tokens, finish
+
+    plain, _ = greedy()
+    stop = plain[4]
+    end = plain.index(stop) + 1
+    assert greedy(stop_token_ids=[stop]) == (plain[:end], FinishReason.STOP)
+    held, _ = greedy(stop_token_ids=[stop], min_tokens=end + 3)
+    assert held[: end - 1] == plain[: end - 1] and len(held) >= end + 3
+    assert stop not in held[: end + 3]
+    penalised, _ = greedy(repetition_penalty=1.8)
+    assert penalised != plain  # the demo model repeats itself within 24 tokens
+    assert greedy(repetition_penalty=1.8)[0] == penalised
 
 
 def test_a_fork_continues_from_its_parent(adapter: Adapter) -> None:

@@ -100,6 +100,47 @@ def test_from_args_passes_server_args_through(mod: Any) -> None:
     assert engine.engine.shut_down
 
 
+def test_vllms_sampling_fields_go_to_sglang_under_its_names(mod: Any) -> None:
+    sampling = sart.SamplingSettings(
+        temperature=0.7,
+        max_tokens=30,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_tokens=8,
+        stop_token_ids=(7, 9),
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
+    params = mod.SGLangEngine.sampling_params(sampling, 3, 5)  # a fork with 5 to go
+    assert params == {
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "max_new_tokens": 5,
+        "sampling_seed": 3,
+        "top_k": 40,
+        "min_p": 0.05,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "min_new_tokens": 5,
+        "stop_token_ids": [7, 9],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+    # Fields at their defaults are left to SGLang's own defaults.
+    assert set(mod.SGLangEngine.sampling_params(sart.SamplingSettings(), 0, 8)) == {
+        "temperature",
+        "top_p",
+        "max_new_tokens",
+        "sampling_seed",
+    }
+
+
 def test_requests_carry_rid_seed_sampling_and_input_ids(mod: Any) -> None:
     standin = SGLangStandIn(length=40)
     engine = mod.SGLangEngine(standin, rid_prefix="sart-t")

@@ -50,6 +50,29 @@ def test_without_vllm_the_engines_name_their_extras(name: str) -> None:
         sart.load_engine(name)
 
 
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed")
+def test_vllms_sampling_fields_reach_sampling_params_under_their_names() -> None:
+    from sart.engines.vllm_common import sampling_params
+
+    sampling = sart.SamplingSettings(
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_tokens=8,
+        stop_token_ids=(7, 9),
+        ignore_eos=True,
+        skip_special_tokens=False,
+        include_stop_str_in_output=True,
+    )
+    params = sampling_params(sampling, 3, 5)  # a fork with 5 tokens to go
+    got = {field: getattr(params, field) for field in sampling.extra_fields()}
+    assert got == {**sampling.extra_fields(), "min_tokens": 5}
+    plain = sampling_params(sart.SamplingSettings(), 3, 5)
+    assert (plain.top_k, plain.min_tokens, plain.ignore_eos) == (0, 0, False)
+
+
 def test_the_registry_loads_it(engine: Any) -> None:
     assert sart.load_engine("vllm") is type(engine)
 

@@ -36,6 +36,7 @@ def test_eval_records_on_vllm_and_derives_every_method(
         "--model",
         "testbed",
         "--n",
+        "2",
         "4",
         "--vllm-arg",
         "enforce_eager=true",

@@ -411,6 +411,30 @@ def test_an_engine_failure_fails_its_request_only(serve) -> None:
     assert served.metric("sart:requests_total", '{status="failed"}') == 1
 
 
+def test_vllms_sampling_fields_are_served_where_the_engine_honours_them(serve) -> None:
+    # What vLLM's own benchmark client sends with every request, and more.
+    fields = {"repetition_penalty": 1.0, "logprobs": None, "ignore_eos": True, "top_k": 20}
+    fields |= {"min_p": 0.05, "min_tokens": 2, "stop_token_ids": [7], "presence_penalty": 0.5}
+    reply = serve().post("/v1/completions", body(**fields))
+    assert reply.status_code == 200, reply.text
+
+
+def test_a_sampling_field_the_engine_does_not_honour_is_a_400_naming_both(serve) -> None:
+    class Plain(SlowEngine):
+        sampling_fields = frozenset({"top_k"})
+
+    served = serve(Plain())
+    assert served.post("/v1/completions", body(top_k=5)).status_code == 200
+    assert served.post("/v1/completions", body(repetition_penalty=1.0)).status_code == 200
+    reply = served.post("/v1/completions", body(min_p=0.1))
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "min_p"
+    assert error["message"].startswith("min_p=0.1 is not honoured by Plain")
+    bad = served.post("/v1/completions", body(repetition_penalty=0))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "repetition_penalty"
+
+
 def test_the_body_size_is_limited(serve) -> None:
     served = serve(max_body_bytes=300)
     response = served.post("/v1/completions", body("x" * 400))

@@ -50,7 +50,15 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import Engine, engine_clock, supports_fork, supports_pause
+from sart.engines.base import (
+    Engine,
+    engine_clock,
+    engine_name,
+    sampling_fields,
+    supports_fork,
+    supports_pause,
+    unhonoured_sampling,
+)
 from sart.errors import ConfigError, EngineError, enum_converter
 from sart.messages import StepOutput
 from sart.prm.base import PRM
@@ -108,13 +116,22 @@ def check_servable(
     no_prm: str = "the driver has no PRM (prm=None): pass one to it",
 ) -> None:
     """Refuse (``ConfigError``) a request that ``prm`` and ``engine`` cannot run: its
-    policy needs PRM rewards and ``prm`` is ``None``, or it forks branches and the
+    policy needs PRM rewards and ``prm`` is ``None``, its sampling sets a field the
+    engine does not honour (``sampling_fields``), or it forks branches and the
     engine cannot fork. ``no_prm`` ends the first message: what the caller (the
     driver, a server) lacks and how to give it one."""
     policy = request.policy
     if prm is None and (policy.scores_running or policy.scores_completed):
         raise ConfigError(
             f"request {request.id!r} uses policy {policy.name!r}, which needs PRM rewards; {no_prm}"
+        )
+    unhonoured = unhonoured_sampling(engine, request.sampling)
+    if unhonoured:
+        field, value = next(iter(unhonoured.items()))
+        raise ConfigError(
+            f"{field}={value!r} is not honoured by {engine_name(engine)} (request "
+            f"{request.id!r}): it honours {sorted(sampling_fields(engine)) or 'none'} of "
+            "vLLM's extra sampling fields"
         )
     if policy.prune.forks and not supports_fork(engine):
         raise ConfigError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import zlib
+from collections.abc import Callable
 from typing import NamedTuple
 
 import attrs
@@ -119,6 +120,46 @@ def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     config_check(0.0 < value <= 1.0, "top_p", value, "in (0, 1]")
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _in_range(
+    low: float, high: float, *, open_low: bool = False
+) -> Callable[[object, attrs.Attribute, object], None]:
+    """An attrs validator: a finite number in [low, high] ((low, high] if ``open_low``)."""
+    rule = f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
+
+    def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
+        ok = _number(value)
+        if ok:
+            number = float(value)  # type: ignore[arg-type]
+            ok = (low < number if open_low else low <= number) and number <= high
+        config_check(ok, attr.name, value, rule)
+
+    return check
+
+
+def _check_bool(_inst: object, attr: attrs.Attribute, value: object) -> None:
+    config_check(isinstance(value, bool), attr.name, value, "true or false")
+
+
+def _to_top_k(value: object) -> object:
+    # vLLM and SGLang both read 0 and -1 as "every token".
+    return None if value in (0, -1) and not isinstance(value, bool) else value
+
+
+def _token_ids(value: object) -> tuple[int, ...]:
+    ids: tuple[int, ...] = tuple(value)  # type: ignore[call-overload, arg-type]
+    config_check(
+        all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids),
+        "stop_token_ids",
+        list(ids),
+        "token ids (ints >= 0)",
+    )
+    return ids
+
+
 @attrs.frozen
 class SamplingSettings:
     """How each branch samples. Branch ``j`` of a request uses seed ``seed + j``."""
@@ -138,3 +179,71 @@ class SamplingSettings:
     ``None`` none; ``0`` the sampled token's only; ``k`` also the ``k`` most likely
     tokens' (``BranchDelta.logprobs``). A confidence reward source raises it to the
     ``k`` it needs (``sart.rewards.signals``)."""
+    # vLLM's sampling fields beyond those above (``EXTRA_SAMPLING``): the same names,
+    # meanings and ranges as vLLM's ``SamplingParams``; an engine honours those it
+    # lists in its ``sampling_fields``, and refuses a request that sets another.
+    top_k: int | None = attrs.field(
+        default=None,
+        converter=_to_top_k,
+        validator=int_at_least(1, optional=True, rule="0 or -1 (every token), or an int >= 1"),
+    )
+    """Sample among the ``k`` most likely tokens; ``None`` (or 0, -1): all of them."""
+    min_p: float = attrs.field(default=0.0, validator=_in_range(0.0, 1.0))
+    """Drop tokens whose probability is below ``min_p`` times the most likely one's."""
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_in_range(0.0, 2.0, open_low=True)
+    )
+    """Divide the positive logits (multiply the negative ones) of tokens already in the
+    prompt or the output by this; 1: no penalty."""
+    presence_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    """Subtract this from the logit of every token already in the output."""
+    frequency_penalty: float = attrs.field(default=0.0, validator=_in_range(-2.0, 2.0))
+    """Subtract this times its count in the output from every token's logit."""
+    min_tokens: int = attrs.field(default=0, validator=int_at_least(0))
+    """Tokens generated before EOS or a stop token may end a branch."""
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    """Token ids that end a branch as ``FINISHED``, as EOS does (kept in the output)."""
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    """Go on past EOS (only ``max_tokens``, stop strings and ``stop_token_ids`` end it)."""
+    skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
+    """Leave special tokens out of the text."""
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_check_bool)
+    """Keep the stop string that ended a branch at the end of its text."""
+
+    def __attrs_post_init__(self) -> None:
+        config_check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            self.min_tokens,
+            f"<= max_tokens ({self.max_tokens})",
+        )
+
+    def extra_fields(self, max_tokens: int | None = None) -> dict[str, object]:
+        """The ``EXTRA_SAMPLING`` fields set away from their defaults, by vLLM's name,
+        as JSON takes them (``stop_token_ids`` a list); ``max_tokens``: the tokens a
+        fork or a resume has left to go, which ``min_tokens`` is kept within."""
+        out: dict[str, object] = {}
+        for name, default in EXTRA_SAMPLING.items():
+            value = getattr(self, name)
+            if value != default:
+                out[name] = list(value) if isinstance(value, tuple) else value
+        if "min_tokens" in out and max_tokens is not None:
+            out["min_tokens"] = min(self.min_tokens, max_tokens)
+        return out
+
+
+#: vLLM's sampling fields beyond temperature, top_p, max_tokens, seed, stop and
+#: logprobs, with the values that leave sampling as it is: an engine that does not
+#: list a field in its ``sampling_fields`` takes a request only at this value.
+EXTRA_SAMPLING: dict[str, object] = {
+    "top_k": None,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "min_tokens": 0,
+    "stop_token_ids": (),
+    "ignore_eos": False,
+    "skip_special_tokens": True,
+    "include_stop_str_in_output": False,
+}

@@ -40,7 +40,7 @@ import attrs
 
 from sart.clock import Clock
 from sart.messages import BranchDelta, BranchSpec, StepOutput, TokenLogprobs
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
 class StepDeltas:
@@ -191,6 +191,23 @@ def supports_fork(engine: object) -> bool:
     return bool(getattr(engine, "supports_fork", False))
 
 
+def sampling_fields(engine: object) -> frozenset[str]:
+    """The ``EXTRA_SAMPLING`` fields the engine honours (its ``sampling_fields``; none
+    if it does not say): it takes a request that sets another only at its default."""
+    return frozenset(getattr(engine, "sampling_fields", ()))
+
+
+def engine_name(engine: object) -> str:
+    """The engine's class name (a ``SyncBridge``'s: the one it runs)."""
+    return str(getattr(engine, "bridged_name", type(engine).__name__))
+
+
+def unhonoured_sampling(engine: object, sampling: SamplingSettings) -> dict[str, object]:
+    """The fields ``sampling`` sets away from their defaults that ``engine`` does not honour."""
+    honoured = sampling_fields(engine)
+    return {k: v for k, v in sampling.extra_fields().items() if k not in honoured}
+
+
 def engine_clock(engine: object) -> Clock | None:
     """The engine's own (virtual) clock, if it keeps one."""
     clock = getattr(engine, "clock", None)
@@ -198,6 +215,7 @@ def engine_clock(engine: object) -> Clock | None:
 
 
 __all__ = [
+    "EXTRA_SAMPLING",
     "AsyncEngine",
     "BranchDelta",
     "BranchSpec",
@@ -208,6 +226,9 @@ __all__ = [
     "StepOutput",
     "TokenLogprobs",
     "engine_clock",
+    "engine_name",
+    "sampling_fields",
     "supports_fork",
     "supports_pause",
+    "unhonoured_sampling",
 ]

@@ -30,7 +30,7 @@ from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
 from sart.engines.ledger import EngineMisuse, Prefix, PrefixLedger
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
 from sart.errors import EngineError
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
 @attrs.define
@@ -61,6 +61,8 @@ class FakeEngine:
 
     supports_fork = True
     supports_pause = True
+    # Scripts, not sampling: every field is taken (and changes nothing).
+    sampling_fields = frozenset(EXTRA_SAMPLING)
 
     def __init__(
         self,

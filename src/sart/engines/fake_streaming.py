@@ -17,10 +17,13 @@ from collections.abc import AsyncIterator, Mapping
 
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
-from sart.types import BranchId, FinishReason
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason
 
 
 class FakeStreamingEngine(StreamingEngine):
+    # Scripts, not sampling: every field is taken (and changes nothing).
+    sampling_fields = frozenset(EXTRA_SAMPLING)
+
     def __init__(
         self,
         script: ScriptLike = None,

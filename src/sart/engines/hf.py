@@ -19,7 +19,11 @@ seed, so results are reproducible; ``temperature == 0`` is greedy and gives
 exactly ``model.generate(do_sample=False)``'s tokens. The EOS token (or a stop
 string) ends a branch as ``FINISHED`` and counts as a generated token, as in
 vLLM; reaching ``max_tokens`` ends it as ``TRUNCATED``. Stop strings are cut
-from the text. Aborting a branch drops its tensors at once.
+from the text. Aborting a branch drops its tensors at once. vLLM's extra
+sampling fields (``EXTRA_SAMPLING``) are honoured as vLLM applies them:
+penalties and ``min_tokens`` on the logits, then temperature, ``min_p``,
+``top_k``, ``top_p``. Streamed text holds back, as vLLM's detokenizer does, a
+tail that may begin a stop string and a character cut between tokens.
 
 Log-probabilities (``SamplingSettings.logprobs``, for confidence signals): as
 vLLM's default, they are raw, the ``log_softmax`` of the model's next-token
@@ -65,17 +69,19 @@ from sart.engines.base import (
 )
 from sart.engines.ledger import Prefix, PrefixLedger
 from sart.engines.prompts import prompt_ids
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 KV = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 @attrs.frozen(eq=False)
 class _PromptKV:
-    """A prefix's data: the prompt's KV (never written) and the next-token logits after it."""
+    """A prefix's data: the prompt's KV (never written), the next-token logits after it,
+    and its ids (``repetition_penalty`` reads them)."""
 
     kv: KV
     logits: torch.Tensor
+    ids: tuple[int, ...] = ()
 
 
 class _Branch:
@@ -113,6 +119,7 @@ class HFEngine:
 
     supports_fork = True
     supports_pause = True
+    sampling_fields = frozenset(EXTRA_SAMPLING)
 
     def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
         self.model = model.eval()
@@ -156,7 +163,7 @@ class HFEngine:
         ids = prompt_ids(self.tokenizer, prompt, self.chat)
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
-        kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float())
+        kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float(), tuple(ids))
         self._ledger.prefill(request_id, len(ids), sampling, kv)
         return len(ids)
 
@@ -276,9 +283,18 @@ class HFEngine:
     def _sample(self, branch: _Branch) -> int:
         sampling = branch.prefix.sampling
         logits = branch.logits
+        if sampling.extra_fields():
+            logits = self._penalised(branch, sampling)
         if sampling.temperature == 0.0:
             return int(torch.argmax(logits))
         probs = torch.softmax(logits / sampling.temperature, dim=-1)
+        if sampling.min_p > 0.0 or sampling.top_k is not None:
+            if sampling.min_p > 0.0:
+                probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
+            if sampling.top_k is not None and sampling.top_k < probs.shape[-1]:
+                kth = torch.topk(probs, sampling.top_k).values[-1]
+                probs = probs.masked_fill(probs < kth, 0.0)
+            probs = probs / probs.sum()
         if sampling.top_p < 1.0:
             ordered, order = torch.sort(probs, descending=True)
             # Keep the smallest prefix of tokens whose mass reaches top_p.
@@ -287,23 +303,77 @@ class HFEngine:
             probs = torch.zeros_like(probs).scatter(0, order, ordered)
         return int(torch.multinomial(probs, 1, generator=branch.generator))
 
+    def _penalised(self, branch: _Branch, sampling: SamplingSettings) -> torch.Tensor:
+        """The branch's next-token logits under vLLM's penalties: ``repetition_penalty``
+        on the prompt's and the output's tokens, ``presence_penalty`` and
+        ``frequency_penalty`` on the output's, and no EOS or stop token before
+        ``min_tokens`` (log-probabilities stay raw: they read ``branch.logits``)."""
+        logits = branch.logits.clone()
+        if sampling.repetition_penalty != 1.0:
+            seen = torch.tensor(
+                sorted({*branch.prefix.data.ids, *branch.tokens}), device=logits.device
+            )
+            if len(seen):
+                picked = logits[seen]
+                rp = sampling.repetition_penalty
+                logits[seen] = torch.where(picked > 0, picked / rp, picked * rp)
+        if branch.tokens and (sampling.presence_penalty or sampling.frequency_penalty):
+            ids = torch.tensor(branch.tokens, device=logits.device)
+            counts = torch.zeros_like(logits).index_add_(
+                0, ids, torch.ones_like(ids, dtype=logits.dtype)
+            )
+            logits -= sampling.frequency_penalty * counts
+            logits -= sampling.presence_penalty * (counts > 0).to(logits.dtype)
+        if len(branch.tokens) < sampling.min_tokens:
+            ends = [*self.eos_ids, *sampling.stop_token_ids]
+            logits[torch.tensor(ends, device=logits.device)] = float("-inf")
+        return logits
+
     def _advance_text(self, branch: _Branch, token: int) -> tuple[FinishReason | None, str]:
-        if token in self.eos_ids:
-            return FinishReason.STOP, ""
-        text = self.tokenizer.decode(branch.tokens, skip_special_tokens=True)
-        delta = text[len(branch.text) :] if text.startswith(branch.text) else text
-        stops = branch.prefix.sampling.stop
+        """Whether ``token`` ends the branch, and the text it adds. ``branch.text`` is
+        the text reported so far: while the branch runs, as vLLM's detokenizer does, the
+        tail that may be the start of a stop string, and a partial character (``\ufffd``,
+        a multi-byte character cut between tokens), are held back until they resolve."""
+        sampling = branch.prefix.sampling
+        early = len(branch.tokens) < sampling.min_tokens  # nothing ends a branch before
+        eos = token in self.eos_ids and not sampling.ignore_eos and not early
+        if not eos:
+            text = self.tokenizer.decode(
+                branch.tokens, skip_special_tokens=sampling.skip_special_tokens
+            )
+        else:  # the EOS token is not text: what was held back goes out now
+            text = self.tokenizer.decode(branch.tokens[:-1], skip_special_tokens=True)
+        if not text.startswith(branch.text):
+            # More tokens decoded otherwise what was reported (rare, with the partial
+            # characters held back): what was reported stays; the rest goes on from it.
+            branch.text = text[: len(branch.text)]
+        stops = sampling.stop if not early else ()
         if stops:
-            # Search only where a new stop string could start.
+            # Search only where a new stop string could start: reported text has none.
             start = max(0, len(branch.text) - max(len(s) for s in stops))
-            hits = [i for i in (text.find(s, start) for s in stops) if i != -1]
+            hits = [(i, s) for s in stops if (i := text.find(s, start)) != -1]
             if hits:
-                cut = min(hits)
-                delta = text[len(branch.text) : cut] if cut >= len(branch.text) else ""
-                branch.text = text[:cut]
-                return FinishReason.STOP, delta
+                cut, hit = min(hits)
+                if sampling.include_stop_str_in_output:
+                    cut += len(hit)
+                return FinishReason.STOP, self._report(branch, text[: max(cut, len(branch.text))])
+        ends = eos or (token in sampling.stop_token_ids and not early)
+        if ends or len(branch.tokens) >= sampling.max_tokens:
+            return (FinishReason.STOP if ends else None), self._report(branch, text)
+        held = max((len(s) for s in sampling.stop), default=1) - 1
+        if sampling.include_stop_str_in_output:
+            held = 0
+        upto = len(text) - held
+        while upto > len(branch.text) and text[upto - 1] == "\ufffd":
+            upto -= 1
+        return None, self._report(branch, text[: max(upto, len(branch.text))])
+
+    @staticmethod
+    def _report(branch: _Branch, text: str) -> str:
+        """Report ``text`` (which extends what was reported): the new part."""
+        delta = text[len(branch.text) :]
         branch.text = text
-        return None, delta
+        return delta
 
     def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
         lengths = [b.length for _, b, _ in going]

@@ -67,9 +67,8 @@ accepts ``return_token_ids`` too, and aborts a request whose client
 disconnected within 0.04-0.21 s as measured on CPU). A server that rejects the
 extensions has them dropped automatically. See ``docs/how-to/sglang.md``.
 
-``extra_body`` adds server-specific fields to every completion request
-(vLLM's ``top_k``, ``min_p``, ``ignore_eos``...); sart's own fields win.
-
+Sampling: vLLM's extra fields a request sets (``SamplingSettings.extra_fields``)
+go upstream under vLLM's names; ``extra_body`` adds fields to every request.
 Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
 (or ``engine.close()`` outside a running loop) to close its HTTP client.
 """
@@ -108,7 +107,7 @@ from sart.engines.openai_wire import (
 )
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.errors import ConfigError, EngineError
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
 @attrs.define
@@ -143,6 +142,7 @@ class OpenAIEngine(StreamingEngine):
 
     supports_fork = True
     supports_pause = True
+    sampling_fields = frozenset(EXTRA_SAMPLING)  # sent upstream; the server decides
 
     def __init__(
         self,
@@ -318,6 +318,7 @@ class OpenAIEngine(StreamingEngine):
         }
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        body.update(sampling.extra_fields(body["max_tokens"]))  # under vLLM's names
         body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
         if sampling.logprobs is not None:
             body["logprobs"] = sampling.logprobs

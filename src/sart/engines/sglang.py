@@ -134,7 +134,7 @@ if importlib.util.find_spec("sglang") is None:
 from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine, SyncBridge  # noqa: E402
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 
@@ -167,6 +167,10 @@ async def _close(stream: Any) -> None:
             pass
 
 
+#: vLLM's sampling field names that SGLang spells otherwise.
+_SGLANG_NAMES = {"min_tokens": "min_new_tokens", "include_stop_str_in_output": "no_stop_trim"}
+
+
 class SGLangEngine(StreamingEngine):
     """A streaming engine over an in-process ``sglang.Engine`` (see the module docstring).
 
@@ -181,6 +185,7 @@ class SGLangEngine(StreamingEngine):
     """
 
     supports_fork = True
+    sampling_fields = frozenset(EXTRA_SAMPLING)
 
     def __init__(
         self,
@@ -360,7 +365,9 @@ class SGLangEngine(StreamingEngine):
 
     @staticmethod
     def sampling_params(sampling: SamplingSettings, seed: int, max_new_tokens: int) -> dict:
-        """SGLang's ``sampling_params`` dict for one branch."""
+        """SGLang's ``sampling_params`` dict for one branch: vLLM's extra fields set away
+        from their defaults under SGLang's names (``min_new_tokens``, ``no_stop_trim``;
+        ``min_new_tokens`` kept within the tokens a fork or a resume has to go)."""
         params: dict[str, Any] = {
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
@@ -369,6 +376,8 @@ class SGLangEngine(StreamingEngine):
         }
         if sampling.stop:
             params["stop"] = list(sampling.stop)
+        for field, value in sampling.extra_fields(max_new_tokens).items():
+            params[_SGLANG_NAMES.get(field, field)] = value
         return params
 
     @staticmethod

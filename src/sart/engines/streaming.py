@@ -384,6 +384,8 @@ class SyncBridge:
         self.loop = asyncio.new_event_loop() if loop is None else loop
         self.supports_fork = bool(getattr(engine, "supports_fork", False))
         self.supports_pause = bool(getattr(engine, "supports_pause", False))
+        self.sampling_fields = frozenset(getattr(engine, "sampling_fields", ()))
+        self.bridged_name = type(engine).__name__
 
     @classmethod
     def build(cls, factory: Callable[[], Any]) -> SyncBridge:

@@ -92,8 +92,9 @@ def finish_reason(branch: BranchId, completion: Any) -> FinishReason:
 def sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> Any:
     """One branch's ``SamplingParams``: one request per branch (n=1) with the branch's
     own seed and DELTA outputs (each output carries only the new tokens, their text
-    and their logprobs). ``logprobs`` passes through: ``None`` asks vLLM for none, so
-    it computes and detokenizes none."""
+    and their logprobs), and every ``EXTRA_SAMPLING`` field as vLLM names it (a fork
+    or a resume with fewer tokens to go keeps ``min_tokens`` within them). ``logprobs``
+    passes through: ``None`` asks vLLM for none, so it computes and detokenizes none."""
     return SamplingParams(
         n=1,
         temperature=sampling.temperature,
@@ -103,6 +104,17 @@ def sampling_params(sampling: SamplingSettings, seed: int, max_tokens: int) -> A
         stop=list(sampling.stop) or None,
         logprobs=sampling.logprobs,
         output_kind=RequestOutputKind.DELTA,
+        # vLLM's own fields, under their own names (EXTRA_SAMPLING).
+        top_k=sampling.top_k or 0,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        min_tokens=min(sampling.min_tokens, max_tokens),
+        stop_token_ids=list(sampling.stop_token_ids) or None,
+        ignore_eos=sampling.ignore_eos,
+        skip_special_tokens=sampling.skip_special_tokens,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
     )
 
 

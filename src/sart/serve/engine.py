@@ -43,7 +43,15 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sart.engines.base import BranchSpec, EngineStats, StepOutput, supports_fork, supports_pause
+from sart.engines.base import (
+    BranchSpec,
+    EngineStats,
+    StepOutput,
+    engine_name,
+    sampling_fields,
+    supports_fork,
+    supports_pause,
+)
 from sart.engines.streaming import SyncBridge
 from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
@@ -62,6 +70,8 @@ class ServingEngine:
         self.inner = engine
         self.supports_fork = supports_fork(engine)
         self.supports_pause = supports_pause(engine)
+        self.sampling_fields = sampling_fields(engine)
+        self.bridged_name = engine_name(engine)
         self.tokenizer = getattr(engine, "tokenizer", None)
         """The engine's tokenizer, if it has one (the chat template comes from it)."""
         self.prompt_tokens: dict[str, int] = {}

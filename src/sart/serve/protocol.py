@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sart.errors import ConfigError
 from sart.serve.config import ServeConfig
 from sart.serve.methods import PolicyFields, build_policy
-from sart.types import Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, Prompt, SamplingSettings
 
 
 class Refused(Exception):
@@ -87,10 +87,27 @@ class _Body(_Strict):
     timeout: float | None = None
     """Seconds the request may take from its arrival; past them it is cancelled (its
     branches aborted) and answered 504."""
-    # OpenAI fields sart does not implement: accepted only at their neutral values.
+    # OpenAI's penalties and vLLM's extra sampling fields (``SamplingSettings``), for
+    # engines that honour them (``sampling_fields``): a 400 names the engine otherwise.
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    # Fields sart does not implement: accepted only at their neutral values.
     logit_bias: dict[str, float] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
 
 
 class CompletionRequest(_Body):
@@ -127,9 +144,14 @@ class ChatCompletionRequest(_Body):
 
 #: Fields sart does not implement -> the values that mean "not used".
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "truncate_prompt_tokens": (None,),
+    "allowed_token_ids": (None,),
+    "prompt_logprobs": (None,),
+    "bad_words": (None, []),
     "echo": (None, False),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
@@ -297,6 +319,11 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             max_tokens=max_tokens,
             seed=request.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            **{
+                field: value
+                for field in EXTRA_SAMPLING
+                if (value := getattr(request, field)) is not None
+            },
         )
     except ConfigError as exc:
         raise Refused(str(exc), field_of(str(exc))) from None
