@@ -98,6 +98,9 @@ class StandInServer:
             return httpx.Response(
                 200, json={"count": len(ids), "max_model_len": 4096, "tokens": ids}
             )
+        if path == "/v1/models" and request.method == "GET":  # vLLM's model card
+            card = {"id": "stand-in", "object": "model", "max_model_len": 4096}
+            return httpx.Response(200, json={"object": "list", "data": [card]})
         if path == "/inference/v1/abort_requests":
             self.abort_calls.append(body["request_ids"])
             if not self.abort_endpoint:

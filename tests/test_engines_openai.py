@@ -160,6 +160,7 @@ def test_vllms_sampling_fields_go_upstream_under_their_names(server: StandInServ
         "skip_special_tokens": False,
         "include_stop_str_in_output": True,
     }
+    assert body["no_stop_trim"] is True  # SGLang's name for it (each server ignores the other's)
     plain = server.completions("0_b-")[0]["body"]
     assert (plain["top_k"], plain["min_p"], plain["spaces_between_special_tokens"]) == (
         5,
@@ -167,6 +168,24 @@ def test_vllms_sampling_fields_go_upstream_under_their_names(server: StandInServ
         False,
     )
     assert not {"repetition_penalty", "min_tokens", "ignore_eos"} & set(plain)
+
+
+def test_a_token_prompt_over_the_servers_context_is_refused_at_prefill(
+    server: StandInServer,
+) -> None:
+    # The ids are known here, so the context comes from the server's /v1/models card.
+    async def scenario() -> None:
+        e = engine(server)
+        sampling = sart.SamplingSettings(max_tokens=8)
+        with pytest.raises(sart.RequestRefused, match="max_model_len=4096"):
+            await e.prefill("huge", tuple(range(5000)), sampling)
+        assert await e.prefill("fits", tuple(range(4090)), sampling) == 4090
+        assert e._requests["fits"].max_tokens == 6  # capped so prompt + output fit
+        await e.release_prefix("fits")
+        await e.aclose()
+
+    asyncio.run(scenario())
+    assert server.requests == []  # no completion was sent for either
 
 
 def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:

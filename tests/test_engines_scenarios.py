@@ -113,10 +113,6 @@ def declared_capacity(engine: Any) -> int | None:
 
 
 class HF(Adapter):
-    lacks: ClassVar[Mapping[str, str]] = {
-        CONTEXT: "HFEngine does not check prompts against the model's context"
-    }
-
     def __init__(self, demo_models: dict[str, Path]) -> None:
         super().__init__(demo_models)
         import torch
@@ -124,6 +120,7 @@ class HF(Adapter):
         from sart.engines.hf import HFEngine
 
         self.base = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+        self.context_len = self.base.context_len
 
     def _fresh(self) -> Any:
         return type(self.base)(self.base.model, self.base.tokenizer)
@@ -239,10 +236,6 @@ class VLLMAsync(Adapter):
 
 class OpenAI(Adapter):
     context_len = VLLM_SERVER_MAX_MODEL_LEN
-    lacks: ClassVar[Mapping[str, str]] = {
-        TOKEN_PROMPT_CONTEXT: "OpenAIEngine learns the server's context only when the "
-        "server tokenizes a prompt: token prompts are not checked at prefill"
-    }
 
     def __init__(self, url: str, demo_models: dict[str, Path]) -> None:
         super().__init__(demo_models)
@@ -383,7 +376,6 @@ class OpenAIOnSGLang(OpenAI):
     context_len = SGLANG_CONTEXT_LEN
     lacks: ClassVar[Mapping[str, str]] = {
         SEEDS: SGLang.lacks[SEEDS],
-        TOKEN_PROMPT_CONTEXT: OpenAI.lacks[TOKEN_PROMPT_CONTEXT],
         VOCABULARY: "SGLang's server does not check prompt ids against the vocabulary (an "
         "id outside it crashes its scheduler), and OpenAIEngine does not know the vocabulary",
     }
@@ -714,10 +706,21 @@ def test_a_prompt_too_long_fails_only_its_request(adapter: Adapter, kind: str) -
     if kind == "token ids":
         huge = tuple(range(5, 300)) * (adapter.context_len // 295 + 1)
     e = adapter.fresh()
-    with pytest.raises(sart.EngineError) as info:
+    with pytest.raises(sart.RequestRefused) as info:
         e.prefill("huge", huge, sart.SamplingSettings(max_tokens=4))
     assert info.value.request_ids == {"huge"}
+    assert str(adapter.context_len) in str(info.value)  # both numbers, in the reason
     assert e.stats().kv_tokens == 0
+    # Through the driver: that request fails, refused, with the reason; the other runs.
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=8)
+    requests = [
+        sart.Request("huge", huge, sart.self_consistency(2), sampling=sampling),
+        sart.Request("fine", PROMPTS[0], sart.self_consistency(2), sampling=sampling),
+    ]
+    refused, fine = sart.run(requests, e, batch_size=4)
+    assert (refused.refused, fine.ok) == (True, True)
+    assert "leaves no room" in (refused.reason or "")
+    assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))
 
 
 def test_a_request_the_backend_refuses_fails_only_its_request(adapter: Adapter) -> None:

@@ -279,6 +279,22 @@ BAD_INPUTS = [
         "max_tokens=0 must be >= 1",
     ),
     (
+        "a prompt over the context",  # 100k tokens: refused before any forward, as vLLM does
+        {"model": "testbed", "prompt": "Q 2 " * 50_000},
+        None,
+        400,
+        "prompt",
+        "leaves no room in the model's context of 512 tokens",
+    ),
+    (
+        "token ids over the context",
+        {"model": "testbed", "prompt": [5] * 600},
+        None,
+        400,
+        "prompt",
+        "a prompt of 600 tokens leaves no room",
+    ),
+    (
         "unknown model",
         {"model": "gpt-4", "prompt": "x"},
         None,

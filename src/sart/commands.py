@@ -144,6 +144,8 @@ class Failed:
     reason: str
     request_ids: frozenset[str] | None = None
     """The requests affected; ``None``: every request the command involved."""
+    refused: bool = False
+    """The engine refused the requests for what they ask (``RequestRefused``)."""
 
 
 @attrs.frozen

@@ -59,7 +59,7 @@ from sart.engines.base import (
     supports_pause,
     unhonoured_sampling,
 )
-from sart.errors import ConfigError, EngineError, enum_converter
+from sart.errors import ConfigError, EngineError, RequestRefused, enum_converter
 from sart.messages import StepOutput
 from sart.prm.base import PRM
 from sart.request import Request
@@ -381,7 +381,7 @@ class DriverBase:
     @staticmethod
     def _failure(exc: Exception) -> Failed:
         if isinstance(exc, EngineError):
-            return Failed(str(exc), exc.request_ids or None)
+            return Failed(str(exc), exc.request_ids or None, isinstance(exc, RequestRefused))
         return Failed(f"{type(exc).__name__}: {exc}")
 
     def _prefilled(self, request_id: str) -> Callable[[Any], Event]:

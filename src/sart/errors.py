@@ -110,6 +110,12 @@ class EngineError(_AttributedError):
     """
 
 
+class RequestRefused(EngineError):
+    """The engine refuses a request for what it asks, not for a fault of its own (its
+    prompt does not fit the model's context): the request fails with the reason, and
+    a server answers it 400, as vLLM's does."""
+
+
 class PRMError(_AttributedError):
     """A PRM call failed, or returned a reward outside [0, 1] or NaN."""
 

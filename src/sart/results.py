@@ -66,6 +66,10 @@ class RequestResult:
     timings: Timings
     reason: str | None = None
     """Why the request failed (``None`` when it completed)."""
+    refused: bool = False
+    """It failed for what it asks, which the engine refused (``RequestRefused``: a
+    prompt that does not fit the model's context), not for a fault: a server
+    answers it 400."""
     policy: str = ""
     """The policy's name."""
     prm_items: int = 0

@@ -67,7 +67,7 @@ from sart.engines.base import (
     StepOutput,
     TokenLogprobs,
 )
-from sart.engines.ledger import Prefix, PrefixLedger
+from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -134,6 +134,10 @@ class HFEngine:
         # transformers 5 renamed past_key_values to cache (argument and output).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._ledger: PrefixLedger[_PromptKV, _Branch] = PrefixLedger()
+        limit = getattr(model.config, "max_position_embeddings", None)
+        self.context_len: int | None = limit if isinstance(limit, int) else None
+        """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
+        longer prompt is refused before any forward, ``max_tokens`` capped to fit."""
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
 
@@ -161,6 +165,13 @@ class HFEngine:
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
         ids = prompt_ids(self.tokenizer, prompt, self.chat)
+        limit = self.context_len
+        context = f"the model's context of {limit} tokens (max_position_embeddings)"
+        max_tokens = cap_max_tokens(request_id, len(ids), sampling.max_tokens, limit, context)
+        if max_tokens < sampling.max_tokens:
+            sampling = attrs.evolve(
+                sampling, max_tokens=max_tokens, min_tokens=min(sampling.min_tokens, max_tokens)
+            )
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
         kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float(), tuple(ids))

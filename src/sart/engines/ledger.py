@@ -51,7 +51,7 @@ from typing import Generic, TypeVar
 import attrs
 
 from sart.engines.base import BranchSpec
-from sart.errors import EngineError
+from sart.errors import EngineError, RequestRefused
 from sart.types import BranchId, SamplingSettings
 
 P = TypeVar("P")
@@ -96,7 +96,7 @@ def cap_max_tokens(
     (``EngineError``); ``context`` names the limit in the message."""
     room = max_tokens if context_len is None else context_len - prompt_tokens
     if prompt_tokens < 1 or room < 1:
-        raise EngineError(
+        raise RequestRefused(
             f"request {request_id!r}: a prompt of {prompt_tokens} tokens leaves no room in "
             f"{context}",
             [request_id],

@@ -13,12 +13,11 @@ Tokens and log-probabilities: how they are asked for (vLLM's extensions,
 dropped for a server that refuses them) and counted is in
 ``sart.engines.openai_wire``.
 
-Prompt length (``prefill``): the ``tokenizer`` if given (its ``encode``), else
-the server's ``POST /tokenize`` (vLLM has it; its ``max_model_len`` also caps
-``max_tokens`` so prompt + output fits, as ``VLLMEngine`` does), else, where
-the server has no such endpoint, the prompt's word count (an estimate: only
-the scheduler's KV accounting and metrics use it). Token-id prompts are sent
-as ids, their length is exact.
+Prompt length (``prefill``): token ids' own, the ``tokenizer``'s if given, else
+the server's ``POST /tokenize``, else the word count (an estimate, for KV
+accounting and metrics only). The server's ``max_model_len`` (``/tokenize``'s,
+else its ``/v1/models`` card's) refuses a prompt that does not fit
+(``RequestRefused``) and caps ``max_tokens``, as ``VLLMEngine`` does.
 
 Forks (Rebase): a new request whose prompt is the prompt's ids + the parent's
 generated ids when both are known (the server's own ``prompt_token_ids``, the
@@ -102,6 +101,7 @@ from sart.engines.openai_wire import (
     ServerError,
     base_url,
     post_completion,
+    server_context,
     tokenize,
     words,
 )
@@ -129,16 +129,11 @@ class _Progress:
 
 
 class OpenAIEngine(StreamingEngine):
-    """A streaming engine over OpenAI-compatible ``/v1/completions`` servers
-    (see the module docstring).
-
-    ``transport``: an ``httpx.AsyncBaseTransport`` for the engine's HTTP client,
-    instead of httpx's own connection pool: ``httpx.MockTransport(handler)`` in
-    tests, or an ``httpx.AsyncHTTPTransport`` of your own (proxy, local
-    address, TLS, connection limits: httpx then ignores the engine's). Every
-    server in ``base_urls`` is reached through it; ``aclose()`` closes it with
-    the client.
-    """
+    """A streaming engine over OpenAI-compatible ``/v1/completions`` servers (see the
+    module docstring). ``transport``: an ``httpx.AsyncBaseTransport`` for its HTTP
+    client instead of httpx's pool (``httpx.MockTransport(handler)`` in tests; your
+    own for a proxy, TLS, limits): every server is reached through it, and
+    ``aclose()`` closes it with the client."""
 
     supports_fork = True
     supports_pause = True
@@ -318,7 +313,9 @@ class OpenAIEngine(StreamingEngine):
         }
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        body.update(sampling.extra_fields(body["max_tokens"]))  # under vLLM's names
+        body.update(extra := sampling.extra_fields(body["max_tokens"]))  # vLLM's names
+        if "include_stop_str_in_output" in extra:  # and SGLang's (each ignores the other's)
+            body["no_stop_trim"] = True
         body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
         if sampling.logprobs is not None:
             body["logprobs"] = sampling.logprobs
@@ -490,11 +487,13 @@ class OpenAIEngine(StreamingEngine):
     async def _tokenize(
         self, prompt: Prompt, request_id: str | None, home: int | None = None
     ) -> tuple[list[int] | None, int | None]:
-        """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``;
-        asked of the request's ``home`` server first."""
-        if not isinstance(prompt, str):
-            return list(prompt), None
-        if self.tokenizer is not None:
-            return list(self.tokenizer.encode(prompt)), None
+        """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``
+        (from its model card when the ids are known here); the ``home`` server first."""
+        ids = None if isinstance(prompt, str) else list(prompt)
+        if ids is None and self.tokenizer is not None:
+            ids = list(self.tokenizer.encode(prompt))
+        if ids is not None:
+            server = self.servers[home if home is not None else 0]
+            return ids, await server_context(self.client, server, self.model)
         first = self.servers[home] if home is not None else None
         return await tokenize(self.client, self.servers, self.model, prompt, request_id, first)

@@ -92,6 +92,8 @@ class Server:
     """Open requests whose branches stream from here (with affinity)."""
     abort_endpoint: bool | None = None
     """Whether vLLM's ``/inference/v1/abort_requests`` works there (``None``: not tried)."""
+    context: int | None = None
+    """Its ``max_model_len`` from ``/v1/models`` (``None``: not asked yet; 0: unsaid)."""
 
 
 async def post_completion(
@@ -309,3 +311,22 @@ async def tokenize(
             [request_id] if request_id else [],
         )
     return None, None
+
+
+async def server_context(client: httpx.AsyncClient, server: Server, model: str) -> int | None:
+    """``server``'s ``max_model_len`` for ``model``, from ``GET /v1/models`` (vLLM's and
+    SGLang's model cards carry it), asked once per server; ``None`` where it does not
+    say (or cannot be reached: then asked again next time)."""
+    if server.context is None:
+        try:
+            response = await client.get(server.url + "/v1/models")
+            cards = response.json().get("data", []) if response.status_code < 400 else []
+        except (httpx.TransportError, ValueError, AttributeError):
+            return None
+        lengths = [c.get("max_model_len") for c in cards if isinstance(c, dict)]
+        mine = [
+            c.get("max_model_len") for c in cards if isinstance(c, dict) and c.get("id") == model
+        ]
+        known = [n for n in (mine or lengths) if isinstance(n, int) and n > 0]
+        server.context = min(known) if known else 0
+    return server.context or None

@@ -164,7 +164,7 @@ def completed_result(
 
 
 def unfinished_result(
-    req: RequestState, status: RequestStatus, reason: str, now: float
+    req: RequestState, status: RequestStatus, reason: str, now: float, refused: bool = False
 ) -> RequestResult:
     """The result of a request that ends without an answer (failed or cancelled)."""
     return RequestResult(
@@ -176,6 +176,7 @@ def unfinished_result(
         branches=tuple(b.outcome(None) for b in req.branches),
         timings=req.timings(now),
         reason=reason,
+        refused=refused,
         policy=req.policy.name,
         prm_items=req.prm_items,
     )

@@ -311,7 +311,7 @@ class Scheduler:
             reserved = self._slots.reserved
             self._waiting.add_branches(req, (b for b in req.branches if b.id not in reserved))
         elif isinstance(event, Failed):
-            self._requests.fail(req, f"prefill failed: {event.reason}", now)
+            self._requests.fail(req, f"prefill failed: {event.reason}", now, event.refused)
         else:
             raise SchedulerError(f"Prefill answered by {event!r}")
 

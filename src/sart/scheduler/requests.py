@@ -76,11 +76,16 @@ class RequestTable:
             self.outbox.append(Abort(tuple(stopped)))
         self._close(req, algorithm.completed_result(req, chosen, answer_of, now), now)
 
-    def fail(self, req: RequestState, reason: str, now: float) -> None:
-        self.end_unfinished(req, RequestStatus.FAILED, reason, now)
+    def fail(self, req: RequestState, reason: str, now: float, refused: bool = False) -> None:
+        self.end_unfinished(req, RequestStatus.FAILED, reason, now, refused)
 
     def end_unfinished(
-        self, req: RequestState, status: RequestStatus, reason: str, now: float
+        self,
+        req: RequestState,
+        status: RequestStatus,
+        reason: str,
+        now: float,
+        refused: bool = False,
     ) -> None:
         """End ``req`` without an answer (failed or cancelled): abort its running
         branches; the waiting ones never start."""
@@ -95,7 +100,8 @@ class RequestTable:
                 branch.status = BranchStatus.FAILED
         if aborted:
             self.outbox.append(Abort(tuple(aborted)))
-        self._close(req, algorithm.unfinished_result(req, status, reason, now), now)
+        result = algorithm.unfinished_result(req, status, reason, now, refused)
+        self._close(req, result, now)
 
     def end_running(
         self, req: RequestState, branch: BranchState, status: BranchStatus, step: int | None = None

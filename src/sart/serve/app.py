@@ -249,17 +249,20 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 
 def _failed(outcome: Outcome) -> JSONResponse:
-    message, status = _failure(outcome.result)
-    return JSONResponse(responses.error_body(message, status), status_code=status)
+    message, status, param = _failure(outcome.result)
+    return JSONResponse(responses.error_body(message, status, param), status_code=status)
 
 
-def _failure(result: RequestResult) -> tuple[str, int]:
+def _failure(result: RequestResult) -> tuple[str, int, str | None]:
     """The error message and HTTP status of a request that did not complete: 504 for one
     that ran past its ``timeout`` (a cancelled request whose client is still there),
-    500 for a failure."""
+    400 for one the engine refused for what it asks (a prompt over the context), 500
+    for a failure; and the field at fault, if any."""
     if result.status is RequestStatus.CANCELLED:
-        return f"the request {result.reason}", 504
-    return f"the request failed: {result.reason}", 500
+        return f"the request {result.reason}", 504, None
+    if result.refused:
+        return f"the request was refused: {result.reason}", 400, "prompt"
+    return f"the request failed: {result.reason}", 500, None
 
 
 @attrs.frozen
