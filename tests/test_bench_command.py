@@ -151,7 +151,7 @@ def test_trace_record_then_replay_under_the_steps_model(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["bench", "--n", "0"], "--n (0,) must be non-empty, each >= 1"),
+        (["bench", "--n", "0"], "--n [0] must be >= 1"),
         (["bench", "--requests", "0"], "--requests 0 must be >= 1"),
         (["bench", "--rate", "-1"], "--rate (-1.0,) must be non-empty, each > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),

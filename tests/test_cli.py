@@ -62,3 +62,70 @@ def test_ctrl_c_in_any_command_is_one_line(
         main(["demo-models", str(tmp_path)])
     assert exit_info.value.code == 130
     assert capsys.readouterr().err == "sart: demo-models interrupted\n"
+
+
+def _int_flags() -> list[tuple[list[str], str, bool]]:
+    """Every integer flag of every command: (command words, flag, whether 0 is allowed)."""
+    import argparse
+
+    from sart.cli import _parser
+    from sart.flags import MAY_BE_ZERO
+
+    found: list[tuple[list[str], str, bool]] = []
+
+    def walk(parser: argparse.ArgumentParser, words: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*words, name])
+            elif action.type is int and action.option_strings:
+                found.append((words, action.option_strings[0], action.dest in MAY_BE_ZERO))
+
+    walk(_parser(), [])
+    return found
+
+
+def _is_list(words: list[str], flag: str) -> bool:
+    import argparse
+
+    from sart.cli import _parser
+
+    parser: argparse.ArgumentParser = _parser()
+    for word in words:
+        subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = subs.choices[word]
+    action = next(a for a in parser._actions if flag in a.option_strings)
+    return action.nargs in ("+", "*")
+
+
+#: What each command needs besides the flag under test, to parse.
+REQUIRED = {
+    ("eval",): ["--dataset", "testbed", "--model", "testbed"],
+    ("trace", "record"): ["out.jsonl"],
+    ("demo-models",): ["out"],
+}
+
+
+@pytest.mark.parametrize(
+    ("words", "flag", "zero_ok"),
+    _int_flags(),
+    ids=[" ".join([*w, f]) for w, f, _ in _int_flags()],
+)
+def test_every_commands_integer_flags_refuse_counts_below_their_floor(
+    words: list[str], flag: str, zero_ok: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Refused before the command runs: none of these starts a server or loads a model.
+    for value in ("-1",) if zero_ok else ("-1", "0"):
+        with pytest.raises(SystemExit) as info:
+            main([*words, *REQUIRED.get(tuple(words), []), flag, value])
+        assert info.value.code == 2
+        floor = 0 if zero_ok else 1
+        shown = f"[{value}]" if _is_list(words, flag) else value
+        assert f"sart: error: {flag} {shown} must be >= {floor}" in capsys.readouterr().err
+
+
+def test_the_walk_finds_every_commands_counts() -> None:
+    flags = {(" ".join(w), f) for w, f, _ in _int_flags()}
+    assert {("bench", "--requests"), ("serve", "--max-queue"), ("tune", "--jobs")} <= flags
+    assert {("trace record", "--n"), ("quickstart", "--requests"), ("eval", "--limit")} <= flags
+    assert len(flags) > 40

@@ -324,7 +324,7 @@ def test_records_without_logprobs_are_refused_for_the_confidence_methods(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--n", "0", "4"], "--n [0] must each be >= 1"),
+        (["--n", "0", "4"], "--n [0] must be >= 1"),
         (["--n", "4", "--ns", "8"], "--ns [8] must each be in 1..--n (4)"),
         (["--limit", "0"], "--limit 0 must be >= 1"),
         (["--data", "x.jsonl"], "--data has no effect with --dataset testbed"),

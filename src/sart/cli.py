@@ -15,6 +15,7 @@ from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
 from sart.errors import EXTRAS, ConfigError, SartError, install_hint, needs_extra
 from sart.eval.parser import add_eval_parser
+from sart.flags import check_int_flags
 from sart.policies.recipes import sart as sart_policy
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
@@ -118,6 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        check_int_flags(parser, args)  # every command's counts, in one place
         return int(args.func(args))
     except KeyboardInterrupt:
         # Commands that keep partial work (sart bench) say so themselves; the rest

@@ -249,6 +249,37 @@ def add_methods_flag(p: Any, verb: str, defaults: tuple[str, ...], *, default: A
     )
 
 
+#: Integer flags that may be 0, by ``dest``: a seed, a port (0: any free one). Every
+#: other integer flag of every command is a count or a size: at least 1.
+MAY_BE_ZERO = frozenset({"seed", "port"})
+
+
+def invoked_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    """The (sub)parser of the command ``args`` came from (``sart trace record``'s, say)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            chosen = getattr(args, action.dest or "", None)
+            if chosen in action.choices:
+                return invoked_parser(action.choices[chosen], args)
+    return parser
+
+
+def check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (``ConfigError``, in the flag's words) an integer flag of the invoked
+    command below its floor (``MAY_BE_ZERO``: 0, else 1), for every command at once,
+    before it runs."""
+    for action in invoked_parser(parser, args)._actions:
+        if action.type is not int or not action.option_strings:
+            continue
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        low = 0 if action.dest in MAY_BE_ZERO else 1
+        bad = [v for v in values if isinstance(v, int) and v < low]
+        if bad:
+            shown = bad if isinstance(value, list) else bad[0]
+            raise ConfigError(f"{action.option_strings[0]} {shown} must be >= {low}")
+
+
 def add_cost_model_flag(p: Any, scope: str, *, default: str | None, shown: str) -> None:
     """``--cost-model``: the hardware and model the simulator prices runs on, one of
     ``sart.engines.costs.PRESETS`` (``shown``: the default named in the help, when

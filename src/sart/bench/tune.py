@@ -30,6 +30,7 @@ from sart.bench.runner import BenchConfig, RunRecord, run_method
 from sart.bench.traces import Trace
 from sart.bench.workloads import workload
 from sart.errors import ConfigError, config_check
+from sart.metrics import wilson_interval
 from sart.policies.base import Policy
 from sart.policies.recipes import sart
 
@@ -77,6 +78,13 @@ class Score:
     accuracy: float
     tokens: float
     """Generated tokens per request."""
+    requests: int = 0
+    """Requests graded (failed ones as wrong): the accuracy's sample size."""
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The accuracy's 95% Wilson interval over ``requests``."""
+        return wilson_interval(round(self.accuracy * self.requests), self.requests)
 
     @property
     def label(self) -> str:
@@ -118,7 +126,14 @@ def _score(record: RunRecord, candidate: Candidate | None) -> Score:
     summary = record.summary
     if summary.accuracy is None:
         raise ConfigError("tuning needs gold answers (the workload has them)")
-    return Score(candidate, record.n, summary.e2e.p97, summary.accuracy, summary.tokens_per_request)
+    return Score(
+        candidate,
+        record.n,
+        summary.e2e.p97,
+        summary.accuracy,
+        summary.tokens_per_request,
+        len(record.results),
+    )
 
 
 def _run(job: tuple[Candidate | None, int, Trace, BenchConfig, float]) -> Score:
@@ -182,9 +197,16 @@ class TuneResult:
     """On the tuning trace; ``None`` if no configuration reached its target."""
     held_out: tuple[Score, ...]
     """On the held-out trace: SC and the paper's defaults at every ``N``, and the winner."""
+    floors: dict[int, float] = attrs.field(factory=dict)
+    """The accuracy each ``N`` must reach on the held-out trace: ``min_accuracy``, else
+    SC's held-out accuracy at that ``N`` less the ``slack`` (as the tuning targets)."""
 
     def held_out_of(self, candidate: Candidate | None, n: int) -> Score:
         return next(s for s in self.held_out if s.candidate == candidate and s.n == n)
+
+    def meets(self, score: Score) -> bool:
+        """Whether a held-out score reaches its ``N``'s held-out accuracy floor."""
+        return score.accuracy >= self.floors.get(score.n, 0.0) - 1e-12
 
 
 def tune(
@@ -220,6 +242,11 @@ def tune(
         held.append(winner.candidate)
         held_ns.append(winner.n)
     held_out = evaluate(held, held_ns, held_traces, config, rate, jobs)
+    floors = {
+        s.n: s.accuracy - slack if min_accuracy is None else min_accuracy
+        for s in held_out
+        if s.candidate is None
+    }
     return TuneResult(
         rate=rate,
         targets=targets,
@@ -228,6 +255,7 @@ def tune(
         front=tuple(pareto(tuning)),
         winner=winner,
         held_out=tuple(held_out),
+        floors=floors,
     )
 
 
@@ -239,6 +267,8 @@ def result_json(result: TuneResult) -> dict[str, object]:
             "n": score.n,
             "p97": score.p97,
             "accuracy": score.accuracy,
+            "accuracy_ci95": list(score.interval),
+            "requests": score.requests,
             "tokens_per_request": score.tokens,
         }
 
@@ -246,7 +276,8 @@ def result_json(result: TuneResult) -> dict[str, object]:
         "rate": result.rate,
         "targets": {str(n): t for n, t in result.targets.items()},
         "winner": None if result.winner is None else row(result.winner),
-        "held_out": [row(s) for s in result.held_out],
+        "held_out": [{**row(s), "meets_floor": result.meets(s)} for s in result.held_out],
+        "held_out_floors": {str(n): f for n, f in result.floors.items()},
         "pareto_front": [row(s) for s in result.front],
         "tuning": [row(s) for s in result.tuning],
         "tuning_sc": [row(s) for s in result.tuning_sc],

@@ -140,20 +140,35 @@ def render(console: Any, result: TuneResult, runs: int) -> None:
     for s in result.front:
         front.add_row(s.label, f"{100 * s.accuracy:.1f}", f"{s.p97:,.0f}", f"{s.tokens:,.0f}")
     console.print(front)
-    held = Table(title="Held-out trace (another seed, same workload and rate)", box=box.SIMPLE_HEAD)
-    for name in ("policy", "acc %", "P97", "tokens/req"):
-        held.add_column(name, justify="left" if name == "policy" else "right")
+    held = Table(
+        title="Held-out trace (another seed, same workload and rate): accuracy with its 95% "
+        "interval, against the floor (SC's held-out accuracy at that N, less the slack)",
+        box=box.SIMPLE_HEAD,
+    )
+    for name in ("policy", "acc % (95% CI)", "floor", "P97", "tokens/req"):
+        held.add_column(name, justify="left" if name in ("policy", "floor") else "right")
     for s in result.held_out:
         mark = " (tuned)" if result.winner and s.candidate == result.winner.candidate else ""
         if s.candidate is not None and s.candidate == Candidate.paper(s.n):
             mark += " (paper defaults)"
-        held.add_row(s.label + mark, f"{100 * s.accuracy:.1f}", f"{s.p97:,.0f}", f"{s.tokens:,.0f}")
+        floor = (
+            f"{100 * result.floors[s.n]:.1f}: {'meets' if result.meets(s) else 'misses'}"
+            if s.candidate is not None and s.n in result.floors
+            else ""
+        )
+        held.add_row(s.label + mark, _accuracy(s), floor, f"{s.p97:,.0f}", f"{s.tokens:,.0f}")
     console.print(held)
     console.print(verdict(result))
 
 
+def _accuracy(score: Score) -> str:
+    low, high = score.interval
+    return f"{100 * score.accuracy:.1f} ({100 * low:.1f}-{100 * high:.1f})"
+
+
 def verdict(result: TuneResult) -> str:
-    """One line: does the tuned configuration beat the paper's defaults held out?"""
+    """One line: does the tuned configuration beat the paper's defaults held out? It
+    never does while it misses its held-out accuracy floor."""
     if result.winner is None:
         targets = ", ".join(f"N={n}: {100 * t:.1f}%" for n, t in sorted(result.targets.items()))
         return f"no configuration reached its accuracy target ({targets})"
@@ -161,20 +176,35 @@ def verdict(result: TuneResult) -> str:
     assert win is not None
     tuned = result.held_out_of(win, win.n)
     paper = result.held_out_of(Candidate.paper(win.n), win.n)
+    sc = result.held_out_of(None, win.n)
+    floor = result.floors.get(win.n, 0.0)
+    against = f"SC {_accuracy(sc)}%, floor {100 * floor:.1f}%"
     if win == Candidate.paper(win.n):
+        met = "meets" if result.meets(paper) else "misses"
         return (
-            f"the paper's defaults at N={win.n} are already best on the tuning trace "
-            f"(held out: P97 {paper.p97:,.0f}, accuracy {100 * paper.accuracy:.1f}%)"
+            f"the paper's defaults at N={win.n} are already best on the tuning trace; held "
+            f"out they {met[:-1]} the accuracy floor: P97 {paper.p97:,.0f}, accuracy "
+            f"{_accuracy(paper)}% ({against})"
         )
     numbers = (
         f"P97 {tuned.p97:,.0f} vs {paper.p97:,.0f} ({paper.p97 / tuned.p97:.2f}x), "
-        f"accuracy {100 * tuned.accuracy:.1f}% vs {100 * paper.accuracy:.1f}%"
+        f"accuracy {_accuracy(tuned)}% vs {_accuracy(paper)}% ({against})"
     )
+    if not result.meets(tuned):
+        return (
+            f"tuned misses the accuracy floor held out ({numbers}): it met it on the tuning "
+            f"trace only; keep the defaults ({Candidate.paper(win.n).code()}), or tune on "
+            "more --requests"
+        )
     if tuned.p97 < paper.p97 and tuned.accuracy >= paper.accuracy:
-        return f"tuned beats the paper's defaults held out: {numbers}.\nuse it: {win.code()}"
+        return (
+            f"tuned meets the accuracy floor and beats the paper's defaults held out: "
+            f"{numbers}.\nuse it: {win.code()}"
+        )
     return (
-        f"tuned does not beat the paper's defaults held out ({numbers}): keep the "
-        f"defaults ({Candidate.paper(win.n).code()}), or tune on more --requests"
+        f"tuned meets the accuracy floor but does not beat the paper's defaults held out "
+        f"({numbers}): keep the defaults ({Candidate.paper(win.n).code()}), or tune on "
+        "more --requests"
     )
 
 

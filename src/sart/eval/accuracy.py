@@ -25,24 +25,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from sart.bench.runner import RunRecord
+from sart.metrics import Z95, wilson_interval
 from sart.results import RequestResult
-
-Z95 = 1.959963984540054
-"""The two-sided 95% quantile of the standard normal."""
-
-
-def wilson_interval(correct: int, total: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of ``correct / total`` (``(0, 1)`` when ``total`` is 0)."""
-    if total <= 0:
-        return (0.0, 1.0)
-    p = correct / total
-    denominator = 1 + z * z / total
-    centre = (p + z * z / (2 * total)) / denominator
-    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
-    # Exact at the edges (the formula gives 0 and 1 there, up to rounding).
-    low = 0.0 if correct == 0 else max(0.0, centre - half)
-    high = 1.0 if correct == total else min(1.0, centre + half)
-    return (low, high)
 
 
 @attrs.frozen
