@@ -237,6 +237,18 @@ VLLM_CASES = [
         timeout=600,
     ),
     Case(
+        "gateway_overhead.py",
+        "--prompts 16 --concurrency 8 --repeats 1 --output-len 16",
+        (
+            r"^vllm serve and sart serve --engine openai --method vanilla in front of it: 16 ",
+            rf"^\s+direct(\s+{NUMBER}){{4}}$",
+            rf"^\s+through sart(\s+{NUMBER}){{4}}$",
+            rf"^gateway / direct throughput {NUMBER}; added latency P50 [+-]{NUMBER} ms, P99 ",
+        ),
+        needs=("vllm", "torch", "transformers", "httpx", "fastapi"),
+        timeout=900,
+    ),
+    Case(
         "gateway.py",
         "--n 2 --requests 2 --prompt-words 40 --max-tokens 4 --width 2 --repeats 1 --burners 1",
         (

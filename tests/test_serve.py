@@ -454,7 +454,7 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--n", "0"], "--n 0 must be an int >= 1"),
+        (["--n", "0"], "--n 0 must be >= 1"),
         (["--n", "40"], "--n 40 must be <= max_n=32"),
         (["--method", "best"], "--method='best' must be one of"),
         (["--model", "./no/such/model"], "--model './no/such/model': no such file or directory"),

@@ -77,7 +77,6 @@ class BranchStream:
     generated: list[int] = attrs.Factory(list)
     """Token ids reported so far (for forks and usage)."""
     reported: int = 0
-    wake: asyncio.Event = attrs.Factory(asyncio.Event)
 
 
 @attrs.frozen
@@ -122,6 +121,10 @@ class StreamingEngine(abc.ABC):
 
     def __init__(self) -> None:
         self._ledger: PrefixLedger[HeldPrompt, BranchStream] = PrefixLedger()
+        # Set by every stream's pump on news (a token, an end, a failure): ``step``
+        # waits on this one event, not on one waiter per stream per token. Made
+        # afresh by each ``step``, in the loop it runs in.
+        self._news: asyncio.Event | None = None
 
     @property
     def _streams(self) -> Mapping[BranchId, BranchStream]:
@@ -186,6 +189,7 @@ class StreamingEngine(abc.ABC):
         streams = dict(self._streams)
         if not streams:
             return StepOutput(steps=0, deltas={})
+        self._news = news = asyncio.Event()
         while True:
             # A branch aborted while this call waits (a task of the same loop may abort)
             # is no longer waited for, nor reported.
@@ -196,14 +200,9 @@ class StreamingEngine(abc.ABC):
             steps = self._horizon(streams.values(), max_steps, until_first_end)
             if steps is not None:
                 break
-            # Single-threaded: no pump runs between the check above and these waits.
-            waits = []
-            for stream in streams.values():
-                stream.wake.clear()
-                waits.append(asyncio.ensure_future(stream.wake.wait()))
-            _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                task.cancel()
+            # Single-threaded: no pump runs between the check above and this wait.
+            news.clear()
+            await news.wait()
         return StepOutput(steps=steps, deltas=self._take(streams, steps))
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:
@@ -284,7 +283,7 @@ class StreamingEngine(abc.ABC):
                 stream.pending.extend(zip(ids, texts, lps))
                 if chunk.finish is not None:
                     stream.finish = chunk.finish
-                stream.wake.set()
+                self._tell()
                 if chunk.finish is not None:
                     return
             if stream.finish is None:  # the stream stopped without saying why
@@ -294,7 +293,12 @@ class StreamingEngine(abc.ABC):
         except Exception as exc:  # any stream failure fails its request
             stream.error = exc
         finally:
-            stream.wake.set()
+            self._tell()
+
+    def _tell(self) -> None:
+        """Wake the ``step`` waiting for news, if one is."""
+        if self._news is not None:
+            self._news.set()
 
     @staticmethod
     def _horizon(

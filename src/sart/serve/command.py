@@ -45,7 +45,7 @@ from sart.launch import (
 from sart.launch import load as load_models
 from sart.methods import method_names
 from sart.serve.config import Backend, ServeConfig
-from sart.types import Scoring
+from sart.types import Admission, Scoring
 
 REAL_TEMPERATURE = 0.7
 """Temperature of requests that do not say, for a model other than the testbed."""
@@ -179,6 +179,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "Algorithm 1 as written",
     )
     g.add_argument(
+        "--admission",
+        choices=[a.value for a in Admission],
+        default=Admission.CHUNK.value,
+        help="chunk (default): freed slots are refilled between decode chunks (Algorithm "
+        "1); token: a decode returns as soon as a branch ends, refilling its slot at once",
+    )
+    g.add_argument(
         "--priority-aging",
         type=float,
         default=60.0,
@@ -250,6 +257,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         top_p=sampling.top_p,
         batch_size=args.batch_size,
         scoring=args.scoring,
+        admission=args.admission,
         max_queue=args.max_queue,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,

@@ -1,0 +1,128 @@
+"""What the gateway costs: ``vllm bench serve`` against a ``vllm serve`` directly and
+through ``sart serve --engine openai --method vanilla`` in front of it.
+
+Starts one ``vllm serve`` of the tiny demo policy (built into a temporary
+directory) and a gateway in front of it, both on loopback, then runs vLLM's own
+load generator (``scripts/vllm_bench_serve.py``: ``vllm bench serve`` from its
+module) against each, alternately, ``--repeats`` times: ``--prompts`` random
+prompts of ``--input-len`` tokens at ``--concurrency`` in flight, each asking
+for exactly ``--output-len`` tokens (``ignore_eos``). With ``vanilla`` every
+request is one completion upstream, so the difference is the gateway's own
+cost (HTTP in and out, the scheduler, the driver). Reported per target:
+requests and output tokens per second, and P50/P99 end-to-end latency; then
+the throughput ratio (gateway / direct) and the latency it adds, from the
+medians over the repeats. ``--stream-interval`` is passed to ``vllm serve``:
+tokens per streamed chunk, which the gateway parses one by one.
+
+Needs vLLM (the CI's ``.ci-vllm-venv``):
+
+    OMP_NUM_THREADS=1 .ci-vllm-venv/bin/python benchmarks/gateway_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sart.demo_models import build_demo_models
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from adapters import vllm_serve  # noqa: E402
+from serving import KEY, Server  # noqa: E402
+
+
+def bench(url: str, tokenizer: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+    """One ``vllm bench serve`` run against ``url``: its throughputs and latencies."""
+    command = [
+        sys.executable, str(ROOT / "scripts" / "vllm_bench_serve.py"),
+        "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", "demo", "--tokenizer", str(tokenizer), "--ignore-eos",
+        "--dataset-name", "random", "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts),
+        "--max-concurrency", str(args.concurrency), "--seed", "0",
+        "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--disable-tqdm", "--save-detailed",
+    ]  # fmt: skip
+    env = {**os.environ, "OPENAI_API_KEY": KEY}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    if result["failed"]:
+        errors = sorted({e for e in result["errors"] if e})
+        raise SystemExit(f"{result['failed']} requests failed against {url}: {errors}")
+    latencies = sorted(1000 * x for x in result["latencies"])
+    return {
+        "req/s": result["request_throughput"],
+        "out tok/s": result["output_throughput"],
+        "P50 ms": statistics.median(latencies),
+        "P99 ms": latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="the upstream's --stream-interval: tokens per streamed chunk (vLLM's default 1)",
+    )
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="sart-gateway-overhead-"))
+    policy = build_demo_models(work / "models")["policy"]
+    upstream_flags = ["--stream-interval", str(args.stream_interval)]
+    with vllm_serve(policy, work / "vllm-serve.log", *upstream_flags) as upstream:
+        gateway = Server(
+            "--engine", "openai", "--upstream", upstream, "--model", "demo",
+            "--tokenizer", str(policy), "--api-key", KEY, "--method", "vanilla",
+            "--max-tokens", str(args.output_len), "--max-tokens-limit", "4000",
+            "--batch-size", str(max(args.concurrency, 1)), "--max-queue", str(args.prompts),
+        )  # fmt: skip
+        try:
+            runs: dict[str, list[dict[str, float]]] = {"direct": [], "through sart": []}
+            for repeat in range(args.repeats):  # alternately: the machine is shared
+                for name, url in (("direct", upstream), ("through sart", gateway.url)):
+                    out = work / f"{name.replace(' ', '-')}-{repeat}.json"
+                    runs[name].append(bench(url, policy, out, args))
+        finally:
+            code, log = gateway.stop()
+            (work / "gateway.log").write_text(log)
+        if code != 0:
+            raise SystemExit(f"the gateway exited {code}:\n{log[-2000:]}")
+    print(
+        f"vllm serve and sart serve --engine openai --method vanilla in front of it: "
+        f"{args.prompts} prompts, {args.concurrency} in flight, {args.input_len} in / "
+        f"{args.output_len} out tokens, {args.stream_interval} tokens per upstream chunk, "
+        f"median of {args.repeats} alternate runs"
+    )
+    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms")
+    print(f"{'':>14}" + "".join(f"{k:>12}" for k in keys))
+    median = {
+        name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()
+    }
+    for name, row in median.items():
+        print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys))
+    direct, gate = median["direct"], median["through sart"]
+    print(
+        f"gateway / direct throughput {gate['req/s'] / direct['req/s']:.2f}; added latency "
+        f"P50 {gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
+        f"{gate['P99 ms'] - direct['P99 ms']:+,.1f} ms"
+    )
+
+
+if __name__ == "__main__":
+    main()
