@@ -26,11 +26,11 @@ import attrs
 
 from sart.async_driver import AsyncDriver
 from sart.clock import WallClock
-from sart.driver import check_servable
 from sart.errors import SartError
 from sart.prm.base import PRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.servable import check_servable
 from sart.serve.config import ServeConfig
 from sart.serve.engine import ServingEngine
 from sart.serve.metrics import ServeMetrics, gauge_table
@@ -123,7 +123,7 @@ class Service:
     def check(self, request: Request) -> None:
         """Refuse, before it runs, a request this server cannot serve (``ConfigError``):
         a policy that needs a PRM when there is none, or forks on an engine that cannot
-        (``sart.driver.check_servable``, with the server's own hint)."""
+        (``sart.servable.check_servable``, with the server's own hint)."""
         # The wrapped engine, so that the message names the engine the user chose.
         check_servable(
             request, request.policy.reward or self.prm, self.engine.inner, no_prm=_NO_PRM
