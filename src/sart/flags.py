@@ -280,6 +280,33 @@ def check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             raise ConfigError(f"{action.option_strings[0]} {shown} must be >= {low}")
 
 
+def add_scoring_flag(p: Any) -> None:
+    """``--scoring``: whether decoding waits for the PRM's checks (``sart.Scoring``)."""
+    from sart.types import Scoring
+
+    p.add_argument(
+        "--scoring",
+        choices=[s.value for s in Scoring],
+        default=Scoring.OVERLAPPED.value,
+        help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
+        "when its rewards arrive; blocking: decoding waits for every PRM check "
+        "(Algorithm 1 as written)",
+    )
+
+
+def add_admission_flag(p: Any) -> None:
+    """``--admission``: when freed batch slots are refilled (``sart.Admission``)."""
+    from sart.types import Admission
+
+    p.add_argument(
+        "--admission",
+        choices=[a.value for a in Admission],
+        default=Admission.CHUNK.value,
+        help="chunk (default): freed slots are refilled between decode chunks (Algorithm "
+        "1); token: a decode returns as soon as a branch ends, refilling its slot at once",
+    )
+
+
 def add_cost_model_flag(p: Any, scope: str, *, default: str | None, shown: str) -> None:
     """``--cost-model``: the hardware and model the simulator prices runs on, one of
     ``sart.engines.costs.PRESETS`` (``shown``: the default named in the help, when

@@ -19,12 +19,14 @@ from sart.bench.workloads import WORKLOADS
 from sart.errors import ConfigError
 from sart.flags import (
     MODEL_DESTS,
+    add_admission_flag,
     add_cost_model_flag,
     add_methods_flag,
     add_model_flags,
     add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
+    add_scoring_flag,
 )
 from sart.launch import SYNC_ENGINES, TESTBED, TESTBED_INTERVAL
 from sart.methods import check_methods
@@ -125,14 +127,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "sart's LAST-pooled vLLM PRM, 16-token blocks), or nothing (free; the default under "
         "--cost-model steps)",
     )
-    p.add_argument(
-        "--scoring",
-        choices=[s.value for s in Scoring],
-        default=Scoring.OVERLAPPED.value,
-        help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
-        "when its rewards arrive; blocking: decoding waits for every PRM check "
-        "(Algorithm 1 as written)",
-    )
+    add_scoring_flag(p)
     p.add_argument(
         "--record-trace",
         help="hf, vllm, sglang: also record a trace of the prompts to this file (with each "
@@ -184,12 +179,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         help="T, decode steps between checks (default 400; for --trace, the trace's; "
         f"testbed: {TESTBED_INTERVAL})",
     )
-    p.add_argument(
-        "--admission",
-        choices=[a.value for a in Admission],
-        default="chunk",
-        help="refill freed slots between chunks (Algorithm 1) or at the next step",
-    )
+    add_admission_flag(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--trace", help="sim: replay this JSONL trace instead of generating a workload")
     add_output_flags(p, "sart-bench", "the summary JSON")

@@ -123,7 +123,7 @@ from vllm.v1.engine.llm_engine import LLMEngine  # isort: skip
 from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.errors import EngineError
-from sart.types import EXTRA_SAMPLING, BranchId, Prompt, SamplingSettings
+from sart.types import BranchId, Prompt, SamplingSettings
 
 
 @attrs.frozen
@@ -137,9 +137,7 @@ class _PromptIds:
 class VLLMEngine(VLLMInputs):
     """A step-based engine over a vLLM V1 ``LLMEngine`` (see the module docstring)."""
 
-    supports_fork = True
     supports_pause = True
-    sampling_fields = frozenset(EXTRA_SAMPLING)
     _engine_class = LLMEngine  # what from_engine_args builds
     _args_class = EngineArgs
 

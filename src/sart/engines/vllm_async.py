@@ -68,14 +68,12 @@ from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
-from sart.types import EXTRA_SAMPLING, BranchId, Prompt, SamplingSettings
+from sart.types import BranchId, Prompt, SamplingSettings
 
 
 class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
     """A streaming engine over a vLLM V1 ``AsyncLLM`` (see the module docstring)."""
 
-    supports_fork = True
-    sampling_fields = frozenset(EXTRA_SAMPLING)
     _engine_class = AsyncLLM  # what from_engine_args builds
     _args_class = AsyncEngineArgs
 

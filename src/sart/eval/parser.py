@@ -21,9 +21,9 @@ from sart.flags import (
     add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
+    add_scoring_flag,
 )
 from sart.launch import TESTBED_INTERVAL
-from sart.types import Scoring
 
 DATASET_CHOICES = (*DATASETS, "testbed")
 TESTBED_LIMIT = 40
@@ -146,12 +146,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="arrival rates in requests/s, as in sart bench: requests arrive as a Poisson "
         "process at each (default 1), simulated or, with --live, real",
     )
-    p.add_argument(
-        "--scoring",
-        choices=[s.value for s in Scoring],
-        default=Scoring.OVERLAPPED.value,
-        help="the methods' PRM checks: overlapped with decoding (default) or blocking it",
-    )
+    add_scoring_flag(p)
     p.add_argument(
         "--seed",
         type=int,

@@ -31,7 +31,15 @@ import sys
 from collections.abc import Callable
 
 from sart.errors import ConfigError
-from sart.flags import add_model_flags, add_plugin_flag, import_plugins, in_flags, load_spec
+from sart.flags import (
+    add_admission_flag,
+    add_model_flags,
+    add_plugin_flag,
+    add_scoring_flag,
+    import_plugins,
+    in_flags,
+    load_spec,
+)
 from sart.flags import sampling as sampling_flags
 from sart.launch import (
     ENGINES,
@@ -45,7 +53,6 @@ from sart.launch import (
 from sart.launch import load as load_models
 from sart.methods import method_names
 from sart.serve.config import Backend, ServeConfig
-from sart.types import Admission, Scoring
 
 REAL_TEMPERATURE = 0.7
 """Temperature of requests that do not say, for a model other than the testbed."""
@@ -171,20 +178,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--batch-size", type=int, default=64, help="branch budget B, over all requests (64)"
     )
-    g.add_argument(
-        "--scoring",
-        choices=[s.value for s in Scoring],
-        default=Scoring.OVERLAPPED.value,
-        help="overlapped (default): decoding goes on while the PRM scores; blocking: "
-        "Algorithm 1 as written",
-    )
-    g.add_argument(
-        "--admission",
-        choices=[a.value for a in Admission],
-        default=Admission.CHUNK.value,
-        help="chunk (default): freed slots are refilled between decode chunks (Algorithm "
-        "1); token: a decode returns as soon as a branch ends, refilling its slot at once",
-    )
+    add_scoring_flag(g)
+    add_admission_flag(g)
     g.add_argument(
         "--priority-aging",
         type=float,
