@@ -89,6 +89,11 @@ class Adapter:
     def _fresh(self) -> Any:
         raise NotImplementedError
 
+    def as_sent(self) -> Any:
+        """A fresh engine whose requests carry exactly what sart sends (``fresh``, but
+        where the harness adds sampling fields of its own)."""
+        return self.fresh()
+
     def encode(self, text: str) -> list[int]:
         """The prompt's ids, as the adapter feeds them to the backend."""
         raise NotImplementedError
@@ -344,6 +349,16 @@ class SGLang(Adapter):
         self.made.append(bridge)
         return bridge
 
+    def as_sent(self) -> Any:
+        # Without NO_EOS: SGLang ignores stop_token_ids too when ignore_eos is set.
+        from sart.engines.sglang import SGLangEngine
+
+        adapter = SGLangEngine(self.engine)
+        self.prefixes.append(adapter.rid_prefix)
+        bridge = adapter.bridge()
+        self.made.append(bridge)
+        return bridge
+
     def encode(self, text: str) -> list[int]:
         return list(self.engine.tokenizer_manager.tokenizer.encode(text))
 
@@ -387,6 +402,14 @@ class OpenAIOnSGLang(OpenAI):
 
         extra = {**NO_EOS, "top_k": 1} if greedy else NO_EOS
         return SyncBridge(OpenAIEngine(self.url, "demo", extra_body=extra))
+
+    def as_sent(self) -> Any:
+        # Without NO_EOS: SGLang ignores stop_token_ids too when ignore_eos is set.
+        from sart.engines.openai import OpenAIEngine
+
+        bridge = SyncBridge(OpenAIEngine(self.url, "demo"))
+        self.made.append(bridge)
+        return bridge
 
     def conformance_engine(self) -> Any:
         bridge = self._fresh(greedy=True)
@@ -550,7 +573,7 @@ def test_vllms_sampling_fields_reach_the_backend(adapter: Adapter) -> None:
     adapter.require(SAMPLING)
 
     def greedy(**fields: Any) -> tuple[list[int], FinishReason | None]:
-        e = adapter.fresh()
+        e = adapter.as_sent()
         sampling = sart.SamplingSettings(temperature=0.0, max_tokens=24, **fields)
         e.prefill("a", PROMPTS[0], sampling)
         e.start_branches("a", [BranchSpec(0, 1)])

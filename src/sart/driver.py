@@ -50,11 +50,7 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import (
-    Engine,
-    engine_clock,
-    supports_pause,
-)
+from sart.engines.base import Engine, engine_clock, supports_pause
 from sart.errors import ConfigError, EngineError, RequestRefused, enum_converter
 from sart.messages import StepOutput
 from sart.prm.base import PRM

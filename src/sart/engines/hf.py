@@ -353,10 +353,12 @@ class HFEngine:
                 branch.tokens, skip_special_tokens=sampling.skip_special_tokens
             )
         else:  # the EOS token is not text: what was held back goes out now
-            text = self.tokenizer.decode(branch.tokens[:-1], skip_special_tokens=True)
+            text = self.tokenizer.decode(
+                branch.tokens[:-1], skip_special_tokens=sampling.skip_special_tokens
+            )
         if not text.startswith(branch.text):
-            # More tokens decoded otherwise what was reported (rare, with the partial
-            # characters held back): what was reported stays; the rest goes on from it.
+            # Decoding more tokens changed text already reported (rare once partial
+            # characters are held back): what was reported stays; the rest follows it.
             branch.text = text[: len(branch.text)]
         stops = sampling.stop if not early else ()
         if stops:
