@@ -143,6 +143,16 @@ def in_flight(engine: Any, prefix: str = "") -> list[str]:
     return [rid for rid in engine.tokenizer_manager.rid_to_state if rid.startswith(prefix)]
 
 
+def wait_for_no_flight(engine: Any, timeout: float = 10.0) -> list[str]:
+    """Run SGLang's loop until its tokenizer manager holds no request (it drops an
+    aborted one when its output loop handles the scheduler's answer, which can come a
+    step after the scheduler's load reads 0); the rids still held at the timeout."""
+    deadline = time.monotonic() + timeout
+    while (held := in_flight(engine)) and time.monotonic() < deadline:
+        engine.loop.run_until_complete(asyncio.sleep(0.01))
+    return held
+
+
 def server_load(url: str) -> int:
     """The requests a SGLang server's scheduler runs or queues (its ``GET /v1/loads``)."""
     import httpx

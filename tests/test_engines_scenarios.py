@@ -374,13 +374,14 @@ class SGLang(Adapter):
         assert running + waiting == n, f"SGLang runs {running} and queues {waiting}, not {n}"
 
     def after_test(self) -> None:
-        from sglang_cpu import in_flight
+        from sglang_cpu import wait_for_no_flight
 
         for bridge in self.made:
             bridge.close()
         super().after_test()
         self.backend_runs(0)
-        left = [rid for prefix in self.prefixes for rid in in_flight(self.engine, prefix)]
+        held = wait_for_no_flight(self.engine)  # a step after the scheduler's load reads 0
+        left = [rid for rid in held if rid.startswith(tuple(self.prefixes))]
         assert not left, f"requests left in SGLang's tokenizer manager: {left}"
         self.prefixes.clear()
 

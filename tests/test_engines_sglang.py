@@ -583,12 +583,12 @@ class Recording:
 @pytest.fixture
 def real(sglang_engine: Any) -> Iterator[Any]:
     """The session's real ``sglang.Engine``, left with no request of this test."""
-    from sglang_cpu import in_flight, wait_for_load
+    from sglang_cpu import wait_for_load, wait_for_no_flight
 
     forget_adapter_module()  # the adapter module, over the real sglang
     yield sglang_engine
     assert wait_for_load(sglang_engine, 0) == (0, 0), "requests left in SGLang's scheduler"
-    assert not in_flight(sglang_engine), "requests left in SGLang's tokenizer manager"
+    assert not wait_for_no_flight(sglang_engine), "requests left in SGLang's tokenizer manager"
 
 
 def test_real_the_adapter_reads_sglangs_settings(real: Any) -> None:
