@@ -281,3 +281,19 @@ def greedy_fork_logprobs(e: Any) -> tuple[BranchDelta, dict[int, list[Any]]]:
         assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
         assert ours.top == pytest.approx(parents.top, abs=1e-4)
     return head, logprobs
+
+
+#: Every one of vLLM's extra sampling fields (``sart.types.EXTRA_SAMPLING``) set away
+#: from its default: what the adapters' mapping tests send.
+EXTRA_FIELDS: dict[str, Any] = {
+    "top_k": 40,
+    "min_p": 0.05,
+    "repetition_penalty": 1.1,
+    "presence_penalty": 0.5,
+    "frequency_penalty": -0.5,
+    "min_tokens": 8,
+    "stop_token_ids": (7, 9),
+    "ignore_eos": True,
+    "skip_special_tokens": False,
+    "include_stop_str_in_output": True,
+}

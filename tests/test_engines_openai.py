@@ -20,6 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 import sart  # noqa: E402
 from adapters import (  # noqa: E402
+    EXTRA_FIELDS,
     PROMPTS,
     VLLM_SERVER_MAX_MODEL_LEN,
     free_port,
@@ -121,16 +122,7 @@ def test_streams_tokens_text_and_finish_reasons(server: StandInServer) -> None:
 def test_vllms_sampling_fields_go_upstream_under_their_names(server: StandInServer) -> None:
     sampling = sart.SamplingSettings(
         max_tokens=6,
-        top_k=40,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        min_tokens=8 - 2,
-        stop_token_ids=(7, 9),
-        ignore_eos=True,
-        skip_special_tokens=False,
-        include_stop_str_in_output=True,
+        **{**EXTRA_FIELDS, "min_tokens": 6},
     )
 
     async def scenario() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import sart
-from adapters import PROMPTS, check_pruned, pruning_workload, run_to_end
+from adapters import EXTRA_FIELDS, PROMPTS, check_pruned, pruning_workload, run_to_end
 from sart.engines.base import BranchSpec, TokenLogprobs
 from sart.engines.scripts import BranchScript, ScriptTable
 from sart.engines.streaming import SyncBridge
@@ -104,16 +104,7 @@ def test_vllms_sampling_fields_go_to_sglang_under_its_names(mod: Any) -> None:
     sampling = sart.SamplingSettings(
         temperature=0.7,
         max_tokens=30,
-        top_k=40,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        min_tokens=8,
-        stop_token_ids=(7, 9),
-        ignore_eos=True,
-        skip_special_tokens=False,
-        include_stop_str_in_output=True,
+        **EXTRA_FIELDS,
     )
     params = mod.SGLangEngine.sampling_params(sampling, 3, 5)  # a fork with 5 to go
     assert params == {

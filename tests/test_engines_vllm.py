@@ -19,6 +19,7 @@ import pytest
 
 import sart
 from adapters import (
+    EXTRA_FIELDS,
     PROMPTS,
     VLLM_ENGINES_BUILT,
     VLLM_MAX_NUM_SEQS,
@@ -55,16 +56,7 @@ def test_vllms_sampling_fields_reach_sampling_params_under_their_names() -> None
     from sart.engines.vllm_common import sampling_params
 
     sampling = sart.SamplingSettings(
-        top_k=40,
-        min_p=0.05,
-        repetition_penalty=1.1,
-        presence_penalty=0.5,
-        frequency_penalty=-0.5,
-        min_tokens=8,
-        stop_token_ids=(7, 9),
-        ignore_eos=True,
-        skip_special_tokens=False,
-        include_stop_str_in_output=True,
+        **EXTRA_FIELDS,
     )
     params = sampling_params(sampling, 3, 5)  # a fork with 5 tokens to go
     got = {field: getattr(params, field) for field in sampling.extra_fields()}
