@@ -148,6 +148,33 @@ def test_trace_record_then_replay_under_the_steps_model(
     assert strip == again["runs"]  # a replay is deterministic
 
 
+def test_trace_stats_of_a_workload_and_of_its_recorded_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["trace", "stats", "--workload", "gpqa", "--requests", "200", "--json"]) == 0
+    shape = json.loads(capsys.readouterr().out)
+    assert (shape["questions"], shape["rollouts"]) == (200, 8)
+    assert 0.25 <= shape["median_cv"] <= 0.5 and shape["capped_share"] > 0
+    trace = tmp_path / "t.jsonl"
+    main(["trace", "record", str(trace), "--workload", "gpqa", "--requests", "200"])
+    capsys.readouterr()
+    assert main(["trace", "stats", str(trace), "--json"]) == 0
+    recorded = json.loads(capsys.readouterr().out)
+    # The file has no cap: its loops are the branches that wrote no answer.
+    assert recorded["capped_share"] == shape["capped_share"]
+    assert recorded["branch_accuracy"] == shape["branch_accuracy"]
+    assert main(["trace", "stats", "--workload", "gaokao"]) == 0
+    printed = capsys.readouterr().out
+    assert "length-correct r" in printed and "all in the real ranges" in printed
+    for argv, message in [
+        (["trace", "stats"], "give a trace file or --workload NAME"),
+        (["trace", "stats", "--workload", "gpqa", "--n", "0"], "--n 0 must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2 and message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -6,8 +6,14 @@ import attrs
 import pytest
 
 import sart
+from sart.bench import workloads
 from sart.bench.runner import BenchConfig, RunRecord, run_bench, run_method, sim_prm, traces
 from sart.types import Scoring
+
+#: The gaokao preset before it was refitted to real rollouts (sart.rollouts).
+RECORDED_GAOKAO = attrs.evolve(
+    workloads.GAOKAO, branch_sigma=0.55, sigma_spread=0.0, overthink=0.0, loop_share=0.0
+)
 
 SMALL = BenchConfig(methods=("sart",), ns=(4,), rates=(4.0,), num_requests=30)
 
@@ -74,14 +80,19 @@ def test_bad_prm_settings_name_the_field(changes: dict, message: str) -> None:
 
 
 @pytest.mark.parametrize("scoring", ["blocking", "overlapped"])
-def test_a_free_prm_reproduces_the_numbers_from_before_prm_pricing(scoring: str) -> None:
-    # Pinned from the commit before the PRM was priced (its default: a free ScriptedPRM).
+def test_a_free_prm_reproduces_the_numbers_from_before_prm_pricing(
+    scoring: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pinned from the commit before the PRM was priced (its default: a free ScriptedPRM),
+    # on gaokao as it was then; Rebase's re-pinned when forks began to sample their
+    # own continuations (TraceScript.fork).
+    monkeypatch.setitem(workloads.WORKLOADS, "gaokao", RECORDED_GAOKAO)
     config = attrs.evolve(SMALL, methods=("sart", "rebase"), prm_cost="free", scoring=scoring)
     sart_run, rebase_run = run_bench(config)
     assert sart_run.summary.e2e.p97 == 182.28820529989483
     assert sart_run.summary.tokens_per_request == 8977.533333333333
-    assert rebase_run.summary.e2e.p97 == 345.6163796031242
-    assert rebase_run.summary.makespan == 346.27405460312417
+    assert rebase_run.summary.e2e.p97 == 385.7872334046033
+    assert rebase_run.summary.makespan == 393.3240624046033
     assert (sart_run.prm_busy, sart_run.prm_wait, sart_run.prm_tokens) == (0.0, 0.0, None)
 
 
@@ -107,8 +118,9 @@ def test_incremental_reads_fewer_tokens_than_re_encoding() -> None:
     reencode, incremental = run(), run(prm_cost="incremental")
     assert reencode.prm_tokens is not None and incremental.prm_tokens is not None
     # Not by L / (2T): gaokao's branches run to thousands of tokens, and one past the
-    # PRM's 4096-token context re-encodes its moving window at every check.
-    assert incremental.prm_tokens < 0.7 * reencode.prm_tokens
+    # PRM's 4096-token context re-encodes its moving window at every check (measured
+    # 0.71x).
+    assert incremental.prm_tokens < 0.8 * reencode.prm_tokens
     assert incremental.prm_busy < reencode.prm_busy
 
 

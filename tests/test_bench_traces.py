@@ -561,3 +561,88 @@ def test_recorded_logprobs_are_clamped_to_the_trace_range() -> None:
     # A branch some of whose tokens came without logprobs records none.
     assert recorder.fields(BranchId("r", 0), 4) == {}
     assert recorder.fields(BranchId("r", 1), 3) == {}
+
+
+# ------------------------------------------------------------------ forks (Rebase)
+
+#: One request with a correct answer "7" on two branches and "8", "9" on the others.
+FORK_REQUEST = TraceRequest(
+    "q",
+    0.0,
+    "7",
+    (
+        branch(1000, "7", *(0.9,) * 10, final=0.95),
+        branch(2000, "7", *(0.8,) * 20, final=0.85),
+        branch(1500, "8", *(0.2,) * 15, final=0.1),
+        branch(3000, "9", *(0.3,) * 30, final=0.2),
+    ),
+    interval=100,
+)
+
+
+def fork_children(position: int, count: int = 400) -> list[BranchScript]:
+    script = Trace.of([FORK_REQUEST]).script()
+    return [script.fork(BranchId("q", 4 + i), BranchId("q", 0), position) for i in range(count)]
+
+
+def test_an_early_fork_samples_the_requests_answers_afresh() -> None:
+    children = fork_children(position=10)  # 1% of its parent's way
+    share = {a: sum(c.answer == a for c in children) / len(children) for a in "789"}
+    # Like a fresh branch: "7" on 2 of the 4 recorded branches, "8" and "9" on one each.
+    assert share["7"] == pytest.approx(0.5, abs=0.08)
+    assert share["8"] == pytest.approx(0.25, abs=0.08)
+    assert share["9"] == pytest.approx(0.25, abs=0.08)
+
+
+def test_a_late_fork_mostly_keeps_its_parents_answer() -> None:
+    children = fork_children(position=900)  # 90% of its parent's way
+    kept = sum(c.answer == "7" for c in children) / len(children)
+    # 0.9 kept outright, plus the fresh draws that land on "7" again: 0.9 + 0.1 * 0.5.
+    assert kept == pytest.approx(0.95, abs=0.04)
+
+
+def test_a_fork_writes_its_own_remainder_from_the_same_share_of_another_branch() -> None:
+    for child in fork_children(position=500, count=50):
+        # Half its parent's way: the rest is half of a recorded branch with its answer.
+        lengths = {b.length for b in FORK_REQUEST.branches if b.answer == child.answer}
+        assert child.length - 500 in {round(length / 2) for length in lengths}
+    sevens = {c.length for c in fork_children(position=500, count=50) if c.answer == "7"}
+    # 500 more (half of branch 0: its own future) or 1000 (half of branch 1).
+    assert sevens == {1000, 1500}, "a continuation is drawn, not its parent's copied"
+
+
+def test_a_forks_rewards_are_its_parents_up_to_the_fork_then_its_own() -> None:
+    for child in fork_children(position=500, count=50):
+        assert child.rewards[:5] == (0.9,) * 5  # the parent's, on the shared prefix
+        source = {"7": None, "8": 0.2, "9": 0.3}[child.answer]
+        if source is not None:
+            assert set(child.rewards[5:]) == {source}
+            assert child.final_reward == {"8": 0.1, "9": 0.2}[child.answer]
+        # One reward per T = 100 tokens, to the child's own end.
+        assert len(child.rewards) == pytest.approx(child.length / 100, abs=1)
+
+
+def test_forks_are_deterministic_and_looked_up_after() -> None:
+    one, two = fork_children(300, count=20), fork_children(300, count=20)
+    assert one == two
+    script = Trace.of([FORK_REQUEST]).script()
+    child = script.fork(BranchId("q", 9), BranchId("q", 1), 300)
+    assert script(BranchId("q", 9)) is child
+
+
+def test_a_fork_of_a_fork_continues_from_the_childs_own_script() -> None:
+    script = Trace.of([FORK_REQUEST]).script()
+    child = script.fork(BranchId("q", 4), BranchId("q", 2), 100)
+    grandchild = script.fork(BranchId("q", 5), BranchId("q", 4), child.length - 1)
+    assert (
+        grandchild.rewards[: (child.length - 1) // 100]
+        == child.rewards[: (child.length - 1) // 100]
+    )
+    assert grandchild.length > child.length - 1
+
+
+def test_a_branch_that_wrote_no_answer_loads(tmp_path: Path) -> None:
+    line = {"id": "r", "arrival": 0, "answer": "1", "branches": [{"length": 9, "answer": ""}]}
+    path = write_lines(tmp_path / "t.jsonl", [json.dumps(line)])
+    (request,) = Trace.load(path)
+    assert request.branches[0].answer == ""

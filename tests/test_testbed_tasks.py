@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
+import statistics
 import sys
 
 import pytest
@@ -15,6 +17,7 @@ from sart.errors import ConfigError
 from sart.prm.aggregate import split_steps
 from sart.testbed.tasks import (
     MAX_DIGITS,
+    MAX_POSITIONS,
     Question,
     TraceConfig,
     answer_step,
@@ -22,6 +25,7 @@ from sart.testbed.tasks import (
     grade,
     join_steps,
     make_questions,
+    noisy_response,
     noisy_trace,
     step_labels,
     step_values,
@@ -64,6 +68,9 @@ def test_clean_trace_text() -> None:
         ("fix", {"fix": -0.1}),
         ("styles", {"styles": ()}),
         ("max_rechecks", {"max_rechecks": -1}),
+        ("systematic", {"systematic": 2.0}),
+        ("doubt", {"doubt": -0.5}),
+        ("loop_tokens", {"loop_tokens": 0}),
     ],
 )
 def test_trace_config_validation_names_the_field(field: str, kwargs: dict) -> None:
@@ -77,7 +84,8 @@ def test_question_validation() -> None:
     with pytest.raises(ConfigError, match="digits"):
         Question((1, 10))
     with pytest.raises(ConfigError, match="digits"):
-        Question(range(MAX_DIGITS + 1))
+        Question([1] * (MAX_POSITIONS + 1))
+    assert Question([1] * MAX_POSITIONS).prompt.split()[-2] == f"p{MAX_POSITIONS}"
 
 
 @given(questions)
@@ -139,6 +147,53 @@ def test_noisy_traces_are_noisy_and_reproducible() -> None:
     lengths = [len(t.split(" ")) for t in texts]
     assert max(lengths) >= 1.8 * min(lengths)  # re-check styles spread the lengths
     assert any("wait" in t for t in texts)
+
+
+def test_the_short_testbeds_traces_are_those_its_weights_were_trained_on() -> None:
+    # The long testbed's settings draw nothing when unset: the default config's traces
+    # are the ones the shipped short weights learned (pinned from before they existed).
+    rng = random.Random(7)
+    texts = [noisy_trace(q, rng) for q in make_questions(3, 50)]
+    digest = hashlib.sha256("|".join(texts).encode()).hexdigest()
+    assert digest == SHORT_TRACES_DIGEST
+
+
+#: Recorded at cb0e7b4, before the long testbed's settings existed.
+SHORT_TRACES_DIGEST = "da9ec867a02f19d7a07cefc82e6e49fcd2b33cc2e7daa8259513e6e98655a8a9"
+
+LONG = TraceConfig(systematic=1.0, doubt=0.5, loop=0.5, loop_tokens=300, error_carry=0.5)
+
+
+def test_long_settings_make_errors_repeat_wrong_traces_longer_and_loops() -> None:
+    rng = random.Random(0)
+    qs = make_questions(1, 400, difficulties=(20,))
+    drawn = [(q, *noisy_response(q, rng, LONG)) for q in qs]
+    loops = [(q, t) for q, t, done in drawn if not done]
+    ended = [(q, t) for q, t, done in drawn if done]
+    assert loops and ended
+    for _q, text in loops:
+        # Cut at loop_tokens words, no answer; the whole steps since the last step
+        # taken all re-check it, unchanged.
+        words = text.split(" ")
+        assert len(words) == 300 and "answer" not in words
+        steps = [s.strip() for s in split_steps(text)][:-1]
+        taken = max(i for i, s in enumerate(steps) if not s.startswith("wait "))
+        assert {s.removeprefix("wait ") for s in steps[taken:]} == {steps[taken]}
+    # A finished trace answers the value its last step holds, errors included.
+    for _q, text in ended:
+        values = [v for v in step_values(text) if v is not None]
+        assert extract_answer(text) == str(values[-1])
+    right = [len(t.split(" ")) for q, t in ended if grade(q, t)]
+    wrong = [len(t.split(" ")) for q, t in ended if not grade(q, t)]
+    assert right and wrong
+    assert statistics.mean(wrong) > 1.1 * statistics.mean(right)  # over-thinking
+
+
+def test_systematic_errors_are_one_more_than_the_right_result() -> None:
+    config = TraceConfig(systematic=1.0, error_carry=1.0, error_plain=1.0, styles=(0.0,))
+    q = Question([3, 4])
+    text, done = noisy_response(q, random.Random(0), config)
+    assert done and split_steps(text)[0].strip() == "p1 3 + 0 = 4"
 
 
 def test_a_fixed_error_is_on_track_again() -> None:

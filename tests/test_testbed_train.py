@@ -19,7 +19,15 @@ from sart.testbed.train import TrainConfig, _fit_head, train
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("prm_cut", 1.5), ("prm_l2", 0.0), ("prm_rollouts", 0), ("threads", 0), ("max_digits", 9)],
+    [
+        ("micro_batches", 0),
+        ("prm_max_length", 0),
+        ("prm_cut", 1.5),
+        ("prm_l2", 0.0),
+        ("prm_rollouts", 0),
+        ("threads", 0),
+        ("max_digits", 65),
+    ],
 )
 def test_config_refuses_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):

@@ -1,5 +1,5 @@
-"""The ``sart bench`` and ``sart trace record`` commands: flags -> ``BenchConfig`` -> runs
--> report.
+"""The ``sart bench``, ``sart trace record`` and ``sart trace stats`` commands: flags ->
+``BenchConfig`` -> runs -> report.
 
 The flags, their checks and the ``BenchConfig`` they describe are
 ``sart.bench.parser``'s. Real models load through ``sart.launch`` (the loader
@@ -31,6 +31,7 @@ from sart.bench.runner import (
     run_method,
     traces,
 )
+from sart.bench.traces import Trace
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
 from sart.flags import (
@@ -41,6 +42,7 @@ from sart.flags import (
 )
 from sart.launch import TESTBED, LoadSpec, load
 from sart.methods import get_method
+from sart.rollouts import rollout_shape, trace_rollouts
 from sart.types import SamplingSettings
 
 
@@ -50,6 +52,34 @@ def record_trace_command(args: argparse.Namespace) -> int:
     )
     trace.dump(args.output)
     print(f"wrote {len(trace)} requests x {args.n} branches to {args.output}")
+    return 0
+
+
+def trace_stats_command(args: argparse.Namespace) -> int:
+    """``sart trace stats``: ``sart.rollouts.rollout_shape`` of a trace or a workload."""
+    if (args.trace is None) == (args.workload is None):
+        raise ConfigError("give a trace file or --workload NAME (one of them)")
+    if args.trace is not None:
+        trace, cap = Trace.load(args.trace), args.max_tokens
+    else:
+        model = workload(args.workload)
+        trace = model.generate(args.requests, 1.0, args.n, 400, args.seed)
+        cap = args.max_tokens or model.max_tokens
+    shape = rollout_shape(trace_rollouts(trace, cap))
+    if args.json:
+        print(json.dumps(shape.to_json(), indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"rollouts of {args.trace or args.workload}")
+    for column in ("statistic", "value", "real rollouts"):
+        table.add_column(column, justify="left" if column == "statistic" else "right")
+    for row in shape.rows():
+        table.add_row(*row)
+    Console().print(table)
+    misfits = shape.misfits()
+    print("outside the real ranges: " + "; ".join(misfits) if misfits else "all in the real ranges")
     return 0
 
 

@@ -201,6 +201,24 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--interval", type=int, default=400, help="T the rewards are recorded at")
     rec.add_argument("--seed", type=int, default=0)
     rec.set_defaults(func=_record_trace)
+    stats = tsub.add_parser(
+        "stats",
+        help="the per-question shape of a trace's or a workload's rollouts (length spread, "
+        "over-thinking, loops) beside the ranges of real reasoning rollouts",
+    )
+    stats.add_argument("trace", nargs="?", help="JSONL trace file (else --workload)")
+    stats.add_argument("--workload", choices=sorted(WORKLOADS), help="a generated workload")
+    stats.add_argument("--requests", type=int, default=400, help="--workload: questions drawn")
+    stats.add_argument("--n", type=int, default=8, help="--workload: rollouts per question")
+    stats.add_argument("--seed", type=int, default=0)
+    stats.add_argument(
+        "--max-tokens",
+        type=int,
+        help="the token cap: a branch this long is cut there (default: the workload's; "
+        "for a file, branches with no answer count as cut)",
+    )
+    stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    stats.set_defaults(func=_trace_stats)
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -352,6 +370,12 @@ def _run_bench(args: argparse.Namespace) -> int:
     from sart.bench.command import run_bench_command
 
     return run_bench_command(args)
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    from sart.bench.command import trace_stats_command
+
+    return trace_stats_command(args)
 
 
 def _record_trace(args: argparse.Namespace) -> int:

@@ -100,7 +100,7 @@ def run_method(
         raise ConfigError(f"n={n} must be <= the trace's {trace.width} branches per request")
     if policy is None:
         policy = method_policy(method, n, config.interval)
-    script = trace.script()
+    script = trace.script(every=trace.interval or config.interval)
     batch_size = config.batch_size or auto_batch_size(config, trace)
     replicas = []
     for _ in range(config.replicas):

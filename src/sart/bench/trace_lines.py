@@ -89,7 +89,7 @@ def _branch(value: object, where: str) -> dict[str, Any]:
     final = obj.get("final_reward")
     fields: dict[str, Any] = {
         "length": length,
-        "answer": _text(obj["answer"], where, "answer"),
+        "answer": _text(obj["answer"], where, "answer", empty=True),
         "rewards": tuple(_reward(r, where, f"rewards[{i}]") for i, r in enumerate(rewards)),
         "final_reward": None if final is None else _reward(final, where, "final_reward"),
     }
@@ -165,15 +165,17 @@ def _count(value: object, where: str, name: str, low: int) -> int:
     return count
 
 
-def _text(value: object, where: str, name: str) -> str:
-    """A string, or a number written without quotes (``"answer": 42``)."""
+def _text(value: object, where: str, name: str, *, empty: bool = False) -> str:
+    """A string, or a number written without quotes (``"answer": 42``); ``empty``:
+    ``""`` too (a branch that wrote no answer: cut at its token cap)."""
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise TraceLineError(f"{where}: {name} must be a string, not {_kind(value)}")
     if isinstance(value, float) and not math.isfinite(value):
         raise TraceLineError(f"{where}: {name}={value!r} is not an answer")
     text = value if isinstance(value, str) else str(value)
-    if not text or len(text) > MAX_TEXT:
-        raise TraceLineError(f"{where}: {name} must have 1 to {MAX_TEXT} characters")
+    if (not text and not empty) or len(text) > MAX_TEXT:
+        low = 0 if empty else 1
+        raise TraceLineError(f"{where}: {name} must have {low} to {MAX_TEXT} characters")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:  # JSON can spell a lone surrogate ("\ud800")

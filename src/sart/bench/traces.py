@@ -116,10 +116,12 @@ class Trace:
         values = {r.interval for r in self.requests}
         return values.pop() if len(values) == 1 else None
 
-    def script(self, keep: float = 0.7) -> TraceScript:
+    def script(self, every: int | None = None) -> TraceScript:
         """Branch behaviour for ``SimEngine``/``FakeEngine`` and ``ScriptedPRM``
-        (share one between the engine and the PRM: forks are recorded in it)."""
-        return TraceScript(self, keep)
+        (share one between the engine and the PRM: forks are recorded in it).
+        ``every``: the tokens between recorded rewards where a request does not say
+        (its ``interval``); the PRM must read rewards at the same ``every``."""
+        return TraceScript(self, every)
 
     def gold(self) -> dict[str, str]:
         return {r.id: r.answer for r in self.requests}
@@ -169,18 +171,24 @@ class Trace:
 class TraceScript:
     """Looks branches up in a trace, and draws continuations for forked branches.
 
-    A fork of branch ``p`` at ``position`` tokens (Rebase) continues like
-    another branch of the same request that was still running at that length:
-    with probability ``keep`` one that has ``p``'s answer (a continuation
-    mostly keeps its direction), else any; if no branch ran that long, the
-    longest. The child takes that branch's answer, its remaining length and
-    its rewards by token count. The draw is seeded by the child's id, so a
-    replay is deterministic.
+    A fork of branch ``p`` at ``position`` tokens (Rebase) samples a continuation
+    of its own: how much of ``p``'s direction it keeps depends on how far ``p``
+    had got. With ``f = position / p.length`` (the share of ``p``'s reasoning
+    written), the child keeps ``p``'s answer with probability ``f``, else draws
+    an answer as a fresh branch of the request would (one of its recorded
+    branches, uniformly). Its remaining length and its later rewards are those
+    of a recorded branch with that answer (``p`` itself among them), from the
+    same share ``f`` of the way on: it writes ``(1 - f)`` of that branch's
+    length more. Its rewards up to ``position`` are ``p``'s: the PRM sees the
+    same prefix. So a fork early in a branch is close to a fresh sample and a
+    fork near its end close to a copy; no fork clones its parent's future. The
+    draw is seeded by the child's id and position, so a replay is
+    deterministic.
     """
 
-    def __init__(self, trace: Trace, keep: float = 0.7) -> None:
+    def __init__(self, trace: Trace, every: int | None = None) -> None:
         self._table = {r.id: r.branches for r in trace.requests}
-        self._keep = keep
+        self._every = {r.id: r.interval or every for r in trace.requests}
         self._forks: dict[BranchId, BranchScript] = {}
 
     def __call__(self, branch: BranchId) -> BranchScript:
@@ -191,17 +199,40 @@ class TraceScript:
 
     def fork(self, child: BranchId, parent: BranchId, position: int) -> BranchScript:
         branches = self._table[child.request_id]
-        parent_answer = self(parent).answer
+        mother = self(parent)
+        share = min(1.0, position / mother.length)
         rng = random.Random(f"{child.request_id}/{child.index}/{position}")
-        alive = [b for b in branches if b.length > position] or [
-            max(branches, key=lambda b: b.length)
-        ]
-        same = [b for b in alive if b.answer == parent_answer]
-        pool = same if same and rng.random() < self._keep else alive
-        source = pool[rng.randrange(len(pool))]
-        script = attrs.evolve(source, length=max(source.length, position + 1))
+        answer = mother.answer if rng.random() < share else rng.choice(branches).answer
+        pool = [b for b in branches if b.answer == answer] or [mother]
+        source = rng.choice(pool)
+        script = _continue(mother, source, position, share, self._every[child.request_id])
         self._forks[child] = script
         return script
+
+
+def _continue(
+    mother: BranchScript, source: BranchScript, position: int, share: float, every: int | None
+) -> BranchScript:
+    """``mother``'s first ``position`` tokens, then ``source`` from ``share`` of its way on."""
+    skipped = round(share * source.length)
+    length = position + max(1, source.length - skipped)
+
+    def splice(mine: tuple[float, ...], theirs: tuple[float, ...], size: int | None) -> tuple:
+        # Segment j covers tokens j*size .. (j+1)*size - 1: the prefix's segments
+        # are the mother's, the rest the source's, from its skipped tokens on.
+        if not theirs or size is None:
+            return theirs
+        done = position // size
+        return (*mine[:done], *theirs[min(len(theirs) - 1, skipped // size) :])
+
+    return attrs.evolve(
+        source,
+        length=length,
+        answer=source.answer,
+        rewards=splice(mother.rewards, source.rewards, every),
+        logprobs=splice(mother.logprobs, source.logprobs, source.logprob_every),
+        confidences=splice(mother.confidences, source.confidences, source.logprob_every),
+    )
 
 
 def _lines(f: BinaryIO) -> Iterator[bytes | None]:

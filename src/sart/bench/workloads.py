@@ -3,8 +3,8 @@
 The model encodes the paper's observations and states its assumptions.
 
 From the paper (section 3, Figure 2): reasoning responses run to thousands
-of tokens and, for the *same* request, vary several-fold in length; whether a
-response is correct is essentially independent of its length (Observation 1).
+of tokens and, for the *same* request, vary several-fold in length; wrong
+responses tend to be the longer ones (over-thinking, Observation 1).
 From its setup (section 5.1): arrival rates of 1 and 4 requests/s.
 
 Assumptions (ours, not the paper's; none was tuned to reproduce its numbers):
@@ -12,8 +12,11 @@ Assumptions (ours, not the paper's; none was tuned to reproduce its numbers):
 - each request has a difficulty: its per-branch probability of a correct
   answer ``p`` is drawn from Beta with mean ``accuracy``; harder requests
   think longer (their log median length grows with ``accuracy - p``);
-- a branch's length is lognormal around its request's median, capped at
-  ``max_tokens`` (the branch is then truncated), independent of correctness;
+- a branch's length is lognormal around its request's median, with a spread
+  that itself varies across requests (``sigma_spread``); a wrong branch runs
+  ``exp(overthink)`` times longer on average, and loops until ``max_tokens``
+  with probability ``loop_share``; a branch that reaches ``max_tokens`` is cut
+  there and has no answer (recorded as ``""``, as from a real engine);
 - a wrong branch picks one of ``wrong_answers`` wrong values with
   request-specific Dirichlet weights, so wrong answers cluster but are spread
   enough that majority voting helps;
@@ -30,7 +33,12 @@ Assumptions (ours, not the paper's; none was tuned to reproduce its numbers):
 The presets' lengths (medians 3,500 and 6,000 tokens, several-fold spread)
 follow the paper's Figure 2; accuracies (0.7 and 0.55 per branch) are
 assumptions in the range reported for DeepSeek-R1-Distill models on such
-benchmarks, not numbers from the paper.
+benchmarks, not numbers from the paper. The length parameters
+(``branch_sigma``, ``sigma_spread``, ``overthink``, ``loop_share``) are fitted so
+that each question's rollouts have the shape of real ones
+(``sart.rollouts.REAL_RANGES``: length CV, longest / shortest,
+length-correctness correlation, correct / wrong length, share at the cap);
+``sart trace stats --workload NAME`` prints them.
 """
 
 from __future__ import annotations
@@ -83,6 +91,13 @@ class WorkloadModel:
     """Tokens over which PRM rewards become informative."""
     answers: tuple[str, ...] = ()
     """Answer labels (multiple choice); empty: numbers as strings."""
+    sigma_spread: float = 0.0
+    """Lognormal spread of ``branch_sigma`` across requests (some questions'
+    rollouts agree on a length, others scatter)."""
+    overthink: float = 0.0
+    """Log-length added to a wrong branch: wrong rollouts run longer (over-thinking)."""
+    loop_share: float = 0.0
+    """Chance that a wrong branch loops until ``max_tokens`` (truncated, no answer)."""
 
     def generate(
         self, num_requests: int, rate: float, n: int, interval: int, seed: int = 0
@@ -116,13 +131,21 @@ class WorkloadModel:
         )
         labels = self._labels(rng)
         gold, wrong = labels[0], labels[1:]
+        sigma = self.branch_sigma * math.exp(rng.gauss(0.0, self.sigma_spread))
         weights = [rng.gammavariate(self.wrong_concentration, 1.0) for _ in wrong]
         branches = []
         for index in range(n):
             rng = random.Random(f"{stream}/{index}")
             correct = rng.random() < p
             answer = gold if correct else rng.choices(wrong, weights)[0]
-            length = max(1, round(median * math.exp(rng.gauss(0.0, self.branch_sigma))))
+            shift = 0.0 if correct else self.overthink
+            length = max(1, round(median * math.exp(rng.gauss(shift, sigma))))
+            if not correct and self.loop_share and rng.random() < self.loop_share:
+                length = self.max_tokens + 1  # a loop
+            if length > self.max_tokens:
+                # Cut at the cap before it writes an answer: a recorded trace says so
+                # (no answer), as one recorded from a real engine does.
+                length, answer = self.max_tokens + 1, ""
             quality = (
                 self.prm_bias
                 + (0.5 if correct else -0.5) * self.prm_separation
@@ -168,7 +191,7 @@ GAOKAO = WorkloadModel(
     name="gaokao",
     median_length=3500,
     request_sigma=0.35,
-    branch_sigma=0.55,
+    branch_sigma=0.34,
     difficulty_length=0.6,
     max_tokens=16384,
     accuracy=0.7,
@@ -181,6 +204,9 @@ GAOKAO = WorkloadModel(
     prm_branch_noise=1.0,
     prm_noise=0.6,
     prm_warmup=2000,
+    sigma_spread=0.3,
+    overthink=0.07,
+    loop_share=0.08,
 )
 
 #: GPQA-like: four-choice science questions, longer reasoning, lower accuracy.
@@ -188,7 +214,7 @@ GPQA = WorkloadModel(
     name="gpqa",
     median_length=6000,
     request_sigma=0.3,
-    branch_sigma=0.5,
+    branch_sigma=0.38,
     difficulty_length=0.5,
     max_tokens=16384,
     accuracy=0.55,
@@ -202,6 +228,9 @@ GPQA = WorkloadModel(
     prm_noise=0.7,
     prm_warmup=3000,
     answers=("A", "B", "C", "D"),
+    sigma_spread=0.3,
+    overthink=0.07,
+    loop_share=0.04,
 )
 
 WORKLOADS: dict[str, WorkloadModel] = {"gaokao": GAOKAO, "gpqa": GPQA}

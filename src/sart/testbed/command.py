@@ -21,6 +21,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     train.add_argument(
         "--out", default="testbed-weights", help="output directory (default testbed-weights)"
     )
+    train.add_argument(
+        "--model",
+        choices=("short", "long"),
+        default="short",
+        help="which testbed: short (the default; traces of 20-150 tokens) or long "
+        "(hundreds to thousands of tokens, over-thinking and loops)",
+    )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1; hashes depend on it)"
@@ -43,9 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def main(args: argparse.Namespace) -> int:
     with needs_extra("sart testbed", "hf"):
         if args.testbed_command == "train":
-            from sart.testbed.train import TrainConfig, train
+            import attrs
 
-            train(args.out, TrainConfig(seed=args.seed, threads=args.threads))
+            from sart.testbed.train import TRAIN_CONFIGS, train
+
+            config = TRAIN_CONFIGS[args.model]
+            train(args.out, attrs.evolve(config, seed=args.seed, threads=args.threads))
             return 0
         from sart.testbed.report import ReportConfig, calibrate
     weights = Path(args.weights) if args.weights else None

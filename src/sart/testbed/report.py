@@ -13,15 +13,14 @@ with the PRM through ``sart.prm.hf.QwenMathPRM`` (the adapter sart uses) at
 - the PRM: AUROC of the branch reward for final correctness at 50% and at
   100% of the trace (per aggregation), and best-of-``n`` by reward.
 
-The statistics are pure functions (``auroc``, ``pearson``...), tested on
-their own. Needs the ``[hf]`` extra to sample.
+The statistics are pure functions (``auroc``, ``pearson``... in
+``sart.rollouts``), tested on their own. Needs the ``[hf]`` extra to sample.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,55 +29,13 @@ import attrs
 
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
+from sart.rollouts import auroc, cv, majority, pearson
 
 if TYPE_CHECKING:
     from sart.testbed.model import Sample
     from sart.testbed.tasks import Question
 
 # --------------------------------------------------------------------------- statistics
-
-
-def auroc(scores: Sequence[float], labels: Sequence[bool]) -> float:
-    """Area under the ROC curve (Mann-Whitney, ties count half); NaN without both classes."""
-    pos = [s for s, y in zip(scores, labels) if y]
-    neg = [s for s, y in zip(scores, labels) if not y]
-    if not pos or not neg:
-        return math.nan
-    ranked = sorted(scores)
-    # Average rank of each distinct score (1-based), for ties.
-    rank: dict[float, float] = {}
-    i = 0
-    while i < len(ranked):
-        j = i
-        while j < len(ranked) and ranked[j] == ranked[i]:
-            j += 1
-        rank[ranked[i]] = (i + 1 + j) / 2
-        i = j
-    rank_sum = math.fsum(rank[s] for s in pos)
-    return (rank_sum - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg))
-
-
-def pearson(x: Sequence[float], y: Sequence[float]) -> float:
-    """Pearson correlation; NaN when either side is constant."""
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    sxy = math.fsum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = math.fsum((a - mx) ** 2 for a in x)
-    syy = math.fsum((b - my) ** 2 for b in y)
-    if sxx == 0 or syy == 0:
-        return math.nan
-    return sxy / math.sqrt(sxx * syy)
-
-
-def cv(values: Sequence[float]) -> float:
-    """Coefficient of variation (population standard deviation over mean)."""
-    mean = statistics.fmean(values)
-    return statistics.pstdev(values) / mean if mean else math.nan
-
-
-def majority(answers: Sequence[str]) -> str:
-    """The most frequent answer; ties go to the one seen first."""
-    counts = Counter(answers)
-    return max(answers, key=lambda a: counts[a]) if answers else ""
 
 
 def _nanmean(values: Sequence[float]) -> float:

@@ -33,7 +33,10 @@ from sart.errors import config_check
 from sart.prm.aggregate import split_steps
 
 MAX_DIGITS = 8
-"""The longest question: the vocabulary has position tokens ``p1`` .. ``p8``."""
+"""The short testbed's longest question: its vocabulary has position tokens ``p1`` .. ``p8``."""
+
+MAX_POSITIONS = 64
+"""The longest question of any testbed (the long one's vocabulary goes to ``p64``)."""
 
 QUESTION_END = "S"
 """The last word of a question's prompt: the response starts after it."""
@@ -53,10 +56,10 @@ class Question:
     @digits.validator
     def _check(self, _attr: attrs.Attribute, value: tuple[int, ...]) -> None:
         config_check(
-            1 <= len(value) <= MAX_DIGITS and all(d in range(10) for d in value),
+            1 <= len(value) <= MAX_POSITIONS and all(d in range(10) for d in value),
             "digits",
             value,
-            f"1 to {MAX_DIGITS} digits in 0..9",
+            f"1 to {MAX_POSITIONS} digits in 0..9",
         )
 
     @property
@@ -143,6 +146,18 @@ class TraceConfig:
     correctness (half the errors come later, independently)."""
     max_rechecks: int = attrs.field(default=2)
     """Re-checks of one step at most (each further one has the same chance): bounds length."""
+    systematic: float = attrs.field(default=0.0, validator=_probability("systematic"))
+    """Chance a wrong result is one more than the right one (else any wrong digit):
+    errors that repeat across traces, so a question's wrong answers cluster and a
+    majority can be wrong."""
+    doubt: float = attrs.field(default=0.0, validator=_probability("doubt"))
+    """Re-check rate added to every later step by each error left unfixed: a trace
+    that went wrong goes on re-checking (over-thinking), so wrong traces run longer."""
+    loop: float = attrs.field(default=0.0, validator=_probability("loop"))
+    """Chance that an error left unfixed starts a loop: the step is re-checked over
+    and over, with no answer, until the trace is cut at ``loop_tokens``."""
+    loop_tokens: int = attrs.field(default=2048)
+    """Where a training loop is cut (words, from the response's start; no EOS)."""
 
     @styles.validator
     def _check_styles(self, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
@@ -162,6 +177,10 @@ class TraceConfig:
     @max_rechecks.validator
     def _check_max(self, _attr: attrs.Attribute, value: int) -> None:
         config_check(isinstance(value, int) and value >= 0, "max_rechecks", value, ">= 0")
+
+    @loop_tokens.validator
+    def _check_loop_tokens(self, _attr: attrs.Attribute, value: int) -> None:
+        config_check(isinstance(value, int) and value >= 1, "loop_tokens", value, ">= 1")
 
 
 def _step(index: int, prev: int, digit: int, result: int, *, wait: bool = False) -> str:
@@ -194,24 +213,49 @@ def clean_trace(question: Question) -> str:
 
 def noisy_trace(question: Question, rng: random.Random, config: TraceConfig | None = None) -> str:
     """A training trace of ``question``: errors and re-checks drawn from ``config``."""
+    return noisy_response(question, rng, config)[0]
+
+
+def noisy_response(
+    question: Question, rng: random.Random, config: TraceConfig | None = None
+) -> tuple[str, bool]:
+    """A training trace of ``question`` and whether it ends (``False``: a loop, cut
+    at ``config.loop_tokens`` words with no answer and no EOS)."""
     config = config or TraceConfig()
     style = rng.choice(config.styles)
     sloppy = rng.choice(config.sloppiness)
-    steps, value = [], 0
+    steps: list[str] = []
+    value, doubt = 0, 0.0
     for i, d in enumerate(question.digits, start=1):
         right = (value + d) % 10
         p_error = sloppy * (config.error_carry if value + d >= 10 else config.error_plain)
-        result = _wrong(rng, right) if rng.random() < p_error else right
+        result = _error(rng, right, config) if rng.random() < p_error else right
         steps.append(_step(i, value, d, result))
         for _ in range(config.max_rechecks):
-            p_recheck = style + (config.recheck_after_error if result != right else 0.0)
+            p_recheck = style + doubt + (config.recheck_after_error if result != right else 0.0)
             if rng.random() >= p_recheck:
                 break
             if result != right and rng.random() < config.fix:
                 result = right
             steps.append(_step(i, value, d, result, wait=True))
+        # The draws below happen only where the settings ask for them, so the short
+        # testbed's traces (none of these set) are the ones its weights were trained on.
+        if result != right and config.doubt:
+            doubt += config.doubt
+        if result != right and config.loop and rng.random() < config.loop:
+            again = _step(i, value, d, result, wait=True)
+            words = join_steps(steps).split(" ")
+            while len(words) < config.loop_tokens:
+                words += [STEP_WORD, *again.split(" ")]
+            return " ".join(words[: config.loop_tokens]), False
         value = result
-    return join_steps([*steps, answer_step(value)])
+    return join_steps([*steps, answer_step(value)]), True
+
+
+def _error(rng: random.Random, right: int, config: TraceConfig) -> int:
+    if config.systematic and rng.random() < config.systematic:
+        return (right + 1) % 10
+    return _wrong(rng, right)
 
 
 # --------------------------------------------------------------------------- the grader

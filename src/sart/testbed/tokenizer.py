@@ -18,25 +18,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from sart.testbed.tasks import MAX_DIGITS, STEP_WORD
+from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, STEP_WORD
 
 EOS = "</s>"
 UNK = "[UNK]"
 PRM_SEPARATOR = "<step>"
 SPECIAL_TOKENS = (UNK, EOS, PRM_SEPARATOR)
-WORDS = (
-    "Q",
-    "S",
-    *(f"p{i}" for i in range(1, MAX_DIGITS + 1)),
-    *(str(d) for d in range(10)),
-    "+",
-    "=",
-    STEP_WORD,
-    "wait",
-    "answer",
-    "\\boxed{",
-    "}",
-)
+
+
+def words(max_digits: int = MAX_DIGITS) -> tuple[str, ...]:
+    """The vocabulary's words for questions of up to ``max_digits`` digits."""
+    return (
+        "Q",
+        "S",
+        *(f"p{i}" for i in range(1, max_digits + 1)),
+        *(str(d) for d in range(10)),
+        "+",
+        "=",
+        STEP_WORD,
+        "wait",
+        "answer",
+        "\\boxed{",
+        "}",
+    )
+
+
+WORDS = words()
+"""The short testbed's words."""
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if not loop.first %} {% endif %}{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %} {% endif %}"
@@ -44,12 +52,17 @@ CHAT_TEMPLATE = (
 """The contents joined by single spaces: the PRM sees ``question response``."""
 
 
-def build_tokenizer() -> Any:
-    """The ``PreTrainedTokenizerFast`` of the testbed (deterministic: a fixed vocabulary)."""
+def build_tokenizer(max_digits: int = MAX_DIGITS) -> Any:
+    """The ``PreTrainedTokenizerFast`` of a testbed whose questions have up to
+    ``max_digits`` digits (deterministic: a fixed vocabulary; the default is the
+    short testbed's)."""
+    from sart.errors import config_check
+
+    config_check(1 <= max_digits <= MAX_POSITIONS, "max_digits", max_digits, f"1..{MAX_POSITIONS}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate((*SPECIAL_TOKENS, *WORDS))}
+    vocab = {word: i for i, word in enumerate((*SPECIAL_TOKENS, *words(max_digits)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Split on single spaces only (not on all whitespace): "\n\n" stays a word.
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")

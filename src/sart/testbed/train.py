@@ -49,12 +49,13 @@ from sart.errors import config_check
 from sart.testbed.model import ModelConfig, sample
 from sart.testbed.tasks import (
     MAX_DIGITS,
+    MAX_POSITIONS,
     QUESTION_END,
     STEP_WORD,
     TraceConfig,
     grade,
     make_question,
-    noisy_trace,
+    noisy_response,
 )
 from sart.testbed.tokenizer import PRM_SEPARATOR, build_tokenizer
 
@@ -92,13 +93,21 @@ class TrainConfig:
     """L2 penalty of the PRM head's logistic regression (on standardised features)."""
     prm_cut: float = 0.5
     """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
+    max_new_tokens: int = attrs.field(default=256, validator=_positive("max_new_tokens"))
+    """Tokens a PRM-training rollout may generate."""
+    prm_max_length: int = attrs.field(default=512, validator=_positive("prm_max_length"))
+    """The PRM's input length (``QwenMathPRM(max_length=...)``)."""
+    micro_batches: int = attrs.field(default=1, validator=_positive("micro_batches"))
+    """Split each batch, sorted by length, into this many micro-batches whose
+    gradients add up: long traces of one difficulty still differ several-fold in
+    length, and padding every row to the longest would multiply the cost."""
 
     def __attrs_post_init__(self) -> None:
         config_check(
-            1 <= self.min_digits <= self.max_digits <= MAX_DIGITS,
+            1 <= self.min_digits <= self.max_digits <= MAX_POSITIONS,
             "max_digits",
             self.max_digits,
-            f"in [min_digits={self.min_digits}, {MAX_DIGITS}]",
+            f"in [min_digits={self.min_digits}, {MAX_POSITIONS}]",
         )
         config_check(0.0 <= self.prm_cut <= 1.0, "prm_cut", self.prm_cut, "in [0, 1]")
 
@@ -106,6 +115,37 @@ class TrainConfig:
         return attrs.asdict(
             self, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v
         )
+
+
+#: The long testbed's traces: 24 to 64 digits, re-checks that vary by trace, errors
+#: that repeat across traces, over-thinking after an error and loops (see
+#: docs/testbed.md, "The long testbed").
+LONG_TRACE = TraceConfig(
+    error_carry=0.05,
+    error_plain=0.004,
+    styles=(0.02, 0.2, 0.45, 0.7),
+    max_rechecks=3,
+    systematic=0.9,
+    doubt=0.15,
+    loop=0.05,
+    loop_tokens=2048,
+)
+
+#: ``sart testbed train --model long``: what decides the long testbed's shipped weights.
+LONG = TrainConfig(
+    min_digits=24,
+    max_digits=64,
+    trace=LONG_TRACE,
+    model=ModelConfig(max_positions=2304),
+    policy_steps=500,
+    batch_size=16,
+    micro_batches=4,
+    prm_rollouts=1024,
+    max_new_tokens=2048,
+    prm_max_length=2304,
+)
+
+TRAIN_CONFIGS = {"short": TrainConfig(), "long": LONG}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -141,12 +181,21 @@ def _optimizer(model: Any, lr: float, weight_decay: float) -> torch.optim.Optimi
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98))
 
 
-def encode_example(tokenizer: Any, prompt: str, response: str) -> tuple[list[int], int]:
-    """Prompt ids (as sart's engines encode them), then the response's and EOS;
-    with the number of prompt ids."""
+def encode_example(
+    tokenizer: Any, prompt: str, response: str, finished: bool = True
+) -> tuple[list[int], int]:
+    """Prompt ids (as sart's engines encode them), then the response's and EOS (none
+    for an unfinished response: a loop cut short); with the number of prompt ids."""
     prompt_ids = tokenizer(prompt)["input_ids"]
     response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
-    return [*prompt_ids, *response_ids, tokenizer.eos_token_id], len(prompt_ids)
+    end = [tokenizer.eos_token_id] if finished else []
+    return [*prompt_ids, *response_ids, *end], len(prompt_ids)
+
+
+def tokenizer_for(config: TrainConfig) -> Any:
+    """The tokenizer of the testbed ``config`` trains (the short one's vocabulary
+    covers at least ``p1`` .. ``p8``)."""
+    return build_tokenizer(max(config.max_digits, MAX_DIGITS))
 
 
 # --------------------------------------------------------------------------- the policy
@@ -179,18 +228,14 @@ def train_policy(
         difficulty = rng.randint(config.min_digits, config.max_digits)
         for _ in range(config.batch_size):
             question = make_question(rng, difficulty)
-            ids, n_prompt = encode_example(
-                tokenizer, question.prompt, noisy_trace(question, rng, config.trace)
-            )
+            response, finished = noisy_response(question, rng, config.trace)
+            ids, n_prompt = encode_example(tokenizer, question.prompt, response, finished)
             rows.append(ids)
             labels.append([-100] * n_prompt + ids[n_prompt:])
-        input_ids, targets = _pad(rows, pad), _pad(labels, -100)
-        mask = _pad([[1] * len(r) for r in rows], 0)
         for group in optimizer.param_groups:
             group["lr"] = config.lr * _schedule(step, config.policy_steps, config.warmup)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=targets).loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = _accumulate(model, rows, labels, pad, config.micro_batches)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if on_step is not None:
@@ -199,6 +244,40 @@ def train_policy(
             elapsed = time.perf_counter() - started
             log(f"policy step {step:5d}  loss {loss.item():.4f}  {elapsed:6.0f}s")
     return model.eval()
+
+
+def _accumulate(
+    model: Any, rows: list[list[int]], labels: list[list[int]], pad: int, parts: int
+) -> torch.Tensor:
+    """Back-propagate the mean token loss of ``rows`` in ``parts`` micro-batches of
+    similar lengths (one part: the whole batch at once); the loss."""
+    if parts == 1:
+        input_ids, targets = _pad(rows, pad), _pad(labels, -100)
+        mask = _pad([[1] * len(r) for r in rows], 0)
+        loss = model(input_ids=input_ids, attention_mask=mask, labels=targets).loss
+        loss.backward()
+        return loss.detach()
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
+    size = math.ceil(len(rows) / parts)
+    counted = sum(sum(t != -100 for t in row[1:]) for row in labels)
+    total = torch.zeros(())
+    for start in range(0, len(order), size):
+        chunk = order[start : start + size]
+        input_ids = _pad([rows[i] for i in chunk], pad)
+        targets = _pad([labels[i] for i in chunk], -100)
+        mask = _pad([[1] * len(rows[i]) for i in chunk], 0)
+        logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
+        # Summed, then divided by the whole batch's token count: the same gradient
+        # as one batch, whatever the split.
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]),
+            targets[:, 1:].reshape(-1),
+            ignore_index=-100,
+            reduction="sum",
+        ) / max(1, counted)
+        loss.backward()
+        total += loss.detach()
+    return total
 
 
 # --------------------------------------------------------------------------- the PRM
@@ -228,6 +307,7 @@ def prm_examples(
         [tokenizer(q.prompt)["input_ids"] for q in questions],
         eos_id=tokenizer.eos_token_id,
         generator=generator,
+        max_new_tokens=config.max_new_tokens,
     )
     log(f"prm rollouts: {len(samples)} in {time.perf_counter() - started:.0f}s")
     examples = []
@@ -340,7 +420,11 @@ def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = 
     model.policy.load_state_dict(policy.state_dict())
     model.eval()
     encoder = QwenMathPRM(
-        model, tokenizer, system_prompt=None, step_separator=PRM_SEPARATOR, max_length=512
+        model,
+        tokenizer,
+        system_prompt=None,
+        step_separator=PRM_SEPARATOR,
+        max_length=config.prm_max_length,
     )
     examples = prm_examples(config, policy, tokenizer, encoder, log)
     started = time.perf_counter()
@@ -405,7 +489,7 @@ def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) 
     _check_writable(root)  # before minutes of training, not after
     # Written last, the manifest says a directory's models are complete and from one run.
     (root / "manifest.json").unlink(missing_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer_for(config)
     started = time.perf_counter()
     policy = train_policy(config, tokenizer, log)
     policy_seconds = time.perf_counter() - started
