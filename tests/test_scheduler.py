@@ -472,3 +472,30 @@ def test_a_failed_abort_is_retried_and_loses_no_result(fail_times: int) -> None:
         assert engine.prefixes == frozenset()
     else:  # an engine that keeps refusing is given up on, the results kept
         assert 1 <= failed < fail_times
+
+
+def test_a_branch_cut_at_max_tokens_answers_only_when_none_finished() -> None:
+    # The cut branch has the best reward, and its extracted "answer" is its last words;
+    # the finished one wrote its conclusion.
+    script = {
+        "a": [
+            sart.testing.BranchScript(length=90, answer="7", rewards=(0.99,)),
+            sart.testing.BranchScript(length=20, answer="4", rewards=(0.2,)),
+        ],
+        "b": [sart.testing.BranchScript(length=90, answer="7", rewards=(0.99,))],
+    }
+    policy = sart.Policy(n=2, stop=sart.AllDone(), select=sart.BestReward(), interval=10)
+    requests = [
+        sart.Request("a", "q", policy, sampling=sart.SamplingSettings(max_tokens=50)),
+        sart.Request("b", "q", sart.vanilla(10), sampling=sart.SamplingSettings(max_tokens=50)),
+    ]
+    engine = sart.testing.FakeEngine(script)
+    a, b = sart.run(requests, engine, sart.testing.ScriptedPRM(script, every=10))
+    assert [x.status for x in a.branches] == [
+        sart.BranchStatus.TRUNCATED,
+        sart.BranchStatus.FINISHED,
+    ]
+    assert a.chosen == 1 and a.answer == "4"
+    # Every completed branch still reports what was extracted from it.
+    assert a.branches[0].answer is not None
+    assert b.chosen == 0 and b.branches[0].status is sart.BranchStatus.TRUNCATED

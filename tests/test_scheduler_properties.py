@@ -269,10 +269,13 @@ def check_rewards(workload: Workload, request: sart.Request, result: RequestResu
 
 
 def check_selection(request: sart.Request, result: RequestResult) -> None:
-    """The chosen branch is what the policy's selector promises."""
+    """The chosen branch is what the policy's selector promises, among the branches that
+    finished if any did (a branch cut at max_tokens answers only when all were)."""
     select = request.policy.select
-    done = [b for b in result.branches if b.status.is_completed]
+    completed = [b for b in result.branches if b.status.is_completed]
+    done = [b for b in completed if b.status is BranchStatus.FINISHED] or completed
     chosen = result.branches[result.chosen]
+    assert chosen in done
     if len(done) == 1:
         assert chosen is done[0]
         return

@@ -128,14 +128,22 @@ def should_finish(req: RequestState, view: RequestView | None) -> bool:
 
 
 def choose_answer(req: RequestState) -> tuple[BranchState, dict[int, str]]:
-    """The chosen completed branch, and every completed branch's extracted answer."""
-    candidates = [b for b in req.branches if b.status.is_completed]
-    if not candidates:
+    """The chosen completed branch, and every completed branch's extracted answer.
+
+    The selector chooses among the branches that finished (EOS or a stop string) when
+    any did: one cut at ``max_tokens`` never wrote its conclusion (a loop, or thinking
+    cut short), and whatever ``extract`` makes of its last words is no answer. Only
+    when every completed branch was cut does it choose among those."""
+    completed = [b for b in req.branches if b.status.is_completed]
+    if not completed:
         raise PolicyFailure("no branch completed")
     policy = req.policy
-    answers = [call(policy.extract, b.text) for b in candidates]
+    answers = [call(policy.extract, b.text) for b in completed]
     if not all(isinstance(a, str) for a in answers):
         raise PolicyFailure(f"extract returned {answers!r}; answers must be str")
+    answer_of = {b.index: a for b, a in zip(completed, answers)}
+    candidates = [b for b in completed if b.status is BranchStatus.FINISHED] or completed
+    answers = [answer_of[b.index] for b in candidates]
     if len(candidates) == 1:
         chosen = candidates[0]
     else:
@@ -144,7 +152,7 @@ def choose_answer(req: RequestState) -> tuple[BranchState, dict[int, str]]:
         if not matches:
             raise PolicyFailure(f"selector chose {index!r}, not a completed branch")
         chosen = matches[0]
-    return chosen, {b.index: a for b, a in zip(candidates, answers)}
+    return chosen, answer_of
 
 
 def completed_result(
