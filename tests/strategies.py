@@ -47,6 +47,7 @@ POLICY_KINDS = (
     "custom",
     "deepconf",
     "sart_confidence",
+    "sart_adaptive",
 )
 
 
@@ -113,6 +114,10 @@ def policies(draw: st.DrawFn, interval: int) -> sart.Policy:
         return sart.deepconf_online(n, warmup, keep, interval, window, top_k=2)
     if kind == "sart_confidence":
         return sart.sart_confidence(n, m, alpha, beta, interval, top_k=2)
+    if kind == "sart_adaptive":
+        floor = draw(st.integers(1, n))
+        keep = draw(st.none() | st.integers(1, n))
+        return sart.sart_adaptive(n, m, alpha, beta, interval, floor=floor, keep=keep)
     stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
     prune = draw(st.sampled_from([sart.NoPrune(), sart.TwoPhasePrune(alpha, beta)]))
     select = draw(st.sampled_from([sart.WeightedVote(), sart.MajorityVote(), sart.BestReward()]))

@@ -25,8 +25,10 @@ from sart.errors import (
 )
 from sart.messages import BranchDelta, BranchSpec, ScoreItem, StepOutput, TokenLogprobs
 from sart.policies import (
+    AdmitRule,
     AllDone,
     BestReward,
+    BranchByLoad,
     ConfidenceScorer,
     Equivalence,
     ExactMatch,
@@ -43,6 +45,7 @@ from sart.policies import (
     RewardBalance,
     RewardSource,
     Selector,
+    ShedUnderLoad,
     Signal,
     StopRule,
     TailConfidence,
@@ -53,6 +56,7 @@ from sart.policies import (
     deepconf_online,
     rebase,
     sart,
+    sart_adaptive,
     sart_confidence,
     sart_without_pruning,
     self_consistency,
@@ -75,17 +79,19 @@ from sart.types import (
     SamplingSettings,
     Scoring,
 )
-from sart.views import BranchView, Limits, RequestView
+from sart.views import BranchView, Limits, Load, RequestView
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "PRM",
     "Admission",
+    "AdmitRule",
     "AllDone",
     "AsyncDriver",
     "AsyncEngine",
     "BestReward",
+    "BranchByLoad",
     "BranchDelta",
     "BranchId",
     "BranchOutcome",
@@ -105,6 +111,7 @@ __all__ = [
     "FirstM",
     "GroupConfidence",
     "Limits",
+    "Load",
     "LowestGroupConfidence",
     "LowestTokenLogprob",
     "MajorityVote",
@@ -135,6 +142,7 @@ __all__ = [
     "ScoreItem",
     "Scoring",
     "Selector",
+    "ShedUnderLoad",
     "Signal",
     "StepOutput",
     "StopRule",
@@ -159,6 +167,7 @@ __all__ = [
     "register_prm",
     "run",
     "sart",
+    "sart_adaptive",
     "sart_confidence",
     "sart_without_pruning",
     "self_consistency",

@@ -356,6 +356,7 @@ class DriverBase:
         self.rewards.observe(output)
         stats = self.engine.stats()
         self.timeline.append(TimelineSample(self.clock.now(), stats.live_branches, stats.kv_tokens))
+        self.scheduler.observe(stats.kv_tokens, stats.kv_capacity)
         return Decoded(output)
 
     def _released(self, request_id: str) -> Done:

@@ -27,6 +27,7 @@ sc              ``sart.self_consistency(n)``, majority vote  none        --
 rebase          ``sart.rebase(n)``                           prm         --
 sart-no-prune   ``sart.sart_without_pruning(n, m)``          prm         m
 sart            ``sart.sart(n, m, alpha, beta)``             prm         m, alpha, beta
+sart-adaptive   ``sart.sart_adaptive(n, m, alpha, beta)``    prm         m, alpha, beta
 sart-blocking   ``sart`` with blocking checks (an alias)     prm         m, alpha, beta
 deepconf        ``sart.deepconf_online(n)``                  confidence  --
 sart-conf       ``sart.sart_confidence(n, m, alpha, beta)``  confidence  m, alpha, beta
@@ -221,6 +222,13 @@ register_method(
     options=("m",),
 )
 register_method("sart", _sart, label="SART", options=OPTIONS)
+register_method(
+    "sart-adaptive",
+    _two_phase(recipes.sart_adaptive),
+    label="SART (adaptive N, ceiling N)",
+    short_label="SART-adaptive",
+    options=OPTIONS,
+)
 # Blocking vs overlapped is a scoring option (``--scoring``); this alias keeps SART
 # with blocking checks nameable beside ``sart``, to compare the two in one run.
 register_method(

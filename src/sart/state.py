@@ -12,7 +12,7 @@ from sart.policies.base import Policy
 from sart.request import Request
 from sart.results import BranchOutcome, Timings
 from sart.types import BranchId, BranchStatus, Phase
-from sart.views import BranchView, Limits, RequestView
+from sart.views import BranchView, Limits, Load, RequestView
 
 
 @attrs.frozen
@@ -103,6 +103,7 @@ class RequestState:
         "finished_at",
         "in_score",
         "limits",
+        "load",
         "newly_ended",
         "num_completed",
         "num_pruned",
@@ -137,6 +138,8 @@ class RequestState:
         self.newly_ended: list[BranchState] = []
         # A check of this request waits for the rewards of the Score in flight.
         self.in_score = False
+        # The server's load as of this request's admission or latest check.
+        self.load: Load | None = None
 
     @property
     def id(self) -> str:
@@ -158,6 +161,7 @@ class RequestState:
             num_completed=self.num_completed,
             num_pruned=self.num_pruned,
             branches=tuple(b.view() for b in self.branches),
+            load=self.load,
         )
 
     def meta(self) -> RequestMeta:

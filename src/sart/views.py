@@ -12,6 +12,48 @@ from sart.types import BranchStatus, Phase
 
 
 @attrs.frozen
+class Load:
+    """The server's load as a policy sees it, when a request is admitted and at each of
+    its checks: counts the scheduler keeps, the same on every engine."""
+
+    waiting_requests: int
+    """Requests that have arrived and are not admitted yet (not counting this one)."""
+    waiting_branches: int
+    """Branches of admitted requests waiting for a batch slot."""
+    running_branches: int
+    """Branches holding a batch slot."""
+    budget: int
+    """``B``: the batch slots, the branches that may run at once."""
+    active_requests: int
+    """Admitted requests not finished (this one included once admitted)."""
+    arrival_rate: float | None
+    """Arrivals per unit of time over the recent ones (the last ``RATE_WINDOW``);
+    ``None`` before two have arrived."""
+    waited: float
+    """This request's time since its arrival."""
+    kv_tokens: int | None = None
+    """KV-cache tokens held, as the engine last reported (``None``: not reported)."""
+    kv_capacity: int | None = None
+    """KV-cache tokens the engine can hold, if it says."""
+
+    @property
+    def free_slots(self) -> int:
+        """Batch slots neither running nor wanted by a waiting branch."""
+        return max(0, self.budget - self.running_branches - self.waiting_branches)
+
+    @property
+    def kv_use(self) -> float | None:
+        """KV held over capacity, when both are known."""
+        if self.kv_tokens is None or not self.kv_capacity:
+            return None
+        return self.kv_tokens / self.kv_capacity
+
+
+RATE_WINDOW = 32
+"""Arrivals ``Load.arrival_rate`` is measured over."""
+
+
+@attrs.frozen
 class Limits:
     """The pruning limits of the paper's per-request record (Algorithm 1, line 24)."""
 
@@ -60,6 +102,9 @@ class RequestView:
     num_pruned: int
     branches: tuple[BranchView, ...]
     """All ``n`` branches, by index (waiting ones included)."""
+    load: Load | None = None
+    """The server's load at this check (``None`` where no scheduler measured it, as in
+    a view built by hand)."""
 
     @property
     def running(self) -> tuple[BranchView, ...]:

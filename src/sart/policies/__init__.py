@@ -1,12 +1,22 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
-from sart.policies.base import PauseRule, Policy, PruneRule, RewardSource, Selector, StopRule
+from sart.policies.adaptive import BranchByLoad, ShedUnderLoad, fair_share
+from sart.policies.base import (
+    AdmitRule,
+    PauseRule,
+    Policy,
+    PruneRule,
+    RewardSource,
+    Selector,
+    StopRule,
+)
 from sart.policies.equivalence import Equivalence, ExactMatch
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.recipes import (
     deepconf_online,
     rebase,
     sart,
+    sart_adaptive,
     sart_confidence,
     sart_without_pruning,
     self_consistency,
@@ -27,8 +37,10 @@ from sart.rewards.signals import (
 )
 
 __all__ = [
+    "AdmitRule",
     "AllDone",
     "BestReward",
+    "BranchByLoad",
     "ConfidenceScorer",
     "Equivalence",
     "ExactMatch",
@@ -45,6 +57,7 @@ __all__ = [
     "RewardBalance",
     "RewardSource",
     "Selector",
+    "ShedUnderLoad",
     "Signal",
     "StopRule",
     "TailConfidence",
@@ -53,8 +66,10 @@ __all__ = [
     "WarmupThreshold",
     "WeightedVote",
     "deepconf_online",
+    "fair_share",
     "rebase",
     "sart",
+    "sart_adaptive",
     "sart_confidence",
     "sart_without_pruning",
     "self_consistency",

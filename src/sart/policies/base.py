@@ -16,7 +16,7 @@ import attrs
 from sart.answers import extract_answer
 from sart.errors import ConfigError, int_at_least
 from sart.messages import ScoreItem
-from sart.views import BranchView, Limits, RequestView
+from sart.views import BranchView, Limits, Load, RequestView
 
 
 @runtime_checkable
@@ -113,6 +113,36 @@ class PauseRule:
         return [b.index for b in sorted(request.running, key=key)]
 
 
+class AdmitRule:
+    """Settles a request's policy when it is admitted, from the server's load.
+
+    ``admit(policy, load)`` returns the policy the request is served with: the
+    default, ``policy`` itself. A rule may return one with fewer branches (never
+    more: the request's branches were counted for the queue at submission) and its
+    stop and prune rules sized to them (``sart.policies.adaptive.BranchByLoad``).
+    Called once, when the request leaves the queue; the policy it returns has no
+    admission rule of its own."""
+
+    def admit(self, policy: Policy, load: Load) -> Policy:
+        return policy
+
+    # Compared by value, as the other parts are (they are attrs classes; this base is
+    # not, so that a subclass may keep state of its own).
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @property
+    def active(self) -> bool:
+        """Whether this rule may change a policy (``admit`` is overridden)."""
+        return type(self).admit is not AdmitRule.admit
+
+
 class Selector:
     """Picks the final branch among the completed ones.
 
@@ -155,6 +185,10 @@ def _default_pause() -> PauseRule:
     return PauseRule()
 
 
+def _default_admit() -> AdmitRule:
+    return AdmitRule()
+
+
 def _default_select() -> Selector:
     from sart.policies.select import BestReward
 
@@ -192,6 +226,11 @@ class Policy:
     """This policy's own reward source, used for its requests instead of the driver's
     PRM (e.g. ``sart.rewards.ConfidenceScorer``: confidence from the policy's
     log-probabilities). ``None``: the driver's PRM."""
+    admit: AdmitRule = attrs.field(
+        factory=_default_admit, validator=_instance_of(AdmitRule, "admit")
+    )
+    """Settles the policy when its request is admitted, from the server's load (default:
+    as given; ``sart.policies.adaptive.BranchByLoad`` chooses ``n`` by load)."""
 
     def __attrs_post_init__(self) -> None:
         self.stop.validate(self.n)

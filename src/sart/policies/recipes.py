@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from sart.errors import config_check
+from sart.policies.adaptive import BranchByLoad, ShedUnderLoad
 from sart.policies.base import Policy
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.reward_balance import RewardBalance
@@ -61,6 +64,48 @@ def sart(
         interval=interval,
         name=f"sart(n={n},m={m})",
     )
+
+
+def sart_adaptive(
+    n: int,
+    m: int | None = None,
+    alpha: float = 0.5,
+    beta: int | None = None,
+    interval: int = 400,
+    floor: int = 2,
+    keep: int | None = None,
+) -> Policy:
+    """SART that branches by load, with ``n`` as its ceiling.
+
+    When a request is admitted, ``BranchByLoad`` gives it between ``floor`` and ``n``
+    branches: the batch slots free then, shared with the requests still queued
+    (``sart.policies.adaptive.fair_share``). It is then served as ``sart(k, ...)``
+    with ``m`` and ``beta`` at most ``k``'s (the paper's ``k/2`` when not given); and at
+    each check where other work waits for a slot, ``ShedUnderLoad`` prunes its
+    lowest-reward running branches down to ``keep`` (default: its ``m``). Idle, it is
+    SART at ``n``; saturated, SART at ``floor``.
+    """
+    config_check(isinstance(n, int) and n >= 1, "n", n, ">= 1")
+    config_check(isinstance(floor, int) and 1 <= floor <= n, "floor", floor, f"in [1, n={n}]")
+    build = functools.partial(
+        _sart_shedding, m=m, alpha=alpha, beta=beta, interval=interval, keep=keep
+    )
+    return attrs.evolve(
+        build(n),
+        admit=BranchByLoad(floor=floor, build=build),
+        name=f"sart-adaptive(n={floor}..{n})",
+    )
+
+
+def _sart_shedding(
+    n: int, *, m: int | None, alpha: float, beta: int | None, interval: int, keep: int | None
+) -> Policy:
+    """SART at ``n`` (``m``, ``beta`` cut to fit it) that sheds branches under load."""
+    m = _paper_m(n, None if m is None else min(m, n))
+    beta = None if beta is None else min(beta, n - 1)
+    policy = sart(n, m=m, alpha=alpha, beta=beta, interval=interval)
+    shed = ShedUnderLoad(inner=policy.prune, keep=min(n, keep or m))
+    return attrs.evolve(policy, prune=shed)
 
 
 def sart_without_pruning(n: int, m: int | None = None, interval: int = 400) -> Policy:

@@ -9,6 +9,7 @@ applies the engine's answers. It performs no I/O.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -36,12 +37,19 @@ from sart.request import Request
 from sart.scheduler.cancels import Cancellations
 from sart.scheduler.checks import CheckQueue, is_due
 from sart.scheduler.config import SchedulerConfig, SchedulerStats
-from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running
+from sart.scheduler.hooks import (
+    PolicyFailure,
+    admitted_policy,
+    call,
+    checked_limits,
+    choose_running,
+)
 from sart.scheduler.requests import RequestTable
 from sart.scheduler.slots import Slots
 from sart.scheduler.waiting import WaitQueue
 from sart.state import BranchState, RequestMeta, RequestState
 from sart.types import Admission, BranchId, BranchStatus, FinishReason, RequestStatus
+from sart.views import RATE_WINDOW, Load
 
 
 class Scheduler:
@@ -64,6 +72,9 @@ class Scheduler:
         self._next_id = 1
         self._inflight: dict[int, Command] = {}  # emitted, not answered, by id
         self._pauses = 0  # branches paused for more urgent work, over the run
+        self._arrivals: deque[float] = deque(maxlen=RATE_WINDOW)  # for Load.arrival_rate
+        self._kv: tuple[int | None, int | None] = (None, None)
+        self._requests.load_of = self.load
 
     # ------------------------------------------------------------------ intake
 
@@ -75,6 +86,28 @@ class Scheduler:
         self._pending[request.id] = state
         self._waiting.add_request(state)
         self._cancels.watch(state)
+        self._arrivals.append(request.arrival)
+
+    def observe(self, kv_tokens: int | None, kv_capacity: int | None = None) -> None:
+        """The engine's KV-cache use, as it last reported it (``EngineStats``): what
+        ``Load`` shows policies. Drivers call it as they sample the engine."""
+        self._kv = (kv_tokens, kv_capacity)
+
+    def load(self, req: RequestState, now: float) -> Load:
+        """The server's load as ``req``'s policy sees it now."""
+        arrivals = sorted(self._arrivals)
+        span = arrivals[-1] - arrivals[0] if len(arrivals) >= 2 else 0.0
+        return Load(
+            waiting_requests=self._waiting.queued_requests,
+            waiting_branches=self._waiting.queued_branches,
+            running_branches=len(self._slots.running),
+            budget=self.config.batch_size,
+            active_requests=len(self._active),
+            arrival_rate=(len(arrivals) - 1) / span if span > 0 else None,
+            waited=max(0.0, now - req.request.arrival),
+            kv_tokens=self._kv[0],
+            kv_capacity=self._kv[1],
+        )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
         """Cancel a request that has not finished: it ends with
@@ -212,6 +245,10 @@ class Scheduler:
         as ``free`` slots allow (the rest wait in the branch queue after the prefill)."""
         req.scheduled_at = now
         try:  # before the engine holds anything for it, so failing costs nothing
+            if req.policy.admit.active:
+                req.load = self.load(req, now)
+                req.policy = admitted_policy(req.policy, req.load)
+                del req.branches[req.policy.n :]  # none has started or been queued
             req.limits = checked_limits(call(req.policy.prune.start, req.n), "start")
         except PolicyFailure as exc:
             self._requests.fail(req, str(exc), now)

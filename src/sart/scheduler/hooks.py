@@ -7,10 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from sart.policies.base import PauseRule, PruneRule
+import attrs
+
+from sart.policies.base import AdmitRule, PauseRule, Policy, PruneRule
 from sart.state import BranchState, RequestState
 from sart.types import BranchStatus
-from sart.views import Limits, RequestView
+from sart.views import Limits, Load, RequestView
 
 T = TypeVar("T")
 
@@ -39,6 +41,20 @@ def checked_limits(value: object, hook: str) -> Limits:
     if not ok:
         raise PolicyFailure(f"prune rule's {hook} returned {value!r}, not valid Limits")
     return value  # type: ignore[return-value]
+
+
+def admitted_policy(policy: Policy, load: Load) -> Policy:
+    """The policy ``policy.admit`` settles on for ``load``, checked: a ``Policy`` with
+    one to ``policy.n`` branches, without an admission rule of its own (it is
+    settled); ``PolicyFailure`` otherwise."""
+    rule = policy.admit
+    chosen = call(rule.admit, policy, load, name=f"{type(rule).__name__}.admit")
+    if not isinstance(chosen, Policy) or not 1 <= chosen.n <= policy.n:
+        raise PolicyFailure(
+            f"admission rule {type(rule).__name__} returned {chosen!r}: a Policy with 1 to "
+            f"{policy.n} branches was expected"
+        )
+    return attrs.evolve(chosen, admit=AdmitRule()) if chosen.admit.active else chosen
 
 
 def running_choices(req: RequestState, chosen: Sequence[object], rule: str) -> list[BranchState]:

@@ -8,7 +8,7 @@ releases its prefix and emits its ``Finish``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sart.commands import Abort, Command, Finish, ReleasePrefix
 from sart.results import RequestResult
@@ -19,6 +19,7 @@ from sart.scheduler.slots import Slots
 from sart.scheduler.waiting import WaitQueue
 from sart.state import BranchState, RequestState
 from sart.types import BranchStatus, RequestStatus
+from sart.views import Load
 
 
 class RequestTable:
@@ -33,11 +34,15 @@ class RequestTable:
         self.finished = 0
         self._slots = slots
         self._waiting = waiting
+        # The scheduler's measure of the load, shown to each request's check.
+        self.load_of: Callable[[RequestState, float], Load] | None = None
 
     def run_checks(self, checks: Sequence[Check], now: float) -> None:
         for check in checks:
             if check.req.ended:
                 continue
+            if self.load_of is not None:
+                check.req.load = self.load_of(check.req, now)
             try:
                 self._check(check, now)
             except PolicyFailure as exc:
