@@ -305,3 +305,23 @@ def test_importing_sart_eval_loads_neither_math_verify_nor_datasets() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_long_testbeds_dataset_is_held_apart_and_graded_exactly() -> None:
+    from sart.eval.datasets import load_testbed
+    from sart.testbed import LONG, Question, grade, make_questions
+
+    dataset = load_testbed(200, 0, "testbed-long")
+    assert dataset.name == "testbed-long" and dataset.grading == "exact"
+    problems = dataset.problems
+    assert [p.id for p in problems[:3]] == ["t0", "t1", "t2"]
+    assert sorted({p.fields["level"] for p in problems}) == list(LONG.difficulties)
+    # Drawn from a seed of its own: none of the report's questions (seed 0) is among them.
+    report = {q.prompt for q in LONG.questions(0, 200)}
+    assert not report & {p.problem for p in problems}
+    question = Question.from_prompt(problems[5].problem)
+    assert grade(question, f"answer \\boxed{{ {problems[5].answer} }}")
+    # The first k of a larger set are the set of k; the short testbed's is unchanged.
+    assert load_testbed(10, 0, "testbed-long").problems == problems[:10]
+    short = load_testbed(4)
+    assert [p.problem for p in short.problems] == [q.prompt for q in make_questions(0, 4)]

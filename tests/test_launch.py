@@ -18,6 +18,7 @@ from sart.launch import (
     build_prm,
     load,
     resolve_models,
+    sampling_defaults,
 )
 
 
@@ -105,6 +106,29 @@ def test_testbed_stands_for_the_shipped_policy_and_its_calibrated_prm() -> None:
     assert resolve_models("testbed", None, "qwen", local=False) == ("testbed", None, {})
     with pytest.raises(sart.ConfigError, match="the testbed PRM runs on transformers only"):
         resolve_models("testbed", None, "vllm-qwen")
+
+
+def test_testbed_long_stands_for_the_long_testbeds_files_and_calibration() -> None:
+    long = testbed.LONG
+    policy, prm = str(long.policy_path), str(long.prm_path)
+    options = long.prm_kwargs()
+    assert options["max_length"] == 2304 and options["step_separator"] == "<step>"
+    assert resolve_models("testbed-long", None, "qwen") == (policy, prm, options)
+    assert resolve_models("m", "testbed-long", "qwen") == ("m", prm, options)
+    assert resolve_models("testbed-long", "testbed", "qwen") == (
+        policy,
+        str(testbed.PRM_PATH),
+        testbed.prm_kwargs(),
+    )
+    settings = sampling_defaults(
+        "testbed-long",
+        max_tokens=None,
+        temperature=None,
+        top_p=None,
+        default_max_tokens=9,
+        default_temperature=0.6,
+    )
+    assert (settings.max_tokens, settings.temperature, settings.top_p) == (2048, 1.0, 1.0)
 
 
 def test_engines_are_sized_to_the_branch_budget_with_their_own_arguments() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -63,6 +64,56 @@ def test_summarize_on_hand_made_branches() -> None:
     assert c.oracle_accuracy == 1.0
     assert c.auroc_full["last"] == 0.75
     assert "branch accuracy" in c.text() and c.to_json()["n"] == 2
+
+
+def long_calibration(**changes: object) -> object:
+    """A hand-made long-testbed calibration inside every range, with ``changes``."""
+    branches = [_branch(q, 400 + 100 * i, i < 4, 0.1 * i) for q in range(4) for i in range(8)]
+    c = summarize(branches, n=8, seed=0, aggregation="last", testbed="testbed-long")
+    fits = dict(
+        median_length=600.0,
+        longest=2048,
+        median_length_cv=0.3,
+        median_longest_over_shortest=2.5,
+        median_within_question_r=-0.2,
+        capped_share=0.03,
+        branch_accuracy=0.55,
+        majority_accuracy=0.7,
+        accuracy_by_difficulty={24: 0.7, 64: 0.4},
+        auroc_half={"last": 0.75},
+        best_of_n_accuracy={"last": 0.8},
+    )
+    return attrs.evolve(c, **{**fits, **changes})
+
+
+def test_the_long_testbeds_ranges_and_relations() -> None:
+    assert long_calibration().misfits() == []
+    assert "every number in the long testbed's ranges" in long_calibration().text()
+    cases = {
+        "median_length=300.000 (range 400 .. 1000)": {"median_length": 300.0},
+        "median_within_question_r=0.050": {"median_within_question_r": 0.05},
+        "capped_share=0.000": {"capped_share": 0.0},
+        "not: majority >= branch + 0.1": {"majority_accuracy": 0.6},
+        "not: accuracy falls with difficulty": {"accuracy_by_difficulty": {24: 0.4, 64: 0.5}},
+        "not: PRM AUROC at 50% (last) >= 0.7": {"auroc_half": {"last": 0.65}},
+        "not: best of 8 by PRM (last) > majority": {"best_of_n_accuracy": {"last": 0.7}},
+    }
+    for message, change in cases.items():
+        c = long_calibration(**change)
+        assert any(m.startswith(message) for m in c.misfits()), (message, c.misfits())
+        assert message in c.text()
+    # The short testbed has printed targets, not ranges.
+    short = attrs.evolve(long_calibration(median_length=1.0), testbed="testbed")
+    assert short.misfits() == [] and "(target 0.2-0.5)" in short.text()
+
+
+def test_a_report_of_the_long_testbed_takes_its_questions_and_cap() -> None:
+    config = ReportConfig.of("testbed-long", questions=5)
+    assert config.difficulties == (24, 32, 40, 48, 56, 64)
+    assert (config.max_new_tokens, config.questions) == (2048, 5)
+    assert ReportConfig.of("testbed") == ReportConfig(testbed="testbed")
+    with pytest.raises(ConfigError, match="testbed='mini'"):
+        ReportConfig(testbed="mini")
 
 
 def test_report_config_validation() -> None:

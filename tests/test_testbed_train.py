@@ -91,6 +91,40 @@ def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
     assert len(rewards) == 3 and all(0.0 <= r <= 1.0 for r in rewards)
 
 
+def test_micro_batches_give_the_gradient_of_the_whole_batch() -> None:
+    from transformers import LlamaForCausalLM
+
+    from sart.testbed.train import _accumulate, tokenizer_for
+
+    tokenizer = tokenizer_for(TINY)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(ModelConfig(max_positions=64).llama(tokenizer))
+    rows = [[3, 4, 5, 6, 7, 8], [3, 4, 9], [3, 5, 5, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11]]
+    labels = [[-100, -100, *r[2:]] for r in rows]
+    pad = tokenizer.pad_token_id
+    grads = []
+    for parts in (1, 3):
+        model.zero_grad()
+        loss = _accumulate(model, rows, labels, pad, parts)
+        grads.append((float(loss), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), (split, split_grads) = grads
+    assert split == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(whole_grads, split_grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_the_long_testbeds_training_config_and_vocabulary() -> None:
+    from sart.testbed.train import LONG, TRAIN_CONFIGS, tokenizer_for
+
+    assert TRAIN_CONFIGS["long"] is LONG and TRAIN_CONFIGS["short"] == TrainConfig()
+    assert (LONG.min_digits, LONG.max_digits, LONG.max_new_tokens) == (4, 64, 2048)
+    assert LONG.model.max_positions >= 2048 + 2 * 64 + 2  # a loop cut at the cap fits
+    words = tokenizer_for(LONG).get_vocab()
+    assert "p64" in words and "p65" not in words
+    # The short testbed's vocabulary is the one its weights were trained with.
+    assert len(tokenizer_for(TrainConfig())) == 30
+
+
 def test_an_unwritable_out_is_refused_before_training(tmp_path: Path) -> None:
     # Before: found out by save_pretrained, after the policy's minutes of training.
     blocker = tmp_path / "file"

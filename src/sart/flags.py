@@ -34,6 +34,7 @@ from sart.launch import (
     resolve_models,
     sampling_defaults,
 )
+from sart.testbed.specs import LONG
 from sart.types import SamplingSettings
 
 PRM_KEY_ENV = "SART_PRM_API_KEY"
@@ -118,8 +119,8 @@ def add_model_flags(p: Any, scope: str = "") -> None:
     p.add_argument(
         "--prm",
         default=None,
-        help=f"{scope}the PRM's directory or hub id, or 'testbed' (the shipped testbed PRM; "
-        "the default under --model testbed)",
+        help=f"{scope}the PRM's directory or hub id, or 'testbed' / 'testbed-long' (a shipped "
+        "testbed's PRM; the default under that --model)",
     )
     p.add_argument(
         "--prm-kind",
@@ -203,7 +204,8 @@ def add_sampling_flags(p: Any, scope: str, max_tokens: int, temperature: float) 
         "--max-tokens",
         type=int,
         default=None,
-        help=f"{scope}tokens per branch (default {max_tokens}; testbed: {TESTBED_MAX_TOKENS})",
+        help=f"{scope}tokens per branch (default {max_tokens}; testbed: {TESTBED_MAX_TOKENS}; "
+        f"testbed-long: {LONG.max_tokens})",
     )
     p.add_argument(
         "--temperature",

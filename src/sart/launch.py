@@ -32,7 +32,8 @@ from sart.errors import ConfigError, config_check
 from sart.types import SamplingSettings
 
 TESTBED = "testbed"
-"""``--model testbed``: the shipped testbed policy, PRM and questions (``sart.testbed``)."""
+"""``--model testbed``: the shipped (short) testbed policy, PRM and questions
+(``sart.testbed``); ``--model testbed-long`` is the long one (``sart.testbed.specs``)."""
 TESTBED_MAX_TOKENS = 256
 """Above the longest testbed trace (under 256 tokens with its prompt)."""
 TESTBED_INTERVAL = 16
@@ -230,14 +231,16 @@ def _refuse_unread(
 def resolve_models(
     model: str, prm: str | None, prm_kind: str, *, local: bool = True
 ) -> tuple[str, str | None, dict[str, Any]]:
-    """``(model, prm, prm options)`` with ``'testbed'`` resolved: as the model, the
-    shipped policy and, unless ``prm`` names another, its PRM with the options it is
-    calibrated for; as the PRM, the shipped PRM. ``local=False``: the model is a
-    remote server's model name, kept as given."""
-    from sart import testbed as tb
+    """``(model, prm, prm options)`` with a testbed's name (``testbed``,
+    ``testbed-long``) resolved: as the model, the shipped policy and, unless ``prm``
+    names another, its PRM with the options it is calibrated for; as the PRM, that
+    testbed's PRM. ``local=False``: the model is a remote server's model name, kept
+    as given."""
+    from sart.testbed.specs import testbed
 
-    testbed_model = local and model == TESTBED
-    if prm == TESTBED or (prm is None and testbed_model):
+    bed = testbed(model) if local else None
+    prm_bed = testbed(prm) or (bed if prm is None else None)
+    if prm_bed is not None:
         if prm_kind != "qwen":
             # Its model class is custom transformers code (auto_map), which vLLM's
             # pooling runner cannot load.
@@ -245,10 +248,10 @@ def resolve_models(
                 f"prm_kind={prm_kind!r}: the testbed PRM runs on transformers only "
                 "('qwen', the default; the policy may still run on vLLM)"
             )
-        prm, options = str(tb.PRM_PATH), tb.prm_kwargs()
+        prm, options = str(prm_bed.prm_path), prm_bed.prm_kwargs()
     else:
         options = {}
-    return (str(tb.POLICY_PATH) if testbed_model else model), prm, options
+    return (str(bed.policy_path) if bed is not None else model), prm, options
 
 
 def sampling_defaults(
@@ -260,20 +263,20 @@ def sampling_defaults(
     default_max_tokens: int,
     default_temperature: float,
 ) -> SamplingSettings:
-    """Sampling settings from what was given, with the given defaults, or the testbed's
-    calibration (``TESTBED_MAX_TOKENS``, temperature 1.0, top-p 1.0) for the testbed."""
-    testbed = model == TESTBED
+    """Sampling settings from what was given, with the given defaults, or a testbed's
+    calibration (its ``max_tokens``, temperature 1.0, top-p 1.0) for a testbed."""
+    from sart.testbed.specs import testbed
+
+    bed = testbed(model)
     settings = SamplingSettings(
-        temperature=(1.0 if testbed else default_temperature)
-        if temperature is None
-        else temperature,
-        max_tokens=(TESTBED_MAX_TOKENS if testbed else default_max_tokens)
+        temperature=(1.0 if bed else default_temperature) if temperature is None else temperature,
+        max_tokens=(bed.max_tokens if bed else default_max_tokens)
         if max_tokens is None
         else max_tokens,
     )
     if top_p is not None:
         return attrs.evolve(settings, top_p=top_p)
-    if testbed:
+    if bed:
         # The calibration samples the full distribution: the testbed's slips are
         # low-probability tokens that a top-p cut would mostly remove.
         return attrs.evolve(settings, top_p=1.0)

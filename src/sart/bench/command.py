@@ -40,9 +40,10 @@ from sart.flags import (
     load_spec,
     sampling,
 )
-from sart.launch import TESTBED, LoadSpec, load
+from sart.launch import LoadSpec, load
 from sart.methods import get_method
 from sart.rollouts import rollout_shape, trace_rollouts
+from sart.testbed.specs import testbed
 from sart.types import SamplingSettings
 
 
@@ -176,29 +177,28 @@ class RealSetup:
 def real_setup(args: argparse.Namespace, batch_size: int = REAL_BATCH_SIZE) -> RealSetup:
     """Resolve ``--model``, ``--prm``, ``--prompts`` and sampling defaults.
 
-    ``--model testbed`` stands for the shipped testbed policy; its PRM (with
-    the options it is calibrated for) unless ``--prm`` says otherwise; and,
-    without ``--prompts``, ``--requests`` testbed questions of mixed
-    difficulty drawn with ``--seed``; sampled at temperature 1.0 and top-p 1.0
+    ``--model testbed`` (or ``testbed-long``) stands for that shipped testbed's
+    policy; its PRM (with the options it is calibrated for) unless ``--prm`` says
+    otherwise; and, without ``--prompts``, ``--requests`` of its questions, of
+    mixed difficulty, drawn with ``--seed``; sampled at temperature 1.0 and top-p 1.0
     by default (as ``sart testbed report`` samples).
     """
     from sart.bench.real import load_prompts
 
-    testbed = args.model == TESTBED
-    if not args.model or not (args.prompts or testbed):
+    bed = testbed(args.model)
+    if not args.model or not (args.prompts or bed):
         raise ConfigError(
             f"--engine {args.engine} needs --model PATH and --prompts FILE "
-            "(try: sart demo-models DIR), or --model testbed"
+            "(try: sart demo-models DIR), or --model testbed (or testbed-long)"
         )
     spec = load_spec(args, batch_size=batch_size)
     if args.prompts is not None:
         items = load_prompts(args.prompts)
     else:
-        from sart import testbed as tb
-
+        assert bed is not None
         items = [
             PromptItem(f"t{i}", q.prompt, q.answer)
-            for i, q in enumerate(tb.make_questions(args.seed, requests_of(args)))
+            for i, q in enumerate(bed.questions(args.seed, requests_of(args)))
         ]
     return RealSetup(spec, items, sampling(args, REAL_MAX_TOKENS, REAL_TEMPERATURE))
 

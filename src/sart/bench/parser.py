@@ -28,8 +28,9 @@ from sart.flags import (
     add_sampling_flags,
     add_scoring_flag,
 )
-from sart.launch import SYNC_ENGINES, TESTBED, TESTBED_INTERVAL
+from sart.launch import SYNC_ENGINES, TESTBED_INTERVAL
 from sart.methods import check_methods
+from sart.testbed.specs import LONG, testbed
 from sart.types import Admission, Scoring
 
 REAL_BATCH_SIZE = 16
@@ -62,8 +63,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="hf, vllm, sglang: a model directory or hub id, or 'testbed' (the shipped tiny "
-        "reasoning model, its PRM and its questions: see docs/testbed.md)",
+        help="hf, vllm, sglang: a model directory or hub id, or 'testbed' / 'testbed-long' "
+        "(a shipped tiny reasoning model, its PRM and its questions: see docs/testbed.md)",
     )
     add_cost_model_flag(p, "sim: ", default=None, shown=DEFAULT_COST_MODEL)
     add_model_flags(p, "hf, vllm, sglang: ")
@@ -177,7 +178,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="T, decode steps between checks (default 400; for --trace, the trace's; "
-        f"testbed: {TESTBED_INTERVAL})",
+        f"testbed: {TESTBED_INTERVAL}; testbed-long: {LONG.interval})",
     )
     add_admission_flag(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
@@ -270,8 +271,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         interval=(
             args.interval
             if args.interval is not None
-            else TESTBED_INTERVAL
-            if args.model == TESTBED
+            else testbed(args.model).interval  # type: ignore[union-attr]
+            if testbed(args.model)
             else _default_interval(args.trace or _workload_file(args.workload))
         ),
         seed=args.seed,
@@ -319,7 +320,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
     engine reads which engine option is ``sart.launch.LoadSpec``'s to say."""
     sim, trace = args.engine == "sim", args.trace is not None
     generated = sim and not trace
-    testbed_questions = not sim and args.model == TESTBED and args.prompts is None
+    testbed_questions = not sim and testbed(args.model) is not None and args.prompts is None
     return {
         **dict.fromkeys(SIM_ONLY, sim),
         **dict.fromkeys(REAL_ONLY, not sim),

@@ -47,9 +47,10 @@ from sart.flags import (
     load_spec,
     sampling,
 )
-from sart.launch import TESTBED, TESTBED_INTERVAL, Loaded, load
+from sart.launch import Loaded, load
 from sart.methods import Rewards, check_methods, get_method
 from sart.policies.equivalence import Equivalence
+from sart.testbed.specs import testbed
 from sart.types import Scoring
 
 
@@ -66,7 +67,7 @@ class _Run:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.testbed = args.model == TESTBED
+        self.bed = testbed(args.model)
         check_flags(args)
         self.n, self.ns = branch_counts(args)
         """The N recorded per problem, and the N values reported."""
@@ -78,7 +79,7 @@ class _Run:
             PromptItem(p.id, self.dataset.prompt(p), p.answer) for p in self.dataset.problems
         ]
         self.setup = RealSetup(spec, self.items, sampling(args, EVAL_MAX_TOKENS, EVAL_TEMPERATURE))
-        self.interval = args.interval or (TESTBED_INTERVAL if self.testbed else DEFAULT_INTERVAL)
+        self.interval = args.interval or (self.bed.interval if self.bed else DEFAULT_INTERVAL)
         self.methods = check_methods(args.methods)
         self.grader: Grader = make_grader(self.dataset.grading)
         self.equivalence: Equivalence | None = None
@@ -117,7 +118,7 @@ class _Run:
         choice = self.args.chat
         if choice != "auto":
             return choice == "on"
-        if self.testbed:
+        if self.bed:
             return False
         from transformers import AutoTokenizer
 

@@ -309,21 +309,24 @@ TESTBED_TEMPLATE = PromptTemplate("{problem}")
 """The testbed's questions are their own prompts (``Q 3 p1 7 p2 5 p3 S``)."""
 
 
-def load_testbed(count: int, seed: int = 0) -> Dataset:
-    """``count`` testbed questions of mixed difficulty (``sart.testbed.make_questions(seed,
-    count)``; the first ``k`` of them are those of ``count=k``), ids ``t0``, ``t1``...
-    as ``sart bench --model testbed`` names them, ``level`` their difficulty (digits
-    to add), graded exactly."""
-    from sart.testbed import make_questions
+def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
+    """``count`` questions of the testbed ``name`` (``testbed``, ``testbed-long``), of
+    mixed difficulty (``Testbed.questions(dataset_seed + seed, count)``; the first
+    ``k`` of them are those of ``count=k``), ids ``t0``, ``t1``... as ``sart bench
+    --model testbed`` names them, ``level`` their difficulty (digits to add), graded
+    exactly. The long testbed's seed is set apart from those its training and
+    report draw from: its questions are held apart."""
+    from sart.testbed.specs import TESTBEDS
 
     config_check(isinstance(count, int) and count >= 1, "limit", count, ">= 1")
+    bed = TESTBEDS[name]
+    drawn = bed.dataset_seed + seed
     problems = [
         Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
-        for i, q in enumerate(make_questions(seed, count))
+        for i, q in enumerate(bed.questions(drawn, count))
     ]
-    return Dataset(
-        "testbed", problems, TESTBED_TEMPLATE, "exact", f"sart.testbed.make_questions({seed})"
-    )
+    source = f"sart.testbed.{'SHORT' if name == 'testbed' else 'LONG'}.questions({drawn})"
+    return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)
 
 
 def load_jsonl(

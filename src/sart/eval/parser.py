@@ -24,10 +24,11 @@ from sart.flags import (
     add_scoring_flag,
 )
 from sart.launch import TESTBED_INTERVAL
+from sart.testbed.specs import LONG
 
-DATASET_CHOICES = (*DATASETS, "testbed")
-TESTBED_LIMIT = 40
-"""Testbed questions when ``--limit`` is not given (the testbed has no fixed set)."""
+DATASET_CHOICES = (*DATASETS, "testbed", "testbed-long")
+TESTBED_LIMIT = {"testbed": 40, "testbed-long": 200}
+"""Testbed questions when ``--limit`` is not given (a testbed has no fixed set)."""
 EVAL_MAX_TOKENS = 32768
 """Tokens per branch by default: room for a reasoning model's whole answer."""
 EVAL_TEMPERATURE = 0.6
@@ -74,7 +75,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         required=True,
         choices=DATASET_CHOICES,
         help="the benchmark: graded by math-verify (math500, aime2024, aime2025, jsonl), by "
-        "option letter (gpqa-diamond) or exactly (testbed: the shipped testbed's questions)",
+        "option letter (gpqa-diamond) or exactly (testbed, testbed-long: a shipped testbed's "
+        "questions)",
     )
     p.add_argument(
         "--data",
@@ -85,7 +87,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "--limit",
         type=int,
         default=None,
-        help=f"the first K problems only (default: all; testbed: {TESTBED_LIMIT})",
+        help="the first K problems only (default: all; testbed: "
+        f"{TESTBED_LIMIT['testbed']}; testbed-long: {TESTBED_LIMIT['testbed-long']})",
     )
     p.add_argument(
         "--engine",
@@ -96,8 +99,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--model",
         required=True,
-        help="the policy's directory or hub id, or 'testbed' (the shipped tiny reasoning "
-        "model, with its PRM by default)",
+        help="the policy's directory or hub id, or 'testbed' / 'testbed-long' (a shipped "
+        "tiny reasoning model, with its PRM by default)",
     )
     add_model_flags(p)
     add_sampling_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
@@ -125,7 +128,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help=f"T, tokens between PRM checks (default {DEFAULT_INTERVAL}; testbed: "
-        f"{TESTBED_INTERVAL})",
+        f"{TESTBED_INTERVAL}; testbed-long: {LONG.interval})",
     )
     p.add_argument(
         "--batch-size",
@@ -178,12 +181,12 @@ def check_flags(args: argparse.Namespace) -> None:
 def dataset_of(args: argparse.Namespace) -> Dataset:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit} must be >= 1")
-    if args.dataset == "testbed":
+    if args.dataset in TESTBED_LIMIT:
         if args.data is not None:
             raise ConfigError(
-                "--data has no effect with --dataset testbed (its questions are made)"
+                f"--data has no effect with --dataset {args.dataset} (its questions are made)"
             )
-        return load_testbed(args.limit or TESTBED_LIMIT, args.seed)
+        return load_testbed(args.limit or TESTBED_LIMIT[args.dataset], args.seed, args.dataset)
     if args.dataset == "jsonl" and args.data is None:
         raise ConfigError("--dataset jsonl needs --data FILE")
     return load_dataset(args.dataset, args.data, seed=args.seed, limit=args.limit)

@@ -53,6 +53,7 @@ from sart.launch import (
 from sart.launch import load as load_models
 from sart.methods import method_names
 from sart.serve.config import Backend, ServeConfig
+from sart.testbed.specs import LONG, testbed
 
 REAL_TEMPERATURE = 0.7
 """Temperature of requests that do not say, for a model other than the testbed."""
@@ -145,14 +146,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--interval",
         type=int,
         default=None,
-        help=f"T, decode steps between checks (default 400; testbed {TESTBED_INTERVAL})",
+        help=f"T, decode steps between checks (default 400; testbed {TESTBED_INTERVAL}, "
+        f"testbed-long {LONG.interval})",
     )
     g.add_argument(
         "--max-tokens",
         type=int,
         default=None,
         help=f"tokens per branch of requests that do not say (default 16384; testbed "
-        f"{TESTBED_MAX_TOKENS})",
+        f"{TESTBED_MAX_TOKENS}, testbed-long {LONG.max_tokens})",
     )
     g.add_argument(
         "--max-tokens-limit",
@@ -233,9 +235,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
-    """The ``ServeConfig`` the flags describe (testbed defaults under ``--model testbed``;
+    """The ``ServeConfig`` the flags describe (a testbed's defaults under ``--model testbed``
+    or ``testbed-long``;
     ``args.model`` resolved, see ``load_spec_of``)."""
-    testbed = args.model == TESTBED
+    bed = testbed(args.model)
     sampling = sampling_flags(args, MAX_TOKENS, REAL_TEMPERATURE)
     method = args.method or ("sart" if has_prm else "sc")
     if method not in method_names():
@@ -245,7 +248,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         method=method,
         n=args.n,
         max_n=args.max_n,
-        interval=args.interval or (TESTBED_INTERVAL if testbed else 400),
+        interval=args.interval or (bed.interval if bed else 400),
         max_tokens=sampling.max_tokens,
         max_tokens_limit=args.max_tokens_limit or sampling.max_tokens,
         temperature=sampling.temperature,

@@ -16,7 +16,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     actions = testbed.add_subparsers(dest="testbed_command", required=True)
     train = actions.add_parser(
-        "train", help="train the policy and the PRM from scratch (about 8 minutes on 2 cores)"
+        "train",
+        help="train the policy and the PRM from scratch (short: about 8 minutes on 2 cores; "
+        "long: about 40)",
     )
     train.add_argument(
         "--out", default="testbed-weights", help="output directory (default testbed-weights)"
@@ -36,8 +38,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     report = actions.add_parser(
         "report", help="sample N branches per question and print the calibration numbers"
     )
+    report.add_argument(
+        "--model",
+        choices=("short", "long"),
+        default="short",
+        help="which testbed: short (the default) or long",
+    )
     report.add_argument("--n", type=int, default=8, help="branches per question (default 8)")
-    report.add_argument("--questions", type=int, default=120, help="questions (default 120)")
+    report.add_argument(
+        "--questions", type=int, default=None, help="questions (default 120; long: 200)"
+    )
     report.add_argument("--seed", type=int, default=0)
     report.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     report.add_argument(
@@ -59,8 +69,10 @@ def main(args: argparse.Namespace) -> int:
             return 0
         from sart.testbed.report import ReportConfig, calibrate
     weights = Path(args.weights) if args.weights else None
+    name = "testbed-long" if args.model == "long" else "testbed"
+    questions = args.questions or (200 if args.model == "long" else 120)
     result = calibrate(
-        ReportConfig(n=args.n, questions=args.questions, seed=args.seed),
+        ReportConfig.of(name, n=args.n, questions=questions, seed=args.seed),
         policy_dir=weights / "policy" if weights else None,
         prm_dir=weights / "prm" if weights else None,
         threads=args.threads,

@@ -29,7 +29,8 @@ import attrs
 
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
-from sart.rollouts import auroc, cv, majority, pearson
+from sart.rollouts import Rollout, auroc, cv, majority, pearson, rollout_shape
+from sart.testbed.specs import TESTBEDS
 
 if TYPE_CHECKING:
     from sart.testbed.model import Sample
@@ -62,6 +63,30 @@ class Branch:
     full_rewards: tuple[float, ...]
 
 
+#: What the long testbed is built to show (issue "a long, hard testbed"): field ->
+#: (low, high). ``Calibration.misfits`` checks these and the relations between them.
+LONG_RANGES: dict[str, tuple[float, float]] = {
+    "median_length": (400, 1000),
+    "longest": (2000, math.inf),
+    "median_length_cv": (0.25, 0.5),
+    "median_longest_over_shortest": (2.0, 4.0),
+    "median_within_question_r": (-0.35, -0.1),
+    "capped_share": (0.002, 0.2),
+    "branch_accuracy": (0.45, 0.65),
+    "majority_accuracy": (0.0, 0.85),
+}
+
+#: The short testbed's targets, as printed (it was built before the ranges above).
+SHORT_TARGETS = {
+    "median_length_cv": "0.2-0.5",
+    "median_longest_over_shortest": "~2-4x",
+    "mean_within_question_r": "|r| <= 0.3",
+    "branch_accuracy": "0.4-0.8",
+    "auroc_half": ">= 0.75",
+    "auroc_full": "well below 1",
+}
+
+
 @attrs.frozen
 class Calibration:
     """The report's numbers (see the module docstring)."""
@@ -87,30 +112,86 @@ class Calibration:
     """Per aggregation: accuracy of the branch with the highest final reward."""
     aggregation: str
     """The aggregation the testbed PRM is meant for (``sart.testbed.PRM_AGGREGATION``)."""
+    median_length: float = math.nan
+    longest: int = 0
+    median_within_question_r: float = math.nan
+    """Median over questions where both vary (``sart.rollouts.rollout_shape``)."""
+    correct_over_wrong: float = math.nan
+    """Mean length of correct over wrong branches, each relative to its question's mean."""
+    capped_share: float = math.nan
+    """Branches cut at the token cap with no answer (loops)."""
+    testbed: str = "testbed"
 
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    def misfits(self) -> list[str]:
+        """For the long testbed: the numbers outside ``LONG_RANGES`` or breaking its
+        relations (majority >= branch accuracy + 0.1, accuracy falling with
+        difficulty, PRM AUROC at 50% >= 0.7, best of n by PRM above the majority);
+        empty when all hold. The short testbed has targets, not ranges: empty."""
+        if self.testbed != "testbed-long":
+            return []
+        out = [
+            f"{name}={getattr(self, name):.3f} (range {low:g} .. {high:g})"
+            for name, (low, high) in LONG_RANGES.items()
+            if not low <= getattr(self, name) <= high
+        ]
+        agg = self.aggregation
+        by_difficulty = [v for _, v in sorted(self.accuracy_by_difficulty.items())]
+        relations = [
+            (self.majority_accuracy >= self.branch_accuracy + 0.1, "majority >= branch + 0.1"),
+            (by_difficulty[0] > by_difficulty[-1], "accuracy falls with difficulty"),
+            (self.auroc_half[agg] >= 0.7, f"PRM AUROC at 50% ({agg}) >= 0.7"),
+            (
+                self.best_of_n_accuracy[agg] > self.majority_accuracy,
+                f"best of {self.n} by PRM ({agg}) > majority",
+            ),
+        ]
+        return out + [f"not: {what}" for ok, what in relations if not ok]
+
     def text(self) -> str:
         agg = self.aggregation
+        long = self.testbed == "testbed-long"
+
+        def target(name: str) -> str:
+            if long and name in LONG_RANGES:
+                low, high = LONG_RANGES[name]
+                return f"  (range {low:g} .. {high:g})" if high != math.inf else f"  (>= {low:g})"
+            return f"  (target {SHORT_TARGETS[name]})" if not long and name in SHORT_TARGETS else ""
+
         rows = [
             ("questions x branches", f"{self.questions} x {self.n} (seed {self.seed})"),
-            ("median length CV", f"{self.median_length_cv:.3f}   (target 0.2-0.5)"),
-            ("median longest/shortest", f"{self.median_longest_over_shortest:.2f}x (target ~2-4x)"),
+            ("median length (tokens)", f"{self.median_length:.1f}{target('median_length')}"),
+            ("longest (tokens)", f"{self.longest}{target('longest')}"),
             ("mean length (tokens)", f"{self.mean_length:.1f}"),
-            ("length-correct r (mean)", f"{self.mean_within_question_r:+.3f}  (target |r| <= 0.3)"),
+            ("median length CV", f"{self.median_length_cv:.3f}{target('median_length_cv')}"),
+            (
+                "median longest/shortest",
+                f"{self.median_longest_over_shortest:.2f}x{target('median_longest_over_shortest')}",
+            ),
+            (
+                "length-correct r (median)",
+                f"{self.median_within_question_r:+.3f}{target('median_within_question_r')}",
+            ),
+            (
+                "length-correct r (mean)",
+                f"{self.mean_within_question_r:+.3f}{target('mean_within_question_r')}",
+            ),
             ("length-correct r (pooled)", f"{self.pooled_within_question_r:+.3f}"),
-            ("branch accuracy", f"{self.branch_accuracy:.3f}   (target 0.4-0.8)"),
+            ("correct / wrong length", f"{self.correct_over_wrong:.3f}"),
+            ("cut at the cap (loops)", f"{self.capped_share:.3f}{target('capped_share')}"),
+            ("branch accuracy", f"{self.branch_accuracy:.3f}{target('branch_accuracy')}"),
             *(
                 (f"  difficulty {k}", f"{v:.3f}")
                 for k, v in sorted(self.accuracy_by_difficulty.items())
             ),
-            (f"majority of {self.n}", f"{self.majority_accuracy:.3f}"),
+            (f"majority of {self.n}", f"{self.majority_accuracy:.3f}{target('majority_accuracy')}"),
             (f"best of {self.n} by PRM ({agg})", f"{self.best_of_n_accuracy[agg]:.3f}"),
             (f"any of {self.n} correct", f"{self.oracle_accuracy:.3f}"),
             ("finished (EOS) share", f"{self.finished_share:.3f}"),
-            (f"PRM AUROC at 50% ({agg})", f"{self.auroc_half[agg]:.3f}   (target >= 0.75)"),
-            (f"PRM AUROC at 100% ({agg})", f"{self.auroc_full[agg]:.3f}   (target well below 1)"),
+            (f"PRM AUROC at 50% ({agg})", f"{self.auroc_half[agg]:.3f}{target('auroc_half')}"),
+            (f"PRM AUROC at 100% ({agg})", f"{self.auroc_full[agg]:.3f}{target('auroc_full')}"),
         ]
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
@@ -121,10 +202,20 @@ class Calibration:
                 f"{how:<12} {self.auroc_half[how]:>10.3f} {self.auroc_full[how]:>11.3f} "
                 f"{self.best_of_n_accuracy[how]:>10.3f}"
             )
+        if long:
+            misfits = self.misfits()
+            lines.append("")
+            lines.append(
+                "outside the long testbed's ranges: " + "; ".join(misfits)
+                if misfits
+                else "every number in the long testbed's ranges"
+            )
         return "\n".join(lines)
 
 
-def summarize(branches: Sequence[Branch], n: int, seed: int, aggregation: str) -> Calibration:
+def summarize(
+    branches: Sequence[Branch], n: int, seed: int, aggregation: str, testbed: str = "testbed"
+) -> Calibration:
     """The calibration numbers of graded, scored branches (``n`` per question)."""
     by_question: dict[int, list[Branch]] = {}
     for b in branches:
@@ -151,6 +242,12 @@ def summarize(branches: Sequence[Branch], n: int, seed: int, aggregation: str) -
     for b in branches:
         by_difficulty.setdefault(b.difficulty, []).append(b.correct)
     labels = [b.correct for b in branches]
+    shape = rollout_shape(
+        [
+            [Rollout(b.length, b.correct, b.answer, capped=not b.finished) for b in group]
+            for group in by_question.values()
+        ]
+    )
     return Calibration(
         n=n,
         questions=len(by_question),
@@ -175,6 +272,12 @@ def summarize(branches: Sequence[Branch], n: int, seed: int, aggregation: str) -
         },
         best_of_n_accuracy={how: statistics.fmean(v) for how, v in best.items()},
         aggregation=aggregation,
+        median_length=shape.median_length,
+        longest=shape.longest,
+        median_within_question_r=shape.median_r,
+        correct_over_wrong=shape.correct_over_wrong,
+        capped_share=shape.capped_share,
+        testbed=testbed,
     )
 
 
@@ -191,10 +294,24 @@ class ReportConfig:
     difficulties: tuple[int, ...] = attrs.field(default=(3, 4, 5, 6, 7, 8), converter=tuple)
     max_new_tokens: int = 256
 
+    testbed: str = "testbed"
+    """Which shipped testbed (``sart.testbed.specs``): its weights by default.
+    ``ReportConfig.of(name)`` also takes its difficulties and token cap."""
+
     def __attrs_post_init__(self) -> None:
         config_check(self.n >= 2, "n", self.n, ">= 2 (length spread needs two branches)")
         config_check(self.questions >= 1, "questions", self.questions, ">= 1")
         config_check(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, ">= 1")
+        config_check(self.testbed in TESTBEDS, "testbed", self.testbed, f"one of {list(TESTBEDS)}")
+
+    @classmethod
+    def of(cls, testbed: str = "testbed", **fields: Any) -> ReportConfig:
+        """The report of ``testbed``: its difficulties and token cap (``fields`` override)."""
+        bed = TESTBEDS[testbed] if testbed in TESTBEDS else None
+        defaults: dict[str, Any] = (
+            {"difficulties": bed.difficulties, "max_new_tokens": bed.max_tokens} if bed else {}
+        )
+        return cls(testbed=testbed, **{**defaults, **fields})
 
 
 @attrs.frozen
@@ -251,14 +368,14 @@ def sample_branches(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sart.prm.hf import QwenMathPRM
-    from sart.testbed import POLICY_PATH, PRM_PATH, prm_kwargs
     from sart.testbed.tasks import make_questions
 
+    bed = TESTBEDS[config.testbed]
     torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir or POLICY_PATH)
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir or POLICY_PATH).eval()
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir or bed.policy_path)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir or bed.policy_path).eval()
     prm = QwenMathPRM.from_pretrained(
-        prm_dir or PRM_PATH, incremental=False, batch_size=64, **prm_kwargs()
+        prm_dir or bed.prm_path, incremental=False, batch_size=64, **bed.prm_kwargs()
     )
     questions = make_questions(config.seed, config.questions, config.difficulties)
     drawn = draw(questions, config.n, policy, tokenizer, config.seed, config.max_new_tokens)
@@ -312,4 +429,4 @@ def calibrate(
 
     config = config or ReportConfig()
     branches = sample_branches(config, policy_dir, prm_dir, threads)
-    return summarize(branches, config.n, config.seed, PRM_AGGREGATION)
+    return summarize(branches, config.n, config.seed, PRM_AGGREGATION, config.testbed)
