@@ -60,6 +60,7 @@ def test_sart_adaptive_sizes_m_and_beta_to_the_branches_it_gets() -> None:
     assert busy.prune == sart.ShedUnderLoad(inner=sart.TwoPhasePrune(0.5, 1), keep=1)
     some = policy.admit.admit(policy, load(running_branches=10))
     assert some.n == 6 and some.stop == sart.FirstM(3)
+    assert some.prune == sart.ShedUnderLoad(inner=sart.TwoPhasePrune(0.5, 3), keep=2)
     explicit = sart.sart_adaptive(8, m=6, beta=5, keep=3, floor=4)
     low = explicit.admit.admit(explicit, load(running_branches=16))
     assert low.n == 4 and low.stop == sart.FirstM(4)
