@@ -46,6 +46,9 @@ def test_branch_by_load_stays_between_its_floor_and_the_ceiling() -> None:
     assert rule.branches(8, load(running_branches=12)) == 4
     assert rule.branches(8, load(running_branches=16, waiting_requests=3)) == 2  # the floor
     assert rule.branches(1, load(running_branches=16)) == 1  # a floor above the ceiling
+    # While the PRM is behind, prm_floor (1 by default), whatever the batch.
+    assert rule.branches(8, load(prm_waiting=3)) == 1
+    assert sart.BranchByLoad(prm_floor=3).branches(8, load(prm_waiting=1)) == 3
     policy = rule.admit(sart.self_consistency(8), load(running_branches=13))
     assert (policy.n, policy.name) == (3, "self-consistency(n=8)")
     with pytest.raises(sart.ConfigError, match="floor"):
@@ -163,6 +166,20 @@ def test_admission_sees_the_queue_the_slots_and_the_arrival_rate() -> None:
     assert second.running_branches == 4 and second.free_slots == 2
     assert second.arrival_rate == pytest.approx(0.5)
     assert third.waited >= 0.0 and third.active_requests >= 1
+
+
+def test_the_load_shows_checks_waiting_for_a_busy_prm() -> None:
+    # A PRM whose every call takes 50 time units, one call at a time: r0's first check
+    # is in flight from t=4 to 54; r1 (admitted at 10) is due at 14 and waits for it;
+    # r2, admitted at 20, sees that.
+    rule = Recording()
+    policy = attrs.evolve(sart.sart(2, interval=4), admit=rule)
+    table = scripts(3, 2, length=120)
+    requests = [sart.Request(f"r{i}", "q", policy, arrival=10.0 * i) for i in range(3)]
+    prm = sart.CostedPRM(ScriptedPRM(table, every=4), lambda _items: 50.0)
+    results = sart.run(requests, FakeEngine(table, step_cost=1.0), prm, batch_size=8)
+    assert all(r.ok for r in results)
+    assert [x.prm_waiting for x in rule.seen] == [0, 0, 1]
 
 
 def test_checks_see_the_load_too() -> None:

@@ -373,8 +373,7 @@ def served(request: sart.Request, result: RequestResult) -> sart.Request:
     if not isinstance(rule, sart.BranchByLoad) or rule.build is None:
         return request
     n = len(result.branches)
-    assert rule.floor <= n or n == request.policy.n
-    assert n <= request.policy.n
+    assert min(rule.floor, rule.prm_floor) <= n <= request.policy.n
     return attrs.evolve(request, policy=attrs.evolve(rule.build(n), name=request.policy.name))
 
 

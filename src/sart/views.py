@@ -31,6 +31,9 @@ class Load:
     ``None`` before two have arrived."""
     waited: float
     """This request's time since its arrival."""
+    prm_waiting: int = 0
+    """Requests whose due check waits for the PRM to take it (every ``Score`` it may
+    have in flight is out): the PRM, not the batch, is what holds them up."""
     kv_tokens: int | None = None
     """KV-cache tokens held, as the engine last reported (``None``: not reported)."""
     kv_capacity: int | None = None

@@ -39,12 +39,16 @@ def fair_share(load: Load) -> int:
 @attrs.frozen
 class BranchByLoad(AdmitRule):
     """At admission: ``n = curve(load)`` clamped to ``[floor, ceiling]``, where the
-    ceiling is the policy's own ``n`` and ``curve`` defaults to ``fair_share``; the
-    request is served by ``build(n)`` (default: the policy with ``n`` replaced, for
-    rules that do not depend on it)."""
+    ceiling is the policy's own ``n`` and ``curve`` defaults to ``fair_share``, or
+    ``prm_floor`` while the PRM is behind; the request is served by ``build(n)``
+    (default: the policy with ``n`` replaced, for rules that do not depend on it)."""
 
     floor: int = attrs.field(default=1, validator=int_at_least(1))
-    """The fewest branches a request gets, however busy the server."""
+    """The fewest branches a request gets, however busy the batch."""
+    prm_floor: int = attrs.field(default=1, validator=int_at_least(1))
+    """The branches a request gets while the PRM is behind (``Load.prm_waiting``: due
+    checks wait for it): more branches would only queue more checks, whose late
+    rewards let branches run on unpruned."""
     build: Callable[[int], Policy] | None = None
     """The policy for ``n`` branches, its stop and prune rules sized to ``n``."""
     curve: Callable[[Load], int] = fair_share
@@ -52,6 +56,8 @@ class BranchByLoad(AdmitRule):
 
     def branches(self, ceiling: int, load: Load) -> int:
         """``n`` for ``load`` with this ceiling."""
+        if load.prm_waiting > 0:
+            return min(self.prm_floor, ceiling)
         return max(min(self.floor, ceiling), min(ceiling, int(self.curve(load))))
 
     def admit(self, policy: Policy, load: Load) -> Policy:

@@ -91,6 +91,11 @@ class CheckQueue:
         self._queued: deque[list[Check]] = deque()
         self._wanted: dict[str, RequestState] = {}
 
+    @property
+    def waiting(self) -> int:
+        """Requests whose wanted check waits for a ``Score`` slot (overlapped scoring)."""
+        return sum(not req.ended for req in self._wanted.values())
+
     def want(self, reqs: Iterable[RequestState]) -> None:
         """``reqs`` want a check (those with one in flight get theirs after it)."""
         self._wanted.update((req.id, req) for req in reqs if not req.in_score)

@@ -105,6 +105,7 @@ class Scheduler:
             active_requests=len(self._active),
             arrival_rate=(len(arrivals) - 1) / span if span > 0 else None,
             waited=max(0.0, now - req.request.arrival),
+            prm_waiting=self._checks.waiting,
             kv_tokens=self._kv[0],
             kv_capacity=self._kv[1],
         )
