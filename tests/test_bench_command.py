@@ -55,6 +55,20 @@ def test_bench_writes_table_json_and_plots(
     check_prm_records(doc, printed)
     for name in ("latency_accuracy.png", "resources.png", "distributions.png"):
         assert (tmp_path / "out" / name).stat().st_size > 10_000
+    assert not (tmp_path / "out" / "rate_sweep.png").exists()  # one rate: nothing to sweep
+
+
+def test_a_sweep_of_rates_is_plotted_and_printed_as_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "out"
+    argv = ["bench", "--requests", "12", "--rate", "0.05", "2", "--n", "4", "--methods",
+            "vanilla", "sart", "sart-adaptive", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert (out / "rate_sweep.png").stat().st_size > 10_000
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    rates = {row[0] for row in rows if len(row) > 2 and row[1] in ("Vanilla", "SART")}
+    assert rates == {"0.05", "2"}  # not rounded to "0"
 
 
 def test_an_slo_reports_the_share_of_requests_answered_within_it(

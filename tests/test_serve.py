@@ -122,6 +122,9 @@ def test_a_method_and_its_fields_build_the_policy() -> None:
     name, p = policy(method="sart", n=6, m=2, alpha=0.3, beta=1, interval=5)
     assert (p.n, p.interval, p.stop.m, p.prune.alpha, p.prune.beta) == (6, 5, 2, 0.3, 1)
     assert policy(method="vanilla")[1].n == 1  # the server's default n does not apply
+    name, p = policy(method="sart-adaptive", n=8, m=2)
+    assert (name, p.n, p.name) == ("sart-adaptive", 8, "sart-adaptive(n=2..8)")
+    assert isinstance(p.admit, sart.BranchByLoad)  # its n is a ceiling, settled by load
     name, p = policy(method="sc", n=4, selector="weighted")
     assert isinstance(p.select, sart.WeightedVote) and p.name.endswith("select=weighted")
     refusals = {

@@ -5,6 +5,9 @@
 - ``resources.png`` (Figure 3): running branches and KV tokens over time, for
   one request and for the whole run, with and without pruning.
 - ``distributions.png`` (Figure 6): response lengths and queueing times.
+- ``rate_sweep.png`` (with two or more ``--rate`` values): P97 end-to-end latency
+  and accuracy against the arrival rate, one line per method and ``N``: how each
+  fares from idle to overload.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def write_plots(config: BenchConfig, records: Sequence[RunRecord], out: Path) ->
         _latency_accuracy(plt, config, records, out / "latency_accuracy.png"),
         _resources(plt, config, records, out / "resources.png"),
         _distributions(plt, config, records, out / "distributions.png"),
+        _against_rate(plt, config, records, out / "rate_sweep.png"),
     ]
     return [p for p in paths if p is not None]
 
@@ -98,6 +102,42 @@ def _latency_accuracy(
             title=f"Accuracy, {title}", xlabel="N", ylabel="accuracy (%)", xticks=list(config.ns)
         )
         lat_ax.legend(fontsize=8)
+    return save_figure(plt, fig, path)
+
+
+def _against_rate(
+    plt: Any, config: BenchConfig, records: Sequence[RunRecord], path: Path
+) -> Path | None:
+    rates = [r for r in _rates(records) if r is not None]
+    if len(rates) < 2:
+        return None
+    fig, (lat_ax, acc_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for method, n in dict.fromkeys((r.method, r.n) for r in records):
+        runs = sorted(
+            (r for r in records if (r.method, r.n) == (method, n) and r.rate is not None),
+            key=lambda r: r.rate or 0.0,
+        )
+        label = get_method(method).label + ("" if method == "vanilla" else f", N={n}")
+        style = {"color": "gray", "linestyle": "--"} if method == "vanilla" else {}
+        xs = [r.rate for r in runs]
+        lat_ax.plot(xs, [r.summary.e2e.p97 for r in runs], marker="o", label=label, **style)
+        acc_ax.plot(
+            xs, [100 * (r.summary.accuracy or 0) for r in runs], marker="o", label=label, **style
+        )
+    lat_ax.set(
+        title="P97 E2E latency against load",
+        xlabel="arrival rate (req/s)",
+        ylabel=f"latency ({_unit(config)})",
+        xscale="log",
+        yscale="log",
+    )
+    acc_ax.set(
+        title="Accuracy against load",
+        xlabel="arrival rate (req/s)",
+        ylabel="accuracy (%)",
+        xscale="log",
+    )
+    lat_ax.legend(fontsize=8)
     return save_figure(plt, fig, path)
 
 

@@ -130,6 +130,11 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _rate(x: float) -> str:
+    """An arrival rate as given (0.05 stays 0.05; 4.0 prints 4)."""
+    return f"{x:g}"
+
+
 def _time(x: float) -> str:
     """A latency: milliseconds matter for wall-clock runs of tiny models."""
     return _fmt(x, 3 if abs(x) < 1 else 1)
@@ -204,7 +209,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
         elif r.preemptions:
             peak = f"{peak} [yellow]p{r.preemptions}[/yellow]"
         table.add_row(
-            "trace" if r.rate is None else _fmt(r.rate, 0),
+            "trace" if r.rate is None else _rate(r.rate),
             get_method(r.method).short_label,
             str(r.n),
             *([f"[red]{s.failed}[/red]" if s.failed else "0"] if failures else []),
@@ -237,7 +242,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             ratio_table.add_column(name, justify="right")
         for row in rows:
             cells = [
-                "trace" if row["rate"] is None else _fmt(row["rate"], 0),
+                "trace" if row["rate"] is None else _rate(row["rate"]),
                 str(row["n"]),
                 _fmt(row["sc_over_sart"], 2),
                 _fmt(row["vanilla_over_sart"], 2),
