@@ -113,6 +113,14 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch() -> None:
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_a_curriculum_grows_the_hardest_question_from_short_ones() -> None:
+    from sart.testbed.train import _hardest
+
+    config = TrainConfig(min_digits=4, max_digits=64, curriculum=500)
+    assert [_hardest(config, s) for s in (0, 250, 499, 500, 1000)] == [8, 36, 63, 64, 64]
+    assert _hardest(TrainConfig(), 0) == TrainConfig().max_digits  # none: the whole range
+
+
 def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     from sart.testbed.train import LONG, TRAIN_CONFIGS, tokenizer_for
 

@@ -84,12 +84,16 @@ def sample(
     temperature: float = 1.0,
     max_new_tokens: int = 256,
     batch_size: int = 256,
+    compact: bool = False,
 ) -> list[Sample]:
     """Sample one continuation per prompt, in order.
 
     Prompts are batched by length (no padding needed: every question of one
     difficulty has the same prompt length); the draws depend on ``generator``
     and on the order and lengths of ``prompts``, so a call is reproducible.
+    ``compact``: drop finished rows from the batch (and the KV cache) as they end,
+    so that a few long rollouts (the long testbed's loops run to ``max_new_tokens``)
+    do not keep a whole batch decoding; the draws then differ from those without.
     """
     config_check(temperature > 0, "temperature", temperature, "> 0")
     model.eval()
@@ -102,9 +106,10 @@ def sample(
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long)
-            for i, s in zip(
-                chunk, _sample_batch(model, ids, eos_id, generator, temperature, max_new_tokens)
-            ):
+            drawn = _sample_batch(
+                model, ids, eos_id, generator, temperature, max_new_tokens, compact
+            )
+            for i, s in zip(chunk, drawn):
                 out[i] = s
     return [s for s in out if s is not None]
 
@@ -116,8 +121,12 @@ def _sample_batch(
     generator: torch.Generator,
     temperature: float,
     max_new_tokens: int,
+    compact: bool = False,
 ) -> list[Sample]:
     from sart.prm.hf import CacheAPI
+
+    if compact:
+        return _sample_compacting(model, ids, eos_id, generator, temperature, max_new_tokens)
 
     batch = ids.shape[0]
     # transformers 5.x names the argument ``cache``, 4.x and early 5.x
@@ -145,3 +154,42 @@ def _sample_batch(
         finished = eos_id in row
         samples.append(Sample(tuple(row[: row.index(eos_id)] if finished else row), finished))
     return samples
+
+
+def _sample_compacting(
+    model: Any,
+    ids: torch.Tensor,
+    eos_id: int,
+    generator: torch.Generator,
+    temperature: float,
+    max_new_tokens: int,
+) -> list[Sample]:
+    """``_sample_batch`` that keeps only unfinished rows in the batch and the cache."""
+    from sart.prm.hf import CacheAPI
+
+    api = CacheAPI.of(model)
+    cache = api.new(model)
+    alive = list(range(ids.shape[0]))  # original row of each batch row
+    tokens: list[list[int]] = [[] for _ in alive]
+    finished = [False] * len(alive)
+    step_input = ids
+    for _ in range(max_new_tokens):
+        output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
+        cache = api.returned(output, cache)
+        probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
+        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+        keep = []
+        for row, token in enumerate(drawn):
+            original = alive[row]
+            if token == eos_id:
+                finished[original] = True
+            else:
+                tokens[original].append(token)
+                keep.append(row)
+        if not keep:
+            break
+        if len(keep) < len(alive):
+            cache.batch_select_indices(torch.tensor(keep))
+            alive = [alive[row] for row in keep]
+        step_input = torch.tensor([[drawn[row]] for row in keep], dtype=torch.long)
+    return [Sample(tuple(t), done) for t, done in zip(tokens, finished)]

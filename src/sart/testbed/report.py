@@ -297,6 +297,9 @@ class ReportConfig:
     testbed: str = "testbed"
     """Which shipped testbed (``sart.testbed.specs``): its weights by default.
     ``ReportConfig.of(name)`` also takes its difficulties and token cap."""
+    compact: bool = False
+    """Sample with finished rows dropped from the batch (``sample(compact=True)``):
+    the long testbed's report does, its loops would hold whole batches otherwise."""
 
     def __attrs_post_init__(self) -> None:
         config_check(self.n >= 2, "n", self.n, ">= 2 (length spread needs two branches)")
@@ -311,6 +314,8 @@ class ReportConfig:
         defaults: dict[str, Any] = (
             {"difficulties": bed.difficulties, "max_new_tokens": bed.max_tokens} if bed else {}
         )
+        if testbed == "testbed-long":
+            defaults["compact"] = True
         return cls(testbed=testbed, **{**defaults, **fields})
 
 
@@ -333,6 +338,8 @@ def draw(
     tokenizer: Any,
     seed: int,
     max_new_tokens: int = 256,
+    *,
+    compact: bool = False,
 ) -> list[Drawn]:
     """``n`` branches per question from the seeded sampler, in order."""
     import torch
@@ -346,6 +353,7 @@ def draw(
         eos_id=tokenizer.eos_token_id,
         generator=torch.Generator().manual_seed(seed),
         max_new_tokens=max_new_tokens,
+        compact=compact,
     )
     out = []
     for index, s in enumerate(samples):
@@ -378,7 +386,15 @@ def sample_branches(
         prm_dir or bed.prm_path, incremental=False, batch_size=64, **bed.prm_kwargs()
     )
     questions = make_questions(config.seed, config.questions, config.difficulties)
-    drawn = draw(questions, config.n, policy, tokenizer, config.seed, config.max_new_tokens)
+    drawn = draw(
+        questions,
+        config.n,
+        policy,
+        tokenizer,
+        config.seed,
+        config.max_new_tokens,
+        compact=config.compact,
+    )
     return score_drawn(prm, drawn, config.n)
 
 
