@@ -18,6 +18,7 @@ from sart.prm.aggregate import split_steps
 from sart.testbed.tasks import (
     MAX_DIGITS,
     MAX_POSITIONS,
+    STEP_WORD,
     Question,
     TraceConfig,
     answer_step,
@@ -172,13 +173,14 @@ def test_long_settings_make_errors_repeat_wrong_traces_longer_and_loops() -> Non
     ended = [(q, t) for q, t, done in drawn if done]
     assert loops and ended
     for _q, text in loops:
-        # Cut at loop_tokens words, no answer; the whole steps since the last step
-        # taken all re-check it, unchanged.
+        # No answer; the whole steps since the last step taken all re-check it,
+        # unchanged, and the loop's last loop_tokens words are nothing else.
         words = text.split(" ")
-        assert len(words) == 300 and "answer" not in words
+        assert "answer" not in words
         steps = [s.strip() for s in split_steps(text)][:-1]
         taken = max(i for i, s in enumerate(steps) if not s.startswith("wait "))
         assert {s.removeprefix("wait ") for s in steps[taken:]} == {steps[taken]}
+        assert set(words[-300:]) <= {STEP_WORD, "wait", *steps[taken].split(" ")}
     # A finished trace answers the value its last step holds, errors included.
     for _q, text in ended:
         values = [v for v in step_values(text) if v is not None]

@@ -118,6 +118,8 @@ def test_a_curriculum_grows_the_hardest_question_from_short_ones() -> None:
 
     config = TrainConfig(min_digits=4, max_digits=64, curriculum=500)
     assert [_hardest(config, s) for s in (0, 250, 499, 500, 1000)] == [8, 36, 63, 64, 64]
+    held = TrainConfig(min_digits=4, max_digits=64, curriculum_hold=100, curriculum=500)
+    assert [_hardest(held, s) for s in (0, 99, 100, 350, 600)] == [8, 8, 8, 36, 64]
     assert _hardest(TrainConfig(), 0) == TrainConfig().max_digits  # none: the whole range
 
 

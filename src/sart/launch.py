@@ -240,6 +240,13 @@ def resolve_models(
 
     bed = testbed(model) if local else None
     prm_bed = testbed(prm) or (bed if prm is None else None)
+    for named in (bed, prm_bed):
+        if named is not None and not (named.weights / "manifest.json").is_file():
+            raise ConfigError(
+                f"model={named.name!r}: its weights are not in this install "
+                f"({named.weights}); 'sart testbed train --model long --out DIR' makes "
+                "them (then give --model DIR/policy --prm DIR/prm)"
+            )
     if prm_bed is not None:
         if prm_kind != "qwen":
             # Its model class is custom transformers code (auto_map), which vLLM's

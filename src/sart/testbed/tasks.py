@@ -155,9 +155,12 @@ class TraceConfig:
     that went wrong goes on re-checking (over-thinking), so wrong traces run longer."""
     loop: float = attrs.field(default=0.0, validator=_probability("loop"))
     """Chance that an error left unfixed starts a loop: the step is re-checked over
-    and over, with no answer, until the trace is cut at ``loop_tokens``."""
-    loop_tokens: int = attrs.field(default=2048)
-    """Where a training loop is cut (words, from the response's start; no EOS)."""
+    and over, with no answer, until the trace is cut ``loop_tokens`` words later."""
+    loop_tokens: int = attrs.field(default=256)
+    """How long a training loop runs before it is cut (words; no EOS). Short: a loop
+    teaches only that a loop goes on, and one that ran to the generation cap would
+    outweigh the rest of its batch in the token-mean loss (2048 words of repeated
+    wrong steps against tens of words per short trace)."""
 
     @styles.validator
     def _check_styles(self, _attr: attrs.Attribute, value: tuple[float, ...]) -> None:
@@ -245,9 +248,10 @@ def noisy_response(
         if result != right and config.loop and rng.random() < config.loop:
             again = _step(i, value, d, result, wait=True)
             words = join_steps(steps).split(" ")
-            while len(words) < config.loop_tokens:
+            cut = len(words) + config.loop_tokens
+            while len(words) < cut:
                 words += [STEP_WORD, *again.split(" ")]
-            return " ".join(words[: config.loop_tokens]), False
+            return " ".join(words[:cut]), False
         value = result
     return join_steps([*steps, answer_step(value)]), True
 
