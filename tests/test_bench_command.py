@@ -11,7 +11,14 @@ import pytest
 
 import sart
 from sart.cli import main
+from sart.testbed.specs import LONG
 from sart.testing import FakeEngine
+
+#: The long testbed's weights are not trained yet (docs/testbed.md): its tests wait.
+NEEDS_LONG_WEIGHTS = pytest.mark.skipif(
+    not (LONG.weights / "manifest.json").is_file(),
+    reason="the long testbed's weights are not trained yet",
+)
 
 
 def bench(tmp_path: Path, *extra: str) -> dict:
@@ -509,6 +516,26 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
     # The testbed PRM is transformers code: another PRM kind for it is refused.
     with pytest.raises(sart.ConfigError, match="prm_kind='vllm-qwen': the testbed PRM"):
         real_setup(_args("--engine", "vllm", "--model", "testbed", "--prm-kind", "vllm-qwen"))
+
+
+@NEEDS_LONG_WEIGHTS
+def test_model_testbed_long_stands_for_the_long_testbed_with_its_defaults() -> None:
+    from sart import testbed
+    from sart.bench.command import real_setup
+    from sart.bench.parser import bench_config
+
+    args = _args("--engine", "hf", "--model", "testbed-long", "--requests", "6")
+    setup = real_setup(args)
+    assert setup.spec.model == str(testbed.LONG.policy_path)
+    assert (setup.spec.prm, setup.spec.prm_options) == (
+        str(testbed.LONG.prm_path),
+        testbed.LONG.prm_kwargs(),
+    )
+    questions = testbed.LONG.questions(0, 6)
+    assert [i.prompt for i in setup.items] == [q.prompt for q in questions]
+    assert {q.difficulty for q in questions} == set(testbed.LONG.difficulties)
+    assert (setup.sampling.max_tokens, setup.sampling.temperature) == (2048, 1.0)
+    assert bench_config(args).interval == 64
 
 
 def test_a_real_engine_needs_prompts_unless_it_is_the_testbed(tmp_path: Path) -> None:
