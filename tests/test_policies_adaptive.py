@@ -119,6 +119,20 @@ def test_shedding_leaves_the_inner_rule_its_own_budget() -> None:
     assert rule.enter_exploit(rule.start(4), first, 4) == Limits(threshold=0.4, max_num_pruned=3)
 
 
+def test_shedding_forks_only_where_its_inner_rule_does() -> None:
+    from sart.servable import check_servable
+
+    assert not sart.ShedUnderLoad(inner=sart.TwoPhasePrune(0.5, 1)).forks
+    assert sart.ShedUnderLoad(inner=sart.RewardBalance()).forks
+    assert sart.ShedUnderLoad(inner=sart.NoPrune()).active  # it prunes: shedding
+
+    class NoFork(FakeEngine):  # as vLLM's and SGLang's adapters
+        supports_fork = False
+
+    # sart-adaptive is served by engines that cannot fork (it never forks).
+    check_servable(sart.Request("a", "p", sart.sart_adaptive(8)), ScriptedPRM(), NoFork())
+
+
 def test_a_requests_own_waiting_branches_are_not_pressure() -> None:
     rule = sart.ShedUnderLoad(inner=sart.NoPrune(), keep=1)
     v = view([0.2, 0.4], waiting_branches=2)

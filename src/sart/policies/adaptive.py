@@ -117,6 +117,11 @@ class ShedUnderLoad(PruneRule):
     def fork(self, request: RequestView) -> Mapping[int, int]:
         return self.inner.fork(request)
 
+    @property
+    def forks(self) -> bool:
+        """As ``inner``: an engine without forking serves it when ``inner`` does not fork."""
+        return self.inner.forks
+
 
 def _slots_wanted(request: RequestView) -> int:
     """Batch slots other work waits for: others' waiting branches, one per queued request."""
