@@ -150,8 +150,8 @@ LONG = TrainConfig(
     # short steps, 72% of the steps' sums were wrong; with 256-word loops, 4.7%, the
     # noise's own rate); and copying is learned slower under these traces than under
     # the short testbed's (after 500 short steps at batch 16: 33% wrong digits
-    # against 6.4%); holding them 1,000 steps: 11% wrong digits but 75% wrong sums,
-    # and without systematic errors and doubt, 15% and 7%.
+    # against 6.4%); holding them 1,000 steps: 11% wrong digits but 75% wrong sums;
+    # without systematic errors 9.7% and 3.8%, without doubt 7.2% and 2.1%.
     # Not yet trained with these settings: see docs/testbed.md.
     min_digits=4,
     max_digits=64,
