@@ -65,7 +65,7 @@ from sart.rewards.signals import (
     TailConfidence,
     TokenConfidence,
 )
-from sart.testbed.report import auroc
+from sart.rollouts import auroc
 
 #: The testbed's check interval T: a window of one check's tokens.
 DEFAULT_WINDOW = 16

@@ -49,9 +49,10 @@ from typing import Any
 import torch
 
 from sart.prm.hf import QwenMathPRM
+from sart.rollouts import auroc
 from sart.testbed import PRM_PATH, prm_kwargs
 from sart.testbed.modeling_testbed_prm import FEATURES
-from sart.testbed.report import ReportConfig, auroc, draw
+from sart.testbed.report import ReportConfig, draw
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
 from sart.testbed.train import TrainConfig, _pad, fit_logistic, prm_examples
 

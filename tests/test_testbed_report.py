@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sart.errors import ConfigError
-from sart.testbed.report import Branch, ReportConfig, auroc, cv, majority, pearson, summarize
+from sart.rollouts import auroc, cv, majority, pearson
+from sart.testbed.report import Branch, ReportConfig, summarize
 
 
 def test_auroc_known_values() -> None:

@@ -95,8 +95,8 @@ class Scheduler:
 
     def load(self, req: RequestState, now: float) -> Load:
         """The server's load as ``req``'s policy sees it now."""
-        arrivals = sorted(self._arrivals)
-        span = arrivals[-1] - arrivals[0] if len(arrivals) >= 2 else 0.0
+        arrivals = self._arrivals
+        span = max(arrivals) - min(arrivals) if len(arrivals) >= 2 else 0.0
         return Load(
             waiting_requests=self._waiting.queued_requests,
             waiting_branches=self._waiting.queued_branches,

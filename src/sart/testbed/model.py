@@ -106,9 +106,8 @@ def sample(
         for start in range(0, len(indices), batch_size):
             chunk = indices[start : start + batch_size]
             ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long)
-            drawn = _sample_batch(
-                model, ids, eos_id, generator, temperature, max_new_tokens, compact
-            )
+            sampler = _sample_compacting if compact else _sample_batch
+            drawn = sampler(model, ids, eos_id, generator, temperature, max_new_tokens)
             for i, s in zip(chunk, drawn):
                 out[i] = s
     return [s for s in out if s is not None]
@@ -121,12 +120,8 @@ def _sample_batch(
     generator: torch.Generator,
     temperature: float,
     max_new_tokens: int,
-    compact: bool = False,
 ) -> list[Sample]:
     from sart.prm.hf import CacheAPI
-
-    if compact:
-        return _sample_compacting(model, ids, eos_id, generator, temperature, max_new_tokens)
 
     batch = ids.shape[0]
     # transformers 5.x names the argument ``cache``, 4.x and early 5.x
@@ -137,11 +132,7 @@ def _sample_batch(
     generated: list[torch.Tensor] = []
     step_input = ids
     for _ in range(max_new_tokens):
-        output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
-        cache = api.returned(output, cache)
-        logits = output.logits[:, -1, :]
-        probs = torch.softmax(logits.float() / temperature, dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        token, cache = _draw(model, api, cache, step_input, generator, temperature)
         token = torch.where(done, torch.full_like(token, eos_id), token)
         generated.append(token)
         done |= token == eos_id
@@ -154,6 +145,21 @@ def _sample_batch(
         finished = eos_id in row
         samples.append(Sample(tuple(row[: row.index(eos_id)] if finished else row), finished))
     return samples
+
+
+def _draw(
+    model: Any,
+    api: Any,
+    cache: Any,
+    step_input: torch.Tensor,
+    generator: torch.Generator,
+    temperature: float,
+) -> tuple[torch.Tensor, Any]:
+    """One decode step: each row's next token, sampled, and the cache after it."""
+    output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
+    cache = api.returned(output, cache)
+    probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1), cache
 
 
 def _sample_compacting(
@@ -174,10 +180,8 @@ def _sample_compacting(
     finished = [False] * len(alive)
     step_input = ids
     for _ in range(max_new_tokens):
-        output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
-        cache = api.returned(output, cache)
-        probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+        token, cache = _draw(model, api, cache, step_input, generator, temperature)
+        drawn = token.tolist()
         keep = []
         for row, token in enumerate(drawn):
             original = alive[row]

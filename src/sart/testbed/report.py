@@ -29,7 +29,7 @@ import attrs
 
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
-from sart.rollouts import Rollout, auroc, cv, majority, pearson, rollout_shape
+from sart.rollouts import Rollout, auroc, majority, pearson, rollout_shape
 from sart.testbed.specs import TESTBEDS
 
 if TYPE_CHECKING:
@@ -220,14 +220,12 @@ def summarize(
     by_question: dict[int, list[Branch]] = {}
     for b in branches:
         by_question.setdefault(b.question, []).append(b)
-    cvs, ratios, rs, dev_len, dev_ok = [], [], [], [], []
+    rs, dev_len, dev_ok = [], [], []
     majority_ok, oracle_ok = [], []
     best: dict[str, list[bool]] = {how: [] for how in AGGREGATIONS}
     for group in by_question.values():
         lengths = [max(1, b.length) for b in group]
         correct = [float(b.correct) for b in group]
-        cvs.append(cv(lengths))
-        ratios.append(max(lengths) / min(lengths))
         rs.append(pearson(lengths, correct))
         ml, mc = statistics.fmean(lengths), statistics.fmean(correct)
         dev_len += [x - ml for x in lengths]
@@ -252,8 +250,8 @@ def summarize(
         n=n,
         questions=len(by_question),
         seed=seed,
-        median_length_cv=statistics.median(cvs),
-        median_longest_over_shortest=statistics.median(ratios),
+        median_length_cv=shape.median_cv,
+        median_longest_over_shortest=shape.median_spread,
         mean_length=statistics.fmean(b.length for b in branches),
         mean_within_question_r=_nanmean(rs),
         pooled_within_question_r=pearson(dev_len, dev_ok),
