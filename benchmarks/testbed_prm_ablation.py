@@ -51,10 +51,11 @@ import torch
 from sart.prm.hf import QwenMathPRM
 from sart.rollouts import auroc
 from sart.testbed import PRM_PATH, prm_kwargs
+from sart.testbed.logistic import fit_logistic
 from sart.testbed.modeling_testbed_prm import FEATURES
 from sart.testbed.report import ReportConfig, draw
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
-from sart.testbed.train import TrainConfig, _pad, fit_logistic, prm_examples
+from sart.testbed.train import TrainConfig, _pad, prm_examples
 
 _POSITION = re.compile(r"p(\d+) \d \+")
 QUICK_ROLLOUTS = 256
