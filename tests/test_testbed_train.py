@@ -135,6 +135,28 @@ def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     assert len(tokenizer_for(TrainConfig())) == 30
 
 
+def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from sart.testbed import SHORT
+    from sart.testbed.train import LONG, skill_probes, skills, tokenizer_for
+
+    config = TrainConfig()
+    (probes,) = skill_probes(config)  # no curriculum: one group, at max_digits
+    assert {q.difficulty for q in probes} == {config.max_digits}
+    tokenizer = AutoTokenizer.from_pretrained(SHORT.policy_path)
+    trained = LlamaForCausalLM.from_pretrained(SHORT.policy_path).eval()
+    copy, add = skills(trained, tokenizer, probes)
+    assert copy >= 0.95 and add >= 0.95
+    torch.manual_seed(0)
+    fresh = LlamaForCausalLM(config.model.llama(tokenizer_for(config))).eval()
+    copy, add = skills(fresh, tokenizer, probes)
+    assert copy < 0.3 and add < 0.3
+    # With a curriculum, a second group watches its goal.
+    start, goal = skill_probes(LONG)
+    assert {q.difficulty for q in start} == {8} and {q.difficulty for q in goal} == {64}
+
+
 def test_an_unwritable_out_is_refused_before_training(tmp_path: Path) -> None:
     # Before: found out by save_pretrained, after the policy's minutes of training.
     blocker = tmp_path / "file"
