@@ -98,6 +98,11 @@ class TrainConfig:
     prm_l2: float = attrs.field(default=1e-3, validator=_positive("prm_l2"))
     """L2 penalty of the PRM head's logistic regression (on standardised features)."""
     prm_cut: float = 0.5
+    compact_rollouts: bool = False
+    """Sample the PRM's rollouts with finished rows dropped (``sample(compact=True)``):
+    a batch then does not decode until its one loop reaches ``max_new_tokens``. The
+    draws differ from a plain batch's, so the short testbed (trained before) keeps
+    False."""
     """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
     max_new_tokens: int = attrs.field(default=256, validator=_positive("max_new_tokens"))
     """Tokens a PRM-training rollout may generate."""
@@ -164,6 +169,7 @@ LONG = TrainConfig(
     batch_size=16,
     micro_batches=4,
     prm_rollouts=1024,
+    compact_rollouts=True,
     max_new_tokens=2048,
     prm_max_length=2304,
 )
@@ -382,6 +388,7 @@ def prm_examples(
         eos_id=tokenizer.eos_token_id,
         generator=generator,
         max_new_tokens=config.max_new_tokens,
+        compact=config.compact_rollouts,
     )
     log(f"prm rollouts: {len(samples)} in {time.perf_counter() - started:.0f}s")
     examples = []
