@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import attrs
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from sart.errors import ConfigError
 from sart.rollouts import auroc, cv, majority, pearson
-from sart.testbed.report import Branch, ReportConfig, summarize
+from sart.testbed.report import Branch, Calibration, ReportConfig, summarize
 
 
 def test_auroc_known_values() -> None:
@@ -65,6 +66,7 @@ def test_summarize_on_hand_made_branches() -> None:
     assert c.oracle_accuracy == 1.0
     assert c.auroc_full["last"] == 0.75
     assert "branch accuracy" in c.text() and c.to_json()["n"] == 2
+    assert Calibration.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
 def long_calibration(**changes: object) -> object:

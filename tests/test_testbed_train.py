@@ -185,3 +185,19 @@ def test_an_interrupted_run_leaves_no_half_written_models(
     # The policy was saved whole; no PRM directory, and no manifest vouching for either.
     assert (tmp_path / "policy" / "model.safetensors").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["policy"]
+
+
+def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from sart.cli import main
+    from sart.testbed import train as train_module
+
+    trained: list[TrainConfig] = []
+    monkeypatch.setattr(train_module, "train", lambda _out, config: trained.append(config))
+    for argv in (["--model", "long"], ["--model", "long", "--seed", "5"], []):
+        assert main(["testbed", "train", "--out", str(tmp_path / "w"), *argv]) == 0
+    long, reseeded, short = trained
+    assert long == train_module.LONG and long.seed == 1
+    assert reseeded.seed == 5 and reseeded.trace == train_module.LONG.trace
+    assert short == TrainConfig()

@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="which testbed: short (the default; traces of 20-150 tokens) or long "
         "(hundreds to thousands of tokens, over-thinking and loops)",
     )
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--seed", type=int, default=None, help="default: the shipped weights' (short 0, long 1)"
+    )
     train.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1; hashes depend on it)"
     )
@@ -65,7 +67,8 @@ def main(args: argparse.Namespace) -> int:
             from sart.testbed.train import TRAIN_CONFIGS, train
 
             config = TRAIN_CONFIGS[args.model]
-            train(args.out, attrs.evolve(config, seed=args.seed, threads=args.threads))
+            seed = config.seed if args.seed is None else args.seed
+            train(args.out, attrs.evolve(config, seed=seed, threads=args.threads))
             return 0
         from sart.testbed.report import ReportConfig, calibrate
     weights = Path(args.weights) if args.weights else None

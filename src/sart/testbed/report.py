@@ -125,6 +125,13 @@ class Calibration:
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        """The inverse of ``to_json`` after a JSON round trip (difficulties as keys
+        come back as strings)."""
+        by_difficulty = {int(k): v for k, v in data["accuracy_by_difficulty"].items()}
+        return cls(**{**data, "accuracy_by_difficulty": by_difficulty})
+
     def misfits(self) -> list[str]:
         """For the long testbed: the numbers outside ``LONG_RANGES`` or breaking its
         relations (majority >= branch accuracy + 0.1, accuracy falling with

@@ -155,17 +155,18 @@ LONG_TRACE = TraceConfig(
 LONG = TrainConfig(
     # Short questions first (curriculum_hold), though the testbed asks 24 to 64
     # digits: on long ones alone the policy does not learn to copy a digit by its
-    # position token. 1,200 steps: two seeds learned both skills (teacher-forced
-    # copy and sum >= 0.96, see ``skills``) by step 1,100; with 500 and a schedule
-    # decaying sooner, one seed in two had not learned the sums by step 1,000.
-    # The runs so far, and what each showed, are in docs/testbed.md.
+    # position token. The sums are learned suddenly, at a step that varies with the
+    # seed: seed 1 had them (teacher-forced, see ``skills``) by step 300 and the
+    # copying by 1,100, seed 0 only 57% of the sums by 1,200. Seed 1, and a hold
+    # with room to spare. The runs, and what each showed, are in docs/testbed.md.
+    seed=1,
     min_digits=4,
     max_digits=64,
-    curriculum_hold=1200,
+    curriculum_hold=2000,
     curriculum=600,
     trace=LONG_TRACE,
     model=ModelConfig(max_positions=2304),
-    policy_steps=2400,
+    policy_steps=3200,
     batch_size=16,
     micro_batches=4,
     prm_rollouts=1024,
