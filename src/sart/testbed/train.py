@@ -98,12 +98,12 @@ class TrainConfig:
     prm_l2: float = attrs.field(default=1e-3, validator=_positive("prm_l2"))
     """L2 penalty of the PRM head's logistic regression (on standardised features)."""
     prm_cut: float = 0.5
+    """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
     compact_rollouts: bool = False
     """Sample the PRM's rollouts with finished rows dropped (``sample(compact=True)``):
     a batch then does not decode until its one loop reaches ``max_new_tokens``. The
     draws differ from a plain batch's, so the short testbed (trained before) keeps
     False."""
-    """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
     max_new_tokens: int = attrs.field(default=256, validator=_positive("max_new_tokens"))
     """Tokens a PRM-training rollout may generate."""
     prm_max_length: int = attrs.field(default=512, validator=_positive("prm_max_length"))
