@@ -201,3 +201,16 @@ def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
     assert long == train_module.LONG and long.seed == 1
     assert reseeded.seed == 5 and reseeded.trace == train_module.LONG.trace
     assert short == TrainConfig()
+
+
+def test_the_rope_base_reaches_the_saved_config(tmp_path: Path) -> None:
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from sart.testbed.train import tokenizer_for
+
+    tokenizer = tokenizer_for(TINY)
+    for theta in (10_000.0, 1e6):
+        model = LlamaForCausalLM(ModelConfig(max_positions=64, rope_theta=theta).llama(tokenizer))
+        model.save_pretrained(tmp_path / str(theta))
+        saved = AutoConfig.from_pretrained(tmp_path / str(theta))
+        assert saved.rope_parameters["rope_theta"] == theta

@@ -33,6 +33,10 @@ class ModelConfig:
     num_heads: int = 4
     max_positions: int = 512
     """Longer than any prompt plus trace (under 256 tokens)."""
+    rope_theta: float = 10_000.0
+    """RoPE base. Larger: the slowest rotary dimensions turn less over a long
+    distance, so a head can match a token with its twin thousands of tokens back
+    (the long testbed's steps look their digit up in the prompt)."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads"):
@@ -57,6 +61,7 @@ class ModelConfig:
             num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_heads,
             max_position_embeddings=self.max_positions,
+            rope_theta=self.rope_theta,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
             bos_token_id=None,
