@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -214,3 +215,29 @@ def test_the_rope_base_reaches_the_saved_config(tmp_path: Path) -> None:
         model.save_pretrained(tmp_path / str(theta))
         saved = AutoConfig.from_pretrained(tmp_path / str(theta))
         assert saved.rope_parameters["rope_theta"] == theta
+
+
+def test_the_learning_rate_can_decay_after_the_hold_only() -> None:
+    from sart.testbed.train import _rate, _schedule
+
+    plain = TrainConfig(policy_steps=400, curriculum_hold=200, curriculum=100)
+    # By default: one cosine over the whole run (the short testbed's weights).
+    assert [_rate(plain, s) for s in range(400)] == [_schedule(s, 400, 50) for s in range(400)]
+    held = TrainConfig(policy_steps=400, curriculum_hold=200, curriculum=100, decay_after_hold=True)
+    rates = [_rate(held, s) for s in range(400)]
+    assert rates[:50] == [_schedule(s, 400, 50) for s in range(50)]  # the same warmup
+    assert rates[50:201] == [1.0] * 151  # the peak, through the hold
+    assert all(a >= b for a, b in itertools.pairwise(rates[200:]))  # then a decay...
+    assert rates[300] > _rate(plain, 300) + 0.25 and rates[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_grown_batches_draw_from_the_testbeds_own_range() -> None:
+    from sart.testbed.train import _easiest
+
+    config = TrainConfig(
+        min_digits=4, max_digits=64, curriculum_hold=100, curriculum=50, grown_min_digits=24
+    )
+    assert [_easiest(config, s) for s in (0, 149, 150, 1000)] == [4, 4, 24, 24]
+    assert _easiest(TrainConfig(min_digits=2), 10_000) == 2
+    with pytest.raises(ConfigError, match="grown_min_digits"):
+        TrainConfig(min_digits=4, max_digits=64, grown_min_digits=65)
