@@ -52,7 +52,7 @@ def prm():
 
 
 def test_shipped_files_match_the_manifest() -> None:
-    from sart.testbed.train import LONG as LONG_CONFIG
+    from sart.testbed.recipe import LONG as LONG_CONFIG
     from sart.testbed.train import weight_hashes
 
     manifest = _manifest()

@@ -115,17 +115,18 @@ def test_micro_batches_give_the_gradient_of_the_whole_batch() -> None:
 
 
 def test_a_curriculum_grows_the_hardest_question_from_short_ones() -> None:
-    from sart.testbed.train import _hardest
+    from sart.testbed.recipe import hardest
 
     config = TrainConfig(min_digits=4, max_digits=64, curriculum=500)
-    assert [_hardest(config, s) for s in (0, 250, 499, 500, 1000)] == [8, 36, 63, 64, 64]
+    assert [hardest(config, s) for s in (0, 250, 499, 500, 1000)] == [8, 36, 63, 64, 64]
     held = TrainConfig(min_digits=4, max_digits=64, curriculum_hold=100, curriculum=500)
-    assert [_hardest(held, s) for s in (0, 99, 100, 350, 600)] == [8, 8, 8, 36, 64]
-    assert _hardest(TrainConfig(), 0) == TrainConfig().max_digits  # none: the whole range
+    assert [hardest(held, s) for s in (0, 99, 100, 350, 600)] == [8, 8, 8, 36, 64]
+    assert hardest(TrainConfig(), 0) == TrainConfig().max_digits  # none: the whole range
 
 
 def test_the_long_testbeds_training_config_and_vocabulary() -> None:
-    from sart.testbed.train import LONG, TRAIN_CONFIGS, tokenizer_for
+    from sart.testbed.recipe import LONG, TRAIN_CONFIGS
+    from sart.testbed.train import tokenizer_for
 
     assert TRAIN_CONFIGS["long"] is LONG and TRAIN_CONFIGS["short"] == TrainConfig()
     assert (LONG.min_digits, LONG.max_digits, LONG.max_new_tokens) == (4, 64, 2048)
@@ -140,7 +141,8 @@ def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     from sart.testbed import SHORT
-    from sart.testbed.train import LONG, skill_probes, skills, tokenizer_for
+    from sart.testbed.recipe import LONG
+    from sart.testbed.train import skill_probes, skills, tokenizer_for
 
     config = TrainConfig()
     (probes,) = skill_probes(config)  # no curriculum: one group, at max_digits
@@ -192,6 +194,7 @@ def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from sart.cli import main
+    from sart.testbed import recipe
     from sart.testbed import train as train_module
 
     trained: list[TrainConfig] = []
@@ -199,8 +202,8 @@ def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
     for argv in (["--model", "long"], ["--model", "long", "--seed", "5"], []):
         assert main(["testbed", "train", "--out", str(tmp_path / "w"), *argv]) == 0
     long, reseeded, short = trained
-    assert long == train_module.LONG and long.seed == 1
-    assert reseeded.seed == 5 and reseeded.trace == train_module.LONG.trace
+    assert long == recipe.LONG and long.seed == 1
+    assert reseeded.seed == 5 and reseeded.trace == recipe.LONG.trace
     assert short == TrainConfig()
 
 
@@ -218,26 +221,28 @@ def test_the_rope_base_reaches_the_saved_config(tmp_path: Path) -> None:
 
 
 def test_the_learning_rate_can_decay_after_the_hold_only() -> None:
-    from sart.testbed.train import _rate, _schedule
+    from sart.testbed.recipe import cosine_schedule, learning_rate
 
     plain = TrainConfig(policy_steps=400, curriculum_hold=200, curriculum=100)
     # By default: one cosine over the whole run (the short testbed's weights).
-    assert [_rate(plain, s) for s in range(400)] == [_schedule(s, 400, 50) for s in range(400)]
+    whole_run = [cosine_schedule(s, 400, 50) for s in range(400)]
+    assert [learning_rate(plain, s) for s in range(400)] == whole_run
     held = TrainConfig(policy_steps=400, curriculum_hold=200, curriculum=100, decay_after_hold=True)
-    rates = [_rate(held, s) for s in range(400)]
-    assert rates[:50] == [_schedule(s, 400, 50) for s in range(50)]  # the same warmup
+    rates = [learning_rate(held, s) for s in range(400)]
+    assert rates[:50] == [cosine_schedule(s, 400, 50) for s in range(50)]  # the same warmup
     assert rates[50:201] == [1.0] * 151  # the peak, through the hold
     assert all(a >= b for a, b in itertools.pairwise(rates[200:]))  # then a decay...
-    assert rates[300] > _rate(plain, 300) + 0.25 and rates[-1] == pytest.approx(0.1, abs=1e-3)
+    assert rates[300] > learning_rate(plain, 300) + 0.25
+    assert rates[-1] == pytest.approx(0.1, abs=1e-3)
 
 
 def test_grown_batches_draw_from_the_testbeds_own_range() -> None:
-    from sart.testbed.train import _easiest
+    from sart.testbed.recipe import easiest
 
     config = TrainConfig(
         min_digits=4, max_digits=64, curriculum_hold=100, curriculum=50, grown_min_digits=24
     )
-    assert [_easiest(config, s) for s in (0, 149, 150, 1000)] == [4, 4, 24, 24]
-    assert _easiest(TrainConfig(min_digits=2), 10_000) == 2
+    assert [easiest(config, s) for s in (0, 149, 150, 1000)] == [4, 4, 24, 24]
+    assert easiest(TrainConfig(min_digits=2), 10_000) == 2
     with pytest.raises(ConfigError, match="grown_min_digits"):
         TrainConfig(min_digits=4, max_digits=64, grown_min_digits=65)

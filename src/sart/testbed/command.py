@@ -64,7 +64,8 @@ def main(args: argparse.Namespace) -> int:
         if args.testbed_command == "train":
             import attrs
 
-            from sart.testbed.train import TRAIN_CONFIGS, train
+            from sart.testbed.recipe import TRAIN_CONFIGS
+            from sart.testbed.train import train
 
             config = TRAIN_CONFIGS[args.model]
             seed = config.seed if args.seed is None else args.seed

@@ -43,19 +43,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
-from sart.errors import config_check
 from sart.testbed.logistic import fit_logistic
-from sart.testbed.model import ModelConfig, sample
+from sart.testbed.model import sample
+from sart.testbed.recipe import (
+    TrainConfig,
+    easiest,
+    hardest,
+    learning_rate,
+)
 from sart.testbed.tasks import (
     MAX_DIGITS,
-    MAX_POSITIONS,
     QUESTION_END,
     STEP_WORD,
     Question,
-    TraceConfig,
     clean_trace,
     grade,
     make_question,
@@ -68,138 +70,6 @@ Log = Callable[[str], None]
 _POSITION = re.compile(r"^p\d+$")
 
 
-def _positive(name: str):
-    def check(_self: object, _attr: attrs.Attribute, value: float) -> None:
-        config_check(value > 0, name, value, "> 0")
-
-    return check
-
-
-@attrs.frozen
-class TrainConfig:
-    """Everything that decides the shipped weights (written to the manifest)."""
-
-    seed: int = 0
-    threads: int = attrs.field(default=1, validator=_positive("threads"))
-    """CPU threads: results are bit-reproducible only with the same number. One
-    thread: on a 2-core machine shared with other work, two threads spent most
-    of their time waiting for each other (3-10x slower steps)."""
-    min_digits: int = 1
-    max_digits: int = MAX_DIGITS
-    trace: TraceConfig = attrs.field(factory=TraceConfig)
-    model: ModelConfig = attrs.field(factory=ModelConfig)
-    policy_steps: int = attrs.field(default=1500, validator=_positive("policy_steps"))
-    batch_size: int = attrs.field(default=32, validator=_positive("batch_size"))
-    lr: float = attrs.field(default=3e-3, validator=_positive("lr"))
-    warmup: int = 50
-    weight_decay: float = 0.01
-    prm_rollouts: int = attrs.field(default=4096, validator=_positive("prm_rollouts"))
-    """Policy samples (one per question, mixed difficulty) the PRM learns from."""
-    prm_l2: float = attrs.field(default=1e-3, validator=_positive("prm_l2"))
-    """L2 penalty of the PRM head's logistic regression (on standardised features)."""
-    prm_cut: float = 0.5
-    """Fraction of PRM examples cut at a random token (partial traces, as during generation)."""
-    compact_rollouts: bool = False
-    """Sample the PRM's rollouts with finished rows dropped (``sample(compact=True)``):
-    a batch then does not decode until its one loop reaches ``max_new_tokens``. The
-    draws differ from a plain batch's, so the short testbed (trained before) keeps
-    False."""
-    max_new_tokens: int = attrs.field(default=256, validator=_positive("max_new_tokens"))
-    """Tokens a PRM-training rollout may generate."""
-    prm_max_length: int = attrs.field(default=512, validator=_positive("prm_max_length"))
-    """The PRM's input length (``QwenMathPRM(max_length=...)``)."""
-    curriculum_hold: int = 0
-    """Steps at the start whose batches have at most ``min_digits + 4`` digits."""
-    curriculum: int = 0
-    """Steps over which, after ``curriculum_hold``, the most digits a batch may have
-    grows from ``min_digits + 4`` to ``max_digits`` (both 0: every batch draws from
-    the whole range from the start). On long questions a small model learns to
-    copy a digit by its position token far more slowly than on short ones."""
-    decay_after_hold: bool = False
-    """Hold the peak learning rate through ``curriculum_hold`` and decay it (cosine)
-    over the steps after: the long questions, which come last, are then learned at
-    a rate that has not decayed yet."""
-    grown_min_digits: int | None = None
-    """Once grown (after ``curriculum_hold + curriculum`` steps), batches draw from
-    ``grown_min_digits`` to ``max_digits`` (``None``: from ``min_digits``): the rare
-    long questions' position tokens are then seen as often as the short ones'."""
-    micro_batches: int = attrs.field(default=1, validator=_positive("micro_batches"))
-    """Split each batch, sorted by length, into this many micro-batches whose
-    gradients add up: long traces of one difficulty still differ several-fold in
-    length, and padding every row to the longest would multiply the cost."""
-
-    def __attrs_post_init__(self) -> None:
-        config_check(
-            1 <= self.min_digits <= self.max_digits <= MAX_POSITIONS,
-            "max_digits",
-            self.max_digits,
-            f"in [min_digits={self.min_digits}, {MAX_POSITIONS}]",
-        )
-        config_check(0.0 <= self.prm_cut <= 1.0, "prm_cut", self.prm_cut, "in [0, 1]")
-        if self.grown_min_digits is not None:
-            config_check(
-                self.min_digits <= self.grown_min_digits <= self.max_digits,
-                "grown_min_digits",
-                self.grown_min_digits,
-                f"in [min_digits={self.min_digits}, max_digits={self.max_digits}]",
-            )
-
-    def to_json(self) -> dict[str, Any]:
-        return attrs.asdict(
-            self, value_serializer=lambda _i, _a, v: list(v) if isinstance(v, tuple) else v
-        )
-
-
-#: The long testbed's traces: 24 to 64 digits, re-checks that vary by trace, errors
-#: that repeat across traces, over-thinking after an error and loops (see
-#: docs/testbed.md, "The long testbed").
-LONG_TRACE = TraceConfig(
-    # Below the 0.05 that puts the noise's own branch accuracy at 0.50: the policy
-    # adds slips of its own (a digit copied wrong), and the testbed's floor is 0.45.
-    error_carry=0.04,
-    error_plain=0.0032,
-    styles=(0.02, 0.2, 0.45, 0.7),
-    max_rechecks=3,
-    systematic=0.9,
-    doubt=0.15,
-    loop=0.05,
-    loop_tokens=256,
-)
-
-#: ``sart testbed train --model long``: what decides the long testbed's shipped weights.
-LONG = TrainConfig(
-    # Short questions first (curriculum_hold), though the testbed asks 24 to 64
-    # digits: on long ones alone the policy does not learn to copy a digit by its
-    # position token. The sums are learned suddenly, at a step that depends on the
-    # seed and the schedule (seed 1 by step 500 under one cosine over the run; not by
-    # 1,500 with the peak rate held through the hold), and each position token is
-    # learned once seen often enough: once grown, batches are the testbed's own 24 to
-    # 64 digits. Its first 1,100 steps follow the probe that came closest (64-digit
-    # copying 0.60 and rising at its step 1,600), at a rate that decays more slowly.
-    # Not yet trained to its
-    # ranges: this is the next run's configuration. The runs so far, and what each
-    # showed, are in docs/testbed.md ("The long testbed").
-    seed=1,
-    min_digits=4,
-    max_digits=64,
-    curriculum_hold=800,
-    curriculum=300,
-    grown_min_digits=24,
-    trace=LONG_TRACE,
-    model=ModelConfig(max_positions=2304),
-    policy_steps=2400,
-    batch_size=16,
-    micro_batches=4,
-    prm_rollouts=1024,
-    compact_rollouts=True,
-    max_new_tokens=2048,
-    prm_max_length=2304,
-)
-
-
-TRAIN_CONFIGS = {"short": TrainConfig(), "long": LONG}
-
-
 # --------------------------------------------------------------------------- helpers
 
 
@@ -207,14 +77,6 @@ def _setup(config: TrainConfig) -> None:
     torch.set_num_threads(config.threads)
     torch.use_deterministic_algorithms(True)
     torch.manual_seed(config.seed)
-
-
-def _schedule(step: int, total: int, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak learning rate."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
@@ -278,7 +140,7 @@ def train_policy(
         rows, labels = [], []
         # One difficulty per batch: the traces have similar lengths, so little
         # compute goes to padding (half of it with mixed batches).
-        difficulty = rng.randint(_easiest(config, step), _hardest(config, step))
+        difficulty = rng.randint(easiest(config, step), hardest(config, step))
         for _ in range(config.batch_size):
             question = make_question(rng, difficulty)
             response, finished = noisy_response(question, rng, config.trace)
@@ -286,7 +148,7 @@ def train_policy(
             rows.append(ids)
             labels.append([-100] * n_prompt + ids[n_prompt:])
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * _rate(config, step)
+            group["lr"] = config.lr * learning_rate(config, step)
         optimizer.zero_grad(set_to_none=True)
         loss = _accumulate(model, rows, labels, pad, config.micro_batches)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -310,7 +172,7 @@ def skill_probes(config: TrainConfig, count: int = 16) -> list[list[Question]]:
     watches a training run: a group at the hardest difficulty of its first step,
     and one at ``max_digits`` if that is harder (a curriculum's goal)."""
     rng = random.Random(f"skills-{config.seed}")
-    levels = sorted({_hardest(config, 0), config.max_digits})
+    levels = sorted({hardest(config, 0), config.max_digits})
     return [[make_question(rng, level) for _ in range(count)] for level in levels]
 
 
@@ -334,39 +196,6 @@ def skills(model: Any, tokenizer: Any, questions: Sequence[Question]) -> tuple[f
                 hits[kind][0] += predicted[i] == ids[i + 1]
                 hits[kind][1] += 1
     return hits["copy"][0] / max(1, hits["copy"][1]), hits["add"][0] / max(1, hits["add"][1])
-
-
-def _rate(config: TrainConfig, step: int) -> float:
-    """The learning rate at ``step`` over the peak: warmup, then cosine decay over the
-    whole run, or (``decay_after_hold``) over the steps after the hold."""
-    if not config.decay_after_hold or step < config.warmup:
-        return _schedule(step, config.policy_steps, config.warmup)
-    held = max(config.curriculum_hold, config.warmup)
-    if step < held:
-        return 1.0
-    return _schedule(
-        step - held + config.warmup, config.policy_steps - held + config.warmup, config.warmup
-    )
-
-
-def _easiest(config: TrainConfig, step: int) -> int:
-    """The fewest digits a batch may have at ``step``: ``grown_min_digits`` once the
-    curriculum has grown to ``max_digits``, else ``min_digits``."""
-    grown = step >= config.curriculum_hold + config.curriculum
-    return config.grown_min_digits if grown and config.grown_min_digits else config.min_digits
-
-
-def _hardest(config: TrainConfig, step: int) -> int:
-    """The most digits a batch may have at ``step``: ``min_digits + 4`` for the first
-    ``curriculum_hold`` steps, then growing linearly to ``max_digits`` over
-    ``curriculum`` steps, then ``max_digits``."""
-    start = min(config.max_digits, config.min_digits + 4)
-    grown = step - config.curriculum_hold
-    if grown < 0:
-        return start
-    if grown >= config.curriculum:
-        return config.max_digits
-    return start + (config.max_digits - start) * grown // config.curriculum
 
 
 def _accumulate(
