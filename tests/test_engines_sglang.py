@@ -178,6 +178,28 @@ def test_rids_are_prefix_free(mod: Any) -> None:
     assert not any(a != b and b.startswith(a) for a in rids for b in rids)
 
 
+def test_a_resumed_branch_gets_a_new_rid(mod: Any) -> None:
+    # Real SGLang aborts asynchronously: a resume under the paused stream's rid could
+    # reach it first and be refused as a duplicate (seen in CI on SGLang-CPU).
+    standin = SGLangStandIn(length=40)
+    engine = mod.SGLangEngine(standin, rid_prefix="p")
+
+    async def scenario() -> None:
+        await engine.prefill("a", "one three five", sart.SamplingSettings(max_tokens=30))
+        await engine.start_branches("a", [BranchSpec(0, 1)])
+        await engine.step(2)
+        for expected in ("p-5:0_a~1", "p-5:0_a~2"):
+            await engine.pause([BranchId("a", 0)])
+            await engine.start_branches("a", [BranchSpec(0, 1, resume=True)])
+            await engine.step(1)
+            assert standin.calls[-1]["rid"] == expected
+        await engine.release_prefix("a")
+        assert standin.tokenizer_manager.aborted == ["p-3:0_a", "p-5:0_a~1", "p-5:0_a~2"]
+        assert engine.rid(BranchId("a", 0)) == "p-3:0_a"  # the request's state is gone
+
+    asyncio.run(scenario())
+
+
 def test_chat_prompts_and_token_prompts(mod: Any) -> None:
     standin = SGLangStandIn()
     chat = mod.SGLangEngine(standin, chat=True)

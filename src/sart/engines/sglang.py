@@ -59,7 +59,11 @@ with ``name = f"{index}_{request_id}"`` (vLLM's naming of parallel-sampling
 children) and a per-adapter random ``rid_prefix``. SGLang aborts every request
 whose rid *starts with* the rid it is given (the scheduler matches
 ``req.rid.startswith(recv_req.rid)``), so plain ``"1_q"`` would also abort
-``"1_q1"``; the length field makes the rids of one adapter prefix-free.
+``"1_q1"``; the length field makes the rids of one adapter prefix-free. A
+paused branch that resumes gets a new rid (``name = f"{index}_{request_id}~{k}"``
+at its ``k``-th resume): SGLang aborts asynchronously, and a resume under the
+old rid can reach it before the abort has cleared that rid ("Duplicate request
+ID detected").
 
 Streams. SGLang streams cumulative chunks by default (``text`` and
 ``output_ids`` hold everything so far) and deltas with the server argument
@@ -215,6 +219,8 @@ class SGLangEngine(StreamingEngine):
         """SGLang's cap on running requests, if set explicitly (else SGLang sizes it)."""
         self._prompt_cached: dict[str, asyncio.Event] = {}
         """Per request: set once its first branch's prompt is in SGLang's radix cache."""
+        self._resumes: dict[str, dict[int, int]] = {}
+        """Per request, per branch index: how many times the branch resumed (its rid)."""
 
     @classmethod
     def from_args(
@@ -275,6 +281,9 @@ class SGLangEngine(StreamingEngine):
     async def _open(self, start: BranchStart) -> AsyncIterator[Chunk]:
         branch, sampling, parent = start.branch, start.sampling, start.parent
         ids, max_tokens = self._branch_input(branch, start.prefix_tokens)
+        if start.resume:  # a new rid: see "Request ids" above
+            resumes = self._resumes.setdefault(branch.request_id, {})
+            resumes[branch.index] = resumes.get(branch.index, 0) + 1
         rid = self.rid(branch)
         params = self.sampling_params(sampling, start.seed, max_tokens)
         cached = self._prompt_cached.get(branch.request_id)
@@ -346,6 +355,7 @@ class SGLangEngine(StreamingEngine):
             await super().release_prefix(request_id)
         finally:
             self._prompt_cached.pop(request_id, None)
+            self._resumes.pop(request_id, None)
 
     async def _cancel(self, branch: BranchId) -> None:
         rid = self.rid(branch)
@@ -359,8 +369,10 @@ class SGLangEngine(StreamingEngine):
     # ---------------------------------------------------------------- extras
 
     def rid(self, branch: BranchId) -> str:
-        """The SGLang request id of ``branch`` (prefix-free among this adapter's)."""
-        name = str(branch)
+        """The SGLang request id of ``branch``'s current stream (prefix-free among this
+        adapter's; a new one at each resume)."""
+        resumes = self._resumes.get(branch.request_id, {}).get(branch.index, 0)
+        name = str(branch) if resumes == 0 else f"{branch}~{resumes}"
         return f"{self.rid_prefix}-{len(name)}:{name}"
 
     @staticmethod

@@ -106,6 +106,8 @@ class BranchStart:
     """Tokens it inherits, already generated: a fork's parent's, or a paused branch's
     own (a resume, ``parent`` ``None``). Its prompt is then the request's prompt +
     these tokens, and ``max_tokens`` is reduced by their number."""
+    resume: bool = False
+    """Whether it resumes a paused branch of its own (a new stream of the same branch)."""
 
 
 class StreamingEngine(abc.ABC):
@@ -166,7 +168,13 @@ class StreamingEngine(abc.ABC):
                     inherited = [] if parent is None else list(self._streams[parent].generated)
                 stream = BranchStream(generated=inherited, reported=len(inherited))
                 start = BranchStart(
-                    bid, prefix.data.prompt, prefix.sampling, spec.seed, parent, tuple(inherited)
+                    bid,
+                    prefix.data.prompt,
+                    prefix.sampling,
+                    spec.seed,
+                    parent,
+                    tuple(inherited),
+                    resume=spec.resume,
                 )
                 chunks = self._open(start)
                 stream.task = asyncio.ensure_future(self._pump(stream, chunks))
