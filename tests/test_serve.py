@@ -406,12 +406,17 @@ def test_past_the_queue_limit_requests_get_429_at_once(serve) -> None:
     assert served.metric("sart:requests_rejected_total", '{code="429"}') == 1
 
 
-def test_an_engine_failure_fails_its_request_only(serve) -> None:
+def test_an_engine_failure_fails_its_request_only(serve, caplog) -> None:
     served = serve()
     with pytest.raises(openai.InternalServerError, match="the engine refused this prompt"):
         served.openai().completions.create(model=MODEL, prompt="boom")
     assert served.openai().completions.create(model=MODEL, prompt="short").choices[0].text
     assert served.metric("sart:requests_total", '{status="failed"}') == 1
+    # The reason is logged too: a streaming client may never read the error event.
+    failed = [r for r in caplog.records if r.name == "sart.serve"]
+    assert len(failed) == 1 and failed[0].levelname == "WARNING"
+    assert "the engine refused this prompt" in failed[0].getMessage()
+    assert "(HTTP 500)" in failed[0].getMessage()
 
 
 def test_vllms_sampling_fields_are_served_where_the_engine_honours_them(serve) -> None:

@@ -18,6 +18,7 @@ from sart.prm.aggregate import split_steps
 from sart.testbed.tasks import (
     MAX_DIGITS,
     MAX_POSITIONS,
+    MAX_ROUNDS,
     STEP_WORD,
     Question,
     TraceConfig,
@@ -25,6 +26,7 @@ from sart.testbed.tasks import (
     clean_trace,
     grade,
     join_steps,
+    make_question,
     make_questions,
     noisy_response,
     noisy_trace,
@@ -32,7 +34,12 @@ from sart.testbed.tasks import (
     step_values,
 )
 
-questions = st.lists(st.integers(0, 9), min_size=1, max_size=MAX_DIGITS).map(Question)
+digit_lists = st.lists(st.integers(0, 9), min_size=1, max_size=MAX_DIGITS)
+# Plain questions (the short testbed's) and cycled ones (the long testbed's).
+questions = st.one_of(
+    digit_lists.map(Question),
+    st.builds(lambda d, r: Question(d, rounds=r), digit_lists, st.integers(1, MAX_ROUNDS)),
+)
 
 
 def test_import_sart_testbed_does_not_import_torch() -> None:
@@ -95,7 +102,8 @@ def test_clean_trace_grades_correct_and_every_step_is_on_track(q: Question) -> N
     assert grade(q, text)
     assert extract_answer(text) == q.answer
     assert all(step_labels(q, text))
-    assert step_values(text)[: q.difficulty] == q.running()
+    arithmetic = [s.strip().startswith("p") for s in split_steps(text)]
+    assert [v for v, a in zip(step_values(text), arithmetic) if a] == q.running()
 
 
 @given(questions, st.data())
@@ -105,17 +113,19 @@ def test_an_unfixed_error_grades_wrong_and_labels_stay_off_from_it(
     # A wrong result at step i, carried by the later steps, never fixed.
     i = data.draw(st.integers(0, q.difficulty - 1))
     delta = data.draw(st.integers(1, 9))
-    steps, value = [], 0
-    for j, d in enumerate(q.digits):
+    steps, value, before = [], 0, 0  # before: the steps before addition i
+    for j, (marker, position, d) in enumerate(q.walk()):
+        steps.extend([marker] if marker else [])
+        before = len(steps) if j == i else before
         result = (value + d) % 10
         if j == i:
             result = (result + delta) % 10
-        steps.append(f"p{j + 1} {d} + {value} = {result}")
+        steps.append(f"p{position} {d} + {value} = {result}")
         value = result
     text = join_steps([*steps, answer_step(value)])
     assert not grade(q, text)
     labels = step_labels(q, text)
-    assert labels == [True] * i + [False] * (len(labels) - i)
+    assert labels == [True] * before + [False] * (len(labels) - before)
 
 
 @given(questions, st.integers(0, 2**32 - 1))
@@ -131,10 +141,15 @@ def test_noisy_traces_are_well_formed_and_labels_agree_with_the_grader(
     # answer is what the answer writes.
     assert labels[-1] == grade(q, text)
     assert extract_answer(text) == str(step_values(text)[-1])
-    # Positions advance one at a time; re-checks repeat the previous one.
-    positions = [int(s.split()[-6][1:]) for s in steps[:-1]]
-    assert positions[0] == 1 and positions[-1] == q.difficulty
-    assert all(b - a in (0, 1) for a, b in itertools.pairwise(positions))
+    # Positions advance one at a time, starting over after a round's last; re-checks
+    # repeat the previous one; a cycled question's rounds are counted down before each.
+    arithmetic = [s.split() for s in steps[:-1] if not s.strip().startswith("r")]
+    positions = [int(words[-6][1:]) for words in arithmetic]
+    width = len(q.digits)
+    assert positions[0] == 1 and positions[-1] == width
+    assert all((b - a) % width in (0, 1) for a, b in itertools.pairwise(positions))
+    markers = [s.strip() for s in steps if s.strip().startswith("r")]
+    assert markers == [f"r{k}" for k in range(q.rounds or 0, 0, -1)]
 
 
 def test_noisy_traces_are_noisy_and_reproducible() -> None:
@@ -227,13 +242,60 @@ def test_copy_slips_and_skipped_positions_are_off_track() -> None:
     assert step_labels(q, "p1 6 + 0 = 6 \n\n p2 6 + 5 = 1") == [True, False]
 
 
+def test_a_cycled_question_adds_its_digits_round_after_round() -> None:
+    q = Question((3, 7), rounds=2)
+    assert (q.difficulty, q.sequence, q.answer) == (4, (3, 7, 3, 7), "0")
+    assert q.prompt == "Q 3 p1 7 p2 r2 S"
+    assert Question.from_prompt(q.prompt) == q
+    assert Question.from_prompt(Question((3, 7)).prompt) == Question((3, 7))
+    assert clean_trace(q) == join_steps(
+        ["r2", "p1 3 + 0 = 3", "p2 7 + 3 = 0", "r1", "p1 3 + 0 = 3", "p2 7 + 3 = 0", answer_step(0)]
+    )
+    with pytest.raises(ConfigError, match="rounds"):
+        Question((1,), rounds=MAX_ROUNDS + 1)
+
+
+def test_cycled_labels_follow_the_addition_not_the_position() -> None:
+    q = Question((3, 5), rounds=2)  # running values 3, 8, 1, 6
+    first = ["r2", "p1 3 + 0 = 3", "p2 5 + 3 = 8", "r1"]
+    assert all(step_labels(q, join_steps([*first, "p1 3 + 8 = 1", "p2 5 + 1 = 6"])))
+    # Round 2 restarts the position, not the running value.
+    restarted = join_steps([*first, "p1 3 + 0 = 3", "p2 5 + 3 = 8", answer_step(8)])
+    assert step_labels(q, restarted) == [True] * 4 + [False] * 3
+    # A re-check that fixes round 2's slip is on track again.
+    fixed = [*first, "p1 3 + 8 = 2", "wait p1 3 + 8 = 1", "p2 5 + 1 = 6"]
+    assert step_labels(q, join_steps(fixed)) == [True] * 4 + [False, True, True]
+    # Skipping round 2's first position, or answering a round early, is off track.
+    assert step_labels(q, join_steps([*first, "p2 5 + 8 = 3"]))[-1] is False
+    assert step_labels(q, join_steps([*first[:3], answer_step(8)]))[-1] is False
+
+
+def test_make_question_with_a_cycle_covers_the_difficulty_in_rounds() -> None:
+    rng = random.Random(0)
+    shapes = {d: make_question(rng, d, cycle=8) for d in (4, 8, 9, 13, 24, 30, 64)}
+    assert {d: (len(q.digits), q.rounds) for d, q in shapes.items()} == {
+        4: (4, 1),
+        8: (8, 1),
+        9: (5, 2),
+        13: (7, 2),
+        24: (8, 3),
+        30: (8, 4),
+        64: (8, 8),
+    }
+    # Without a cycle, the questions (and the draws) are the short testbed's.
+    drawn = random.Random(5)
+    assert make_question(random.Random(5), 6) == Question(drawn.randrange(10) for _ in range(6))
+
+
 def test_make_questions_cycles_difficulties() -> None:
     qs = make_questions(3, 12, difficulties=(3, 5))
     assert [q.difficulty for q in qs] == [3, 5] * 6
     assert qs == make_questions(3, 12, difficulties=(3, 5))
 
 
-step_words = st.sampled_from(["p1", "p5", "p8", "wait", "+", "=", "answer", "\\boxed{", "}"])
+step_words = st.sampled_from(
+    ["p1", "p5", "p8", "r1", "r3", "wait", "+", "=", "answer", "\\boxed{", "}"]
+)
 any_steps = st.lists(
     st.lists(st.one_of(step_words, st.integers(0, 9).map(str)), max_size=8).map(" ".join),
     max_size=10,

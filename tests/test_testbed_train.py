@@ -124,15 +124,25 @@ def test_a_curriculum_grows_the_hardest_question_from_short_ones() -> None:
     assert hardest(TrainConfig(), 0) == TrainConfig().max_digits  # none: the whole range
 
 
+def test_a_cycle_must_cover_the_hardest_question_in_rounds() -> None:
+    assert TrainConfig(min_digits=4, max_digits=64, cycle=8).cycle == 8
+    with pytest.raises(ConfigError, match="cycle"):
+        TrainConfig(min_digits=4, max_digits=64, cycle=7)  # 10 rounds
+    with pytest.raises(ConfigError, match="cycle"):
+        TrainConfig(max_digits=8, cycle=9)  # more digits than the vocabulary's p8
+
+
 def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     from sart.testbed.recipe import LONG, TRAIN_CONFIGS
     from sart.testbed.train import tokenizer_for
 
     assert TRAIN_CONFIGS["long"] is LONG and TRAIN_CONFIGS["short"] == TrainConfig()
     assert (LONG.min_digits, LONG.max_digits, LONG.max_new_tokens) == (4, 64, 2048)
-    assert LONG.model.max_positions >= 2048 + 2 * 64 + 2  # a loop cut at the cap fits
+    assert LONG.model.max_positions >= 2048 + 2 * 8 + 4  # a loop cut at the cap fits
+    # Cycled: 8 digits at most, over up to 8 rounds (64 additions).
     words = tokenizer_for(LONG).get_vocab()
-    assert "p64" in words and "p65" not in words
+    assert LONG.cycle == 8
+    assert {"p8", "r1", "r8"} <= set(words) and not {"p9", "r9", "r0"} & set(words)
     # The short testbed's vocabulary is the one its weights were trained with.
     assert len(tokenizer_for(TrainConfig())) == 30
 

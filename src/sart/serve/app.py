@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import inspect
 import json
+import logging
 import secrets
 import time
 import uuid
@@ -74,6 +75,8 @@ from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
 from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
 from sart.types import RequestStatus
+
+_log = logging.getLogger("sart.serve")
 
 
 def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) -> FastAPI:
@@ -259,10 +262,15 @@ def _failure(result: RequestResult) -> tuple[str, int, str | None]:
     400 for one the engine refused for what it asks (a prompt over the context), 500
     for a failure; and the field at fault, if any."""
     if result.status is RequestStatus.CANCELLED:
-        return f"the request {result.reason}", 504, None
-    if result.refused:
-        return f"the request was refused: {result.reason}", 400, "prompt"
-    return f"the request failed: {result.reason}", 500, None
+        message, status, param = f"the request {result.reason}", 504, None
+    elif result.refused:
+        message, status, param = f"the request was refused: {result.reason}", 400, "prompt"
+    else:
+        message, status, param = f"the request failed: {result.reason}", 500, None
+    # A streamed client may read no error event (vllm bench serve does not): the log
+    # keeps the reason, as vLLM's server logs a failed request.
+    _log.warning("%s: %s (HTTP %d)", result.request_id, message, status)
+    return message, status, param
 
 
 @attrs.frozen

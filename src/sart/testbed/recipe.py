@@ -14,7 +14,7 @@ import attrs
 
 from sart.errors import config_check
 from sart.testbed.model import ModelConfig
-from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, TraceConfig
+from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, MAX_ROUNDS, TraceConfig
 
 
 def _positive(name: str):
@@ -35,6 +35,11 @@ class TrainConfig:
     of their time waiting for each other (3-10x slower steps)."""
     min_digits: int = 1
     max_digits: int = MAX_DIGITS
+    """Additions per question (``min_digits`` .. ``max_digits``): digits, or with ``cycle``
+    digits times rounds."""
+    cycle: int | None = None
+    """Cycled questions (``tasks.make_question``) of at most this many digits, repeated
+    over rounds; ``None``: every addition a digit of its own in the prompt."""
     trace: TraceConfig = attrs.field(factory=TraceConfig)
     model: ModelConfig = attrs.field(factory=ModelConfig)
     policy_steps: int = attrs.field(default=1500, validator=_positive("policy_steps"))
@@ -85,6 +90,14 @@ class TrainConfig:
             f"in [min_digits={self.min_digits}, {MAX_POSITIONS}]",
         )
         config_check(0.0 <= self.prm_cut <= 1.0, "prm_cut", self.prm_cut, "in [0, 1]")
+        if self.cycle is not None:
+            config_check(
+                1 <= self.cycle <= MAX_DIGITS and self.max_digits <= self.cycle * MAX_ROUNDS,
+                "cycle",
+                self.cycle,
+                f"in 1..{MAX_DIGITS}, with max_digits={self.max_digits} at most "
+                f"cycle * {MAX_ROUNDS}",
+            )
         if self.grown_min_digits is not None:
             config_check(
                 self.min_digits <= self.grown_min_digits <= self.max_digits,
@@ -110,7 +123,7 @@ LONG_TRACE = TraceConfig(
     styles=(0.02, 0.2, 0.45, 0.7),
     max_rechecks=3,
     systematic=0.9,
-    doubt=0.15,
+    doubt=0.3,
     loop=0.05,
     loop_tokens=256,
 )
@@ -130,6 +143,7 @@ LONG = TrainConfig(
     seed=1,
     min_digits=4,
     max_digits=64,
+    cycle=8,
     curriculum_hold=800,
     curriculum=300,
     grown_min_digits=24,

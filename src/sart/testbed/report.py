@@ -390,7 +390,7 @@ def sample_branches(
     prm = QwenMathPRM.from_pretrained(
         prm_dir or bed.prm_path, incremental=False, batch_size=64, **bed.prm_kwargs()
     )
-    questions = make_questions(config.seed, config.questions, config.difficulties)
+    questions = make_questions(config.seed, config.questions, config.difficulties, bed.cycle)
     drawn = draw(
         questions,
         config.n,

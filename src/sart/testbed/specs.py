@@ -38,12 +38,15 @@ class Testbed:
     interval: int
     """``T`` by default."""
     difficulties: tuple[int, ...]
-    """Digits per question, cycled by its question sets (``questions``)."""
+    """Additions per question, cycled by its question sets (``questions``)."""
     prm_max_length: int
     """The PRM's input length: a prompt and a whole branch."""
     dataset_seed: int
     """Seed of its ``sart eval`` dataset (``--dataset NAME``), apart from the seeds its
     training and report draw from."""
+    cycle: int | None = None
+    """Its questions' most digits, added over rounds (``tasks.make_question``); ``None``:
+    one digit per addition."""
 
     @property
     def policy_path(self) -> Path:
@@ -64,7 +67,7 @@ class Testbed:
 
     def questions(self, seed: int, count: int) -> list[Question]:
         """``count`` questions cycling through its difficulties, seeded."""
-        return make_questions(seed, count, self.difficulties)
+        return make_questions(seed, count, self.difficulties, self.cycle)
 
 
 SHORT = Testbed(
@@ -82,6 +85,7 @@ LONG = Testbed(
     max_tokens=2048,
     interval=64,
     difficulties=(24, 32, 40, 48, 56, 64),
+    cycle=8,
     prm_max_length=2304,
     dataset_seed=20_261_202,
 )

@@ -9,6 +9,20 @@ word ``"\\n\\n"`` (so ``sart.prm.aggregate.split_steps`` sees the steps)::
     p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n wait p2 7 + 3 = 0 \\n\\n p3 5 + 0 = 5 \\n\\n
     answer \\boxed{ 5 }
 
+The long testbed's questions are *cycled* (``Question.rounds``): a few digits
+(at most ``MAX_DIGITS``) added over and over, ``rounds`` times, the count
+down of rounds written as a step of its own before each round::
+
+    Q 3 p1 7 p2 r2 S  ->  r2 \n\n p1 3 + 0 = 3 \n\n p2 7 + 3 = 0 \n\n r1 \n\n
+    p1 3 + 0 = 3 \n\n p2 7 + 3 = 0 \n\n answer \boxed{ 0 }
+
+Every digit a step needs is then also a round earlier in the trace, after the
+same position token: a trace of 64 steps copies from a few hundred tokens back,
+by one of at most ``MAX_DIGITS`` keys. With 64 digits in the prompt, a small
+model copied from the wrong one of neighbouring positions (64-digit copying
+stalled at 0.2-0.6 per step, where a trace of 64 steps needs over 0.99; see
+docs/testbed.md).
+
 Training traces are noisy on purpose (``TraceConfig``): a step may write a
 wrong result (more often when the addition carries), later steps build on the
 wrong value, and ``wait`` steps re-do the previous step (sometimes fixing
@@ -36,7 +50,10 @@ MAX_DIGITS = 8
 """The short testbed's longest question: its vocabulary has position tokens ``p1`` .. ``p8``."""
 
 MAX_POSITIONS = 64
-"""The longest question of any testbed (the long one's vocabulary goes to ``p64``)."""
+"""The most digits a question's prompt may list."""
+
+MAX_ROUNDS = 8
+"""The most rounds of a cycled question (the long testbed's vocabulary has ``r1`` .. ``r8``)."""
 
 QUESTION_END = "S"
 """The last word of a question's prompt: the response starts after it."""
@@ -45,13 +62,25 @@ STEP_WORD = "\n\n"
 """The step separator, one word of the vocabulary."""
 
 _STEP = re.compile(r"^(wait )?p(\d+) (\d) \+ (\d) = (\d)$")
+_ROUND = re.compile(r"^r(\d+)$")
+
+
+def _rounds_check(_self: object, _attr: attrs.Attribute, value: int | None) -> None:
+    config_check(
+        value is None or (isinstance(value, int) and 1 <= value <= MAX_ROUNDS),
+        "rounds",
+        value,
+        f"None or 1..{MAX_ROUNDS}",
+    )
 
 
 @attrs.frozen
 class Question:
-    """``digits`` to add mod 10; the difficulty is their number."""
+    """``digits`` to add mod 10, ``rounds`` times over if set (a cycled question, as the
+    long testbed's); the difficulty is the number of additions."""
 
     digits: tuple[int, ...] = attrs.field(converter=tuple)
+    rounds: int | None = attrs.field(default=None, validator=_rounds_check, kw_only=True)
 
     @digits.validator
     def _check(self, _attr: attrs.Attribute, value: tuple[int, ...]) -> None:
@@ -63,13 +92,27 @@ class Question:
         )
 
     @property
+    def sequence(self) -> tuple[int, ...]:
+        """The digits in the order the steps add them (every round's)."""
+        return self.digits * (self.rounds or 1)
+
+    @property
     def difficulty(self) -> int:
-        return len(self.digits)
+        return len(self.sequence)
 
     @property
     def answer(self) -> str:
         """The gold answer, as ``extract_answer`` returns it from a correct trace."""
-        return str(sum(self.digits) % 10)
+        return str(sum(self.sequence) % 10)
+
+    def walk(self) -> list[tuple[str | None, int, int]]:
+        """Per addition, in order: the round step written before it (``"r3"``: three
+        rounds to go, this one included; ``None`` where none is), its position and digit."""
+        return [
+            (f"r{self.rounds - r}" if self.rounds and i == 1 else None, i, d)
+            for r in range(self.rounds or 1)
+            for i, d in enumerate(self.digits, start=1)
+        ]
 
     @property
     def prompt(self) -> str:
@@ -79,12 +122,13 @@ class Question:
         # a 4-layer model trained for minutes did not (digits copied from
         # neighbouring positions).
         body = " ".join(f"{d} p{i}" for i, d in enumerate(self.digits, start=1))
-        return f"Q {body} {QUESTION_END}"
+        rounds = f" r{self.rounds}" if self.rounds else ""
+        return f"Q {body}{rounds} {QUESTION_END}"
 
     def running(self) -> list[int]:
-        """The true running value after each step (step ``i`` adds digit ``i``)."""
+        """The true running value after each step (step ``i`` adds ``sequence[i - 1]``)."""
         out, value = [], 0
-        for d in self.digits:
+        for d in self.sequence:
             value = (value + d) % 10
             out.append(value)
         return out
@@ -95,20 +139,32 @@ class Question:
         config_check(
             len(words) >= 4 and words[0] == "Q" and words[-1] == "S", "prompt", prompt, "Q ... S"
         )
-        return cls(int(w) for w in words[1:-1:2])
+        rounds = _ROUND.match(words[-2]) if len(words) >= 5 else None
+        body = words[1:-2] if rounds else words[1:-1]
+        return cls((int(w) for w in body[::2]), rounds=int(rounds.group(1)) if rounds else None)
 
 
-def make_question(rng: random.Random, difficulty: int) -> Question:
-    """A uniformly random question with ``difficulty`` digits."""
-    return Question(rng.randrange(10) for _ in range(difficulty))
+def make_question(rng: random.Random, difficulty: int, cycle: int | None = None) -> Question:
+    """A uniformly random question of ``difficulty`` additions: as many digits, or with
+    ``cycle``, at most ``cycle`` digits over as few rounds as cover ``difficulty``
+    (``ceil(difficulty / rounds)`` digits: 40 at cycle 8 is 8 digits, 5 rounds; 30 is
+    8 digits, 4 rounds)."""
+    if cycle is None:
+        return Question(rng.randrange(10) for _ in range(difficulty))
+    rounds = -(-difficulty // cycle)
+    width = -(-difficulty // rounds)
+    return Question((rng.randrange(10) for _ in range(width)), rounds=rounds)
 
 
 def make_questions(
-    seed: int, count: int, difficulties: Sequence[int] = (3, 4, 5, 6, 7, 8)
+    seed: int,
+    count: int,
+    difficulties: Sequence[int] = (3, 4, 5, 6, 7, 8),
+    cycle: int | None = None,
 ) -> list[Question]:
     """``count`` questions cycling through ``difficulties`` (mixed difficulty), seeded."""
     rng = random.Random(seed)
-    return [make_question(rng, difficulties[i % len(difficulties)]) for i in range(count)]
+    return [make_question(rng, difficulties[i % len(difficulties)], cycle) for i in range(count)]
 
 
 # --------------------------------------------------------------------------- noisy traces
@@ -207,8 +263,10 @@ def join_steps(steps: Sequence[str]) -> str:
 
 def clean_trace(question: Question) -> str:
     """The error-free trace without re-checks."""
-    steps, value = [], 0
-    for i, d in enumerate(question.digits, start=1):
+    steps: list[str] = []
+    value = 0
+    for marker, i, d in question.walk():
+        steps.extend([marker] if marker else [])
         steps.append(_step(i, value, d, (value + d) % 10))
         value = (value + d) % 10
     return join_steps([*steps, answer_step(value)])
@@ -229,7 +287,8 @@ def noisy_response(
     sloppy = rng.choice(config.sloppiness)
     steps: list[str] = []
     value, doubt = 0, 0.0
-    for i, d in enumerate(question.digits, start=1):
+    for marker, i, d in question.walk():
+        steps.extend([marker] if marker else [])
         right = (value + d) % 10
         p_error = sloppy * (config.error_carry if value + d >= 10 else config.error_plain)
         result = _error(rng, right, config) if rng.random() < p_error else right
@@ -291,32 +350,38 @@ def step_labels(question: Question, text: str) -> list[bool]:
     """Per step: is the trace still on track after it? The PRM's training label.
 
     True iff the value held after the step equals the true running sum of the
-    digits the trace has added so far (the highest position it has reached),
+    digits the trace has added so far (the furthest addition it has reached),
     so a wrong step whose error a re-check fixed is "correct again". The
     answer step is labelled by the grader. Steps that use a wrong operand
     (a copy slip) or skip a position are off track; a step that writes no
     value (cut mid-way, as during generation) keeps the label before it.
     """
     truth = question.running()
+    width = len(question.digits)
     labels: list[bool] = []
-    on_track, position = True, 0
+    on_track, done = True, 0  # done: the additions the trace has reached
     for step in split_steps(text):
         stripped = step.strip()
         match = _STEP.match(stripped)
         if match:
             pos, digit, prev, result = (int(match.group(g)) for g in (2, 3, 4, 5))
-            valid = 1 <= pos <= question.difficulty and digit == question.digits[pos - 1]
+            valid = 1 <= pos <= width and digit == question.digits[pos - 1]
             wait = match.group(1) is not None
-            # A step must take the next position (a re-check, the same one) and
-            # start from the true value before it.
-            expected_pos = position if wait else position + 1
+            # A step must take the next addition (a re-check, the same one), at its
+            # position in the round, and start from the true value before it.
+            expected = done if wait else done + 1
+            at = (expected - 1) % width + 1  # the position the expected addition has
             on_track = (
                 valid
-                and pos == expected_pos
-                and prev == (truth[pos - 2] if pos >= 2 else 0)
-                and result == truth[pos - 1]
+                and 1 <= expected <= len(truth)
+                and pos == at
+                and prev == (truth[expected - 2] if expected >= 2 else 0)
+                and result == truth[expected - 1]
             )
-            position = pos if valid else position
+            if valid:  # the trace is now at the addition of this position nearest to it
+                here = expected - at + pos
+                near = [k for k in (here - width, here, here + width) if 1 <= k <= len(truth)]
+                done = min(near, key=lambda k: (abs(k - expected), -k))
         elif "\\boxed{" in stripped and "}" in stripped:
             on_track = grade(question, stripped)
         # Anything else (a step cut mid-way during generation, a stray word)

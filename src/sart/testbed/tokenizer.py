@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, STEP_WORD
+from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, MAX_ROUNDS, STEP_WORD
 
 EOS = "</s>"
 UNK = "[UNK]"
@@ -26,12 +26,14 @@ PRM_SEPARATOR = "<step>"
 SPECIAL_TOKENS = (UNK, EOS, PRM_SEPARATOR)
 
 
-def words(max_digits: int = MAX_DIGITS) -> tuple[str, ...]:
-    """The vocabulary's words for questions of up to ``max_digits`` digits."""
+def words(max_digits: int = MAX_DIGITS, max_rounds: int = 0) -> tuple[str, ...]:
+    """The vocabulary's words for questions of up to ``max_digits`` digits and
+    ``max_rounds`` rounds (0: questions that are not cycled)."""
     return (
         "Q",
         "S",
         *(f"p{i}" for i in range(1, max_digits + 1)),
+        *(f"r{i}" for i in range(1, max_rounds + 1)),
         *(str(d) for d in range(10)),
         "+",
         "=",
@@ -52,17 +54,18 @@ CHAT_TEMPLATE = (
 """The contents joined by single spaces: the PRM sees ``question response``."""
 
 
-def build_tokenizer(max_digits: int = MAX_DIGITS) -> Any:
+def build_tokenizer(max_digits: int = MAX_DIGITS, max_rounds: int = 0) -> Any:
     """The ``PreTrainedTokenizerFast`` of a testbed whose questions have up to
-    ``max_digits`` digits (deterministic: a fixed vocabulary; the default is the
-    short testbed's)."""
+    ``max_digits`` digits and ``max_rounds`` rounds (deterministic: a fixed
+    vocabulary; the defaults are the short testbed's)."""
     from sart.errors import config_check
 
     config_check(1 <= max_digits <= MAX_POSITIONS, "max_digits", max_digits, f"1..{MAX_POSITIONS}")
+    config_check(0 <= max_rounds <= MAX_ROUNDS, "max_rounds", max_rounds, f"0..{MAX_ROUNDS}")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {word: i for i, word in enumerate((*SPECIAL_TOKENS, *words(max_digits)))}
+    vocab = {word: i for i, word in enumerate((*SPECIAL_TOKENS, *words(max_digits, max_rounds)))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     # Split on single spaces only (not on all whitespace): "\n\n" stays a word.
     tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")

@@ -108,7 +108,9 @@ def encode_example(
 
 def tokenizer_for(config: TrainConfig) -> Any:
     """The tokenizer of the testbed ``config`` trains (the short one's vocabulary
-    covers at least ``p1`` .. ``p8``)."""
+    covers at least ``p1`` .. ``p8``; a cycled one's ``r1`` .. its most rounds)."""
+    if config.cycle is not None:
+        return build_tokenizer(MAX_DIGITS, -(-config.max_digits // config.cycle))
     return build_tokenizer(max(config.max_digits, MAX_DIGITS))
 
 
@@ -142,7 +144,7 @@ def train_policy(
         # compute goes to padding (half of it with mixed batches).
         difficulty = rng.randint(easiest(config, step), hardest(config, step))
         for _ in range(config.batch_size):
-            question = make_question(rng, difficulty)
+            question = make_question(rng, difficulty, config.cycle)
             response, finished = noisy_response(question, rng, config.trace)
             ids, n_prompt = encode_example(tokenizer, question.prompt, response, finished)
             rows.append(ids)
@@ -173,7 +175,7 @@ def skill_probes(config: TrainConfig, count: int = 16) -> list[list[Question]]:
     and one at ``max_digits`` if that is harder (a curriculum's goal)."""
     rng = random.Random(f"skills-{config.seed}")
     levels = sorted({hardest(config, 0), config.max_digits})
-    return [[make_question(rng, level) for _ in range(count)] for level in levels]
+    return [[make_question(rng, level, config.cycle) for _ in range(count)] for level in levels]
 
 
 @torch.no_grad()
@@ -249,7 +251,7 @@ def prm_examples(
     """
     rng = random.Random(config.seed + 1)
     questions = [
-        make_question(rng, rng.randint(config.min_digits, config.max_digits))
+        make_question(rng, rng.randint(config.min_digits, config.max_digits), config.cycle)
         for _ in range(config.prm_rollouts)
     ]
     generator = torch.Generator().manual_seed(config.seed + 2)
