@@ -374,6 +374,25 @@ def test_a_disconnected_stream_has_every_branch_aborted(serve) -> None:
     assert len(engine.aborted) == 3
 
 
+def test_by_default_a_stream_sends_no_keep_alive_and_a_leaver_is_still_noticed(serve) -> None:
+    # No comments unless asked (vLLM's own bench client loses the event after one).
+    assert ServeConfig(models=(MODEL,)).keepalive is None
+    served = serve()
+    request = {**body("long", method="sart", n=3), "stream": True}
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json=request,
+        headers={"Authorization": "Bearer key"},
+        timeout=0.5,
+    ) as stream:
+        with pytest.raises(httpx.ReadTimeout):  # undecided: nothing is sent, not a comment
+            next(stream.iter_lines())
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)
+    assert served.engine.stats().live_branches == 0
+    assert len(served.engine.aborted) == 3
+
+
 def test_a_request_cancelled_while_queued_never_reaches_the_engine(serve) -> None:
     served = serve(batch_size=1)
     blocker = threading.Thread(target=leave_after, args=(served, 1.5))

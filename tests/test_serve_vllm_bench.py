@@ -52,7 +52,8 @@ def check(result: dict[str, Any], server: Server) -> None:
     code, log = server.stop()
     # vllm bench reads no error event (it reports a failed stream as "never received a
     # valid chunk"): the reason sart serve gave is in its log.
-    assert (result["completed"], result["failed"]) == (PROMPTS, 0), (errors, log[-6000:])
+    failures = [line for line in log.splitlines() if "(HTTP " in line][:5]
+    assert (result["completed"], result["failed"]) == (PROMPTS, 0), (errors, failures)
     assert code == 0 and "Traceback" not in log, log
 
 

@@ -37,9 +37,12 @@ reward or vote, and any running branch may still be pruned or stopped.
 Streaming a branch's tokens as they come would show text that is then
 withdrawn, which OpenAI's protocol cannot express. So the stream opens at
 once (a first chunk carrying the assistant role, for chat), sends an SSE
-comment (``: keep-alive``) every ``keepalive`` seconds while the request is
-undecided — clients ignore comments; proxies and load balancers see a live
-connection, and a closed one is noticed — then the chosen answer in one
+comment (``: keep-alive``) every ``keepalive`` seconds, if set, while the
+request is undecided — proxies and load balancers then see a live
+connection; the ``openai`` client ignores comments, but vLLM's ``vllm bench
+serve`` client (0.32) strips each read it gets, so a comment that arrives
+alone loses its terminator and swallows the events after it: the default is
+none, as vLLM's server sends none — then the chosen answer in one
 chunk, a last chunk with ``finish_reason`` and the ``sart`` field, the
 usage chunk if ``stream_options.include_usage``, and ``[DONE]``. An error
 after the stream opened is sent as an ``{"error": ...}`` event, which the
@@ -301,7 +304,7 @@ DONE = b"data: [DONE]\n\n"
 
 
 async def _events(
-    service: Service, reply: _Reply, keepalive: float, include_usage: bool
+    service: Service, reply: _Reply, keepalive: float | None, include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed request (see the module docstring)."""
     job = asyncio.ensure_future(service.result(reply.id))

@@ -217,8 +217,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--keepalive",
         type=float,
-        default=5.0,
-        help="seconds between keep-alive comments of a stream still undecided (5)",
+        default=None,
+        metavar="SECONDS",
+        help="send an SSE keep-alive comment every SECONDS while a stream is undecided, "
+        "for proxies that close idle connections (default: none, as vLLM; vLLM's "
+        "'vllm bench serve' client mishandles comments)",
     )
     g.add_argument(
         "--no-access-log",

@@ -48,12 +48,12 @@ def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     config_check(_finite(value) and 0 < value <= 1, "top_p", value, "in (0, 1]")
 
 
-def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float | None) -> None:
     config_check(
-        _finite(value) and value > 0,
+        value is None or (_finite(value) and value > 0),
         "keepalive",
         value,
-        "a number of seconds > 0",
+        "None or a number of seconds > 0",
     )
 
 
@@ -112,8 +112,11 @@ class ServeConfig:
     """Bearer key that ``/v1/*`` requests must carry (``None``: open)."""
     max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("max_body_bytes"))
     """Largest request body accepted (413 past it)."""
-    keepalive: float = attrs.field(default=5.0, validator=_check_keepalive)
-    """Seconds between SSE keep-alive comments while a streamed request is undecided."""
+    keepalive: float | None = attrs.field(default=None, validator=_check_keepalive)
+    """Seconds between SSE keep-alive comments while a streamed request is undecided
+    (``None``: none, as vLLM's server sends none). For proxies that close idle
+    connections; vLLM's ``vllm bench serve`` client loses the event after a comment
+    that arrives alone (it strips each read, comment terminator included)."""
 
     def __attrs_post_init__(self) -> None:
         config_check(self.n <= self.max_n, "n", self.n, f"<= max_n={self.max_n}")

@@ -118,6 +118,7 @@ class TrainConfig:
 LONG_TRACE = TraceConfig(
     # Below the 0.05 that puts the noise's own branch accuracy at 0.50: the policy
     # adds slips of its own (a digit copied wrong), and the testbed's floor is 0.45.
+    # doubt 0.3: the noise alone then has a length-correctness r of -0.28 (0.15: -0.07).
     error_carry=0.04,
     error_plain=0.0032,
     styles=(0.02, 0.2, 0.45, 0.7),
@@ -131,15 +132,13 @@ LONG_TRACE = TraceConfig(
 #: ``sart testbed train --model long``: what decides the long testbed's shipped weights.
 LONG = TrainConfig(
     # Short questions first (curriculum_hold), though the testbed asks 24 to 64
-    # digits: on long ones alone the policy does not learn to copy a digit by its
-    # position token. The sums are learned suddenly, at a step that depends on the
-    # seed and the schedule (seed 1 by step 500 under one cosine over the run; not by
-    # 1,500 with the peak rate held through the hold), and each position token is
-    # learned once seen often enough: once grown, batches are the testbed's own 24 to
-    # 64 digits. Its first 1,100 steps follow the probe that came closest (64-digit
-    # copying 0.60 and rising at its step 1,600), at a rate that decays more slowly.
-    # Not yet trained to its ranges: this is the next run's configuration. The runs
-    # so far, and what each showed, are in docs/testbed.md ("The long testbed").
+    # additions: the sums are learned suddenly, at a step that depends on the seed
+    # and the schedule, and on short questions first. Once grown, batches are the
+    # testbed's own 24 to 64 additions. Cycled questions (cycle): with 64 digits in
+    # the prompt the policy copied a neighbour's digit (64-digit copying stalled at
+    # 0.2-0.6 per step; a trace of 64 steps needs over 0.99). Not yet trained to its
+    # ranges: the runs so far, and what each showed, are in docs/testbed.md
+    # ("The long testbed").
     seed=1,
     min_digits=4,
     max_digits=64,
