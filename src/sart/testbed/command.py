@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(hundreds to thousands of tokens, over-thinking and loops)",
     )
     train.add_argument(
-        "--seed", type=int, default=None, help="default: the shipped weights' (short 0, long 1)"
+        "--seed", type=int, default=None, help="default: the shipped weights' (short 0, long 2)"
     )
     train.add_argument(
         "--threads", type=int, default=1, help="CPU threads (default 1; hashes depend on it)"
