@@ -11,6 +11,7 @@ is still running when its client leaves. The testbed model behind the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import threading
 import time
@@ -96,6 +97,17 @@ def serve() -> Iterator[Callable[..., Served]]:
 
 def body(prompt: str = "short", **fields: object) -> dict[str, object]:
     return {"model": MODEL, "prompt": prompt, **fields}
+
+
+def stream_long(served: Served, timeout: float) -> contextlib.AbstractContextManager:
+    """A streamed SART request of 3 branches that outlast any test, opened with httpx."""
+    return httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json={**body("long", method="sart", n=3), "stream": True},
+        headers={"Authorization": "Bearer key"},
+        timeout=timeout,
+    )
 
 
 def leave_after(served: Served, seconds: float) -> None:
@@ -359,14 +371,7 @@ def test_a_request_past_its_timeout_is_aborted_and_answered_504(serve) -> None:
 def test_a_disconnected_stream_has_every_branch_aborted(serve) -> None:
     served = serve(keepalive=0.05)
     engine = served.engine
-    request = {**body("long", method="sart", n=3), "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{served.url}/v1/completions",
-        json=request,
-        headers={"Authorization": "Bearer key"},
-        timeout=10,
-    ) as stream:
+    with stream_long(served, timeout=10) as stream:
         lines = stream.iter_lines()
         assert next(lines) == ": keep-alive"  # undecided: the stream is kept alive
     served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)
@@ -378,14 +383,7 @@ def test_by_default_a_stream_sends_no_keep_alive_and_a_leaver_is_still_noticed(s
     # No comments unless asked (vLLM's own bench client loses the event after one).
     assert ServeConfig(models=(MODEL,)).keepalive is None
     served = serve()
-    request = {**body("long", method="sart", n=3), "stream": True}
-    with httpx.stream(
-        "POST",
-        f"{served.url}/v1/completions",
-        json=request,
-        headers={"Authorization": "Bearer key"},
-        timeout=0.5,
-    ) as stream:
+    with stream_long(served, timeout=0.5) as stream:
         with pytest.raises(httpx.ReadTimeout):  # undecided: nothing is sent, not a comment
             next(stream.iter_lines())
     served.wait_for(lambda: served.metric("sart:requests_total", '{status="cancelled"}') == 1)

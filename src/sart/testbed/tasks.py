@@ -13,8 +13,8 @@ The long testbed's questions are *cycled* (``Question.rounds``): a few digits
 (at most ``MAX_DIGITS``) added over and over, ``rounds`` times, the count
 down of rounds written as a step of its own before each round::
 
-    Q 3 p1 7 p2 r2 S  ->  r2 \n\n p1 3 + 0 = 3 \n\n p2 7 + 3 = 0 \n\n r1 \n\n
-    p1 3 + 0 = 3 \n\n p2 7 + 3 = 0 \n\n answer \boxed{ 0 }
+    Q 3 p1 7 p2 r2 S  ->  r2 \\n\\n p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n r1 \\n\\n
+    p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n answer \\boxed{ 0 }
 
 Every digit a step needs is then also a round earlier in the trace, after the
 same position token: a trace of 64 steps copies from a few hundred tokens back,
@@ -266,7 +266,8 @@ def clean_trace(question: Question) -> str:
     steps: list[str] = []
     value = 0
     for marker, i, d in question.walk():
-        steps.extend([marker] if marker else [])
+        if marker:
+            steps.append(marker)
         steps.append(_step(i, value, d, (value + d) % 10))
         value = (value + d) % 10
     return join_steps([*steps, answer_step(value)])
@@ -288,7 +289,8 @@ def noisy_response(
     steps: list[str] = []
     value, doubt = 0, 0.0
     for marker, i, d in question.walk():
-        steps.extend([marker] if marker else [])
+        if marker:
+            steps.append(marker)
         right = (value + d) % 10
         p_error = sloppy * (config.error_carry if value + d >= 10 else config.error_plain)
         result = _error(rng, right, config) if rng.random() < p_error else right
