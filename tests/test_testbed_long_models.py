@@ -70,29 +70,34 @@ def test_shipped_prm_code_is_the_packages_modelling_module() -> None:
     assert shipped == Path(modeling_testbed_prm.__file__).read_text(encoding="utf-8")
 
 
-@pytest.mark.parametrize("digits", [24, 64])
-def test_policy_has_learned_to_copy_and_add(policy, digits: int) -> None:
-    # Teacher-forced on clean traces: the argmax after "pK" is the prompt's digit
-    # K, after "=" the step's sum, on the shortest and the longest questions.
+@pytest.mark.parametrize("additions", [24, 64])
+def test_policy_has_learned_to_copy_and_add(policy, additions: int) -> None:
+    # Teacher-forced on clean traces: the argmax after "pK" is digit K (in the
+    # prompt or a round back), after "=" the step's sum, on the shortest and the
+    # longest cycled questions.
     import random
 
     from sart.testbed.tasks import make_question
     from sart.testbed.train import skills
 
     model, tokenizer = policy
-    rng = random.Random(digits)
-    copy, add = skills(model, tokenizer, [make_question(rng, digits) for _ in range(8)])
+    rng = random.Random(additions)
+    questions = [make_question(rng, additions, LONG.cycle) for _ in range(8)]
+    copy, add = skills(model, tokenizer, questions)
     assert copy >= 0.9 and add >= 0.9
 
 
 def test_prm_rates_a_slip_lower_from_where_it_happens(prm) -> None:
-    q = Question([6, 6, 1, 9] * 6)
+    q = Question([6, 6, 1, 9], rounds=6)
     right = clean_trace(q)
     steps = right.split(" \n\n ")
-    # A slip at step 2 (6 + 6 = 3, the systematic error "one more"), carried on.
+    # A slip at the second addition (6 + 6 = 3, the systematic error "one
+    # more"), carried on through every round.
     value, wrong_steps = 0, []
-    for i, d in enumerate(q.digits, start=1):
-        result = (value + d + (1 if i == 2 else 0)) % 10
+    for k, (marker, i, d) in enumerate(q.walk(), start=1):
+        if marker:
+            wrong_steps.append(marker)
+        result = (value + d + (1 if k == 2 else 0)) % 10
         wrong_steps.append(f"p{i} {d} + {value} = {result}")
         value = result
     wrong = join_steps([*wrong_steps, answer_step(value)])

@@ -293,6 +293,17 @@ def test_make_questions_cycles_difficulties() -> None:
     assert qs == make_questions(3, 12, difficulties=(3, 5))
 
 
+def test_excluded_questions_are_drawn_again_at_their_difficulty() -> None:
+    # One digit: ten questions per difficulty, so a seeded set repeats some.
+    drawn = make_questions(0, 40, difficulties=(1, 2))
+    held = {q.prompt for q in drawn[:6]}
+    kept = make_questions(0, 40, difficulties=(1, 2), exclude=held)
+    assert not held & {q.prompt for q in kept}
+    assert [q.difficulty for q in kept] == [1, 2] * 20
+    # Prefix-stable: the first k of a larger set are the set of k.
+    assert make_questions(0, 10, difficulties=(1, 2), exclude=held) == kept[:10]
+
+
 step_words = st.sampled_from(
     ["p1", "p5", "p8", "r1", "r3", "wait", "+", "=", "answer", "\\boxed{", "}"]
 )

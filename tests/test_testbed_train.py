@@ -125,9 +125,9 @@ def test_a_curriculum_grows_the_hardest_question_from_short_ones() -> None:
 
 
 def test_a_cycle_must_cover_the_hardest_question_in_rounds() -> None:
-    assert TrainConfig(min_digits=4, max_digits=64, cycle=8).cycle == 8
+    assert TrainConfig(min_digits=4, max_digits=64, cycle=4).cycle == 4
     with pytest.raises(ConfigError, match="cycle"):
-        TrainConfig(min_digits=4, max_digits=64, cycle=7)  # 10 rounds
+        TrainConfig(min_digits=4, max_digits=64, cycle=3)  # 22 rounds
     with pytest.raises(ConfigError, match="cycle"):
         TrainConfig(max_digits=8, cycle=9)  # more digits than the vocabulary's p8
 
@@ -139,10 +139,12 @@ def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     assert TRAIN_CONFIGS["long"] is LONG and TRAIN_CONFIGS["short"] == TrainConfig()
     assert (LONG.min_digits, LONG.max_digits, LONG.max_new_tokens) == (4, 64, 2048)
     assert LONG.model.max_positions >= 2048 + 2 * 8 + 4  # a loop cut at the cap fits
-    # Cycled: 8 digits at most, over up to 8 rounds (64 additions).
+    # Cycled: 4 digits at most, over up to 16 rounds (64 additions).
     words = tokenizer_for(LONG).get_vocab()
-    assert LONG.cycle == 8
-    assert {"p8", "r1", "r8"} <= set(words) and not {"p9", "r9", "r0"} & set(words)
+    assert LONG.cycle == 4
+    assert {"p4", "r1", "r16"} <= set(words) and not {"p9", "r17", "r0"} & set(words)
+    # Trained on both cores (the manifest's thread count is part of its hashes).
+    assert LONG.threads == 2
     # The short testbed's vocabulary is the one its weights were trained with.
     assert len(tokenizer_for(TrainConfig())) == 30
 
@@ -165,9 +167,9 @@ def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
     fresh = LlamaForCausalLM(config.model.llama(tokenizer_for(config))).eval()
     copy, add = skills(fresh, tokenizer, probes)
     assert copy < 0.3 and add < 0.3
-    # With a curriculum, a second group watches its goal.
-    start, goal = skill_probes(LONG)
-    assert {q.difficulty for q in start} == {8} and {q.difficulty for q in goal} == {64}
+    # With a curriculum, more groups watch the grown questions' shortest and longest.
+    start, shortest, goal = skill_probes(LONG)
+    assert [{q.difficulty for q in g} for g in (start, shortest, goal)] == [{8}, {24}, {64}]
 
 
 def test_an_unwritable_out_is_refused_before_training(tmp_path: Path) -> None:
@@ -209,12 +211,13 @@ def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
 
     trained: list[TrainConfig] = []
     monkeypatch.setattr(train_module, "train", lambda _out, config: trained.append(config))
-    for argv in (["--model", "long"], ["--model", "long", "--seed", "5"], []):
+    runs = (["--model", "long"], ["--model", "long", "--seed", "5", "--threads", "1"], [])
+    for argv in runs:
         assert main(["testbed", "train", "--out", str(tmp_path / "w"), *argv]) == 0
     long, reseeded, short = trained
-    assert long == recipe.LONG and long.seed == 2
-    assert reseeded.seed == 5 and reseeded.trace == recipe.LONG.trace
-    assert short == TrainConfig()
+    assert long == recipe.LONG and (long.seed, long.threads) == (2, 2)
+    assert (reseeded.seed, reseeded.threads) == (5, 1) and reseeded.trace == recipe.LONG.trace
+    assert short == TrainConfig() and short.threads == 1
 
 
 def test_the_rope_base_reaches_the_saved_config(tmp_path: Path) -> None:

@@ -137,6 +137,14 @@ def _against_rate(
         ylabel="accuracy (%)",
         xscale="log",
     )
+    for ax in (lat_ax, acc_ax):
+        # The swept rates themselves as ticks, in plain numbers: a log axis over
+        # 1-4 req/s otherwise labels only 10^0.
+        ax.set_xticks(sorted(rates), labels=[f"{r:g}" for r in sorted(rates)])
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
+    plain = plt.FuncFormatter(lambda value, _pos: f"{value:g}")
+    lat_ax.yaxis.set_major_formatter(plain)
+    lat_ax.yaxis.set_minor_formatter(plain)
     lat_ax.legend(fontsize=8)
     return save_figure(plt, fig, path)
 

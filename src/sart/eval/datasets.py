@@ -315,7 +315,7 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
     ``k`` of them are those of ``count=k``), ids ``t0``, ``t1``... as ``sart bench
     --model testbed`` names them, ``level`` their difficulty (digits to add), graded
     exactly. The long testbed's seed is set apart from those its training and
-    report draw from: its questions are held apart."""
+    report draw from, and its report's questions are left out (``Testbed.held_apart``)."""
     from sart.testbed.specs import TESTBEDS
 
     config_check(isinstance(count, int) and count >= 1, "limit", count, ">= 1")
@@ -323,7 +323,7 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
     drawn = bed.dataset_seed + seed
     problems = [
         Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
-        for i, q in enumerate(bed.questions(drawn, count))
+        for i, q in enumerate(bed.eval_questions(count, seed))
     ]
     source = f"sart.testbed.{'SHORT' if name == 'testbed' else 'LONG'}.questions({drawn})"
     return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)

@@ -34,7 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--seed", type=int, default=None, help="default: the shipped weights' (short 0, long 2)"
     )
     train.add_argument(
-        "--threads", type=int, default=1, help="CPU threads (default 1; hashes depend on it)"
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: the recipe's, short 1, long 2; hashes depend on it)",
     )
     train.set_defaults(func=main)
     report = actions.add_parser(
@@ -69,12 +72,14 @@ def main(args: argparse.Namespace) -> int:
 
             config = TRAIN_CONFIGS[args.model]
             seed = config.seed if args.seed is None else args.seed
-            train(args.out, attrs.evolve(config, seed=seed, threads=args.threads))
+            threads = config.threads if args.threads is None else args.threads
+            train(args.out, attrs.evolve(config, seed=seed, threads=threads))
             return 0
         from sart.testbed.report import ReportConfig, calibrate
+        from sart.testbed.specs import TESTBEDS
     weights = Path(args.weights) if args.weights else None
     name = "testbed-long" if args.model == "long" else "testbed"
-    questions = args.questions or (200 if args.model == "long" else 120)
+    questions = args.questions or TESTBEDS[name].report_questions
     result = calibrate(
         ReportConfig.of(name, n=args.n, questions=questions, seed=args.seed),
         policy_dir=weights / "policy" if weights else None,

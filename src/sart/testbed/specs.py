@@ -11,6 +11,7 @@ Pure: no torch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,11 @@ class Testbed:
     cycle: int | None = None
     """Its questions' most digits, added over rounds (``tasks.make_question``); ``None``:
     one digit per addition."""
+    report_questions: int = 120
+    """Questions in its calibration report (``sart testbed report``, seed 0)."""
+    held_apart: bool = False
+    """Its ``sart eval`` dataset leaves out the report's questions (``eval_questions``):
+    a long question has only 4 digits, so two seeds' sets can share a few."""
 
     @property
     def policy_path(self) -> Path:
@@ -65,9 +71,15 @@ class Testbed:
             "max_length": self.prm_max_length,
         }
 
-    def questions(self, seed: int, count: int) -> list[Question]:
-        """``count`` questions cycling through its difficulties, seeded."""
-        return make_questions(seed, count, self.difficulties, self.cycle)
+    def questions(self, seed: int, count: int, exclude: Collection[str] = ()) -> list[Question]:
+        """``count`` questions cycling through its difficulties, seeded (prompts in
+        ``exclude`` drawn again: ``make_questions``)."""
+        return make_questions(seed, count, self.difficulties, self.cycle, exclude)
+
+    def eval_questions(self, count: int, seed: int = 0) -> list[Question]:
+        """Its ``sart eval`` dataset's questions (``dataset_seed + seed``)."""
+        held = self.questions(0, self.report_questions) if self.held_apart else []
+        return self.questions(self.dataset_seed + seed, count, {q.prompt for q in held})
 
 
 SHORT = Testbed(
@@ -85,9 +97,11 @@ LONG = Testbed(
     max_tokens=2048,
     interval=64,
     difficulties=(24, 32, 40, 48, 56, 64),
-    cycle=8,
+    cycle=4,
     prm_max_length=2304,
     dataset_seed=20_261_202,
+    report_questions=200,
+    held_apart=True,
 )
 TESTBEDS: dict[str, Testbed] = {t.name: t for t in (SHORT, LONG)}
 

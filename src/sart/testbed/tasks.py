@@ -17,11 +17,11 @@ down of rounds written as a step of its own before each round::
     p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n answer \\boxed{ 0 }
 
 Every digit a step needs is then also a round earlier in the trace, after the
-same position token: a trace of 64 steps copies from a few hundred tokens back,
-by one of at most ``MAX_DIGITS`` keys. With 64 digits in the prompt, a small
-model copied from the wrong one of neighbouring positions (64-digit copying
-stalled at 0.2-0.6 per step, where a trace of 64 steps needs over 0.99; see
-docs/testbed.md).
+same position token: a trace of 64 steps copies by one of a few keys (the long
+testbed's 4, over up to 16 rounds). With 64 digits in the prompt, a small model
+copied from the wrong one of neighbouring positions (64-digit copying stalled at
+0.2-0.6 per step, where a trace of 64 steps needs over 0.99), and with 8 it
+learned some keys only in questions of some lengths (see docs/testbed.md).
 
 Training traces are noisy on purpose (``TraceConfig``): a step may write a
 wrong result (more often when the addition carries), later steps build on the
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import attrs
 
@@ -52,8 +52,8 @@ MAX_DIGITS = 8
 MAX_POSITIONS = 64
 """The most digits a question's prompt may list."""
 
-MAX_ROUNDS = 8
-"""The most rounds of a cycled question (the long testbed's vocabulary has ``r1`` .. ``r8``)."""
+MAX_ROUNDS = 16
+"""The most rounds of a cycled question (the long testbed's vocabulary has ``r1`` .. ``r16``)."""
 
 QUESTION_END = "S"
 """The last word of a question's prompt: the response starts after it."""
@@ -161,10 +161,20 @@ def make_questions(
     count: int,
     difficulties: Sequence[int] = (3, 4, 5, 6, 7, 8),
     cycle: int | None = None,
+    exclude: Collection[str] = (),
 ) -> list[Question]:
-    """``count`` questions cycling through ``difficulties`` (mixed difficulty), seeded."""
+    """``count`` questions cycling through ``difficulties`` (mixed difficulty), seeded.
+
+    A question whose prompt is in ``exclude`` is drawn again at the same difficulty,
+    so the first ``k`` questions are still those of ``count=k``.
+    """
     rng = random.Random(seed)
-    return [make_question(rng, difficulties[i % len(difficulties)], cycle) for i in range(count)]
+    out: list[Question] = []
+    while len(out) < count:
+        question = make_question(rng, difficulties[len(out) % len(difficulties)], cycle)
+        if question.prompt not in exclude:
+            out.append(question)
+    return out
 
 
 # --------------------------------------------------------------------------- noisy traces

@@ -172,9 +172,14 @@ def train_policy(
 def skill_probes(config: TrainConfig, count: int = 16) -> list[list[Question]]:
     """Fixed questions (their own seed, not the training stream's) on which ``skills``
     watches a training run: a group at the hardest difficulty of its first step,
-    and one at ``max_digits`` if that is harder (a curriculum's goal)."""
+    one at ``grown_min_digits`` if set, and one at ``max_digits`` if that is harder
+    (a curriculum's goal). A skill can be learned at one length and not another: a
+    cycled run copied position 6 only in questions of 8 rounds."""
     rng = random.Random(f"skills-{config.seed}")
-    levels = sorted({hardest(config, 0), config.max_digits})
+    levels = sorted(
+        {hardest(config, 0), config.max_digits}
+        | ({config.grown_min_digits} if config.grown_min_digits else set())
+    )
     return [[make_question(rng, level, config.cycle) for _ in range(count)] for level in levels]
 
 
