@@ -102,7 +102,7 @@ def test_clean_trace_grades_correct_and_every_step_is_on_track(q: Question) -> N
     assert grade(q, text)
     assert extract_answer(text) == q.answer
     assert all(step_labels(q, text))
-    arithmetic = [s.strip().startswith("p") for s in split_steps(text)]
+    arithmetic = ["+" in s for s in split_steps(text)]
     assert [v for v, a in zip(step_values(text), arithmetic) if a] == q.running()
 
 
@@ -115,12 +115,11 @@ def test_an_unfixed_error_grades_wrong_and_labels_stay_off_from_it(
     delta = data.draw(st.integers(1, 9))
     steps, value, before = [], 0, 0  # before: the steps before addition i
     for j, (marker, position, d) in enumerate(q.walk()):
-        steps.extend([marker] if marker else [])
         before = len(steps) if j == i else before
         result = (value + d) % 10
         if j == i:
             result = (result + delta) % 10
-        steps.append(f"p{position} {d} + {value} = {result}")
+        steps.append(f"{marker + ' ' if marker else ''}p{position} {d} + {value} = {result}")
         value = result
     text = join_steps([*steps, answer_step(value)])
     assert not grade(q, text)
@@ -142,14 +141,19 @@ def test_noisy_traces_are_well_formed_and_labels_agree_with_the_grader(
     assert labels[-1] == grade(q, text)
     assert extract_answer(text) == str(step_values(text)[-1])
     # Positions advance one at a time, starting over after a round's last; re-checks
-    # repeat the previous one; a cycled question's rounds are counted down before each.
-    arithmetic = [s.split() for s in steps[:-1] if not s.strip().startswith("r")]
+    # repeat the previous one; a cycled question's steps count its rounds down.
+    arithmetic = [s.split() for s in steps[:-1]]
     positions = [int(words[-6][1:]) for words in arithmetic]
     width = len(q.digits)
     assert positions[0] == 1 and positions[-1] == width
     assert all((b - a) % width in (0, 1) for a, b in itertools.pairwise(positions))
-    markers = [s.strip() for s in steps if s.strip().startswith("r")]
-    assert markers == [f"r{k}" for k in range(q.rounds or 0, 0, -1)]
+    counts = [w for words in arithmetic for w in words if w[0] == "r"]
+    assert len(counts) == (len(arithmetic) if q.rounds else 0)
+    assert [k for k, _ in itertools.groupby(counts)] == [
+        f"r{k}" for k in range(q.rounds or 0, 0, -1)
+    ]
+    starts = [p == 1 and (i == 0 or positions[i - 1] == width) for i, p in enumerate(positions)]
+    assert all(a == b or start for a, b, start in zip(counts, counts[1:], starts[1:]))
 
 
 def test_noisy_traces_are_noisy_and_reproducible() -> None:
@@ -249,7 +253,7 @@ def test_a_cycled_question_adds_its_digits_round_after_round() -> None:
     assert Question.from_prompt(q.prompt) == q
     assert Question.from_prompt(Question((3, 7)).prompt) == Question((3, 7))
     assert clean_trace(q) == join_steps(
-        ["r2", "p1 3 + 0 = 3", "p2 7 + 3 = 0", "r1", "p1 3 + 0 = 3", "p2 7 + 3 = 0", answer_step(0)]
+        ["r2 p1 3 + 0 = 3", "r2 p2 7 + 3 = 0", "r1 p1 3 + 0 = 3", "r1 p2 7 + 3 = 0", answer_step(0)]
     )
     with pytest.raises(ConfigError, match="rounds"):
         Question((1,), rounds=MAX_ROUNDS + 1)
@@ -257,17 +261,20 @@ def test_a_cycled_question_adds_its_digits_round_after_round() -> None:
 
 def test_cycled_labels_follow_the_addition_not_the_position() -> None:
     q = Question((3, 5), rounds=2)  # running values 3, 8, 1, 6
-    first = ["r2", "p1 3 + 0 = 3", "p2 5 + 3 = 8", "r1"]
-    assert all(step_labels(q, join_steps([*first, "p1 3 + 8 = 1", "p2 5 + 1 = 6"])))
+    first = ["r2 p1 3 + 0 = 3", "r2 p2 5 + 3 = 8"]
+    assert all(step_labels(q, join_steps([*first, "r1 p1 3 + 8 = 1", "r1 p2 5 + 1 = 6"])))
     # Round 2 restarts the position, not the running value.
-    restarted = join_steps([*first, "p1 3 + 0 = 3", "p2 5 + 3 = 8", answer_step(8)])
-    assert step_labels(q, restarted) == [True] * 4 + [False] * 3
+    restarted = join_steps([*first, "r1 p1 3 + 0 = 3", "r1 p2 5 + 3 = 8", answer_step(8)])
+    assert step_labels(q, restarted) == [True] * 2 + [False] * 3
     # A re-check that fixes round 2's slip is on track again.
-    fixed = [*first, "p1 3 + 8 = 2", "wait p1 3 + 8 = 1", "p2 5 + 1 = 6"]
-    assert step_labels(q, join_steps(fixed)) == [True] * 4 + [False, True, True]
-    # Skipping round 2's first position, or answering a round early, is off track.
-    assert step_labels(q, join_steps([*first, "p2 5 + 8 = 3"]))[-1] is False
-    assert step_labels(q, join_steps([*first[:3], answer_step(8)]))[-1] is False
+    fixed = [*first, "r1 p1 3 + 8 = 2", "wait r1 p1 3 + 8 = 1", "r1 p2 5 + 1 = 6"]
+    assert step_labels(q, join_steps(fixed)) == [True] * 2 + [False, True, True]
+    # Skipping round 2's first position, miscounting the rounds left, or answering a
+    # round early, is off track.
+    assert step_labels(q, join_steps([*first, "r1 p2 5 + 8 = 3"]))[-1] is False
+    assert step_labels(q, join_steps([*first, "r2 p1 3 + 8 = 1"]))[-1] is False
+    assert step_labels(q, join_steps([*first, "p1 3 + 8 = 1"]))[-1] is False
+    assert step_labels(q, join_steps([*first, answer_step(8)]))[-1] is False
 
 
 def test_make_question_with_a_cycle_covers_the_difficulty_in_rounds() -> None:

@@ -137,7 +137,8 @@ LONG = TrainConfig(
     # grown, batches are the testbed's own 24 to 64 additions. Cycled questions of 4
     # digits (cycle): with 64 digits in the prompt the policy copied a neighbour's
     # digit (stalled at 0.2-0.6 per step; a trace of 64 steps needs over 0.99), and
-    # with 8 it copied position 6 only in questions of 8 rounds. Two threads: a
+    # with 8 it copied position 6 only in questions of 8 rounds; the count of rounds
+    # left is in every step (written once per round, it was miscounted). Two threads: a
     # grown step takes 5-10 s on one. The runs so far, and what each showed, are in
     # docs/testbed.md ("The long testbed").
     seed=2,

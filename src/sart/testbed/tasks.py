@@ -10,18 +10,19 @@ word ``"\\n\\n"`` (so ``sart.prm.aggregate.split_steps`` sees the steps)::
     answer \\boxed{ 5 }
 
 The long testbed's questions are *cycled* (``Question.rounds``): a few digits
-(at most ``MAX_DIGITS``) added over and over, ``rounds`` times, the count
-down of rounds written as a step of its own before each round::
+(at most ``MAX_DIGITS``) added over and over, ``rounds`` times, the count of
+rounds left (this one included) written at the start of every step::
 
-    Q 3 p1 7 p2 r2 S  ->  r2 \\n\\n p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n r1 \\n\\n
-    p1 3 + 0 = 3 \\n\\n p2 7 + 3 = 0 \\n\\n answer \\boxed{ 0 }
+    Q 3 p1 7 p2 r2 S  ->  r2 p1 3 + 0 = 3 \\n\\n r2 p2 7 + 3 = 0 \\n\\n
+    r1 p1 3 + 0 = 3 \\n\\n r1 p2 7 + 3 = 0 \\n\\n answer \\boxed{ 0 }
 
 Every digit a step needs is then also a round earlier in the trace, after the
-same position token: a trace of 64 steps copies by one of a few keys (the long
-testbed's 4, over up to 16 rounds). With 64 digits in the prompt, a small model
-copied from the wrong one of neighbouring positions (64-digit copying stalled at
-0.2-0.6 per step, where a trace of 64 steps needs over 0.99), and with 8 it
-learned some keys only in questions of some lengths (see docs/testbed.md).
+same position token, and the count is in the step before: a trace of 64 steps
+copies by one of a few keys (the long testbed's 4, over up to 16 rounds). With 64
+digits in the prompt, a small model copied from the wrong one of neighbouring
+positions (64-digit copying stalled at 0.2-0.6 per step, where a trace of 64 steps
+needs over 0.99), and with 8 it learned some keys only in questions of some
+lengths (see docs/testbed.md).
 
 Training traces are noisy on purpose (``TraceConfig``): a step may write a
 wrong result (more often when the addition carries), later steps build on the
@@ -61,7 +62,7 @@ QUESTION_END = "S"
 STEP_WORD = "\n\n"
 """The step separator, one word of the vocabulary."""
 
-_STEP = re.compile(r"^(wait )?p(\d+) (\d) \+ (\d) = (\d)$")
+_STEP = re.compile(r"^(wait )?(?:r(\d+) )?p(\d+) (\d) \+ (\d) = (\d)$")
 _ROUND = re.compile(r"^r(\d+)$")
 
 
@@ -106,10 +107,11 @@ class Question:
         return str(sum(self.sequence) % 10)
 
     def walk(self) -> list[tuple[str | None, int, int]]:
-        """Per addition, in order: the round step written before it (``"r3"``: three
-        rounds to go, this one included; ``None`` where none is), its position and digit."""
+        """Per addition, in order: the round its step writes (``"r3"``: three rounds to
+        go, this one included; ``None`` for a question that is not cycled), its
+        position and digit."""
         return [
-            (f"r{self.rounds - r}" if self.rounds and i == 1 else None, i, d)
+            (f"r{self.rounds - r}" if self.rounds else None, i, d)
             for r in range(self.rounds or 1)
             for i, d in enumerate(self.digits, start=1)
         ]
@@ -252,10 +254,16 @@ class TraceConfig:
         config_check(isinstance(value, int) and value >= 1, "loop_tokens", value, ">= 1")
 
 
-def _step(index: int, prev: int, digit: int, result: int, *, wait: bool = False) -> str:
+def _step(
+    index: int, prev: int, digit: int, result: int, *, wait: bool = False, round: str | None = None
+) -> str:
     # The digit right after its position token, as in the prompt: reading it
-    # is a plain induction-head copy; the running value comes second.
-    return f"{'wait ' if wait else ''}p{index} {digit} + {prev} = {result}"
+    # is a plain induction-head copy; the running value comes second. A cycled
+    # question's steps carry the rounds left first: the count is then always in
+    # the step before, as the running value is (a count written once per round,
+    # tens of tokens back, was copied and decremented wrong: docs/testbed.md).
+    head = f"{'wait ' if wait else ''}{f'{round} ' if round else ''}"
+    return f"{head}p{index} {digit} + {prev} = {result}"
 
 
 def _wrong(rng: random.Random, right: int) -> int:
@@ -276,9 +284,7 @@ def clean_trace(question: Question) -> str:
     steps: list[str] = []
     value = 0
     for marker, i, d in question.walk():
-        if marker:
-            steps.append(marker)
-        steps.append(_step(i, value, d, (value + d) % 10))
+        steps.append(_step(i, value, d, (value + d) % 10, round=marker))
         value = (value + d) % 10
     return join_steps([*steps, answer_step(value)])
 
@@ -299,25 +305,23 @@ def noisy_response(
     steps: list[str] = []
     value, doubt = 0, 0.0
     for marker, i, d in question.walk():
-        if marker:
-            steps.append(marker)
         right = (value + d) % 10
         p_error = sloppy * (config.error_carry if value + d >= 10 else config.error_plain)
         result = _error(rng, right, config) if rng.random() < p_error else right
-        steps.append(_step(i, value, d, result))
+        steps.append(_step(i, value, d, result, round=marker))
         for _ in range(config.max_rechecks):
             p_recheck = style + doubt + (config.recheck_after_error if result != right else 0.0)
             if rng.random() >= p_recheck:
                 break
             if result != right and rng.random() < config.fix:
                 result = right
-            steps.append(_step(i, value, d, result, wait=True))
+            steps.append(_step(i, value, d, result, wait=True, round=marker))
         # The draws below happen only where the settings ask for them, so the short
         # testbed's traces (none of these set) are the ones its weights were trained on.
         if result != right and config.doubt:
             doubt += config.doubt
         if result != right and config.loop and rng.random() < config.loop:
-            again = _step(i, value, d, result, wait=True)
+            again = _step(i, value, d, result, wait=True, round=marker)
             words = join_steps(steps).split(" ")
             cut = len(words) + config.loop_tokens
             while len(words) < cut:
@@ -353,7 +357,7 @@ def step_values(text: str) -> list[int | None]:
     for step in split_steps(text):
         match = _STEP.match(step.strip())
         if match:
-            value = int(match.group(5))
+            value = int(match.group(6))
         out.append(value)
     return out
 
@@ -370,14 +374,20 @@ def step_labels(question: Question, text: str) -> list[bool]:
     """
     truth = question.running()
     width = len(question.digits)
+
+    def rounds_left(addition: int) -> int | None:
+        # What a cycled question's step of this addition writes first (None: not cycled).
+        return question.rounds - (addition - 1) // width if question.rounds else None
+
     labels: list[bool] = []
     on_track, done = True, 0  # done: the additions the trace has reached
     for step in split_steps(text):
         stripped = step.strip()
         match = _STEP.match(stripped)
         if match:
-            pos, digit, prev, result = (int(match.group(g)) for g in (2, 3, 4, 5))
+            pos, digit, prev, result = (int(match.group(g)) for g in (3, 4, 5, 6))
             valid = 1 <= pos <= width and digit == question.digits[pos - 1]
+            written = int(match.group(2)) if match.group(2) else None
             wait = match.group(1) is not None
             # A step must take the next addition (a re-check, the same one), at its
             # position in the round, and start from the true value before it.
@@ -389,6 +399,7 @@ def step_labels(question: Question, text: str) -> list[bool]:
                 and pos == at
                 and prev == (truth[expected - 2] if expected >= 2 else 0)
                 and result == truth[expected - 1]
+                and written == rounds_left(expected)
             )
             if valid:  # the trace is now at the addition of this position nearest to it
                 here = expected - at + pos

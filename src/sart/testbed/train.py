@@ -68,6 +68,7 @@ from sart.testbed.tokenizer import PRM_SEPARATOR, build_tokenizer
 Log = Callable[[str], None]
 
 _POSITION = re.compile(r"^p\d+$")
+_ROUND = re.compile(r"^r\d+$")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -159,13 +160,13 @@ def train_policy(
             on_step(step, model)
         if step % 100 == 0 or step == config.policy_steps - 1:
             elapsed = time.perf_counter() - started
-            watched = [skills(model, tokenizer, group) for group in probes]
-            copy = "/".join(f"{c:.2f}" for c, _ in watched)
-            add = "/".join(f"{a:.2f}" for _, a in watched)
-            log(
-                f"policy step {step:5d}  loss {loss.item():.4f}  "
-                f"copy {copy}  add {add}  {elapsed:6.0f}s"
+            watched = [skill_hits(model, tokenizer, group) for group in probes]
+            shown = "  ".join(
+                f"{kind} " + "/".join(f"{w[kind]:.2f}" for w in watched)
+                for kind in ("copy", "add", "count")
+                if kind in watched[-1]
             )
+            log(f"policy step {step:5d}  loss {loss.item():.4f}  {shown}  {elapsed:6.0f}s")
     return model.eval()
 
 
@@ -192,17 +193,27 @@ def skills(model: Any, tokenizer: Any, questions: Sequence[Question]) -> tuple[f
     format but not the sums shows a low ``add`` long before sampled rollouts do.
     No RNG is drawn and no gradient kept: watching does not change the run.
     """
-    hits = {"copy": [0, 0], "add": [0, 0]}
+    hits = skill_hits(model, tokenizer, questions)
+    return hits["copy"], hits["add"]
+
+
+def skill_hits(model: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, float]:
+    """``skills``, and for cycled questions ``count``: the argmax at a step's start is
+    its count of rounds left (the previous step's, one less after a round's last)."""
+    hits = {"copy": [0, 0], "add": [0, 0], "count": [0, 0]}
     for question in questions:
         ids, n_prompt = encode_example(tokenizer, question.prompt, clean_trace(question))
         words = tokenizer.convert_ids_to_tokens(ids)
         predicted = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist()
-        for i in range(n_prompt, len(ids) - 1):
+        # From the prompt's last token: it predicts the first step's count.
+        for i in range(n_prompt - 1, len(ids) - 1):
             kind = "add" if words[i] == "=" else "copy" if _POSITION.match(words[i]) else None
+            if _ROUND.match(words[i + 1]):
+                kind = "count"
             if kind is not None:
                 hits[kind][0] += predicted[i] == ids[i + 1]
                 hits[kind][1] += 1
-    return hits["copy"][0] / max(1, hits["copy"][1]), hits["add"][0] / max(1, hits["add"][1])
+    return {k: h / max(1, n) for k, (h, n) in hits.items() if k != "count" or n}
 
 
 def _accumulate(
