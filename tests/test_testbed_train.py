@@ -170,6 +170,14 @@ def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
     # With a curriculum, more groups watch the grown questions' shortest and longest.
     start, shortest, goal = skill_probes(LONG)
     assert [{q.difficulty for q in g} for g in (start, shortest, goal)] == [{8}, {24}, {64}]
+    # Cycled questions are also watched counting their rounds; plain ones are not.
+    from sart.testbed.train import skill_hits
+
+    long_tokenizer = tokenizer_for(LONG)
+    untrained = LlamaForCausalLM(LONG.model.llama(long_tokenizer)).eval()
+    with torch.no_grad():
+        assert set(skill_hits(untrained, long_tokenizer, shortest[:2])) == {"copy", "add", "count"}
+    assert set(skill_hits(trained, tokenizer, probes[:2])) == {"copy", "add"}
 
 
 def test_an_unwritable_out_is_refused_before_training(tmp_path: Path) -> None:

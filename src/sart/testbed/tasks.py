@@ -255,14 +255,14 @@ class TraceConfig:
 
 
 def _step(
-    index: int, prev: int, digit: int, result: int, *, wait: bool = False, round: str | None = None
+    index: int, prev: int, digit: int, result: int, *, wait: bool = False, count: str | None = None
 ) -> str:
     # The digit right after its position token, as in the prompt: reading it
     # is a plain induction-head copy; the running value comes second. A cycled
     # question's steps carry the rounds left first: the count is then always in
     # the step before, as the running value is (a count written once per round,
     # tens of tokens back, was copied and decremented wrong: docs/testbed.md).
-    head = f"{'wait ' if wait else ''}{f'{round} ' if round else ''}"
+    head = f"{'wait ' if wait else ''}{f'{count} ' if count else ''}"
     return f"{head}p{index} {digit} + {prev} = {result}"
 
 
@@ -284,7 +284,7 @@ def clean_trace(question: Question) -> str:
     steps: list[str] = []
     value = 0
     for marker, i, d in question.walk():
-        steps.append(_step(i, value, d, (value + d) % 10, round=marker))
+        steps.append(_step(i, value, d, (value + d) % 10, count=marker))
         value = (value + d) % 10
     return join_steps([*steps, answer_step(value)])
 
@@ -308,20 +308,20 @@ def noisy_response(
         right = (value + d) % 10
         p_error = sloppy * (config.error_carry if value + d >= 10 else config.error_plain)
         result = _error(rng, right, config) if rng.random() < p_error else right
-        steps.append(_step(i, value, d, result, round=marker))
+        steps.append(_step(i, value, d, result, count=marker))
         for _ in range(config.max_rechecks):
             p_recheck = style + doubt + (config.recheck_after_error if result != right else 0.0)
             if rng.random() >= p_recheck:
                 break
             if result != right and rng.random() < config.fix:
                 result = right
-            steps.append(_step(i, value, d, result, wait=True, round=marker))
+            steps.append(_step(i, value, d, result, wait=True, count=marker))
         # The draws below happen only where the settings ask for them, so the short
         # testbed's traces (none of these set) are the ones its weights were trained on.
         if result != right and config.doubt:
             doubt += config.doubt
         if result != right and config.loop and rng.random() < config.loop:
-            again = _step(i, value, d, result, wait=True, round=marker)
+            again = _step(i, value, d, result, wait=True, count=marker)
             words = join_steps(steps).split(" ")
             cut = len(words) + config.loop_tokens
             while len(words) < cut:
@@ -369,8 +369,9 @@ def step_labels(question: Question, text: str) -> list[bool]:
     digits the trace has added so far (the furthest addition it has reached),
     so a wrong step whose error a re-check fixed is "correct again". The
     answer step is labelled by the grader. Steps that use a wrong operand
-    (a copy slip) or skip a position are off track; a step that writes no
-    value (cut mid-way, as during generation) keeps the label before it.
+    (a copy slip), skip a position or miscount a cycled question's rounds left
+    are off track; a step that writes no value (cut mid-way, as during
+    generation) keeps the label before it.
     """
     truth = question.running()
     width = len(question.digits)
