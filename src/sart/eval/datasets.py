@@ -320,12 +320,13 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
 
     config_check(isinstance(count, int) and count >= 1, "limit", count, ">= 1")
     bed = TESTBEDS[name]
-    drawn = bed.dataset_seed + seed
     problems = [
         Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
         for i, q in enumerate(bed.eval_questions(count, seed))
     ]
-    source = f"sart.testbed.{'SHORT' if name == 'testbed' else 'LONG'}.questions({drawn})"
+    # What drew them: the long testbed's leave out its report's questions.
+    spec = "SHORT" if name == "testbed" else "LONG"
+    source = f"sart.testbed.{spec}.eval_questions({count}, {seed})"
     return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)
 
 
