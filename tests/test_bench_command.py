@@ -11,6 +11,7 @@ import pytest
 
 import sart
 from sart.cli import main
+from sart.metrics import wilson_interval
 from sart.testbed.specs import LONG
 from sart.testing import FakeEngine
 
@@ -35,7 +36,7 @@ def test_bench_writes_table_json_and_plots(
 ) -> None:
     doc = bench(tmp_path)
     printed = capsys.readouterr().out
-    for label in ("Vanilla", "SC", "Rebase", "SART-noprune", "SART", "SC / SART"):
+    for label in ("Vanilla", "SC", "Rebase", "SART-noprune", "SART", "SC / SART", "95% CI"):
         assert label in printed
     assert doc["schema"] == "sart.bench/1"
     assert doc["serving"] is None  # simulated: no model, no sampling
@@ -57,6 +58,10 @@ def test_bench_writes_table_json_and_plots(
         s = run["summary"]
         assert s["e2e"]["p50"] <= s["e2e"]["p97"] <= s["e2e"]["p99"] <= s["e2e"]["max"]
         assert 0.0 <= s["accuracy"] <= 1.0
+        correct = sum(r["correct"] for r in run["requests"])
+        assert s["accuracy_interval"] == list(wilson_interval(correct, 12))
+        low, high = s["accuracy_interval"]
+        assert f"{100 * low:.0f}–{100 * high:.0f}" in printed  # the table's 95% CI cell
         assert all(r["correct"] in (True, False) for r in run["requests"])
     assert [(r["rate"], r["n"]) for r in doc["ratios_p97"]] == [(2.0, 2), (2.0, 4)]
     check_prm_records(doc, printed)

@@ -17,6 +17,7 @@ from sart.metrics import (
     percentile,
     request_record,
     slo_attainment,
+    wilson_interval,
 )
 from sart.results import BranchOutcome, RequestResult, Timings
 from sart.types import BranchStatus, Phase, RequestStatus
@@ -137,6 +138,7 @@ def test_run_summary_by_hand() -> None:
     s = RunSummary.of(results, timeline, gold)
     assert (s.requests, s.failed) == (4, 1)
     assert s.accuracy == 0.5  # a and d; b is wrong; c failed, which counts as wrong
+    assert s.accuracy_interval == wilson_interval(2, 4)  # of all 4, the failed one included
     # Latencies of the served requests only (c failed: counted in `failed`, not timed;
     # before, its 5 s moved every percentile). End to end: 10, 23, 6. Queueing: 0, 3, 0.
     # Inference: 10, 20, 6.
@@ -161,7 +163,7 @@ def test_run_summary_of_prm_waits() -> None:
 
 def test_run_summary_without_gold_or_timeline() -> None:
     s = RunSummary.of([completed("a", "7", 1.0, 1.0, 3.0, [2])])
-    assert s.accuracy is None
+    assert s.accuracy is None and s.accuracy_interval is None
     assert (s.peak_running_branches, s.peak_kv_tokens) == (0, 0)
     assert s.makespan == 3.0
     # Gold answers that do not name a request make it wrong, not an error.

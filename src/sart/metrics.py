@@ -94,6 +94,9 @@ class RunSummary:
     """Last finish time (the run's clock)."""
     prm_wait: Distribution
     """Per request: time its running branches stood still waiting for the PRM."""
+    accuracy_interval: tuple[float, float] | None = None
+    """The 95% Wilson interval of ``accuracy`` (``None`` without gold answers): on a
+    few hundred requests, a few points of accuracy are within noise."""
 
     @classmethod
     def of(
@@ -105,10 +108,11 @@ class RunSummary:
         timings = [r.timings for r in results]
         served = [r for r in results if r.ok]
         latencies = [r.timings for r in served]
-        accuracy = None
+        accuracy = interval = None
         if gold is not None and results:
             correct = sum(is_correct(r, gold.get(r.request_id)) for r in results)
             accuracy = correct / len(results)
+            interval = wilson_interval(correct, len(results))
         return cls(
             requests=len(results),
             failed=sum(1 for r in results if not r.ok),
@@ -123,6 +127,7 @@ class RunSummary:
             peak_kv_tokens=max((s.kv_tokens for s in timeline), default=0),
             makespan=max((t.finished for t in timings), default=0.0),
             prm_wait=Distribution.of([r.prm_wait_seconds for r in served]),
+            accuracy_interval=interval,
         )
 
 

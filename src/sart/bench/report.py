@@ -130,6 +130,14 @@ def _fmt(x: float | None, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
 
 
+def _interval(interval: tuple[float, float] | None) -> str:
+    """A 95% interval of an accuracy, in percent (``72–86``)."""
+    if interval is None:
+        return "-"
+    low, high = interval
+    return f"{100 * low:.0f}–{100 * high:.0f}"
+
+
 def _rate(x: float) -> str:
     """An arrival rate as given (0.05 stays 0.05; 4.0 prints 4)."""
     return f"{x:g}"
@@ -184,12 +192,14 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     # Failed requests are counted apart (and left out of the percentiles); the column
     # appears only when a run had any, so that the usual table stays as it was.
     failures = any(r.summary.failed for r in records)
+    intervals = any(r.summary.accuracy_interval is not None for r in records)
     for name in (
         "rate",
         "method",
         "N",
         *(["failed"] if failures else []),
         "acc %",
+        *(["95% CI"] if intervals else []),
         "P50",
         "P90",
         "P97",
@@ -214,6 +224,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             str(r.n),
             *([f"[red]{s.failed}[/red]" if s.failed else "0"] if failures else []),
             _fmt(None if s.accuracy is None else 100 * s.accuracy),
+            *([_interval(s.accuracy_interval)] if intervals else []),
             _time(s.e2e.p50),
             _time(s.e2e.p90),
             _time(s.e2e.p97),

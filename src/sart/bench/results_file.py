@@ -46,7 +46,8 @@ def check_writable(out: Path, name: str = "results.json") -> Path:
 
 def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
     """A rich console (on stderr when stdout carries JSON) and a transient progress bar
-    on it. A pipe or CI log gets a table wide enough not to wrap (rich assumes 80)."""
+    on it. A pipe or CI log gets a table wide enough not to wrap (rich assumes 80; the
+    widest, with failures, SLO and preemption marks, takes about 130)."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -54,7 +55,7 @@ def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
         raise MissingDependencyError(
             f"{command} needs rich and matplotlib; install them with: pip install 'sart[bench]'"
         ) from exc
-    console = Console(stderr=to_stderr, width=None if Console().is_terminal else 120)
+    console = Console(stderr=to_stderr, width=None if Console().is_terminal else 132)
     progress = Progress(
         "[progress.description]{task.description}",
         BarColumn(),
