@@ -165,3 +165,25 @@ def test_bench_mix_serves_urgent_and_bulk_testbed_requests_with_transformers(
         assert counts == [c["requests"] for c in fcfs["classes"]]
         for stats in run["classes"]:
             assert 0 < stats["p50"] <= stats["p97"] and 0.0 < stats["accuracy"] <= 1.0
+
+
+def test_a_real_benchmark_resumes_with_its_serving_compared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out"
+    assert main(bench_argv("hf", out, "--methods", "sc")) == 0
+    before = json.loads((out / "results.json").read_text())
+    assert main(bench_argv("hf", out, "--methods", "sc", "sart", "--resume")) == 0
+    after = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in after["runs"]] == ["sc", "sart"]
+    assert after["runs"][0] == before["runs"][0]  # kept, not served again
+    assert after["resumed"] == [{"rate": 20.0, "method": "sc", "n": 4}]
+    assert after["serving"] == before["serving"]
+    # All done: the models are not even loaded.
+    from sart.bench import command
+
+    monkeypatch.setattr(command, "load", lambda spec: pytest.fail("loaded the models"))
+    assert main(bench_argv("hf", out, "--methods", "sc", "sart", "--resume")) == 0
+    # Another sampling is another benchmark.
+    with pytest.raises(SystemExit):
+        main(bench_argv("hf", out, "--methods", "sc", "--temperature", "0.5", "--resume"))

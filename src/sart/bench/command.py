@@ -94,6 +94,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     config = bench_config(args)
+    if args.mix is not None and args.resume:
+        raise ConfigError("--resume: a --mix benchmark starts afresh (leave --resume out)")
     if args.mix is not None:
         from sart.bench.mix_command import bench_mix
 
@@ -102,7 +104,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     console, progress = progress_console("sart bench", to_stderr=args.json)
     out = Path(args.out)
-    sink = ResultsFile(out, config, bench_json)  # refuses an unwritable --out before any run
+    # Refuses an unwritable --out before any run.
+    sink = ResultsFile(out, config, bench_json, resume=args.resume)
     try:
         with progress:
             if config.engine == "sim":
@@ -112,7 +115,9 @@ def _bench(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         sink.write(complete=False)
         console.print(
-            f"interrupted: kept the {len(sink.records)} finished runs in {sink.path}", style="bold"
+            f"interrupted: kept the {len(sink.records)} finished runs in {sink.path}; "
+            "the same command with --resume serves only the rest",
+            style="bold",
         )
         return 130
     records, wall = sink.records, sink.elapsed()
@@ -137,20 +142,28 @@ def _bench(args: argparse.Namespace) -> int:
         )
     else:
         render(config, records, console)
+        kept = f" (and kept {len(sink.kept)} from before)" if sink.kept else ""
         console.print(
-            f"ran {len(records)} runs in {wall:.1f} s; wrote "
+            f"ran {_runs(len(records) - len(sink.kept))} in {wall:.1f} s{kept}; wrote "
             + ", ".join(str(p) for p in [out / "results.json", *plots])
         )
     return 0
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" + ("" if count == 1 else "s")
 
 
 def _run_sim(config: BenchConfig, progress: Any, sink: ResultsFile) -> None:
     workloads = traces(config)
     sink.gold = {rate: trace.gold() for rate, trace in workloads}
     pairs = plan(config)
-    task = progress.add_task("simulating", total=len(workloads) * len(pairs))
+    done = sink.begin(None, [(rate, m, n) for rate, _ in workloads for m, n in pairs])
+    task = progress.add_task("simulating", total=len(workloads) * len(pairs) - len(done))
     for rate, trace in workloads:
         for method, n in pairs:
+            if (rate, method, n) in done:
+                continue
             where = "trace" if rate is None else f"{rate:g} req/s"
             progress.update(task, description=f"{method} N={n} @ {where}")
             sink.add(run_method(trace, method, n, config, rate))
@@ -226,17 +239,22 @@ def _run_real(
         raise ConfigError("--record-trace needs --prm")
     gold = {item.id: item.answer for item in items if item.answer is not None}
     sink.gold = dict.fromkeys(config.rates, gold)
-    sink.serving = setup.serving()
+    keys = [(rate, m, n) for rate in config.rates for m, n in plan(config)]
+    done = sink.begin(setup.serving(), keys)
+    if len(done) == len(keys) and not args.record_trace:
+        return  # resumed a finished benchmark: nothing to load
     loading = progress.add_task("loading models", total=None)
     with load(setup.spec) as loaded:
         progress.remove_task(loading)
-        task = progress.add_task("serving", total=len(config.rates) * len(plan(config)))
+        task = progress.add_task("serving", total=len(keys) - len(done))
 
         def finished(record: RunRecord) -> None:
             sink.add(record)
             progress.advance(task)
 
-        run_real(items, loaded.engine, loaded.prm, config, setup.sampling, on_run=finished)
+        run_real(
+            items, loaded.engine, loaded.prm, config, setup.sampling, on_run=finished, done=done
+        )
         if args.record_trace:
             trace = record_trace(
                 items,

@@ -183,6 +183,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     add_admission_flag(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--trace", help="sim: replay this JSONL trace instead of generating a workload")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs that an interrupted benchmark of the same settings finished in "
+        "--out (its runs.jsonl) and serve only the rest; methods, --n and --rate may differ",
+    )
     add_output_flags(p, "sart-bench", "the summary JSON")
     p.set_defaults(func=_run_bench)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +111,19 @@ def run_real(
     sampling: SamplingSettings,
     on_run: Callable[[RunRecord], object] | None = None,
     policy_for: PolicyFactory | None = None,
+    done: Collection[tuple[float | None, str, int]] = (),
 ) -> list[RunRecord]:
     """Every (method, n) of ``config`` at every rate, on ``engine`` and ``prm``, after
     a warm-up of ``WARMUP_REQUESTS`` requests per method. ``policy_for(method, n)``
-    builds each method's policy (default: ``method_policy(method, n, config.interval)``)."""
+    builds each method's policy (default: ``method_policy(method, n, config.interval)``).
+    The runs in ``done`` (``(rate, method, n)``: finished before, ``sart bench
+    --resume``) are left out, and so is the warm-up of a method with none left."""
     gold = {item.id: item.answer for item in items if item.answer is not None}
     policy_for = policy_for or (lambda method, n: method_policy(method, n, config.interval))
     warmup = items[:WARMUP_REQUESTS]
     for method, n in plan(config):
+        if all((rate, method, n) in done for rate in config.rates):
+            continue
         policy = policy_for(method, n)
         times = [0.0] * len(warmup)
         _serve(warmup, times, method, policy, None, engine, prm, config, sampling, gold)
@@ -126,6 +131,8 @@ def run_real(
     for rate in config.rates:
         times = arrivals(len(items), rate, config.seed)
         for method, n in plan(config):
+            if (rate, method, n) in done:
+                continue
             policy = policy_for(method, n)
             record = _serve(items, times, method, policy, rate, engine, prm, config, sampling, gold)
             records.append(record)

@@ -12,10 +12,11 @@ import errno
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sart.bench.run_log import RunKey, RunLog, resumable_runs, run_key
 from sart.errors import ConfigError, MissingDependencyError
 
 
@@ -69,22 +70,48 @@ def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
 
 class ResultsFile:
     """``results.json``, rewritten atomically after every finished run; ``complete``
-    says whether every run did."""
+    says whether every run did. Every run is also logged whole (``RunLog``), which is
+    what ``resume`` keeps the finished runs of an interrupted benchmark from."""
 
-    def __init__(self, out: Path, config: Any, document: Callable[..., dict]) -> None:
+    def __init__(
+        self, out: Path, config: Any, document: Callable[..., dict], *, resume: bool = False
+    ) -> None:
         self.path = check_writable(out)
+        self.out = out
         self.config = config
         self.records: list[Any] = []
+        self.kept: list[Any] = []
+        """The runs kept from the interrupted benchmark this one resumes."""
         self.gold: dict[float | None, dict[str, str]] = {}
         self.serving: dict[str, Any] | None = None
+        self.resume = resume
+        self.log = RunLog(out)
+        self._order: dict[Any, int] = {}
         self._document = document
         self._started = time.perf_counter()
+
+    def begin(self, serving: dict[str, Any] | None, keys: Sequence[RunKey]) -> set[RunKey]:
+        """Say what is served, before the first run; ``keys`` are the runs of this
+        benchmark, in the order the report lists them. Returns those already done:
+        with ``resume``, the runs of ``keys`` that the benchmark in ``out`` finished,
+        when it was this one (``ConfigError`` saying what differs otherwise)."""
+        self.serving = serving
+        self._order = {key: i for i, key in enumerate(keys)}
+        if self.resume:
+            config = self._document(self.config, [], self.gold, 0.0, serving)["config"]
+            found = {run_key(r): r for r in resumable_runs(self.out, config, serving)}
+            self.kept = [found[key] for key in keys if key in found]
+        self.records = list(self.kept)
+        self.log.start(self.kept)
+        return {run_key(r) for r in self.kept}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self._started
 
     def add(self, record: Any) -> None:
+        self.log.append(record)
         self.records.append(record)
+        self.records.sort(key=lambda r: self._order.get(run_key(r), len(self._order)))
         self.write(complete=False)
 
     def write(self, *, complete: bool) -> dict[str, Any]:
@@ -92,6 +119,9 @@ class ResultsFile:
             self.config, self.records, self.gold, self.elapsed(), self.serving
         )
         document["complete"] = complete
+        # Which runs were served before this invocation: their latencies were measured
+        # on the machine as it was then, not side by side with the others.
+        document["resumed"] = [{"rate": r.rate, "method": r.method, "n": r.n} for r in self.kept]
         write_json(self.path, document)
         return document
 

@@ -1,0 +1,118 @@
+"""``OUT/runs.jsonl``: every finished run of a ``sart bench``, whole, one JSON line each.
+
+``results.json`` is the report: it keeps what a reader needs, not everything a
+``RunRecord`` holds (branch texts, reward histories, per-request KV use). This log
+keeps it all, so that ``sart bench --resume`` can rebuild the runs an interrupted
+benchmark finished and serve only the rest: a 200-request comparison on a CPU
+takes hours, longer than a machine may be lent.
+
+A resumed run is kept only when the benchmark that made it was the same one:
+the same ``results.json`` configuration and serving (model, PRM, sampling), the
+methods, ``N`` values and rates aside (those say which runs there are, not how
+each ran).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sart.bench.runner import RunRecord
+from sart.errors import ConfigError, MissingDependencyError
+
+RUN_LOG = "runs.jsonl"
+SCHEMA = "sart.bench.runs/1"
+#: The configuration fields that may differ between a benchmark and its resumption.
+SWEPT = ("methods", "ns", "rates")
+
+RunKey = tuple[float | None, str, int]
+
+
+def run_key(record: RunRecord) -> RunKey:
+    """Which run of a benchmark ``record`` is: its rate, method and ``n``."""
+    return (record.rate, record.method, record.n)
+
+
+def _converter() -> Any:
+    try:
+        import cattrs
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "sart bench needs cattrs to log its runs; install it with: pip install 'sart[bench]'"
+        ) from exc
+    return cattrs.Converter()
+
+
+class RunLog:
+    """The append-only log of a benchmark's finished runs."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / RUN_LOG
+        self._converter = _converter()
+
+    def start(self, kept: Iterable[RunRecord] = ()) -> None:
+        """Begin the log afresh, with the ``kept`` runs of a resumed benchmark."""
+        self.path.write_text("", encoding="utf-8")
+        for record in kept:
+            self.append(record)
+
+    def append(self, record: RunRecord) -> None:
+        line = {
+            "schema": SCHEMA,
+            "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "run": self._converter.unstructure(record),
+        }
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+
+    def read(self) -> list[RunRecord]:
+        """The runs logged; a line cut short by an interruption is left out (its run is
+        served again), a line from another schema is an error."""
+        records: list[RunRecord] = []
+        if not self.path.exists():
+            return records
+        for number, text in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(line, dict) or line.get("schema") != SCHEMA:
+                raise ConfigError(f"{self.path}:{number}: not a line of {SCHEMA}")
+            records.append(self._converter.structure(line["run"], RunRecord))
+        return records
+
+
+def _differences(before: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
+    return [
+        f"{where}.{key}: {before.get(key)!r} then, {now.get(key)!r} now"
+        for key in sorted(set(before) | set(now))
+        if key not in SWEPT and before.get(key) != now.get(key)
+    ]
+
+
+def resumable_runs(
+    out: Path, config: dict[str, Any], serving: dict[str, Any] | None
+) -> list[RunRecord]:
+    """The runs of the benchmark in ``out`` that a benchmark of ``config`` (its
+    ``results.json`` form) serving ``serving`` may keep: ``ConfigError`` saying what
+    differs when it was another benchmark; nothing when ``out`` has none."""
+    results = out / "results.json"
+    if not results.exists():
+        return []
+    document = json.loads(results.read_text(encoding="utf-8"))
+    # Through JSON, so that tuples and lists compare as results.json holds them.
+    config, serving = json.loads(json.dumps([config, serving]))
+    differences = _differences(document.get("config") or {}, config, "config")
+    differences += _differences(document.get("serving") or {}, serving or {}, "serving")
+    if differences:
+        raise ConfigError(
+            f"--resume: {out} holds another benchmark (" + "; ".join(differences) + "); "
+            "give another --out, or leave --resume out to start afresh"
+        )
+    return RunLog(out).read()
+
+
+__all__ = ["RUN_LOG", "RunKey", "RunLog", "resumable_runs", "run_key"]

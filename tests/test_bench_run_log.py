@@ -1,0 +1,107 @@
+"""The log of a benchmark's runs (``runs.jsonl``) and ``sart bench --resume``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sart.bench.run_log import RunLog, resumable_runs
+from sart.bench.runner import BenchConfig, run_bench
+from sart.cli import main
+from sart.errors import ConfigError
+
+BENCH = ["bench", "--requests", "12", "--rate", "2", "--n", "2", "--no-plots"]
+
+
+def test_a_logged_run_reads_back_whole(tmp_path: Path) -> None:
+    # SART at two rates: pruned branches, reward histories, per-request KV use, a timeline.
+    records = run_bench(BenchConfig(methods=("sart",), ns=(4,), rates=(1.0, 4.0), num_requests=10))
+    assert any(b.reward_history for r in records[0].results for b in r.branches)
+    log = RunLog(tmp_path)
+    log.start(records[:1])
+    log.append(records[1])
+    assert log.read() == records
+    log.start()  # afresh
+    assert log.read() == []
+
+
+def test_a_line_cut_short_is_left_out_and_another_schema_refused(tmp_path: Path) -> None:
+    (record,) = run_bench(BenchConfig(methods=("sc",), ns=(2,), rates=(2.0,), num_requests=6))
+    log = RunLog(tmp_path)
+    log.start([record, record])
+    text = log.path.read_text()
+    log.path.write_text(text[: len(text) - 40])  # the machine stopped mid-line
+    assert log.read() == [record]
+    log.path.write_text('{"schema": "something else"}\n')
+    refusal = re.escape("runs.jsonl:1: not a line of sart.bench.runs/1")
+    with pytest.raises(ConfigError, match=refusal):
+        log.read()
+
+
+def document(out: Path) -> dict[str, Any]:
+    return json.loads((out / "results.json").read_text())
+
+
+def test_resume_keeps_the_finished_runs_and_serves_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = ["--out", str(tmp_path)]
+    assert main([*BENCH, "--methods", "sc", "sart", *out]) == 0
+    before = document(tmp_path)
+    capsys.readouterr()
+    from sart.bench import command
+
+    real_run, served = command.run_method, []
+    monkeypatch.setattr(command, "run_method", lambda *a: served.append(a[1:3]) or real_run(*a))
+    # Vanilla added in front: it is the only run served; the report lists it first.
+    assert main([*BENCH, "--methods", "vanilla", "sc", "sart", "--resume", *out]) == 0
+    assert served == [("vanilla", 1)]
+    after = document(tmp_path)
+    listed = [(r["method"], r["n"]) for r in after["runs"]]
+    assert listed == [("vanilla", 1), ("sc", 2), ("sart", 2)]
+    assert after["runs"][1:] == before["runs"]  # kept as they were measured
+    assert after["resumed"] == [
+        {"rate": 2.0, "method": "sc", "n": 2},
+        {"rate": 2.0, "method": "sart", "n": 2},
+    ]
+    assert after["complete"] is True and before["resumed"] == []
+    assert "ran 1 run in" in capsys.readouterr().out
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3
+    # Everything done: resuming again serves nothing and reports the same runs.
+    served.clear()
+    assert main([*BENCH, "--methods", "vanilla", "sc", "sart", "--resume", *out]) == 0
+    assert served == [] and document(tmp_path)["runs"] == after["runs"]
+    # Without --resume, the benchmark starts afresh.
+    assert main([*BENCH, "--methods", "sart", *out]) == 0
+    assert len(served) == 1 and document(tmp_path)["resumed"] == []
+
+
+def test_resume_refuses_another_benchmarks_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BENCH, "--methods", "sc", "--interval", "200", "--resume", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "config.interval: 400 then, 200 now" in err
+    assert len(document(tmp_path)["runs"]) == 1  # nothing overwritten
+
+
+def test_resumable_runs_compare_serving_too(tmp_path: Path) -> None:
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    config = document(tmp_path)["config"]
+    assert len(resumable_runs(tmp_path, config, None)) == 1
+    assert resumable_runs(tmp_path / "empty", config, None) == []  # nothing to resume
+    with pytest.raises(ConfigError, match=re.escape("serving.model: None then, 'm' now")):
+        resumable_runs(tmp_path, config, {"model": "m"})
+
+
+def test_resume_is_refused_with_a_mix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--resume", "--out", str(tmp_path)])
+    assert "a --mix benchmark starts afresh" in capsys.readouterr().err
