@@ -77,8 +77,8 @@ def test_policy_has_learned_to_copy_and_add(policy, additions: int) -> None:
     # longest cycled questions.
     import random
 
+    from sart.testbed.skills import skills
     from sart.testbed.tasks import make_question
-    from sart.testbed.train import skills
 
     model, tokenizer = policy
     rng = random.Random(additions)

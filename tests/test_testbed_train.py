@@ -145,6 +145,8 @@ def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     assert {"p4", "r1", "r16"} <= set(words) and not {"p9", "r17", "r0"} & set(words)
     # Trained on both cores (the manifest's thread count is part of its hashes).
     assert LONG.threads == 2
+    # Then refined on fewer slips (docs/testbed.md, "How the long task came to be").
+    assert LONG.refine is not None and LONG.refine.trace.error_carry < LONG.trace.error_carry
     # The short testbed's vocabulary is the one its weights were trained with.
     assert len(tokenizer_for(TrainConfig())) == 30
 
@@ -154,7 +156,8 @@ def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
 
     from sart.testbed import SHORT
     from sart.testbed.recipe import LONG
-    from sart.testbed.train import skill_probes, skills, tokenizer_for
+    from sart.testbed.skills import skill_probes, skills
+    from sart.testbed.train import tokenizer_for
 
     config = TrainConfig()
     (probes,) = skill_probes(config)  # no curriculum: one group, at max_digits
@@ -171,7 +174,7 @@ def test_skills_tell_a_trained_policy_from_a_fresh_one() -> None:
     start, shortest, goal = skill_probes(LONG)
     assert [{q.difficulty for q in g} for g in (start, shortest, goal)] == [{8}, {24}, {64}]
     # Cycled questions are also watched counting their rounds; plain ones are not.
-    from sart.testbed.train import skill_hits
+    from sart.testbed.skills import skill_hits
 
     long_tokenizer = tokenizer_for(LONG)
     untrained = LlamaForCausalLM(LONG.model.llama(long_tokenizer)).eval()
@@ -217,15 +220,25 @@ def test_the_cli_trains_each_testbeds_config_with_its_own_seed(
     from sart.testbed import recipe
     from sart.testbed import train as train_module
 
-    trained: list[TrainConfig] = []
-    monkeypatch.setattr(train_module, "train", lambda _out, config: trained.append(config))
-    runs = (["--model", "long"], ["--model", "long", "--seed", "5", "--threads", "1"], [])
+    trained: list[tuple[TrainConfig, object]] = []
+    monkeypatch.setattr(
+        train_module,
+        "train",
+        lambda _out, config, first_stage: trained.append((config, first_stage)),
+    )
+    runs = (
+        ["--model", "long"],
+        ["--model", "long", "--seed", "5", "--threads", "1"],
+        [],
+        ["--model", "long", "--first-stage", "stage1"],
+    )
     for argv in runs:
         assert main(["testbed", "train", "--out", str(tmp_path / "w"), *argv]) == 0
-    long, reseeded, short = trained
-    assert long == recipe.LONG and (long.seed, long.threads) == (2, 2)
+    (long, none), (reseeded, _), (short, _), (refined, first) = trained
+    assert long == recipe.LONG and (long.seed, long.threads) == (2, 2) and none is None
     assert (reseeded.seed, reseeded.threads) == (5, 1) and reseeded.trace == recipe.LONG.trace
     assert short == TrainConfig() and short.threads == 1
+    assert refined == recipe.LONG and first == "stage1"
 
 
 def test_the_rope_base_reaches_the_saved_config(tmp_path: Path) -> None:
@@ -267,3 +280,39 @@ def test_grown_batches_draw_from_the_testbeds_own_range() -> None:
     assert easiest(TrainConfig(min_digits=2), 10_000) == 2
     with pytest.raises(ConfigError, match="grown_min_digits"):
         TrainConfig(min_digits=4, max_digits=64, grown_min_digits=65)
+
+
+def test_refine_stage_refuses_bad_values_naming_the_field() -> None:
+    from sart.testbed.recipe import RefineConfig
+    from sart.testbed.tasks import TraceConfig
+
+    with pytest.raises(ConfigError, match=r"refine\.steps"):
+        RefineConfig(steps=0, trace=TraceConfig())
+    with pytest.raises(ConfigError, match=r"refine\.lr"):
+        RefineConfig(steps=1, trace=TraceConfig(), lr=0.0)
+
+
+def test_a_refine_stage_from_a_saved_first_stage_gives_the_whole_runs_weights(
+    tmp_path: Path,
+) -> None:
+    import attrs
+
+    from sart.testbed.recipe import RefineConfig
+    from sart.testbed.tasks import TraceConfig
+
+    refined = attrs.evolve(TINY, refine=RefineConfig(steps=2, trace=TraceConfig(error_carry=0.0)))
+    lines: list[str] = []
+    whole = train(tmp_path / "whole", refined, log=lines.append)
+    assert any(line.startswith("refine step     1") for line in lines)
+    first = train(tmp_path / "first", TINY, log=lambda line: None)
+    assert first["sha256"] != whole["sha256"]  # the refine stage changed the policy
+    resumed = train(
+        tmp_path / "resumed", refined, log=lambda line: None, first_stage=tmp_path / "first"
+    )
+    assert resumed["sha256"] == whole["sha256"]
+    assert resumed["first_stage_loaded"] is True and "first_stage_loaded" not in whole
+    assert resumed["config"]["refine"]["steps"] == 2
+    # Another config's first stage is refused, before any training.
+    other = attrs.evolve(refined, seed=1)
+    with pytest.raises(ConfigError, match="first_stage"):
+        train(tmp_path / "other", other, log=lambda line: None, first_stage=tmp_path / "first")

@@ -39,6 +39,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="CPU threads (default: the recipe's, short 1, long 2; hashes depend on it)",
     )
+    train.add_argument(
+        "--first-stage",
+        default=None,
+        metavar="DIR",
+        help="long: a directory this recipe's first stage trained (its policy_steps, "
+        "without the refine stage); its policy is refined instead of trained again, "
+        "giving the same weights in the time of the rest",
+    )
     train.set_defaults(func=main)
     report = actions.add_parser(
         "report", help="sample N branches per question and print the calibration numbers"
@@ -73,7 +81,8 @@ def main(args: argparse.Namespace) -> int:
             config = TRAIN_CONFIGS[args.model]
             seed = config.seed if args.seed is None else args.seed
             threads = config.threads if args.threads is None else args.threads
-            train(args.out, attrs.evolve(config, seed=seed, threads=threads))
+            config = attrs.evolve(config, seed=seed, threads=threads)
+            train(args.out, config, first_stage=args.first_stage)
             return 0
         from sart.testbed.report import ReportConfig, calibrate
         from sart.testbed.specs import TESTBEDS

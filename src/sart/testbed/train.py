@@ -36,29 +36,31 @@ import json
 import math
 import os
 import random
-import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
+from sart.errors import config_check
 from sart.testbed.logistic import fit_logistic
 from sart.testbed.model import sample
 from sart.testbed.recipe import (
     TrainConfig,
+    cosine_schedule,
     easiest,
     hardest,
     learning_rate,
 )
+from sart.testbed.skills import skill_hits, skill_probes
 from sart.testbed.tasks import (
     MAX_DIGITS,
     QUESTION_END,
     STEP_WORD,
-    Question,
-    clean_trace,
+    TraceConfig,
     grade,
     make_question,
     noisy_response,
@@ -66,9 +68,6 @@ from sart.testbed.tasks import (
 from sart.testbed.tokenizer import PRM_SEPARATOR, build_tokenizer
 
 Log = Callable[[str], None]
-
-_POSITION = re.compile(r"^p\d+$")
-_ROUND = re.compile(r"^r\d+$")
 
 
 # --------------------------------------------------------------------------- helpers
@@ -133,32 +132,83 @@ def train_policy(
 
     _setup(config)
     model = LlamaForCausalLM(config.model.llama(tokenizer))
-    model.train()
     rng = random.Random(config.seed)
-    optimizer = _optimizer(model, config.lr, config.weight_decay)
+    # One difficulty per batch: the traces have similar lengths, so little compute
+    # goes to padding (half of it with mixed batches).
+    return _train_loop(
+        model,
+        tokenizer,
+        config,
+        config.trace,
+        config.policy_steps,
+        lambda step: rng.randint(easiest(config, step), hardest(config, step)),
+        lambda step: config.lr * learning_rate(config, step),
+        rng,
+        "policy",
+        log,
+        on_step,
+    )
+
+
+def refine_policy(config: TrainConfig, model: Any, tokenizer: Any, log: Log = print) -> Any:
+    """``config.refine``: the trained ``model`` trained on, on traces of the refine
+    stage's noise, with a fresh optimizer and a schedule of its own, from batches of
+    the grown curriculum's difficulties."""
+    refine = config.refine
+    assert refine is not None
+    _setup(config)
+    rng = random.Random(f"refine-{config.seed}")
+    grown = easiest(config, config.policy_steps)
+    return _train_loop(
+        model,
+        tokenizer,
+        config,
+        refine.trace,
+        refine.steps,
+        lambda _step: rng.randint(grown, config.max_digits),
+        lambda step: refine.lr * cosine_schedule(step, refine.steps, refine.warmup),
+        rng,
+        "refine",
+        log,
+    )
+
+
+def _train_loop(
+    model: Any,
+    tokenizer: Any,
+    config: TrainConfig,
+    trace: TraceConfig,
+    steps: int,
+    difficulty_at: Callable[[int], int],
+    lr_at: Callable[[int], float],
+    rng: random.Random,
+    stage: str,
+    log: Log,
+    on_step: Callable[[int, Any], None] | None = None,
+) -> Any:
+    model.train()
+    optimizer = _optimizer(model, lr_at(0), config.weight_decay)
     pad = tokenizer.pad_token_id
     probes = skill_probes(config)
     started = time.perf_counter()
-    for step in range(config.policy_steps):
+    for step in range(steps):
         rows, labels = [], []
-        # One difficulty per batch: the traces have similar lengths, so little
-        # compute goes to padding (half of it with mixed batches).
-        difficulty = rng.randint(easiest(config, step), hardest(config, step))
+        difficulty = difficulty_at(step)
         for _ in range(config.batch_size):
             question = make_question(rng, difficulty, config.cycle)
-            response, finished = noisy_response(question, rng, config.trace)
+            response, finished = noisy_response(question, rng, trace)
             ids, n_prompt = encode_example(tokenizer, question.prompt, response, finished)
             rows.append(ids)
             labels.append([-100] * n_prompt + ids[n_prompt:])
         for group in optimizer.param_groups:
-            group["lr"] = config.lr * learning_rate(config, step)
+            group["lr"] = lr_at(step)
         optimizer.zero_grad(set_to_none=True)
         loss = _accumulate(model, rows, labels, pad, config.micro_batches)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if on_step is not None:
             on_step(step, model)
-        if step % 100 == 0 or step == config.policy_steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             elapsed = time.perf_counter() - started
             watched = [skill_hits(model, tokenizer, group) for group in probes]
             shown = "  ".join(
@@ -166,54 +216,8 @@ def train_policy(
                 for kind in ("copy", "add", "count")
                 if kind in watched[-1]
             )
-            log(f"policy step {step:5d}  loss {loss.item():.4f}  {shown}  {elapsed:6.0f}s")
+            log(f"{stage} step {step:5d}  loss {loss.item():.4f}  {shown}  {elapsed:6.0f}s")
     return model.eval()
-
-
-def skill_probes(config: TrainConfig, count: int = 16) -> list[list[Question]]:
-    """Fixed questions (their own seed, not the training stream's) on which ``skills``
-    watches a training run: a group at the hardest difficulty of its first step,
-    one at ``grown_min_digits`` if set, and one at ``max_digits`` if that is harder
-    (a curriculum's goal). A skill can be learned at one length and not another: a
-    cycled run copied position 6 only in questions of 8 rounds."""
-    rng = random.Random(f"skills-{config.seed}")
-    levels = sorted(
-        {hardest(config, 0), config.max_digits}
-        | ({config.grown_min_digits} if config.grown_min_digits else set())
-    )
-    return [[make_question(rng, level, config.cycle) for _ in range(count)] for level in levels]
-
-
-@torch.no_grad()
-def skills(model: Any, tokenizer: Any, questions: Sequence[Question]) -> tuple[float, float]:
-    """Teacher-forced accuracy of the two skills the task needs, on clean traces.
-
-    ``copy``: after a step's position token ``pK``, the argmax is the prompt's
-    digit K. ``add``: after ``=``, it is the step's sum. A run that has learned the
-    format but not the sums shows a low ``add`` long before sampled rollouts do.
-    No RNG is drawn and no gradient kept: watching does not change the run.
-    """
-    hits = skill_hits(model, tokenizer, questions)
-    return hits["copy"], hits["add"]
-
-
-def skill_hits(model: Any, tokenizer: Any, questions: Sequence[Question]) -> dict[str, float]:
-    """``skills``, and for cycled questions ``count``: the argmax at a step's start is
-    its count of rounds left (the previous step's, one less after a round's last)."""
-    hits = {"copy": [0, 0], "add": [0, 0], "count": [0, 0]}
-    for question in questions:
-        ids, n_prompt = encode_example(tokenizer, question.prompt, clean_trace(question))
-        words = tokenizer.convert_ids_to_tokens(ids)
-        predicted = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).tolist()
-        # From the prompt's last token: it predicts the first step's count.
-        for i in range(n_prompt - 1, len(ids) - 1):
-            kind = "add" if words[i] == "=" else "copy" if _POSITION.match(words[i]) else None
-            if _ROUND.match(words[i + 1]):
-                kind = "count"
-            if kind is not None:
-                hits[kind][0] += predicted[i] == ids[i + 1]
-                hits[kind][1] += 1
-    return {k: h / max(1, n) for k, (h, n) in hits.items() if k != "count" or n}
 
 
 def _accumulate(
@@ -379,6 +383,25 @@ def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = 
 # --------------------------------------------------------------------------- the whole run
 
 
+def _first_stage(directory: Path, config: TrainConfig) -> tuple[Any, float]:
+    """The policy ``directory``'s run of ``config`` without its refine stage trained,
+    and the seconds it took (``ConfigError`` if it was another config's)."""
+    from transformers import LlamaForCausalLM
+
+    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
+    # A manifest from before the refine stage existed has no "refine" key.
+    expected = attrs.evolve(config, refine=None).to_json()
+    found = {"refine": None} | manifest["config"]
+    config_check(
+        config.refine is not None and found == expected,
+        "first_stage",
+        str(directory),
+        "a run of this config without its refine stage",
+    )
+    policy = LlamaForCausalLM.from_pretrained(directory / "policy")
+    return policy, float(manifest["seconds"]["policy"])
+
+
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -413,10 +436,18 @@ def _save(target: Path, model: Any, tokenizer: Any) -> None:
     partial.rename(target)
 
 
-def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) -> dict[str, Any]:
+def train(
+    out: str | Path,
+    config: TrainConfig | None = None,
+    log: Log = print,
+    first_stage: str | Path | None = None,
+) -> dict[str, Any]:
     """Train both models into ``out`` (``policy/``, ``prm/``, ``manifest.json``).
 
-    Returns the manifest."""
+    ``first_stage``: a directory this config's first stage trained (``config`` without
+    its ``refine``: its manifest says so), whose policy is refined instead of trained
+    again. The first stage is deterministic (same seed, threads and versions), so this
+    gives the weights a whole run gives, in the time of the rest. Returns the manifest."""
     import transformers
 
     config = config or TrainConfig()
@@ -426,20 +457,28 @@ def train(out: str | Path, config: TrainConfig | None = None, log: Log = print) 
     (root / "manifest.json").unlink(missing_ok=True)
     tokenizer = tokenizer_for(config)
     started = time.perf_counter()
-    policy = train_policy(config, tokenizer, log)
-    policy_seconds = time.perf_counter() - started
+    if first_stage is None:
+        policy = train_policy(config, tokenizer, log)
+        first_seconds = time.perf_counter() - started
+    else:
+        policy, first_seconds = _first_stage(Path(first_stage), config)
+    if config.refine is not None:
+        policy = refine_policy(config, policy, tokenizer, log)
+    policy_seconds = first_seconds + time.perf_counter() - started
     _save(root / "policy", policy, tokenizer)
     prm = train_prm(config, root / "policy", tokenizer, log)
     _save(root / "prm", prm, tokenizer)
     manifest = {
         "config": config.to_json(),
+        # The first stage's own weights were loaded, not trained in this process.
+        **({"first_stage_loaded": True} if first_stage is not None else {}),
         "seed": config.seed,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": config.threads,
         "seconds": {
             "policy": round(policy_seconds, 1),
-            "total": round(time.perf_counter() - started, 1),
+            "total": round(first_seconds + time.perf_counter() - started, 1),
         },
         "sha256": weight_hashes(root),
     }
