@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,11 @@ def test_a_tiny_training_run_writes_loadable_models(tmp_path: Path) -> None:
 
     config = TINY
     lines: list[str] = []
+    started = time.perf_counter()
     manifest = train(tmp_path, config, log=lines.append)
+    # The seconds recorded are this run's, each stage counted once.
+    seconds = manifest["seconds"]
+    assert 0 < seconds["policy"] < seconds["total"] <= time.perf_counter() - started + 0.1
     assert set(manifest["sha256"]) == {"policy/model.safetensors", "prm/model.safetensors"}
     assert json.loads((tmp_path / "manifest.json").read_text())["config"]["prm_rollouts"] == 8
     assert any(line.startswith("prm head: 8 rollouts") for line in lines)

@@ -457,14 +457,15 @@ def train(
     (root / "manifest.json").unlink(missing_ok=True)
     tokenizer = tokenizer_for(config)
     started = time.perf_counter()
+    # Seconds spent before this process: a loaded first stage's own training time.
+    loaded_seconds = 0.0
     if first_stage is None:
         policy = train_policy(config, tokenizer, log)
-        first_seconds = time.perf_counter() - started
     else:
-        policy, first_seconds = _first_stage(Path(first_stage), config)
+        policy, loaded_seconds = _first_stage(Path(first_stage), config)
     if config.refine is not None:
         policy = refine_policy(config, policy, tokenizer, log)
-    policy_seconds = first_seconds + time.perf_counter() - started
+    policy_seconds = loaded_seconds + time.perf_counter() - started
     _save(root / "policy", policy, tokenizer)
     prm = train_prm(config, root / "policy", tokenizer, log)
     _save(root / "prm", prm, tokenizer)
@@ -478,7 +479,7 @@ def train(
         "threads": config.threads,
         "seconds": {
             "policy": round(policy_seconds, 1),
-            "total": round(first_seconds + time.perf_counter() - started, 1),
+            "total": round(loaded_seconds + time.perf_counter() - started, 1),
         },
         "sha256": weight_hashes(root),
     }
