@@ -210,6 +210,25 @@ def test_long_settings_make_errors_repeat_wrong_traces_longer_and_loops() -> Non
     assert statistics.mean(wrong) > 1.1 * statistics.mean(right)  # over-thinking
 
 
+def test_coupled_traces_that_hesitate_are_the_ones_that_slip() -> None:
+    # Two kinds of trace: careful (no re-checks, no errors) and sloppy (re-checks
+    # often, errs often). Coupled, a trace without a re-check is a clean one;
+    # drawn apart, some traces err without re-checking.
+    kinds = {"styles": (0.0, 0.7), "sloppiness": (0.0, 8.0), "recheck_after_error": 0.0}
+    qs = make_questions(2, 200, difficulties=(12,))
+    for coupled, expect_clean in ((True, True), (False, False)):
+        rng = random.Random(0)
+        config = TraceConfig(coupled=coupled, **kinds)
+        calm = [(q, t) for q in qs for t, _ in [noisy_response(q, rng, config)] if "wait" not in t]
+        assert calm
+        assert all(t == clean_trace(q) for q, t in calm) is expect_clean
+
+
+def test_coupled_needs_one_sloppiness_per_style() -> None:
+    with pytest.raises(ConfigError, match="sloppiness"):
+        TraceConfig(coupled=True, styles=(0.1, 0.2), sloppiness=(1.0, 2.0, 3.0))
+
+
 def test_systematic_errors_are_one_more_than_the_right_result() -> None:
     config = TraceConfig(systematic=1.0, error_carry=1.0, error_plain=1.0, styles=(0.0,))
     q = Question([3, 4])

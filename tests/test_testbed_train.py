@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 
 import torch
 
+from sart.testbed.first_stage import FIRST_STAGE
 from sart.testbed.model import ModelConfig
 from sart.testbed.train import TrainConfig, _fit_head, train
 
@@ -151,7 +152,7 @@ def test_the_long_testbeds_training_config_and_vocabulary() -> None:
     # Trained on both cores (the manifest's thread count is part of its hashes).
     assert LONG.threads == 2
     # Then refined on fewer slips (docs/testbed.md, "How the long task came to be").
-    assert LONG.refine is not None and LONG.refine.trace.error_carry < LONG.trace.error_carry
+    assert LONG.refine and LONG.refine[0].trace.error_carry < LONG.trace.error_carry
     # The short testbed's vocabulary is the one its weights were trained with.
     assert len(tokenizer_for(TrainConfig())) == 30
 
@@ -316,7 +317,31 @@ def test_a_refine_stage_from_a_saved_first_stage_gives_the_whole_runs_weights(
     )
     assert resumed["sha256"] == whole["sha256"]
     assert resumed["first_stage_loaded"] is True and "first_stage_loaded" not in whole
-    assert resumed["config"]["refine"]["steps"] == 2
+    assert resumed["config"]["refine"][0]["steps"] == 2
+    # The whole run kept its first stage apart (not in its hashes), and refining that
+    # gives its weights again.
+    assert set(whole["sha256"]) == {"policy/model.safetensors", "prm/model.safetensors"}
+    again = train(
+        tmp_path / "again",
+        refined,
+        log=lambda line: None,
+        first_stage=tmp_path / "whole" / FIRST_STAGE,
+    )
+    assert again["sha256"] == whole["sha256"]
+    assert not (tmp_path / "first" / FIRST_STAGE).exists()  # no refine stage, nothing kept
+    # A second refine stage: from the first two stages' run, as from the whole run's.
+    second = RefineConfig(steps=2, trace=TraceConfig(error_carry=0.5), lr=5e-3)
+    twice = attrs.evolve(refined, refine=(*refined.refine, second))
+    whole2 = train(tmp_path / "whole2", twice, log=lines.append)
+    assert any(line.startswith("refine2 step     1") for line in lines)
+    assert whole2["sha256"] != whole["sha256"]
+    for earlier in (tmp_path / "whole", tmp_path / "first"):
+        assert (
+            train(tmp_path / "x", twice, log=print, first_stage=earlier)["sha256"]
+            == (whole2["sha256"])
+        )
+    with pytest.raises(ConfigError, match="first_stage"):  # nothing left to train
+        train(tmp_path / "y", refined, log=print, first_stage=tmp_path / "whole")
     # Another config's first stage is refused, before any training.
     other = attrs.evolve(refined, seed=1)
     with pytest.raises(ConfigError, match="first_stage"):

@@ -43,9 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--first-stage",
         default=None,
         metavar="DIR",
-        help="long: a directory this recipe's first stage trained (its policy_steps, "
-        "without the refine stage); its policy is refined instead of trained again, "
-        "giving the same weights in the time of the rest",
+        help="long: a directory this recipe's first stages trained (OUT/first-stage of "
+        "a run, or a run without the last refine stages); its policy is refined instead "
+        "of trained again, giving the same weights in the time of the rest",
     )
     train.set_defaults(func=main)
     report = actions.add_parser(

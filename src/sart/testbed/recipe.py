@@ -8,6 +8,7 @@ one from ``TRAIN_CONFIGS``. Pure settings and arithmetic (``ModelConfig`` brings
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -35,6 +36,14 @@ class RefineConfig:
     trace: TraceConfig
     lr: float = attrs.field(default=1e-3, validator=_positive("refine.lr"))
     warmup: int = 20
+
+
+def _refine_stages(value: RefineConfig | Iterable[RefineConfig] | None) -> tuple[RefineConfig, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, RefineConfig):
+        return (value,)
+    return tuple(value)
 
 
 @attrs.frozen
@@ -94,8 +103,9 @@ class TrainConfig:
     """Split each batch, sorted by length, into this many micro-batches whose
     gradients add up: long traces of one difficulty still differ several-fold in
     length, and padding every row to the longest would multiply the cost."""
-    refine: RefineConfig | None = None
-    """A second stage after ``policy_steps`` (``None``: none)."""
+    refine: tuple[RefineConfig, ...] = attrs.field(default=(), converter=_refine_stages)
+    """Stages after ``policy_steps``, in order (empty: none; one ``RefineConfig`` is a
+    single stage)."""
 
     def __attrs_post_init__(self) -> None:
         config_check(

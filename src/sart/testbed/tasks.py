@@ -224,6 +224,12 @@ class TraceConfig:
     loop: float = attrs.field(default=0.0, validator=_probability("loop"))
     """Chance that an error left unfixed starts a loop: the step is re-checked over
     and over, with no answer, until the trace is cut ``loop_tokens`` words later."""
+    coupled: bool = False
+    """Draw a trace's re-check rate and sloppiness together (the i-th of ``styles``
+    with the i-th of ``sloppiness``; equal lengths): a trace that hesitates also
+    slips, so wrong traces run longer. Unlike ``doubt``, which raises the re-check
+    rate after an error the model must find anywhere earlier in its context, this
+    over-thinking is learnable from the density of re-checks so far."""
     loop_tokens: int = attrs.field(default=256)
     """How long a training loop runs before it is cut (words; no EOS). Short: a loop
     teaches only that a loop goes on, and one that ran to the generation cap would
@@ -244,6 +250,15 @@ class TraceConfig:
         config_check(
             len(value) >= 1 and all(m >= 0 for m in value), "sloppiness", value, "multipliers >= 0"
         )
+
+    def __attrs_post_init__(self) -> None:
+        if self.coupled:
+            config_check(
+                len(self.sloppiness) == len(self.styles),
+                "sloppiness",
+                self.sloppiness,
+                f"one multiplier per re-check rate when coupled ({len(self.styles)})",
+            )
 
     @max_rechecks.validator
     def _check_max(self, _attr: attrs.Attribute, value: int) -> None:
@@ -300,8 +315,12 @@ def noisy_response(
     """A training trace of ``question`` and whether it ends (``False``: a loop, cut
     at ``config.loop_tokens`` words with no answer and no EOS)."""
     config = config or TraceConfig()
-    style = rng.choice(config.styles)
-    sloppy = rng.choice(config.sloppiness)
+    if config.coupled:
+        kind = rng.randrange(len(config.styles))
+        style, sloppy = config.styles[kind], config.sloppiness[kind]
+    else:
+        style = rng.choice(config.styles)
+        sloppy = rng.choice(config.sloppiness)
     steps: list[str] = []
     value, doubt = 0, 0.0
     for marker, i, d in question.walk():

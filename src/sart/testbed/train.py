@@ -42,10 +42,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 
-from sart.errors import config_check
+from sart.testbed.first_stage import load_first_stage, save_first_stage
 from sart.testbed.logistic import fit_logistic
 from sart.testbed.model import sample
 from sart.testbed.recipe import (
@@ -150,14 +149,17 @@ def train_policy(
     )
 
 
-def refine_policy(config: TrainConfig, model: Any, tokenizer: Any, log: Log = print) -> Any:
-    """``config.refine``: the trained ``model`` trained on, on traces of the refine
+def refine_policy(
+    config: TrainConfig, model: Any, tokenizer: Any, log: Log = print, stage: int = 0
+) -> Any:
+    """``config.refine[stage]``: the trained ``model`` trained on, on traces of that
     stage's noise, with a fresh optimizer and a schedule of its own, from batches of
     the grown curriculum's difficulties."""
-    refine = config.refine
-    assert refine is not None
+    refine = config.refine[stage]
     _setup(config)
-    rng = random.Random(f"refine-{config.seed}")
+    # The first refine stage's names are those it had when it was the only one.
+    name = "refine" if stage == 0 else f"refine{stage + 1}"
+    rng = random.Random(f"{name}-{config.seed}")
     grown = easiest(config, config.policy_steps)
     return _train_loop(
         model,
@@ -168,7 +170,7 @@ def refine_policy(config: TrainConfig, model: Any, tokenizer: Any, log: Log = pr
         lambda _step: rng.randint(grown, config.max_digits),
         lambda step: refine.lr * cosine_schedule(step, refine.steps, refine.warmup),
         rng,
-        "refine",
+        name,
         log,
     )
 
@@ -383,25 +385,6 @@ def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = 
 # --------------------------------------------------------------------------- the whole run
 
 
-def _first_stage(directory: Path, config: TrainConfig) -> tuple[Any, float]:
-    """The policy ``directory``'s run of ``config`` without its refine stage trained,
-    and the seconds it took (``ConfigError`` if it was another config's)."""
-    from transformers import LlamaForCausalLM
-
-    manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    # A manifest from before the refine stage existed has no "refine" key.
-    expected = attrs.evolve(config, refine=None).to_json()
-    found = {"refine": None} | manifest["config"]
-    config_check(
-        config.refine is not None and found == expected,
-        "first_stage",
-        str(directory),
-        "a run of this config without its refine stage",
-    )
-    policy = LlamaForCausalLM.from_pretrained(directory / "policy")
-    return policy, float(manifest["seconds"]["policy"])
-
-
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -410,9 +393,15 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: The model directories of a trained run, which its manifest hashes.
+MODELS = ("policy", "prm")
+
+
 def weight_hashes(root: Path) -> dict[str, str]:
-    """sha256 of every ``*.safetensors`` under ``root``, by relative path."""
-    return {str(p.relative_to(root)): sha256(p) for p in sorted(root.rglob("*.safetensors"))}
+    """sha256 of every ``*.safetensors`` of ``root``'s models (``policy/``, ``prm/``; not
+    a ``first-stage/`` checkpoint), by relative path."""
+    files = sorted(p for name in MODELS for p in (root / name).rglob("*.safetensors"))
+    return {str(p.relative_to(root)): sha256(p) for p in files}
 
 
 def _check_writable(root: Path) -> None:
@@ -445,9 +434,10 @@ def train(
     """Train both models into ``out`` (``policy/``, ``prm/``, ``manifest.json``).
 
     ``first_stage``: a directory this config's first stage trained (``config`` without
-    its ``refine``: its manifest says so), whose policy is refined instead of trained
-    again. The first stage is deterministic (same seed, threads and versions), so this
-    gives the weights a whole run gives, in the time of the rest. Returns the manifest."""
+    its ``refine``: its manifest says so; a run with a refine stage leaves one in
+    ``out/first-stage``), whose policy is refined instead of trained again. The first
+    stage is deterministic (same seed, threads and versions), so this gives the
+    weights a whole run gives, in the time of the rest. Returns the manifest."""
     import transformers
 
     config = config or TrainConfig()
@@ -458,13 +448,15 @@ def train(
     tokenizer = tokenizer_for(config)
     started = time.perf_counter()
     # Seconds spent before this process: a loaded first stage's own training time.
-    loaded_seconds = 0.0
+    loaded_seconds, done = 0.0, 0
     if first_stage is None:
         policy = train_policy(config, tokenizer, log)
+        if config.refine:
+            save_first_stage(root, policy, tokenizer, config, time.perf_counter() - started, _save)
     else:
-        policy, loaded_seconds = _first_stage(Path(first_stage), config)
-    if config.refine is not None:
-        policy = refine_policy(config, policy, tokenizer, log)
+        policy, loaded_seconds, done = load_first_stage(Path(first_stage), config)
+    for stage in range(done, len(config.refine)):
+        policy = refine_policy(config, policy, tokenizer, log, stage)
     policy_seconds = loaded_seconds + time.perf_counter() - started
     _save(root / "policy", policy, tokenizer)
     prm = train_prm(config, root / "policy", tokenizer, log)
