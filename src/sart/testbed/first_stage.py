@@ -1,10 +1,11 @@
 """A trained first stage kept apart, so that a refine stage can be tried again without it.
 
-The long testbed's policy trains in two stages (``TrainConfig.refine``): a first stage
-of most of an hour on two cores, then a refine stage of minutes. A run with a refine
-stage saves its first stage's policy in ``OUT/first-stage`` (with a manifest of the
-config without the refine stage); ``sart testbed train --first-stage DIR`` refines
-such a policy instead of training it again. The first stage is deterministic, so the
+The long testbed's policy trains in stages: a first stage of most of an hour on two
+cores, then refine stages of minutes each (``TrainConfig.refine``). A run with refine
+stages saves its first stage's policy in ``OUT/first-stage`` (with a manifest of the
+config without them); ``sart testbed train --first-stage DIR`` refines such a policy,
+or the policy of a run of the recipe's first refine stages, instead of training it
+again. The first stage is deterministic, so the
 result is the weights a whole run gives.
 """
 
@@ -54,11 +55,7 @@ def load_first_stage(directory: Path, config: TrainConfig) -> tuple[Any, float, 
     from transformers import LlamaForCausalLM
 
     manifest = json.loads((directory / "manifest.json").read_text(encoding="utf-8"))
-    # A manifest from before refine stages existed has no "refine" key; one from
-    # before there could be several has one stage's dict.
-    found = {"refine": []} | manifest["config"]
-    if isinstance(found["refine"], dict):
-        found["refine"] = [found["refine"]]
+    found = manifest["config"]
     stages = [
         k
         for k in range(len(config.refine))

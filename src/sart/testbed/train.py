@@ -433,9 +433,10 @@ def train(
 ) -> dict[str, Any]:
     """Train both models into ``out`` (``policy/``, ``prm/``, ``manifest.json``).
 
-    ``first_stage``: a directory this config's first stage trained (``config`` without
-    its ``refine``: its manifest says so; a run with a refine stage leaves one in
-    ``out/first-stage``), whose policy is refined instead of trained again. The first
+    ``first_stage``: a directory this config's earlier stages trained (``config``
+    without its last refine stages: its manifest says so; a run with refine stages
+    leaves its first stage in ``out/first-stage``), whose policy is refined instead of
+    trained again. The first
     stage is deterministic (same seed, threads and versions), so this gives the
     weights a whole run gives, in the time of the rest. Returns the manifest."""
     import transformers
