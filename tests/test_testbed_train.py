@@ -344,3 +344,18 @@ def test_a_refine_stage_from_a_saved_first_stage_gives_the_whole_runs_weights(
     other = attrs.evolve(refined, seed=1)
     with pytest.raises(ConfigError, match="first_stage"):
         train(tmp_path / "other", other, log=lambda line: None, first_stage=tmp_path / "first")
+
+
+def test_the_long_testbeds_first_stage_in_the_repository_is_its_recipes() -> None:
+    # The first stage ships in the repository so that the refine stages can be
+    # tried again without it: a change to LONG's first stage must retrain it.
+    from sart.testbed import LONG as BED
+    from sart.testbed.first_stage import load_first_stage
+    from sart.testbed.recipe import LONG as RECIPE
+
+    directory = BED.weights / FIRST_STAGE
+    if not (directory / "policy").is_dir():
+        pytest.skip("an installed package has no first stage (the repository has)")
+    policy, seconds, stages_done = load_first_stage(directory, RECIPE)
+    assert stages_done == 0 and seconds > 0
+    assert policy.config.max_position_embeddings == RECIPE.model.max_positions
