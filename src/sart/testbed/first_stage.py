@@ -5,8 +5,8 @@ cores, then refine stages of minutes each (``TrainConfig.refine``). A run with r
 stages saves its first stage's policy in ``OUT/first-stage`` (with a manifest of the
 config without them); ``sart testbed train --first-stage DIR`` refines such a policy,
 or the policy of a run of the recipe's first refine stages, instead of training it
-again. The first stage is deterministic, so the
-result is the weights a whole run gives.
+again. The first stage is deterministic, so the result is the weights a whole run
+gives.
 """
 
 from __future__ import annotations

@@ -436,9 +436,9 @@ def train(
     ``first_stage``: a directory this config's earlier stages trained (``config``
     without its last refine stages: its manifest says so; a run with refine stages
     leaves its first stage in ``out/first-stage``), whose policy is refined instead of
-    trained again. The first
-    stage is deterministic (same seed, threads and versions), so this gives the
-    weights a whole run gives, in the time of the rest. Returns the manifest."""
+    trained again. The first stage is deterministic (same seed, threads and
+    versions), so this gives the weights a whole run gives, in the time of the rest.
+    Returns the manifest."""
     import transformers
 
     config = config or TrainConfig()
