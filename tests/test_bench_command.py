@@ -12,14 +12,7 @@ import pytest
 import sart
 from sart.cli import main
 from sart.metrics import wilson_interval
-from sart.testbed.specs import LONG
 from sart.testing import FakeEngine
-
-#: The long testbed's weights are not trained yet (docs/testbed.md): its tests wait.
-NEEDS_LONG_WEIGHTS = pytest.mark.skipif(
-    not (LONG.weights / "manifest.json").is_file(),
-    reason="the long testbed's weights are not trained yet",
-)
 
 
 def bench(tmp_path: Path, *extra: str) -> dict:
@@ -523,7 +516,6 @@ def test_model_testbed_stands_for_the_shipped_models_and_questions(tmp_path: Pat
         real_setup(_args("--engine", "vllm", "--model", "testbed", "--prm-kind", "vllm-qwen"))
 
 
-@NEEDS_LONG_WEIGHTS
 def test_model_testbed_long_stands_for_the_long_testbed_with_its_defaults() -> None:
     from sart import testbed
     from sart.bench.command import real_setup

@@ -16,14 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sart.testbed.specs import LONG
 from sglang_cpu import SGLANG_CPU_ARGS
-
-#: The long testbed's weights are not trained yet (docs/testbed.md): its tests wait.
-NEEDS_LONG_WEIGHTS = pytest.mark.skipif(
-    not (LONG.weights / "manifest.json").is_file(),
-    reason="the long testbed's weights are not trained yet",
-)
 
 
 def sglang_args() -> list[str]:
@@ -51,7 +44,6 @@ def test_the_testbed_on_sglang_with_every_kind_of_method(sglang_cpu: None, tmp_p
     assert "SGLang model testbed" in done.stdout
 
 
-@NEEDS_LONG_WEIGHTS
 def test_the_long_testbed_on_sglang(sglang_cpu: None, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     done = subprocess.run(

@@ -14,13 +14,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from sart.cli import main
-from sart.testbed.specs import LONG
-
-#: The long testbed's weights are not trained yet (docs/testbed.md): its tests wait.
-NEEDS_LONG_WEIGHTS = pytest.mark.skipif(
-    not (LONG.weights / "manifest.json").is_file(),
-    reason="the long testbed's weights are not trained yet",
-)
 
 
 def test_bench_serves_every_method_on_vllm(
@@ -109,7 +102,6 @@ def test_bench_runs_the_confidence_methods_on_the_testbed_with_vllm(
     check_confidence(json.loads((tmp_path / "out" / "results.json").read_text()))
 
 
-@NEEDS_LONG_WEIGHTS
 def test_the_long_testbed_serves_on_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its weights load and serve (contexts past 2k tokens: loops run to the 2048 cap).
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

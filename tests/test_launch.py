@@ -114,13 +114,12 @@ def test_testbed_long_stands_for_the_long_testbeds_files_and_calibration(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     long = testbed.LONG
-    if not (long.weights / "manifest.json").is_file():
-        # Until its weights ship, the loader says so by name; stand in a directory.
-        with pytest.raises(sart.ConfigError, match="'testbed-long': its weights are not in"):
-            resolve_models("testbed-long", None, "qwen")
-        (tmp_path / "manifest.json").write_text("{}")
-        long = attrs.evolve(long, weights=tmp_path)
-        monkeypatch.setitem(testbed.TESTBEDS, "testbed-long", long)
+    # An install without its weights (deleted, or a testbed registered before it
+    # was trained) is named in the error, not left to fail inside transformers.
+    monkeypatch.setitem(testbed.TESTBEDS, "testbed-long", attrs.evolve(long, weights=tmp_path))
+    with pytest.raises(sart.ConfigError, match="'testbed-long': its weights are not in"):
+        resolve_models("testbed-long", None, "qwen")
+    monkeypatch.setitem(testbed.TESTBEDS, "testbed-long", long)
     policy, prm = str(long.policy_path), str(long.prm_path)
     options = long.prm_kwargs()
     assert options["max_length"] == 2304 and options["step_separator"] == "<step>"

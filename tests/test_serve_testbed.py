@@ -506,3 +506,24 @@ def test_64_concurrent_clients_with_sart_n8(server: Server) -> None:
     rows = asyncio.run(_load(server, 64, 4, lambda c: {"method": "sart", "n": 8}))
     accuracy = _check_load(server, before, rows, 64, 4)
     assert accuracy > 0.9
+
+
+def test_the_long_testbed_serves_with_its_defaults() -> None:
+    # Its own server: the long testbed's policy and PRM, T = 64, 2,048 tokens a branch.
+    served = Server("--model", "testbed-long", "--batch-size", "8")
+    try:
+        (model,) = served.client().models.list().data
+        assert model.id == "testbed-long"
+        question = tb.LONG.questions(0, 1)[0]
+        reply = served.client().completions.create(
+            model="testbed-long", prompt=question.prompt, extra_body={"method": "sart", "n": 4}
+        )
+    finally:
+        code, log = served.stop()
+    assert code == 0 and "Traceback" not in log, log
+    extension = reply.model_extra["sart"]
+    assert extension["policy"].startswith("sart(n=4")
+    tokens = [b["tokens"] for b in extension["branches"]]
+    assert max(tokens) <= 2048 and max(tokens) > 100  # long traces, within its cap
+    assert extension["answer"] == sart.extract_answer(reply.choices[0].text)
+    assert reply.usage.prompt_tokens == len(question.prompt.split())

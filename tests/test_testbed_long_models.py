@@ -1,6 +1,5 @@
 """The long testbed's shipped weights: they load, have learned the task, and meet its ranges.
 
-Skipped where the weights are not shipped yet (``weights-long/manifest.json``).
 The full calibration report takes 15-30 minutes on a 2-core machine, so the
 default suite checks the report shipped beside the weights (``report.json``,
 written by ``sart testbed report --model long --json``) and a slow test
@@ -25,9 +24,6 @@ from sart.types import BranchId
 
 MANIFEST_PATH = LONG.weights / "manifest.json"
 REPORT_PATH = LONG.weights / "report.json"
-pytestmark = pytest.mark.skipif(
-    not MANIFEST_PATH.exists(), reason="the long testbed's weights are not shipped yet"
-)
 
 
 def _manifest() -> dict:
@@ -93,12 +89,11 @@ def test_prm_rates_a_slip_lower_from_where_it_happens(prm) -> None:
     steps = right.split(" \n\n ")
     # A slip at the second addition (6 + 6 = 3, the systematic error "one
     # more"), carried on through every round.
+    # Each step carries its round count (``r6 p1 6 + 0 = 6``), as the trace does.
     value, wrong_steps = 0, []
     for k, (marker, i, d) in enumerate(q.walk(), start=1):
-        if marker:
-            wrong_steps.append(marker)
         result = (value + d + (1 if k == 2 else 0)) % 10
-        wrong_steps.append(f"p{i} {d} + {value} = {result}")
+        wrong_steps.append(f"{marker} p{i} {d} + {value} = {result}")
         value = result
     wrong = join_steps([*wrong_steps, answer_step(value)])
     items = [
