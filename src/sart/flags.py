@@ -185,7 +185,8 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         "parsed as JSON when it can be). max_num_seqs defaults to --batch-size. Without a "
         "GPU (vLLM-CPU), vllm's engine core runs in sart's process "
         "(VLLM_ENABLE_V1_MULTIPROCESSING=0, distributed_executor_backend=uni) unless you "
-        "set either",
+        "set either, with a KV cache of half the free memory, at most 4 GiB, unless you give "
+        "gpu_memory_utilization, kv_cache_memory_bytes or VLLM_CPU_KVCACHE_SPACE",
     )
     p.add_argument(
         "--sglang-arg",
