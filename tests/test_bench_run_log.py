@@ -80,6 +80,30 @@ def test_resume_keeps_the_finished_runs_and_serves_the_rest(
     assert len(served) == 1 and document(tmp_path)["resumed"] == []
 
 
+def test_resume_naming_fewer_runs_keeps_the_others_in_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = ["--out", str(tmp_path), "--methods", "sc", "sart"]
+    bench = ["bench", "--requests", "12", "--n", "2", "--no-plots"]
+    assert main([*bench, "--rate", "2", "4", *out]) == 0
+    everything = RunLog(tmp_path).read()
+    assert len(everything) == 4
+    from sart.bench import command
+
+    real_run, served = command.run_method, []
+    monkeypatch.setattr(command, "run_method", lambda *a: served.append(a[1:3]) or real_run(*a))
+    # One rate named, and a new one: the report shows those; the log keeps the rate-2 runs.
+    assert main([*bench, "--rate", "4", "8", "--resume", *out]) == 0
+    assert served == [("sc", 2), ("sart", 2)]  # at rate 8 only
+    assert {r["rate"] for r in document(tmp_path)["runs"]} == {4.0, 8.0}
+    logged = RunLog(tmp_path).read()
+    assert len(logged) == 6 and [r for r in logged if r.rate == 2.0] == everything[:2]
+    # So naming every rate again serves nothing and reports all six.
+    served.clear()
+    assert main([*bench, "--rate", "2", "4", "8", "--resume", *out]) == 0
+    assert served == [] and len(document(tmp_path)["runs"]) == 6
+
+
 def test_resume_refuses_another_benchmarks_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

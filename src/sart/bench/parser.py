@@ -187,7 +187,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--resume",
         action="store_true",
         help="keep the runs that an interrupted benchmark of the same settings finished in "
-        "--out (its runs.jsonl) and serve only the rest; methods, --n and --rate may differ",
+        "--out (its runs.jsonl) and serve only the rest; methods, --n and --rate may differ "
+        "(runs the command does not name stay in the log, left out of the report)",
     )
     add_output_flags(p, "sart-bench", "the summary JSON")
     p.set_defaults(func=_run_bench)

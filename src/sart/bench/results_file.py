@@ -94,15 +94,20 @@ class ResultsFile:
         """Say what is served, before the first run; ``keys`` are the runs of this
         benchmark, in the order the report lists them. Returns those already done:
         with ``resume``, the runs of ``keys`` that the benchmark in ``out`` finished,
-        when it was this one (``ConfigError`` saying what differs otherwise)."""
+        when it was this one (``ConfigError`` saying what differs otherwise).
+
+        A resumed log keeps every run it held, those of other methods, ``N`` values and
+        rates too: the report shows this command's runs, and a later resumption naming
+        the others finds them still there (a run can take an hour to measure again)."""
         self.serving = serving
         self._order = {key: i for i, key in enumerate(keys)}
+        found: dict[RunKey, Any] = {}
         if self.resume:
             config = self._document(self.config, [], self.gold, 0.0, serving)["config"]
             found = {run_key(r): r for r in resumable_runs(self.out, config, serving)}
             self.kept = [found[key] for key in keys if key in found]
         self.records = list(self.kept)
-        self.log.start(self.kept)
+        self.log.start(found.values())
         return {run_key(r) for r in self.kept}
 
     def elapsed(self) -> float:

@@ -9,7 +9,7 @@ takes hours, longer than a machine may be lent.
 A resumed run is kept only when the benchmark that made it was the same one:
 the same ``results.json`` configuration and serving (model, PRM, sampling), the
 methods, ``N`` values and rates aside (those say which runs there are, not how
-each ran).
+each ran). The log keeps all of them, those the resuming command does not name too.
 """
 
 from __future__ import annotations
