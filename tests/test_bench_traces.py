@@ -83,6 +83,20 @@ def test_generated_trace_round_trips(tmp_path: Path) -> None:
             assert b.final_reward == pytest.approx(a.final_reward, abs=5e-5)
 
 
+def test_a_gzip_compressed_trace_round_trips_and_a_cut_one_is_refused(tmp_path: Path) -> None:
+    trace, path = small_trace(), tmp_path / "t.jsonl.gz"
+    trace.dump(path)
+    assert path.read_bytes()[:2] == b"\x1f\x8b"  # written compressed
+    assert Trace.load(path).requests == trace.requests
+    path.write_bytes(path.read_bytes()[:-12])  # the machine stopped mid-write
+    with pytest.raises(ConfigError, match=r"t\.jsonl\.gz.*not a whole gzip file"):
+        Trace.load(path)
+    plain = tmp_path / "plain.jsonl.gz"
+    plain.write_text(json.dumps(GOOD_LINE) + "\n")  # named .gz, not compressed
+    with pytest.raises(ConfigError, match="not a whole gzip file"):
+        Trace.load(plain)
+
+
 def test_four_decimal_rewards_round_trip_exactly(tmp_path: Path) -> None:
     trace = small_trace()
     path = tmp_path / "t.jsonl"

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from sart.bench.runner import PRM_COSTS, PRM_GPUS, PRM_PLACEMENTS, BenchConfig
-from sart.bench.traces import Trace
+from sart.bench.traces import Trace, is_trace_file
 from sart.bench.workloads import WORKLOADS
 from sart.errors import ConfigError
 from sart.flags import (
@@ -132,12 +132,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--record-trace",
         help="hf, vllm, sglang: also record a trace of the prompts to this file (with each "
-        "branch's PRM rewards and, per 16 tokens, its log-probabilities and confidence)",
+        "branch's PRM rewards and, per 16 tokens, its log-probabilities and confidence; "
+        "gzip-compressed if it ends in .gz)",
     )
     p.add_argument(
         "--workload",
         default=None,
-        metavar="{gaokao,gpqa,FILE.jsonl}",
+        metavar="{gaokao,gpqa,FILE.jsonl[.gz]}",
         help="sim: generative workload preset (default gaokao), or a trace recorded with "
         "--record-trace to resample requests from (docs: sart.bench.resample)",
     )
@@ -182,7 +183,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_admission_flag(p)
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--trace", help="sim: replay this JSONL trace instead of generating a workload")
+    p.add_argument(
+        "--trace",
+        help="sim: replay this JSONL trace (.jsonl or .jsonl.gz) instead of generating a workload",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -366,7 +370,7 @@ def _default_ns(trace: str | None) -> tuple[int, ...]:
 
 def _workload_file(name: str | None) -> str | None:
     """``--workload`` when it names a recorded trace to resample (its T is the default)."""
-    return name if name and name.endswith(".jsonl") else None
+    return name if is_trace_file(name) else None
 
 
 def _default_interval(trace: str | None) -> int:

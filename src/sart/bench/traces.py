@@ -27,6 +27,7 @@ A trace is replayed exactly by ``SimEngine`` + ``ScriptedPRM`` through
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from collections.abc import Iterable, Iterator, Sequence
@@ -127,32 +128,38 @@ class Trace:
         return {r.id: r.answer for r in self.requests}
 
     def dump(self, path: str | Path) -> None:
-        with open(path, "w", encoding="utf-8") as f:
+        """Write the trace as JSONL; gzip-compressed when ``path`` ends in ``.gz``."""
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "wt", encoding="utf-8") as f:
             for r in self.requests:
                 f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        """Read a JSONL trace; a line that cannot be replayed is refused with
-        ``path:line`` and the reason, before anything runs."""
+        """Read a JSONL trace (gzip-compressed when ``path`` ends in ``.gz``); a line
+        that cannot be replayed is refused with ``path:line`` and the reason, before
+        anything runs."""
         requests = []
         lines: dict[str, int] = {}
         try:
-            f = open(path, "rb")  # closed by the with below; decoded line by line
+            f = _open(path)  # closed by the with below; decoded line by line
         except OSError as exc:
             raise ConfigError(f"trace={str(path)!r}: {exc.strerror}") from exc
         with f:
-            for number, raw in enumerate(_lines(f), 1):
-                where = f"{path}:{number}"
-                request = _parse(raw, where)
-                if request is None:
-                    continue
-                if request.id in lines:
-                    raise TraceLineError(
-                        f"{where}: the id {request.id!r} is already line {lines[request.id]}'s"
-                    )
-                lines[request.id] = number
-                requests.append(request)
+            try:
+                for number, raw in enumerate(_lines(f), 1):
+                    where = f"{path}:{number}"
+                    request = _parse(raw, where)
+                    if request is None:
+                        continue
+                    if request.id in lines:
+                        raise TraceLineError(
+                            f"{where}: the id {request.id!r} is already line {lines[request.id]}'s"
+                        )
+                    lines[request.id] = number
+                    requests.append(request)
+            except (gzip.BadGzipFile, EOFError) as exc:
+                raise ConfigError(f"trace={str(path)!r}: not a whole gzip file ({exc})") from exc
         return cls.of(requests, where=str(path))
 
     @classmethod
@@ -235,7 +242,20 @@ def _continue(
     )
 
 
-def _lines(f: BinaryIO) -> Iterator[bytes | None]:
+#: The names a trace file may have: JSONL, or JSONL compressed with gzip.
+TRACE_SUFFIXES = (".jsonl", ".jsonl.gz")
+
+
+def is_trace_file(name: str | None) -> bool:
+    """Whether ``name`` (a ``--workload`` or ``--trace`` value) names a trace file."""
+    return bool(name) and str(name).endswith(TRACE_SUFFIXES)
+
+
+def _open(path: str | Path) -> gzip.GzipFile | BinaryIO:
+    return gzip.GzipFile(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+
+
+def _lines(f: gzip.GzipFile | BinaryIO) -> Iterator[bytes | None]:
     """The file's lines, ``None`` for one longer than ``MAX_LINE_BYTES`` (not read
     further than that: a line is held in memory whole)."""
     while True:

@@ -50,7 +50,7 @@ from pathlib import Path
 import attrs
 
 from sart.bench.resample import ResampledWorkload, load_resampled
-from sart.bench.traces import Trace, TraceRequest
+from sart.bench.traces import Trace, TraceRequest, is_trace_file
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError, config_check
 from sart.registry import preset
@@ -239,7 +239,7 @@ WORKLOADS: dict[str, WorkloadModel] = {"gaokao": GAOKAO, "gpqa": GPQA}
 def workload(name: str) -> WorkloadModel | ResampledWorkload:
     """A workload preset by name, or the workload resampled from a recorded trace file
     (``sart.bench.resample``)."""
-    if name not in WORKLOADS and name.endswith(".jsonl"):
+    if name not in WORKLOADS and is_trace_file(name):
         if not Path(name).is_file():
             raise ConfigError(f"workload={name!r}: no such trace file")
         return load_resampled(name)
