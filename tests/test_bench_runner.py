@@ -186,6 +186,38 @@ def test_preemption_is_counted_and_only_changes_time() -> None:
     assert modelled.summary.e2e.p97 > unlimited.summary.e2e.p97
 
 
+def test_an_overflow_inside_a_decode_call_is_marked_though_the_timeline_misses_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two 100-token branches of a 10-token prompt decode in one call (T = 400), on an
+    engine with room for 150 KV tokens: they need 210 at their last step and are freed
+    at the call's end, so no sample of the timeline sees more than the prompt."""
+    from rich.console import Console
+
+    from sart.bench.report import render
+    from sart.bench.traces import Trace, TraceRequest
+    from sart.engines import costs
+    from sart.engines.scripts import BranchScript
+
+    small = attrs.evolve(costs.STEPS, name="small", kv_capacity_tokens=150)
+    monkeypatch.setitem(costs.PRESETS, "small", small)
+    two = tuple(BranchScript(length=100, answer="1", filler="") for _ in range(2))
+    trace = Trace.of(
+        [TraceRequest(id="a", arrival=0.0, answer="1", branches=two, prompt_tokens=10)]
+    )
+    config = BenchConfig(
+        cost="small", methods=("sc",), ns=(2,), interval=400, batch_size=2, preemption=False
+    )
+    record = run_method(trace, "sc", 2, config, None)
+    assert record.summary.peak_kv_tokens <= 150 < 210
+    assert record.kv_overflowed and record.over_capacity
+    render(config, [record], Console(width=200))
+    assert "KV above the model's KV capacity" in capsys.readouterr().out
+    # With preemption (the default) the engine keeps within its cache instead.
+    kept = run_method(trace, "sc", 2, attrs.evolve(config, preemption=True), None)
+    assert kept.preemptions and not kept.over_capacity
+
+
 def test_replicas_serve_every_request_once_and_share_the_load() -> None:
     config = BenchConfig(methods=("sc",), ns=(8,), rates=(4.0,), num_requests=120)
     ((rate, trace),) = traces(config)

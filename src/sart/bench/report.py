@@ -38,6 +38,7 @@ def run_json(
         "rate": record.rate,
         "kv_capacity": record.kv_capacity,
         "preemptions": record.preemptions,
+        "over_capacity": record.over_capacity,
         "batch_size": record.batch_size,
         "summary": summary_json(record.summary),
         **({"slo_attainment": slo_attainment(record.results, slo)} if slo is not None else {}),
@@ -214,7 +215,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
     for r in records:
         s = r.summary
         peak = _fmt(s.peak_kv_tokens, 0)
-        if r.kv_capacity and s.peak_kv_tokens > r.kv_capacity:
+        if r.over_capacity:
             peak = f"[red]{peak}![/red]"
         elif r.preemptions:
             peak = f"{peak} [yellow]p{r.preemptions}[/yellow]"
@@ -265,10 +266,11 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
                 ]
             ratio_table.add_row(*cells)
         console.print(ratio_table)
-    if any(r.kv_capacity and r.summary.peak_kv_tokens > r.kv_capacity for r in records):
+    if any(r.over_capacity for r in records):
         console.print(
-            "[red]![/red] peak KV above the model's KV capacity: on a real engine "
-            "those runs would preempt; lower --batch-size."
+            "[red]![/red] KV above the model's KV capacity at some step (perhaps inside a "
+            "decode call, between the samples of peak KV): on a real engine those runs "
+            "would preempt; lower --batch-size."
         )
     if any(r.preemptions for r in records):
         console.print(

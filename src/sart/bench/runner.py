@@ -68,6 +68,17 @@ class RunRecord:
     preemptions: int | None = None
     """Branches the simulated engine preempted for want of KV (``None``: a real engine,
     whose preemptions are its own)."""
+    kv_overflowed: bool = False
+    """A simulated engine without preemption needed more KV than its capacity at some
+    step. The timeline samples KV between decode calls, so it misses a peak reached
+    inside a call (branches grow during it and are freed at its end); the engine
+    checks every step."""
+
+    @property
+    def over_capacity(self) -> bool:
+        """Whether the run held more KV than fits: on a real engine it would preempt."""
+        sampled = self.kv_capacity is not None and self.summary.peak_kv_tokens > self.kv_capacity
+        return self.kv_overflowed or sampled
 
 
 def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
@@ -141,6 +152,8 @@ def run_method(
         record,
         prm_tokens=sum(p.tokens for p in pricers) if pricers else None,
         preemptions=sum(engine.preemptions for _, engine, _ in replicas),
+        kv_overflowed=capacity is not None
+        and any(engine.peak_kv_tokens > capacity for _, engine, _ in replicas),
     )
 
 
