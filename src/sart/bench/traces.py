@@ -129,7 +129,7 @@ class Trace:
 
     def dump(self, path: str | Path) -> None:
         """Write the trace as JSONL; gzip-compressed when ``path`` ends in ``.gz``."""
-        opener = gzip.open if str(path).endswith(".gz") else open
+        opener = gzip.open if _gzipped(path) else open
         with opener(path, "wt", encoding="utf-8") as f:
             for r in self.requests:
                 f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
@@ -251,8 +251,13 @@ def is_trace_file(name: str | None) -> bool:
     return bool(name) and str(name).endswith(TRACE_SUFFIXES)
 
 
+def _gzipped(path: str | Path) -> bool:
+    """Whether the trace file at ``path`` is (to be) gzip-compressed: by its name."""
+    return str(path).endswith(".gz")
+
+
 def _open(path: str | Path) -> gzip.GzipFile | BinaryIO:
-    return gzip.GzipFile(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+    return gzip.GzipFile(path, "rb") if _gzipped(path) else open(path, "rb")
 
 
 def _lines(f: gzip.GzipFile | BinaryIO) -> Iterator[bytes | None]:
