@@ -115,6 +115,7 @@ def test_record_trace_from_a_real_run(demo_models: dict[str, Path], tmp_path: Pa
     assert [r.id for r in loaded] == ["q0", "q1", "q2"]
     assert loaded.width == 3 and loaded.interval == 4
     for item, request in zip(items, loaded):
+        assert request.max_tokens == 10  # the cap the branches were generated under
         assert request.prompt_tokens == len(engine.tokenizer(item.prompt)["input_ids"])
         assert request.answer == item.answer
         for index, branch in enumerate(request.branches):

@@ -51,6 +51,7 @@ def small_trace() -> Trace:
                 branches=(branch(12, "7", 0.25, 0.5, final=0.9), branch(30, "8", 0.1234)),
                 prompt_tokens=40,
                 interval=10,
+                max_tokens=30,
             ),
             TraceRequest(
                 id="b",
@@ -127,7 +128,10 @@ def test_dumped_lines_have_the_documented_keys(tmp_path: Path) -> None:
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     first, second = (json.loads(line) for line in lines)
-    assert list(first) == ["id", "arrival", "answer", "prompt_tokens", "interval", "branches"]
+    assert list(first) == [
+        "id", "arrival", "answer", "prompt_tokens", "interval", "max_tokens", "branches"
+    ]  # fmt: skip
+    assert first["max_tokens"] == 30
     assert first["branches"][0] == {
         "length": 12,
         "answer": "7",
@@ -135,7 +139,7 @@ def test_dumped_lines_have_the_documented_keys(tmp_path: Path) -> None:
         "final_reward": 0.9,
     }
     # Optional keys are left out when unset.
-    assert "interval" not in second
+    assert "interval" not in second and "max_tokens" not in second
     assert second["prompt_tokens"] == DEFAULT_PROMPT_TOKENS
     assert second["branches"][0] == {"length": 5, "answer": "3", "rewards": []}
 
@@ -159,7 +163,7 @@ def test_optional_keys_have_defaults() -> None:
     )
     assert (request.id, request.arrival, request.answer) == ("7", 1.0, "4")
     assert request.prompt_tokens == DEFAULT_PROMPT_TOKENS
-    assert request.interval is None
+    assert request.interval is None and request.max_tokens is None
     assert request.branches == (branch(3, "4"),)
 
 
@@ -238,6 +242,17 @@ BAD_LINES = {
         '{"id": "x", "arrival": 0, "answer": "1", "interval": 0,'
         ' "branches": [{"length": 3, "answer": "1"}]}',
         "interval=0",
+    ),
+    # A branch longer than the cap it was generated under: a broken recording.
+    "branch past its cap": (
+        '{"id": "x", "arrival": 0, "answer": "1", "max_tokens": 8,'
+        ' "branches": [{"length": 8, "answer": "1"}, {"length": 9, "answer": ""}]}',
+        "a branch of 9 tokens under max_tokens=8",
+    ),
+    "zero cap": (
+        '{"id": "x", "arrival": 0, "answer": "1", "max_tokens": 0,'
+        ' "branches": [{"length": 3, "answer": "1"}]}',
+        "max_tokens=0",
     ),
     "absurd arrival": (
         '{"id": "x", "arrival": 1e300, "answer": "1", "branches": [{"length": 3, "answer": "1"}]}',

@@ -209,11 +209,12 @@ def rollout_shape(questions: Sequence[Sequence[Rollout]]) -> RolloutShape:
 
 def trace_rollouts(trace: Any, max_tokens: int | None = None) -> list[list[Rollout]]:
     """A ``sart.bench.traces.Trace``'s branches as graded rollouts, by request: a
-    branch at ``max_tokens`` or longer, or without an answer (a recorded branch
-    cut at its cap), is capped and wrong."""
-    cap = max_tokens or 1 << 62
+    branch at its cap or longer, or without an answer (a recorded branch cut at its
+    cap), is capped and wrong. The cap is ``max_tokens`` if given, else the one each
+    request recorded (``TraceRequest.max_tokens``), else none."""
     out = []
     for request in trace:
+        cap = max_tokens or getattr(request, "max_tokens", None) or 1 << 62
         group = []
         for b in request.branches:
             capped = b.length >= cap or not b.answer

@@ -227,7 +227,8 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:
         "--max-tokens",
         type=int,
         help="the token cap: a branch this long is cut there (default: the workload's; "
-        "for a file, branches with no answer count as cut)",
+        "for a file, the cap each request recorded, and branches with no answer count as "
+        "cut)",
     )
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(func=_trace_stats)

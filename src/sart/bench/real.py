@@ -334,9 +334,11 @@ def trace_request(
     interval: int,
     arrival: float,
     logprobs: LogprobRecorder | None = None,
+    max_tokens: int | None = None,
 ) -> TraceRequest:
     """One recorded request as a trace line (``ConfigError`` if it failed); with the
-    branches' per-segment log-probabilities that ``logprobs`` recorded, if given."""
+    branches' per-segment log-probabilities that ``logprobs`` recorded, if given, and
+    the token cap they were generated under."""
     if not result.ok:
         raise ConfigError(f"recording failed for {item.id!r}: {result.reason}")
     branches = tuple(
@@ -357,6 +359,7 @@ def trace_request(
         branches=branches,
         prompt_tokens=_prompt_tokens(engine, item.prompt),
         interval=interval,
+        max_tokens=max_tokens,
     )
 
 
@@ -385,7 +388,7 @@ def record_trace(
     recorder = LogprobRecorder(engine, logprob_every) if sampling.logprobs is not None else None
     results = recording_driver(recorder or engine, prm, max(n, 1) * 2).run(requests)
     return Trace.of(
-        trace_request(item, result, engine, interval, t, recorder)
+        trace_request(item, result, engine, interval, t, recorder, sampling.max_tokens)
         for item, t, result in zip(items, times, results)
     )
 

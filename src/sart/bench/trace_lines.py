@@ -36,7 +36,9 @@ MAX_LINE_BYTES = 64 << 20
 MIN_LOGPROB = -1e6
 MAX_CONFIDENCE = 1e6
 
-REQUEST_KEYS = frozenset({"id", "arrival", "answer", "prompt_tokens", "interval", "branches"})
+REQUEST_KEYS = frozenset(
+    {"id", "arrival", "answer", "prompt_tokens", "interval", "max_tokens", "branches"}
+)
 BRANCH_KEYS = frozenset(
     {"length", "answer", "rewards", "final_reward", "logprobs", "confidences", "logprob_every"}
 )
@@ -71,6 +73,12 @@ def request_fields(line: object, where: str) -> dict[str, Any]:
         fields["prompt_tokens"] = _count(obj["prompt_tokens"], where, "prompt_tokens", 1)
     if obj.get("interval") is not None:
         fields["interval"] = _count(obj["interval"], where, "interval", 1)
+    if obj.get("max_tokens") is not None:
+        cap = fields["max_tokens"] = _count(obj["max_tokens"], where, "max_tokens", 1)
+        longest = max(b["length"] for b in fields["branches"])
+        # A branch longer than the cap it was generated under is a broken file.
+        if longest > cap:
+            raise TraceLineError(f"{where}: a branch of {longest} tokens under max_tokens={cap}")
     return fields
 
 

@@ -10,8 +10,10 @@
 ``answer`` is the gold answer; ``rewards[j]`` is the branch's PRM reward after
 ``(j+1) * T`` generated tokens and ``final_reward`` its reward once complete;
 a branch whose ``length`` reaches ``max_tokens`` is truncated. Optional:
-``prompt_tokens`` (default 256) and ``interval``, the ``T`` the rewards were
-recorded at (a replay uses it as its default ``T``). A branch may also
+``prompt_tokens`` (default 256), ``interval``, the ``T`` the rewards were
+recorded at (a replay uses it as its default ``T``), and ``max_tokens``, the
+token cap the branches were generated under (a recording writes it, so that a
+branch cut there is told apart from one that ended on its own). A branch may also
 carry per-segment log-probabilities for confidence-based methods:
 ``logprobs`` (the sampled tokens' mean logprob) and ``confidences`` (their
 mean token confidence) over segments of ``logprob_every`` tokens (default
@@ -55,6 +57,8 @@ class TraceRequest:
     branches: tuple[BranchScript, ...]
     prompt_tokens: int = DEFAULT_PROMPT_TOKENS
     interval: int | None = None
+    max_tokens: int | None = None
+    """The token cap the branches were generated under (``None``: not recorded)."""
 
     def to_json(self) -> dict:
         line: dict = {
@@ -65,6 +69,8 @@ class TraceRequest:
         }
         if self.interval is not None:
             line["interval"] = self.interval
+        if self.max_tokens is not None:
+            line["max_tokens"] = self.max_tokens
         line["branches"] = [_branch_json(b) for b in self.branches]
         return line
 

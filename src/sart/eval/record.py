@@ -71,7 +71,9 @@ def record_problems(
             failures.append(Failure(item.id, result.reason or "failed"))
             return
         gold = item.answer or ""
-        line = trace_request(item, result, engine, interval, arrival=0.0, logprobs=recorder)
+        line = trace_request(
+            item, result, engine, interval, 0.0, recorder, max_tokens=sampling.max_tokens
+        )
         grades: dict[str, bool] = {}  # a problem's branches often agree: grade each answer once
         correct = []
         for branch in line.branches:
