@@ -72,7 +72,13 @@ def record_problems(
             return
         gold = item.answer or ""
         line = trace_request(
-            item, result, engine, interval, 0.0, recorder, max_tokens=sampling.max_tokens
+            item,
+            result,
+            engine,
+            interval,
+            arrival=0.0,
+            logprobs=recorder,
+            max_tokens=sampling.max_tokens,
         )
         grades: dict[str, bool] = {}  # a problem's branches often agree: grade each answer once
         correct = []
