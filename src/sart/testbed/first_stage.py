@@ -42,7 +42,7 @@ def save_first_stage(
     save(directory / "policy", policy, tokenizer)
     manifest = {
         "config": attrs.evolve(config, refine=()).to_json(),
-        "seconds": {"policy": round(seconds, 1)},
+        "seconds": {"policy": round(seconds, 3)},
     }
     (directory / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", "utf-8")
     return directory

@@ -470,9 +470,11 @@ def train(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "threads": config.threads,
+        # Milliseconds kept: a tiny run's policy stage (tests, a fast machine)
+        # takes under 0.05 s, which a tenth of a second would record as none.
         "seconds": {
-            "policy": round(policy_seconds, 1),
-            "total": round(loaded_seconds + time.perf_counter() - started, 1),
+            "policy": round(policy_seconds, 3),
+            "total": round(loaded_seconds + time.perf_counter() - started, 3),
         },
         "sha256": weight_hashes(root),
     }
