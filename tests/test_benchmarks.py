@@ -108,6 +108,17 @@ CASES = [
         needs=("torch", "transformers"),
     ),
     Case(
+        "hf_decode.py",
+        "--requests 2 --n 2 --steps 12",
+        (
+            r"^long testbed, 2 requests x 2 branches, 12 steps \(max_tokens 2048\)",
+            rf"^\s+in place\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$",
+            rf"^\s+transformers cache\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$",
+            rf"^same tokens: yes; in place is {NUMBER}x faster$",
+        ),
+        needs=("torch", "transformers"),
+    ),
+    Case(
         "grading_cost.py",
         "--problems 5",
         (

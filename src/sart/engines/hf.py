@@ -2,17 +2,20 @@
 
 What is shared and what is copied: a request's prompt is prefilled once and
 its KV cache (one tensor pair per layer) is held by the request; every
-branch holds only the KV of the tokens it generated itself and attends to the
-prefix tensors, which are never copied or written. A fork (``BranchSpec(parent=j)``)
-shares its parent's generated-token tensors as they are at the fork (tensors
-are never modified in place, so sharing is safe) and diverges from there.
+branch holds only the KV of the tokens it generated itself, in buffers that
+grow by doubling (``sart.engines.hf_kv``), and attends to the prefix tensors,
+which are never copied or written. A fork (``BranchSpec(parent=j)``) borrows
+its parent's generated-token buffers as they are at the fork (the parent only
+writes past what the fork reads) and copies them at its own first token.
 
 Decoding is batched across the live branches of *all* requests, whatever
 their prompt and generated lengths: each step the branches' caches are
 left-padded into one batch with an attention mask, and explicit position
 ids keep RoPE positions right. That repacking costs a copy of the live KV per
-step: this engine is the readable reference that CI runs on tiny models, not
-a fast server (use vLLM or SGLang for that).
+step (and transformers' cache update another): this engine is the readable
+reference that CI runs on tiny models, not a fast server (use vLLM or SGLang
+for that). Text is decoded incrementally (``sart.engines.detok``), as vLLM's
+detokenizer does.
 
 Sampling is per branch with its own ``torch.Generator`` seeded by the branch
 seed, so results are reproducible; ``temperature == 0`` is greedy and gives
@@ -67,11 +70,11 @@ from sart.engines.base import (
     StepOutput,
     TokenLogprobs,
 )
+from sart.engines.detok import Detok
+from sart.engines.hf_kv import KV, InPlaceCache, OwnKV, StepBatch, empty
 from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
-
-KV = list[tuple["torch.Tensor", "torch.Tensor"]]
 
 
 @attrs.frozen(eq=False)
@@ -84,29 +87,34 @@ class _PromptKV:
     ids: tuple[int, ...] = ()
 
 
+_START = Detok()
+
+
 class _Branch:
-    __slots__ = ("generator", "kv", "logits", "prefix", "text", "tokens")
+    __slots__ = ("detok", "generator", "kv", "logits", "prefix", "text", "tokens")
 
     def __init__(
         self,
         prefix: Prefix[_PromptKV],
-        kv: KV | None,
+        kv: OwnKV | None,
         logits: torch.Tensor,
         tokens: list[int],
         text: str,
         generator: torch.Generator,
+        detok: Detok = _START,
     ) -> None:
         self.prefix = prefix
-        self.kv = kv  # the branch's own generated-token KV, per layer; None before any
+        self.kv = kv  # the branch's own generated-token KV; None before any
         self.logits = logits  # next-token logits
         self.tokens = tokens
-        self.text = text
+        self.text = text  # reported so far
         self.generator = generator
+        self.detok = detok  # where decoding its tokens to text stands
 
     @property
     def own(self) -> int:
         """Tokens in this branch's own KV (generated and already forwarded)."""
-        return self.kv[0][0].shape[2] if self.kv else 0
+        return self.kv.count if self.kv is not None else 0
 
     @property
     def length(self) -> int:
@@ -138,6 +146,12 @@ class HFEngine:
         self.context_len: int | None = limit if isinstance(limit, int) else None
         """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
         longer prompt is refused before any forward, ``max_tokens`` capped to fit."""
+        self._batch = StepBatch()  # cleared whenever the live branches change
+        self.in_place = True
+        """Decode into a kept batch with room for the new token (``sart.engines.hf_kv``);
+        False takes transformers' own ``DynamicCache`` each step, as a model whose cache
+        layers are not plain dynamic ones does (same tokens, a few times slower on long
+        branches: ``benchmarks/hf_decode.py`` compares the two)."""
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
 
@@ -191,10 +205,14 @@ class HFEngine:
             else:  # shares the parent's tensors as they are now (never written in place)
                 parent = self._ledger.branches[BranchId(request_id, spec.parent)]
                 tokens = list(parent.tokens)
-                branch = _Branch(prefix, parent.kv, parent.logits, tokens, parent.text, generator)
+                kv = parent.kv.fork() if parent.kv is not None else None
+                branch = _Branch(
+                    prefix, kv, parent.logits, tokens, parent.text, generator, parent.detok
+                )
             new.append((spec, branch))
         resumed = [branch for spec, branch in new if spec.resume]
         self._ledger.start(request_id, new)
+        self._batch.clear()
         for branch in resumed:
             self._recompute(branch)
 
@@ -210,17 +228,22 @@ class HFEngine:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self._ledger.abort(branch_ids)  # dropping the branches drops their tensors
+        self._batch.clear()  # and the step batch's copy of them
 
     def pause(self, branch_ids: Sequence[BranchId]) -> None:
         """Drop these branches' KV, keeping their tokens, text and sampler state: resumed,
         a branch goes on exactly as it would have (its KV is recomputed in one forward)."""
+        self._batch.clear()
         self._ledger.pause(
             list(branch_ids),
-            keep=lambda b: _Branch(b.prefix, None, b.logits, b.tokens, b.text, b.generator),
+            keep=lambda b: _Branch(
+                b.prefix, None, b.logits, b.tokens, b.text, b.generator, b.detok
+            ),
         )
 
     def release_prefix(self, request_id: str) -> None:
         self._ledger.release(request_id)  # with any branch of it still live
+        self._batch.clear()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -255,6 +278,7 @@ class HFEngine:
             if finish is not None:
                 deltas.end(bid, finish, step)
                 self._ledger.end(bid)
+                self._batch.clear()
                 ended = True
             else:
                 going.append((bid, branch, token))
@@ -348,14 +372,12 @@ class HFEngine:
         sampling = branch.prefix.sampling
         early = len(branch.tokens) < sampling.min_tokens  # nothing ends a branch before
         eos = token in self.eos_ids and not sampling.ignore_eos and not early
-        if not eos:
-            text = self.tokenizer.decode(
-                branch.tokens, skip_special_tokens=sampling.skip_special_tokens
-            )
-        else:  # the EOS token is not text: what was held back goes out now
-            text = self.tokenizer.decode(
-                branch.tokens[:-1], skip_special_tokens=sampling.skip_special_tokens
-            )
+        skip = sampling.skip_special_tokens
+        # The EOS token is not text: what was held back goes out now.
+        count = len(branch.tokens) - 1 if eos else len(branch.tokens)
+        text, branch.detok = branch.detok.text(
+            lambda ids: self.tokenizer.decode(ids, skip_special_tokens=skip), branch.tokens, count
+        )
         if not text.startswith(branch.text):
             # Decoding more tokens changed text already reported (rare once partial
             # characters are held back): what was reported stays; the rest follows it.
@@ -391,20 +413,14 @@ class HFEngine:
     def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
-        layers = len(going[0][1].prefix.data.kv)
-        pairs: KV = []
-        for layer in range(layers):
-            k0, v0 = going[0][1].prefix.data.kv[layer]
-            keys = k0.new_zeros((len(going), k0.shape[1], width, k0.shape[3]))
-            values = v0.new_zeros((len(going), v0.shape[1], width, v0.shape[3]))
-            for row, (_, branch, _) in enumerate(going):
-                pk, pv = branch.prefix.data.kv[layer]
-                parts_k = [pk] + ([branch.kv[layer][0]] if branch.kv else [])
-                parts_v = [pv] + ([branch.kv[layer][1]] if branch.kv else [])
-                pad = width - lengths[row]  # left padding
-                keys[row, :, pad:] = torch.cat(parts_k, dim=2)[0]
-                values[row, :, pad:] = torch.cat(parts_v, dim=2)[0]
-            pairs.append((keys, values))
+        full = self._batch.get(
+            tuple(bid for bid, _, _ in going),
+            [(b.prefix.data.kv, b.kv) for _, b, _ in going],
+            width,
+        )
+        cache = InPlaceCache.build(full, self.model.config) if self.in_place else None
+        if cache is None:  # the forward will not write the free column: no reuse
+            self._batch.clear()
         mask = torch.zeros((len(going), width + 1), dtype=torch.long, device=self.device)
         for row, length in enumerate(lengths):
             mask[row, width - length :] = 1
@@ -412,19 +428,22 @@ class HFEngine:
         positions = torch.tensor([[n] for n in lengths], device=self.device)
         with torch.inference_mode():
             out = self._forward(
-                ids, cache=self._cache(pairs), attention_mask=mask, position_ids=positions
+                ids,
+                cache=cache or self._cache([(k[:, :, :-1], v[:, :, :-1]) for k, v in full]),
+                attention_mask=mask,
+                position_ids=positions,
             )
-        new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in self._pairs(self._out_cache(out))]
+        # The step's keys and values: written into the batch's free position, or (with
+        # transformers' own cache) the last of the cache the forward returns.
+        done = full if cache is not None else self._pairs(self._out_cache(out))
+        new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
         for row, (_, branch, _) in enumerate(going):
             mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
-            branch.kv = (
-                mine
-                if branch.kv is None
-                else [
-                    (torch.cat([ok, nk], dim=2), torch.cat([ov, nv], dim=2))
-                    for (ok, ov), (nk, nv) in zip(branch.kv, mine)
-                ]
-            )
+            limit = branch.prefix.sampling.max_tokens
+            if branch.kv is None:
+                branch.kv = empty(mine, limit)
+            else:
+                branch.kv.append(mine, limit)
             branch.logits = out.logits[row, -1].float()
 
     def _recompute(self, branch: _Branch) -> None:
@@ -443,9 +462,8 @@ class HFEngine:
             out = self._forward(
                 ids, cache=self._cache(pairs), attention_mask=mask, position_ids=positions
             )
-        branch.kv = [
-            (k[:, :, -count:], v[:, :, -count:]) for k, v in self._pairs(self._out_cache(out))
-        ]
+        limit = branch.prefix.sampling.max_tokens
+        branch.kv = OwnKV.of(self._pairs(self._out_cache(out)), count, limit)
         branch.logits = out.logits[0, -1].float()
 
     # ------------------------------------------------------------- helpers

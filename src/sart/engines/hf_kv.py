@@ -1,0 +1,210 @@
+"""The transformers engine's KV storage: a branch's own KV and the batch a decode step reads.
+
+A branch's own KV (the tokens it generated and forwarded) lives in per-layer
+buffers with room to grow: a token is one write into the next free position,
+and a full buffer doubles (up to the branch's token cap), so a branch of ``L``
+tokens costs ``O(L)`` copies in all, not the ``O(L^2)`` of concatenating a new
+tensor each step (on the long testbed that concatenation was a third of a
+decode step's time). A fork borrows its parent's buffers: the parent only ever
+writes past the positions the fork reads, and the fork copies what it reads
+before its own first write (copy on write).
+
+``batch`` left-pads the prompt's and the branches' own KV into the one batch a
+decode step attends to, writing each part straight into place (one copy), with
+a last column left free for the step's new token; ``InPlaceCache`` hands that
+batch to the model as transformers' ``DynamicCache``, whose update writes the
+new token into that column instead of concatenating (which copies the whole
+batch, and on construction copies it once more). ``StepBatch`` keeps a step's
+batch for the next one while the same branches go on: each row then has grown
+by exactly the token written into the free column, so the next batch is this
+one plus a new free column, taken from spare room reserved at the last rebuild
+(no copy at all). Only a change in the live branches (one ends, starts, is
+aborted or paused) rebuilds it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+_FIRST = 16
+"""A new buffer's positions, at least."""
+
+
+class OwnKV:
+    """A branch's own KV: per layer a ``(key, value)`` buffer of shape
+    ``[1, heads, capacity, head_dim]`` whose first ``count`` positions hold it."""
+
+    __slots__ = ("borrowed", "count", "pairs")
+
+    def __init__(self, pairs: KV, count: int, borrowed: bool = False) -> None:
+        self.pairs = pairs
+        self.count = count
+        self.borrowed = borrowed  # another branch's buffers: copy before writing
+
+    @classmethod
+    def of(cls, pairs: KV, count: int, limit: int) -> OwnKV:
+        """The last ``count`` positions of ``pairs`` (a forward's output cache), copied
+        into buffers of their own (the forward's tensors also hold the prompt)."""
+        own = cls(pairs, count, borrowed=True)
+        own._grow(limit, keep=[(k[:, :, -count:], v[:, :, -count:]) for k, v in pairs])
+        return own
+
+    @property
+    def capacity(self) -> int:
+        return self.pairs[0][0].shape[2]
+
+    def fork(self) -> OwnKV:
+        """The KV a fork starts from: these buffers, borrowed."""
+        return OwnKV(self.pairs, self.count, borrowed=True)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``index``'s keys and values, ``[1, heads, count, head_dim]`` views."""
+        keys, values = self.pairs[index]
+        return keys[:, :, : self.count], values[:, :, : self.count]
+
+    def append(self, new: KV, limit: int) -> None:
+        """Add one position (``new``: per layer ``[1, heads, 1, head_dim]``); ``limit``
+        bounds a grown buffer (the branch never holds more)."""
+        if self.borrowed or self.count == self.capacity:
+            self._grow(limit, keep=[self.layer(i) for i in range(len(self.pairs))])
+        at = self.count
+        for (keys, values), (k, v) in zip(self.pairs, new):
+            keys[:, :, at : at + 1] = k
+            values[:, :, at : at + 1] = v
+        self.count = at + 1
+
+    def _grow(self, limit: int, keep: KV) -> None:
+        # Doubling keeps appends amortised O(1); the limit keeps a branch near its
+        # cap from holding twice what it can use.
+        capacity = max(self.count + 1, min(max(_FIRST, 2 * self.count), limit))
+        grown: KV = []
+        for k, v in keep:
+            keys = k.new_empty((1, k.shape[1], capacity, k.shape[3]))
+            values = v.new_empty((1, v.shape[1], capacity, v.shape[3]))
+            keys[:, :, : self.count] = k
+            values[:, :, : self.count] = v
+            grown.append((keys, values))
+        self.pairs, self.borrowed = grown, False
+
+
+def empty(new: KV, limit: int) -> OwnKV:
+    """Own KV holding only ``new`` (a branch's first forwarded token)."""
+    own = OwnKV(new, 0, borrowed=True)
+    own._grow(limit, keep=[(k[:, :, :0], v[:, :, :0]) for k, v in new])
+    own.append(new, limit)
+    return own
+
+
+def batch(rows: Sequence[tuple[KV, OwnKV | None]], width: int, spare: int = 0) -> KV:
+    """The left-padded batch of ``rows`` (each a prompt's KV and a branch's own KV) at
+    ``width`` positions, one free one after them and ``spare`` more: per layer
+    ``[rows, heads, width + 1 + spare, head_dim]``, zeros in the padding (masked, but a
+    masked position must not hold a NaN: 0 * NaN is NaN)."""
+    pairs: KV = []
+    columns = width + 1 + spare
+    for layer in range(len(rows[0][0])):
+        k0, v0 = rows[0][0][layer]
+        keys = k0.new_empty((len(rows), k0.shape[1], columns, k0.shape[3]))
+        values = v0.new_empty((len(rows), v0.shape[1], columns, v0.shape[3]))
+        for row, (prompt, own) in enumerate(rows):
+            pk, pv = prompt[layer]
+            mine = own.count if own is not None else 0
+            pad = width - pk.shape[2] - mine
+            if pad:
+                keys[row, :, :pad] = 0
+                values[row, :, :pad] = 0
+            at = pad + pk.shape[2]
+            keys[row, :, pad:at] = pk[0]
+            values[row, :, pad:at] = pv[0]
+            if own is not None and mine:
+                ok, ov = own.layer(layer)
+                keys[row, :, at:width] = ok[0]
+                values[row, :, at:width] = ov[0]
+        pairs.append((keys, values))
+    return pairs
+
+
+class StepBatch:
+    """A decode step's batch, kept for the next step (see the module docstring).
+
+    ``clear`` must be called whenever the live branches change: ``get`` also checks
+    that the rows are the same branches and one position longer, but a branch can
+    change under the same id (a request id reused)."""
+
+    SPARE = 64
+    """Free columns reserved at a rebuild: steps until the next rebuild, at most."""
+
+    def __init__(self) -> None:
+        self._pairs: KV = []
+        self._rows: tuple[object, ...] = ()
+        self._width = -1
+
+    def clear(self) -> None:
+        self._pairs, self._rows = [], ()
+
+    def get(
+        self, keys: tuple[object, ...], rows: Sequence[tuple[KV, OwnKV | None]], width: int
+    ) -> KV:
+        """The batch of ``rows`` (named ``keys``) at ``width`` positions plus a free one:
+        last step's plus a column when the rows are the same and one longer, else a
+        new one."""
+        room = self._pairs[0][0].shape[2] if self._pairs else 0
+        if not (keys == self._rows and width == self._width + 1 and width < room):
+            self._pairs = batch(rows, width, self.SPARE)
+            self._rows = keys
+        self._width = width
+        return [(k[:, :, : width + 1], v[:, :, : width + 1]) for k, v in self._pairs]
+
+
+class InPlaceCache(DynamicCache):
+    """transformers' ``DynamicCache`` over a ``batch``: the cache the model sees holds
+    its first ``width`` positions, and a one-token forward's update writes the new
+    keys and values into the free last position, returning the whole batch.
+
+    ``build`` returns None where the model's cache layers are not plain dynamic ones
+    (sliding-window layers keep only a window, which writing in place would not do):
+    the engine then takes transformers' own cache."""
+
+    _full: KV | None = None
+
+    @classmethod
+    def build(cls, full: KV, config: Any) -> InPlaceCache | None:
+        held = [(k[:, :, :-1], v[:, :, :-1]) for k, v in full]
+        if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
+            cache = cls.from_legacy_cache(tuple(held))  # type: ignore[attr-defined]
+        else:
+            # Built empty (no copy), then pointed at the batch's positions: transformers
+            # 5 copies the data a cache is built from.
+            from transformers.cache_utils import DynamicLayer
+
+            cache = cls(ddp_cache_data=[(k[:, :, :0], v[:, :, :0]) for k, v in held], config=config)
+            if any(type(layer) is not DynamicLayer for layer in cache.layers):
+                return None
+            for layer, (k, v) in zip(cache.layers, held):
+                layer.keys, layer.values = k, v  # type: ignore[union-attr]
+        cache._full = full
+        return cache
+
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._full is None or key_states.shape[2] != 1:  # while being built
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = self._full[layer_idx]
+        keys[:, :, -1:] = key_states
+        values[:, :, -1:] = value_states
+        return keys, values
+
+
+__all__ = ["KV", "InPlaceCache", "OwnKV", "StepBatch", "batch", "empty"]

@@ -1,0 +1,170 @@
+"""The transformers engine's KV storage (``sart.engines.hf_kv``) and its fast decode path.
+
+Buffers that grow, a fork's copy on write, the left-padded batch, the step batch
+kept between steps; and the engine's in-place decoding against transformers' own
+cache: the same tokens and log-probabilities on a mix of requests, forks, aborts
+and pauses (``test_engines_scenarios.py`` runs the shared scenarios on it too).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from sart.engines.hf import HFEngine  # noqa: E402
+from sart.engines.hf_kv import OwnKV, StepBatch, batch, empty  # noqa: E402
+from sart.messages import BranchSpec  # noqa: E402
+from sart.types import BranchId, SamplingSettings  # noqa: E402
+
+HEADS, DIM, LAYERS = 2, 3, 2
+
+
+def _token(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One position's KV for every layer: keys ``value + layer``, values ``-(value + layer)``."""
+    return [
+        (
+            torch.full((1, HEADS, 1, DIM), value + layer),
+            torch.full((1, HEADS, 1, DIM), -(value + layer)),
+        )
+        for layer in range(LAYERS)
+    ]
+
+
+def _values(own: OwnKV, layer: int = 0) -> list[float]:
+    keys, values = own.layer(layer)
+    assert torch.equal(values, -keys)
+    return keys[0, 0, :, 0].tolist()
+
+
+def test_appends_past_the_capacity_keep_every_position() -> None:
+    own = empty(_token(0), limit=1000)
+    for t in range(1, 40):  # past the first buffer (16) and a doubling (32)
+        own.append(_token(t), limit=1000)
+    assert own.count == 40 and own.capacity >= 40
+    assert _values(own) == [float(t) for t in range(40)]
+    assert _values(own, layer=1) == [float(t + 1) for t in range(40)]
+
+
+def test_a_buffer_never_grows_past_the_limit() -> None:
+    own = empty(_token(0), limit=20)
+    for t in range(1, 17):
+        own.append(_token(t), limit=20)
+    assert own.count == 17 and own.capacity == 20  # doubling 16 would give 32
+
+
+def test_a_fork_reads_its_parents_positions_and_writes_its_own() -> None:
+    parent = empty(_token(0), limit=100)
+    for t in range(1, 5):
+        parent.append(_token(t), limit=100)
+    child = parent.fork()
+    assert child.pairs is parent.pairs  # borrowed: nothing copied at the fork
+    parent.append(_token(100), limit=100)  # past what the child reads
+    child.append(_token(200), limit=100)  # copies before writing
+    assert child.pairs is not parent.pairs
+    assert _values(parent) == [0.0, 1.0, 2.0, 3.0, 4.0, 100.0]
+    assert _values(child) == [0.0, 1.0, 2.0, 3.0, 4.0, 200.0]
+
+
+def test_own_kv_of_a_forwards_cache_keeps_its_last_positions() -> None:
+    pairs = [(torch.arange(7.0).repeat(1, HEADS, 1)[..., None].expand(1, HEADS, 7, DIM),) * 2]
+    pairs = [(k, -k) for k, _ in pairs]  # 7 positions: 3 of the prompt, 4 generated
+    own = OwnKV.of(pairs, 4, limit=50)
+    assert _values(own) == [3.0, 4.0, 5.0, 6.0]
+    assert own.pairs[0][0].data_ptr() != pairs[0][0].data_ptr()  # not a view of the prompt
+
+
+def _prompt(values: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [
+        (
+            torch.tensor(values).view(1, 1, -1, 1).expand(1, HEADS, -1, DIM).clone(),
+            -torch.tensor(values).view(1, 1, -1, 1).expand(1, HEADS, -1, DIM).clone(),
+        )
+        for _ in range(LAYERS)
+    ]
+
+
+def test_a_batch_left_pads_with_zeros_then_the_prompt_then_the_branch() -> None:
+    own = empty(_token(7), limit=10)
+    rows = [(_prompt([1.0, 2.0]), own), (_prompt([3.0, 4.0, 5.0, 6.0]), None)]
+    (keys, values), _ = batch(rows, width=4, spare=2)
+    assert keys.shape == (2, HEADS, 4 + 1 + 2, DIM)
+    assert keys[0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 7.0]
+    assert keys[1, 0, :4, 0].tolist() == [3.0, 4.0, 5.0, 6.0]
+    assert torch.equal(values[:, :, :4], -keys[:, :, :4])
+
+
+def test_the_step_batch_is_reused_only_for_the_same_rows_one_longer() -> None:
+    kept = StepBatch()
+    rows = [(_prompt([1.0, 2.0]), None)]
+    first = kept.get(("a",), rows, width=2)
+    assert first[0][0].shape[2] == 3  # two positions and the free one
+    first[0][0][:, :, -1:] = 9.0  # what the forward writes
+    rows = [(_prompt([1.0, 2.0]), empty(_token(9), limit=10))]
+    again = kept.get(("a",), rows, width=3)
+    assert again[0][0].data_ptr() == first[0][0].data_ptr()  # the same storage
+    assert again[0][0][0, 0, :3, 0].tolist() == [1.0, 2.0, 9.0]
+    other = kept.get(("b",), rows, width=4)  # other rows: rebuilt
+    assert other[0][0].data_ptr() != first[0][0].data_ptr()
+    kept.clear()
+    assert kept.get(("b",), rows, width=5)[0][0].data_ptr() != other[0][0].data_ptr()
+
+
+# ---------------------------------------------------------- the engine's two paths
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(demo_models: dict[str, Path]) -> tuple[object, object]:
+    loaded = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+    return loaded.model, loaded.tokenizer
+
+
+def _serve(model: object, tokenizer: object, in_place: bool) -> dict[BranchId, tuple]:
+    """A mix that changes the live branches often: prompts of different lengths, a
+    fork, an abort, a pause and resume, a request arriving mid-way. Returns each
+    branch's tokens and log-probabilities."""
+    engine = HFEngine(model, tokenizer)
+    engine.in_place = in_place
+    settings = SamplingSettings(temperature=1.0, max_tokens=40, logprobs=2)
+    got: dict[BranchId, tuple[list[int], list[float], list[str]]] = {}
+
+    def run(steps: int) -> None:
+        for bid, delta in engine.step(steps).deltas.items():
+            mine = got.setdefault(bid, ([], [], []))
+            mine[0].extend(delta.token_ids)
+            mine[1].extend(lp.logprob for lp in delta.logprobs)
+            mine[2].append(delta.text)
+
+    engine.prefill("a", "Step 1: add 3 and 4.", settings)
+    engine.start_branches("a", [BranchSpec(index=i, seed=i) for i in range(3)])
+    engine.prefill("b", "Q: 12 + 7 - 3 =", settings)
+    engine.start_branches("b", [BranchSpec(index=0, seed=10), BranchSpec(index=1, seed=11)])
+    run(6)
+    engine.start_branches("a", [BranchSpec(index=3, seed=3, parent=0)])
+    engine.abort([BranchId("b", 1)])
+    run(5)
+    engine.pause([BranchId("a", 1)])
+    engine.prefill("c", "Step 2: check it", settings)
+    engine.start_branches("c", [BranchSpec(index=0, seed=20)])
+    run(4)
+    engine.start_branches("a", [BranchSpec(index=1, seed=1, resume=True)])
+    run(60)
+    assert engine.stats().live_branches == 0
+    return got
+
+
+def test_in_place_decoding_gives_transformers_caches_tokens(
+    model_and_tokenizer: tuple[object, object],
+) -> None:
+    fast = _serve(*model_and_tokenizer, in_place=True)
+    reference = _serve(*model_and_tokenizer, in_place=False)
+    assert fast.keys() == reference.keys() and len(fast) >= 6
+    for bid in reference:
+        assert fast[bid][0] == reference[bid][0], bid
+        assert fast[bid][1] == pytest.approx(reference[bid][1], abs=1e-4), bid
+        assert "".join(fast[bid][2]) == "".join(reference[bid][2]), bid
+    # They ran: the fork past its parent's tokens, the resumed branch to its cap.
+    assert len(fast[BranchId("a", 3)][0]) > 6 and len(fast[BranchId("a", 1)][0]) == 40
