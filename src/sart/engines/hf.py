@@ -11,11 +11,13 @@ writes past what the fork reads) and copies them at its own first token.
 Decoding is batched across the live branches of *all* requests, whatever
 their prompt and generated lengths: each step the branches' caches are
 left-padded into one batch with an attention mask, and explicit position
-ids keep RoPE positions right. That repacking costs a copy of the live KV per
-step (and transformers' cache update another): this engine is the readable
-reference that CI runs on tiny models, not a fast server (use vLLM or SGLang
-for that). Text is decoded incrementally (``sart.engines.detok``), as vLLM's
-detokenizer does.
+ids keep RoPE positions right. The batch is kept between steps while the same
+branches go on, and each step's new keys and values are written into it in
+place, so KV is copied only when the live branches change (one copy of the
+live KV then; ``sart.engines.hf_kv``). Padding still costs attention over the
+longest branch: this engine is the readable reference that CI runs on tiny
+models, not a fast server (use vLLM or SGLang for that). Text is decoded
+incrementally (``sart.engines.detok``), as vLLM's detokenizer does.
 
 Sampling is per branch with its own ``torch.Generator`` seeded by the branch
 seed, so results are reproducible; ``temperature == 0`` is greedy and gives
@@ -202,7 +204,7 @@ class HFEngine:
             generator = torch.Generator(device=self.device).manual_seed(spec.seed)
             if spec.parent is None:
                 branch = _Branch(prefix, None, prefix.data.logits, [], "", generator)
-            else:  # shares the parent's tensors as they are now (never written in place)
+            else:  # borrows the parent's KV buffers, copied at the fork's first write
                 parent = self._ledger.branches[BranchId(request_id, spec.parent)]
                 tokens = list(parent.tokens)
                 kv = parent.kv.fork() if parent.kv is not None else None
