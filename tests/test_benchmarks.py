@@ -109,12 +109,15 @@ CASES = [
     ),
     Case(
         "hf_decode.py",
-        "--requests 2 --n 2 --steps 12",
+        "--requests 2 --n 2 --steps 12 --stagger 4 --split-cost 0",
         (
-            r"^long testbed, 2 requests x 2 branches, 12 steps \(max_tokens 2048\)",
-            rf"^\s+in place\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$",
-            rf"^\s+transformers cache\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%$",
-            rf"^same tokens: yes; in place is {NUMBER}x faster$",
+            r"^long testbed, 2 requests x 2 branches, 12 steps, 4 steps apart \(max_tokens 2048\)"
+            r", torch threads 1, split cost 0$",
+            rf"^\s+split by length\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
+            rf"^\s+one batch\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
+            rf"^\s+transformers cache\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
+            rf"^same tokens: yes; split by length is faster by {NUMBER}x one batch's, "
+            rf"{NUMBER}x transformers cache's$",
         ),
         needs=("torch", "transformers"),
     ),

@@ -1,22 +1,35 @@
 """The transformers engine's KV storage (``sart.engines.hf_kv``) and its fast decode path.
 
 Buffers that grow, a fork's copy on write, the left-padded batch, the step batch
-kept between steps; and the engine's in-place decoding against transformers' own
-cache: the same tokens and log-probabilities on a mix of requests, forks, aborts
-and pauses (``test_engines_scenarios.py`` runs the shared scenarios on it too).
+kept between steps, the split of a step's rows by length; and the engine's
+in-place decoding against transformers' own cache, and its split batches against
+one batch: the same tokens and log-probabilities on a mix of requests, forks,
+aborts and pauses (``test_engines_scenarios.py`` runs the shared scenarios on it
+too).
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from sart.engines.hf import HFEngine  # noqa: E402
-from sart.engines.hf_kv import OwnKV, StepBatch, batch, empty  # noqa: E402
+from sart.engines.hf_kv import (  # noqa: E402
+    OwnKV,
+    StepBatch,
+    StepBatches,
+    batch,
+    empty,
+    groups,
+    split_cost,
+)
 from sart.messages import BranchSpec  # noqa: E402
 from sart.types import BranchId, SamplingSettings  # noqa: E402
 
@@ -113,7 +126,79 @@ def test_the_step_batch_is_reused_only_for_the_same_rows_one_longer() -> None:
     assert kept.get(("b",), rows, width=5)[0][0].data_ptr() != other[0][0].data_ptr()
 
 
-# ---------------------------------------------------------- the engine's two paths
+def _padded(lengths: list[int], split: list[list[int]], cost: int) -> int:
+    return sum(cost + len(rows) * (max(lengths[r] for r in rows) + 1) for rows in split)
+
+
+def _partitions(items: list[int]) -> list[list[list[int]]]:
+    if not items:
+        return [[]]
+    first, rest = items[0], items[1:]
+    found = []
+    for smaller in _partitions(rest):
+        found.append([[first], *smaller])
+        for i in range(len(smaller)):
+            found.append([*smaller[:i], [first, *smaller[i]], *smaller[i + 1 :]])
+    return found
+
+
+@given(
+    lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=6),
+    cost=st.integers(0, 5000),
+)
+def test_the_split_by_length_is_the_cheapest_of_all_splits(lengths: list[int], cost: int) -> None:
+    split = groups(lengths, cost)
+    assert sorted(itertools.chain(*split)) == list(range(len(lengths)))  # each row once
+    cheapest = min(_padded(lengths, p, cost) for p in _partitions(list(range(len(lengths)))))
+    assert _padded(lengths, split, cost) == cheapest
+
+
+def test_rows_of_very_different_lengths_are_split_and_similar_ones_are_not() -> None:
+    lengths = [300] * 31 + [2048]
+    assert groups(lengths, 3000) == [[31], list(range(31))]  # saves 31 x 1,748 positions
+    assert groups(lengths, 60_000) == [list(range(32))]  # not worth a forward: as given
+    assert len(groups([300, 310, 305, 290], 3000)) == 1
+    assert groups(lengths, None) == [list(range(32))]  # None: one batch, as given
+
+
+def test_step_batches_keep_the_split_while_the_same_rows_go_on() -> None:
+    kept = StepBatches()
+    first = kept.split(("a", "b", "c"), [10, 500, 12], cost=0)
+    assert [rows for _, rows in first] == [[1], [2], [0]]
+    # One longer each: the same groups and step batches, though lengths now say other.
+    again = kept.split(("a", "b", "c"), [11, 501, 11], cost=0)
+    assert [(b, rows) for b, rows in again] == [(b, rows) for b, rows in first]
+    other = kept.split(("a", "c"), [12, 12], cost=0)  # other rows: split anew
+    assert [rows for _, rows in other] == [[0, 1]]
+    assert other[0][0] is first[0][0]  # a step batch rebuilds itself on other keys
+    kept.clear()
+    assert [rows for _, rows in kept.split(("a", "b", "c"), [11, 501, 11], 0)] == [
+        [1],
+        [0, 2],
+    ]
+
+
+def test_the_split_cost_is_estimated_from_the_model_and_off_on_accelerators() -> None:
+    from transformers import AutoConfig
+
+    from sart.testbed import LONG
+
+    config = AutoConfig.from_pretrained(str(LONG.policy_path))
+    estimate = split_cost(config, torch.device("cpu"), torch.float32)
+    assert estimate is not None and 2000 < estimate < 4000  # measured here: about 3,000
+    bigger = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+    )
+    assert split_cost(bigger, torch.device("cpu"), torch.float32) > 20 * estimate
+    assert split_cost(config, torch.device("meta"), torch.float32) is None
+
+
+# ---------------------------------------------------------- the engine's paths
 
 
 @pytest.fixture(scope="module")
@@ -122,12 +207,23 @@ def model_and_tokenizer(demo_models: dict[str, Path]) -> tuple[object, object]:
     return loaded.model, loaded.tokenizer
 
 
-def _serve(model: object, tokenizer: object, in_place: bool) -> dict[BranchId, tuple]:
+def _serve(
+    model: object, tokenizer: object, in_place: bool, cost: int | None = None
+) -> dict[BranchId, tuple]:
     """A mix that changes the live branches often: prompts of different lengths, a
     fork, an abort, a pause and resume, a request arriving mid-way. Returns each
-    branch's tokens and log-probabilities."""
+    branch's tokens and log-probabilities (and, under ``FORWARDS``, the forwards)."""
     engine = HFEngine(model, tokenizer)
     engine.in_place = in_place
+    engine.split_cost = cost
+    forward = engine._forward
+    forwards = [0]
+
+    def counted(*args: object, **kwargs: object) -> object:
+        forwards[0] += 1
+        return forward(*args, **kwargs)
+
+    engine._forward = counted  # type: ignore[method-assign]
     settings = SamplingSettings(temperature=1.0, max_tokens=40, logprobs=2)
     got: dict[BranchId, tuple[list[int], list[float], list[str]]] = {}
 
@@ -153,7 +249,11 @@ def _serve(model: object, tokenizer: object, in_place: bool) -> dict[BranchId, t
     engine.start_branches("a", [BranchSpec(index=1, seed=1, resume=True)])
     run(60)
     assert engine.stats().live_branches == 0
+    got[FORWARDS] = (forwards[0],)
     return got
+
+
+FORWARDS = BranchId("forwards", 0)
 
 
 def test_in_place_decoding_gives_transformers_caches_tokens(
@@ -161,10 +261,25 @@ def test_in_place_decoding_gives_transformers_caches_tokens(
 ) -> None:
     fast = _serve(*model_and_tokenizer, in_place=True)
     reference = _serve(*model_and_tokenizer, in_place=False)
+    _same_branches(fast, reference)
+    # They ran: the fork past its parent's tokens, the resumed branch to its cap.
+    assert len(fast[BranchId("a", 3)][0]) > 6 and len(fast[BranchId("a", 1)][0]) == 40
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_batches_split_by_length_give_one_batchs_tokens(
+    model_and_tokenizer: tuple[object, object], in_place: bool
+) -> None:
+    split = _serve(*model_and_tokenizer, in_place=in_place, cost=0)
+    one = _serve(*model_and_tokenizer, in_place=in_place, cost=None)
+    assert split[FORWARDS][0] > one[FORWARDS][0] + 20  # it did split: more forwards
+    _same_branches(split, one)
+
+
+def _same_branches(fast: dict[BranchId, tuple], reference: dict[BranchId, tuple]) -> None:
+    del fast[FORWARDS], reference[FORWARDS]
     assert fast.keys() == reference.keys() and len(fast) >= 6
     for bid in reference:
         assert fast[bid][0] == reference[bid][0], bid
         assert fast[bid][1] == pytest.approx(reference[bid][1], abs=1e-4), bid
         assert "".join(fast[bid][2]) == "".join(reference[bid][2]), bid
-    # They ran: the fork past its parent's tokens, the resumed branch to its cap.
-    assert len(fast[BranchId("a", 3)][0]) > 6 and len(fast[BranchId("a", 1)][0]) == 40

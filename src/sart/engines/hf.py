@@ -14,9 +14,11 @@ left-padded into one batch with an attention mask, and explicit position
 ids keep RoPE positions right. The batch is kept between steps while the same
 branches go on, and each step's new keys and values are written into it in
 place, so KV is copied only when the live branches change (one copy of the
-live KV then; ``sart.engines.hf_kv``). Padding still costs attention over the
-longest branch: this engine is the readable reference that CI runs on tiny
-models, not a fast server (use vLLM or SGLang for that). Text is decoded
+live KV then; ``sart.engines.hf_kv``). Padding costs attention over the
+longest branch, so on a CPU branches of very different lengths are split into
+batches by length when that saves more than a forward costs (``split_cost``).
+This engine is the readable reference that CI runs on tiny models, not a fast
+server (use vLLM or SGLang for that). Text is decoded
 incrementally (``sart.engines.detok``), as vLLM's detokenizer does.
 
 Sampling is per branch with its own ``torch.Generator`` seeded by the branch
@@ -63,8 +65,9 @@ from sart.errors import needs_extra
 
 with needs_extra("the transformers engine", "hf"):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sart.engines import hf_kv
 from sart.engines.base import (
     BranchSpec,
     EngineStats,
@@ -73,7 +76,7 @@ from sart.engines.base import (
     TokenLogprobs,
 )
 from sart.engines.detok import Detok
-from sart.engines.hf_kv import KV, InPlaceCache, OwnKV, StepBatch, empty
+from sart.engines.hf_kv import KV, InPlaceCache, OwnKV, StepBatch, StepBatches, empty
 from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
@@ -135,7 +138,8 @@ class HFEngine:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.chat = chat
-        self.device = next(model.parameters()).device
+        weight = next(model.parameters())
+        self.device = weight.device
         eos = model.generation_config.eos_token_id
         if eos is None:
             eos = tokenizer.eos_token_id
@@ -148,12 +152,15 @@ class HFEngine:
         self.context_len: int | None = limit if isinstance(limit, int) else None
         """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
         longer prompt is refused before any forward, ``max_tokens`` capped to fit."""
-        self._batch = StepBatch()  # cleared whenever the live branches change
+        self._batches = StepBatches()  # cleared whenever the live branches change
         self.in_place = True
         """Decode into a kept batch with room for the new token (``sart.engines.hf_kv``);
         False takes transformers' own ``DynamicCache`` each step, as a model whose cache
         layers are not plain dynamic ones does (same tokens, a few times slower on long
         branches: ``benchmarks/hf_decode.py`` compares the two)."""
+        self.split_cost = hf_kv.split_cost(model.config, weight.device, weight.dtype)
+        """Padded positions a batch split by length must save per extra forward (None:
+        one batch; the default is estimated from the model, None on accelerators)."""
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
 
@@ -190,7 +197,7 @@ class HFEngine:
             )
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
-        kv = _PromptKV(self._pairs(self._out_cache(out)), out.logits[0, -1].float(), tuple(ids))
+        kv = _PromptKV(hf_kv.pairs_of(hf_kv.out_cache(out)), out.logits[0, -1].float(), tuple(ids))
         self._ledger.prefill(request_id, len(ids), sampling, kv)
         return len(ids)
 
@@ -214,7 +221,7 @@ class HFEngine:
             new.append((spec, branch))
         resumed = [branch for spec, branch in new if spec.resume]
         self._ledger.start(request_id, new)
-        self._batch.clear()
+        self._batches.clear()
         for branch in resumed:
             self._recompute(branch)
 
@@ -230,12 +237,12 @@ class HFEngine:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self._ledger.abort(branch_ids)  # dropping the branches drops their tensors
-        self._batch.clear()  # and the step batch's copy of them
+        self._batches.clear()  # and the step batch's copy of them
 
     def pause(self, branch_ids: Sequence[BranchId]) -> None:
         """Drop these branches' KV, keeping their tokens, text and sampler state: resumed,
         a branch goes on exactly as it would have (its KV is recomputed in one forward)."""
-        self._batch.clear()
+        self._batches.clear()
         self._ledger.pause(
             list(branch_ids),
             keep=lambda b: _Branch(
@@ -245,7 +252,7 @@ class HFEngine:
 
     def release_prefix(self, request_id: str) -> None:
         self._ledger.release(request_id)  # with any branch of it still live
-        self._batch.clear()
+        self._batches.clear()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -280,7 +287,7 @@ class HFEngine:
             if finish is not None:
                 deltas.end(bid, finish, step)
                 self._ledger.end(bid)
-                self._batch.clear()
+                self._batches.clear()
                 ended = True
             else:
                 going.append((bid, branch, token))
@@ -413,16 +420,23 @@ class HFEngine:
         return delta
 
     def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
+        keys = tuple(bid for bid, _, _ in going)
+        lengths = [b.length for _, b, _ in going]
+        for kept, rows in self._batches.split(keys, lengths, self.split_cost):
+            self._forward_rows(kept, [going[row] for row in rows])
+
+    def _forward_rows(self, kept: StepBatch, going: list[tuple[BranchId, _Branch, int]]) -> None:
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
-        full = self._batch.get(
+        full = kept.get(
             tuple(bid for bid, _, _ in going),
             [(b.prefix.data.kv, b.kv) for _, b, _ in going],
             width,
         )
-        cache = InPlaceCache.build(full, self.model.config) if self.in_place else None
+        config = self.model.config
+        cache = InPlaceCache.build(full, config) if self.in_place else None
         if cache is None:  # the forward will not write the free column: no reuse
-            self._batch.clear()
+            kept.clear()
         mask = torch.zeros((len(going), width + 1), dtype=torch.long, device=self.device)
         for row, length in enumerate(lengths):
             mask[row, width - length :] = 1
@@ -431,13 +445,14 @@ class HFEngine:
         with torch.inference_mode():
             out = self._forward(
                 ids,
-                cache=cache or self._cache([(k[:, :, :-1], v[:, :, :-1]) for k, v in full]),
+                cache=cache
+                or hf_kv.dynamic_cache([(k[:, :, :-1], v[:, :, :-1]) for k, v in full], config),
                 attention_mask=mask,
                 position_ids=positions,
             )
         # The step's keys and values: written into the batch's free position, or (with
         # transformers' own cache) the last of the cache the forward returns.
-        done = full if cache is not None else self._pairs(self._out_cache(out))
+        done = full if cache is not None else hf_kv.pairs_of(hf_kv.out_cache(out))
         new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
         for row, (_, branch, _) in enumerate(going):
             mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
@@ -460,12 +475,11 @@ class HFEngine:
         ids = torch.tensor([branch.tokens], device=self.device)
         mask = torch.ones((1, prompt + count), dtype=torch.long, device=self.device)
         positions = torch.arange(prompt, prompt + count, device=self.device)[None]
+        cache = hf_kv.dynamic_cache(pairs, self.model.config)
         with torch.inference_mode():
-            out = self._forward(
-                ids, cache=self._cache(pairs), attention_mask=mask, position_ids=positions
-            )
+            out = self._forward(ids, cache=cache, attention_mask=mask, position_ids=positions)
         limit = branch.prefix.sampling.max_tokens
-        branch.kv = OwnKV.of(self._pairs(self._out_cache(out)), count, limit)
+        branch.kv = OwnKV.of(hf_kv.pairs_of(hf_kv.out_cache(out)), count, limit)
         branch.logits = out.logits[0, -1].float()
 
     # ------------------------------------------------------------- helpers
@@ -479,20 +493,6 @@ class HFEngine:
         out = self.model(input_ids=ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - started
         return out
-
-    def _out_cache(self, out: Any) -> Any:
-        return getattr(out, "cache", None) or out.past_key_values
-
-    def _cache(self, pairs: KV) -> Any:
-        if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
-            return DynamicCache.from_legacy_cache(tuple(pairs))
-        return DynamicCache(ddp_cache_data=pairs, config=self.model.config)
-
-    @staticmethod
-    def _pairs(cache: Any) -> KV:
-        if hasattr(cache, "layers"):
-            return [(layer.keys, layer.values) for layer in cache.layers]
-        return [(k, v) for k, v in cache.to_legacy_cache()]  # transformers 4.x
 
 
 def _own(branch: _Branch) -> int:
