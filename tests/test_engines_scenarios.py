@@ -328,9 +328,9 @@ class SGLangOnTheStandIn(Adapter):
 
 
 class SGLang(Adapter):
-    runs_ahead = True
     """``SGLangEngine`` over the session's real ``sglang.Engine`` (SGLang's CPU path)."""
 
+    runs_ahead = True
     context_len = SGLANG_CONTEXT_LEN
     lacks: ClassVar[Mapping[str, str]] = {
         SEEDS: "SGLang honours sampling_seed only with enable_deterministic_inference, "
