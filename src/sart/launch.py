@@ -27,6 +27,7 @@ from typing import Any
 
 import attrs
 
+from sart import converters
 from sart.cpu_layout import VLLM_PRMS, cpu_layout, vllm_layout
 from sart.errors import ConfigError, config_check
 from sart.types import SamplingSettings
@@ -92,7 +93,7 @@ def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any]:
 class Gateway:
     """``engine="openai"``: sart in front of OpenAI-compatible servers of one model."""
 
-    upstreams: tuple[str, ...] = attrs.field(converter=tuple)
+    upstreams: tuple[str, ...] = attrs.field(converter=converters.strs)
     api_key: str | None = None
     tokenizer: str | None = None
     """A tokenizer directory or hub id (chat templates, exact token counts)."""
@@ -131,7 +132,7 @@ class LoadSpec:
     prm_replicas: int = 1
     """Transformers PRMs: processes hosting a copy of the PRM each, scoring checks side
     by side (``sart.prm.process.PRMPool``; the driver keeps as many in flight)."""
-    prm_urls: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    prm_urls: tuple[str, ...] = attrs.field(default=(), converter=converters.strs)
     """``vllm-cached``: ``vllm serve`` servers of the PRM to score on
     (``sart.prm.remote.RemotePRM``) instead of an engine in this process; ``prm`` is
     then the PRM's tokenizer (its directory or hub id)."""

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import attrs
 
+from sart import converters
 from sart.errors import config_check, int_at_least
 
 #: A prompt is text, or token ids when the caller has tokenised it already.
@@ -172,7 +173,7 @@ class SamplingSettings:
     """Cap on generated tokens per branch; reaching it ends the branch as ``TRUNCATED``."""
     seed: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
     """Base seed; ``None`` derives a stable one from the request id."""
-    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=converters.strs)
     """Stop strings; generating one ends the branch as ``FINISHED``."""
     logprobs: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
     """Log-probabilities to return with each generated token, as vLLM's ``logprobs``:

@@ -9,16 +9,18 @@ does, on its own accelerator of the policy's kind, with overlapped scoring.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from sart.bench.workloads import workload
 from sart.engines.costs import H100, H200, cost_model
 from sart.engines.prm_costs import PRMInput
-from sart.errors import ConfigError, config_check, enum_converter, int_at_least, number_above
+from sart.errors import ConfigError, config_check, int_at_least, number_above
 from sart.methods import check_methods, get_method
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
+from sart.scheduler.config import to_scoring
 from sart.types import Admission, Scoring
 
 
@@ -35,13 +37,12 @@ def method_policy(
     grouping answers under ``equivalence`` and its answers read from a branch's text
     by ``extract``; ``None`` keeps the recipe's (exact strings; ``extract_answer``)."""
     policy = get_method(method).policy(n, interval)
-    changes: dict[str, object] = {}
-    select = policy.select
+    select: Any = policy.select  # a Selector; the voting ones are attrs classes
     if equivalence is not None and "equivalence" in attrs.fields_dict(type(select)):
-        changes["select"] = attrs.evolve(select, equivalence=equivalence)
+        policy = attrs.evolve(policy, select=attrs.evolve(select, equivalence=equivalence))
     if extract is not None:
-        changes["extract"] = extract
-    return attrs.evolve(policy, **changes)
+        policy = attrs.evolve(policy, extract=extract)
+    return policy
 
 
 def method_scoring(method: str, config: BenchConfig) -> Scoring:
@@ -133,9 +134,7 @@ class BenchConfig:
     interval: int = 400
     seed: int = 0
     admission: Admission = attrs.field(default=Admission.CHUNK, converter=Admission)
-    scoring: Scoring = attrs.field(
-        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
-    )
+    scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)
     """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
     poll_steps: int | None = None
     """Overlapped scoring: the longest decode chunk while a PRM call is in flight

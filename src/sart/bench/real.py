@@ -62,7 +62,7 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"prompts={str(path)!r}: {exc.strerror}") from exc
-    items = []
+    items: list[PromptItem] = []
     for number, text in enumerate(lines, 1):
         if not text.strip():
             continue
@@ -118,6 +118,7 @@ def run_real(
     builds each method's policy (default: ``method_policy(method, n, config.interval)``).
     The runs in ``done`` (``(rate, method, n)``: finished before, ``sart bench
     --resume``) are left out, and so is the warm-up of a method with none left."""
+    assert config.rates is not None  # a real engine's benchmark always has its rates
     gold = {item.id: item.answer for item in items if item.answer is not None}
     policy_for = policy_for or (lambda method, n: method_policy(method, n, config.interval))
     warmup = items[:WARMUP_REQUESTS]

@@ -85,6 +85,8 @@ def traces(config: BenchConfig) -> list[tuple[float | None, Trace]]:
     """The trace of each rate (one replayed trace when ``config.trace`` is set)."""
     if config.trace is not None:
         return [(None, Trace.load(config.trace))]
+    # Without a trace BenchConfig requires all three.
+    assert config.workload and config.num_requests is not None and config.rates is not None
     model = workload(config.workload)
     width = max(config.ns)
     return [
@@ -126,7 +128,10 @@ def run_method(
             poll_steps=config.poll_steps,
         )
         replicas.append((driver, engine, pricer))
-    max_tokens = workload(config.workload).max_tokens if config.trace is None else None
+    max_tokens = None
+    if config.trace is None:
+        assert config.workload  # BenchConfig requires one without a trace
+        max_tokens = workload(config.workload).max_tokens
     sampling = SamplingSettings(max_tokens=max_tokens or _trace_max_tokens(trace))
     requests = [
         Request(
@@ -313,6 +318,7 @@ def auto_batch_size(config: BenchConfig, trace: Trace) -> int:
     if capacity is None:
         return DEFAULT_BATCH_SIZE
     if config.trace is None:  # the workload's own numbers: one B for every rate
+        assert config.workload  # BenchConfig requires one without a trace
         model = workload(config.workload)
         prompt, median = float(model.prompt_tokens), model.median_length
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from sart.errors import ConfigError
 
@@ -167,7 +167,7 @@ def _count(value: object, where: str, name: str, low: int) -> int:
     integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
     if isinstance(value, bool) or not integral:
         raise TraceLineError(f"{where}: {name} must be a whole number, not {_show(value)}")
-    count = int(value)  # type: ignore[arg-type]
+    count = int(cast(float, value))  # an int, or a float that is whole: checked above
     if not low <= count <= MAX_TOKENS:
         raise TraceLineError(f"{where}: {name}={_show(value)} must be in [{low}, {MAX_TOKENS}]")
     return count

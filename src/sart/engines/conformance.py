@@ -107,8 +107,9 @@ def _check_lifecycle(
     for rid, prompt in zip(rids, prompts):
         n = engine.prefill(rid, prompt, sampling)
         _require(isinstance(n, int) and n >= 1, f"prefill must return the prompt length, got {n!r}")
-    engine.start_branches(rids[0], [BranchSpec(j, sampling.seed + j) for j in range(k)])
-    engine.start_branches(rids[1], [BranchSpec(j, sampling.seed + 100 + j) for j in range(k)])
+    seed = sampling.seed or 0
+    engine.start_branches(rids[0], [BranchSpec(j, seed + j) for j in range(k)])
+    engine.start_branches(rids[1], [BranchSpec(j, seed + 100 + j) for j in range(k)])
     live = {BranchId(r, j) for r in rids for j in range(k)}
     _require(
         engine.stats().live_branches == len(live),
@@ -154,7 +155,7 @@ def _check_until_first_end(
     engine: Engine, prompt: Prompt, sampling: SamplingSettings, k: int
 ) -> None:
     engine.prefill("conf-c", prompt, sampling)
-    engine.start_branches("conf-c", [BranchSpec(j, sampling.seed + j) for j in range(k)])
+    engine.start_branches("conf-c", [BranchSpec(j, (sampling.seed or 0) + j) for j in range(k)])
     live = {BranchId("conf-c", j) for j in range(k)}
     tokens: dict[BranchId, int] = {}
     while live:

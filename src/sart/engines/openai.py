@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -325,7 +325,7 @@ class OpenAIEngine(StreamingEngine):
     async def _cancel(self, branch: BranchId) -> None:
         inflight = self._inflight.pop(branch, None)
         task = self._tasks.pop(branch, None)
-        jobs = []
+        jobs: list[Awaitable[object]] = []
         if inflight is not None and self.explicit_abort:
             jobs.append(self._abort_on_server(*inflight))
         if task is not None and task is not asyncio.current_task():
@@ -489,11 +489,12 @@ class OpenAIEngine(StreamingEngine):
     ) -> tuple[list[int] | None, int | None]:
         """The prompt's ids (``None`` if unknown) and the server's ``max_model_len``
         (from its model card when the ids are known here); the ``home`` server first."""
-        ids = None if isinstance(prompt, str) else list(prompt)
-        if ids is None and self.tokenizer is not None:
+        if not isinstance(prompt, str):
+            ids = list(prompt)
+        elif self.tokenizer is not None:
             ids = list(self.tokenizer.encode(prompt))
-        if ids is not None:
-            server = self.servers[home if home is not None else 0]
-            return ids, await server_context(self.client, server, self.model)
-        first = self.servers[home] if home is not None else None
-        return await tokenize(self.client, self.servers, self.model, prompt, request_id, first)
+        else:
+            first = self.servers[home] if home is not None else None
+            return await tokenize(self.client, self.servers, self.model, prompt, request_id, first)
+        server = self.servers[home if home is not None else 0]
+        return ids, await server_context(self.client, server, self.model)

@@ -44,7 +44,7 @@ tests serve it with ``--no-enable-chunked-prefill``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -108,7 +108,7 @@ async def post_completion(
     *,
     may_drop_extras: bool = True,
     on_prompt_ids: Callable[[str, Sequence[int]], None] | None = None,
-) -> AsyncIterator[Chunk]:
+) -> AsyncGenerator[Chunk, None]:
     """One attempt: stream the completion from ``server``, with the vLLM extensions
     if ``extras``. Yields the finish chunk last, after the response is read to its
     end and closed. ``retry_without_extras``: the same request was answered 400/422
@@ -180,7 +180,7 @@ class Closing:
         return chunk
 
 
-async def events_of(response: httpx.Response) -> AsyncIterator[Event]:
+async def events_of(response: httpx.Response) -> AsyncGenerator[Event, None]:
     """The events of a completion's stream (see ``sart.engines.openai_stream``). The
     body is read to its end (it ends right after ``[DONE]``): no suspended iterator
     is left behind."""

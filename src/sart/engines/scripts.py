@@ -25,10 +25,12 @@ import functools
 import math
 import random
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import cast
 
 import attrs
 
+from sart import converters
 from sart.errors import config_check, int_at_least
 from sart.messages import TokenLogprobs
 from sart.types import BranchId
@@ -54,7 +56,7 @@ def _number_checker(
 
     def check(_inst: object, _attr: attrs.Attribute, value: object) -> None:
         config_check(isinstance(value, tuple), field, value, "a sequence of numbers")
-        for i, x in enumerate(value):  # type: ignore[arg-type]
+        for i, x in enumerate(cast(tuple[object, ...], value)):  # a tuple: checked above
             ok_x = isinstance(x, float) and math.isfinite(x) and ok(x)
             config_check(ok_x, f"{field}[{i}]", x, rule)
 
@@ -65,7 +67,7 @@ def _floats(value: object) -> object:
     """A sequence of numbers as a tuple of floats; anything else (a number too large
     for a float included) is left for the validator to refuse."""
     try:
-        items = tuple(value)  # type: ignore[call-overload]
+        items = tuple(cast(Iterable[object], value))  # not iterable: TypeError
     except TypeError:
         return value
     return tuple(_float(x) for x in items)
@@ -91,7 +93,9 @@ class BranchScript:
     text: str | None = None
     """Full response text, split evenly over ``length`` tokens; default: ``filler``
     repeated, then ``\\boxed{answer}`` as the last token."""
-    rewards: tuple[float, ...] = attrs.field(default=(), converter=tuple, validator=_check_rewards)
+    rewards: tuple[float, ...] = attrs.field(
+        default=(), converter=converters.floats, validator=_check_rewards
+    )
     """PRM reward after ``(j+1) * every`` tokens, for ``j = 0, 1, ...`` (the last repeats)."""
     final_reward: float | None = None
     """PRM reward once completed; default: the last of ``rewards``, else 0.5."""

@@ -123,7 +123,7 @@ import asyncio
 import contextlib
 import importlib.util
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from sart.errors import ConfigError, EngineError, MissingDependencyError, install_hint, needs_extra
@@ -315,7 +315,7 @@ class SGLangEngine(StreamingEngine):
         stream: Any,
         cached: asyncio.Event | None,
         top_k: int | None = None,
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """SGLang's chunks of one branch as ``Chunk``s (``cached``: set at the first;
         ``top_k``: the request's ``logprobs``, ``None`` if it asked for none)."""
         seen_ids = seen_text = 0

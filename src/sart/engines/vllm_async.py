@@ -113,9 +113,9 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
             completion = out.outputs[0]
             # vLLM ending it itself (abort, error) raises EngineError: its request fails.
             finish = finish_reason(branch, completion) if out.finished else None
-            ids = tuple(completion.token_ids)
-            logprobs = token_logprobs(ids, completion.logprobs, sampling.logprobs)
-            yield Chunk(token_ids=ids, text=completion.text, finish=finish, logprobs=logprobs)
+            new_ids = tuple(completion.token_ids)
+            logprobs = token_logprobs(new_ids, completion.logprobs, sampling.logprobs)
+            yield Chunk(token_ids=new_ids, text=completion.text, finish=finish, logprobs=logprobs)
 
     async def _cancel(self, branch: BranchId) -> None:
         await self.async_llm.abort(vllm_request_id(branch))

@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from sart import converters
 from sart.bench.runner import RunRecord
 from sart.metrics import Z95, wilson_interval
 from sart.results import RequestResult
@@ -53,7 +54,7 @@ class EvalRun:
     """One method at one ``N``: the served requests and each one's grade."""
 
     record: RunRecord
-    correct: tuple[bool, ...] = attrs.field(converter=tuple)
+    correct: tuple[bool, ...] = attrs.field(converter=converters.bools)
     """Per request, in ``record.results``' order."""
 
     @classmethod

@@ -379,7 +379,7 @@ def _live(run: _Run, progress: Any) -> None:
     loading = progress.add_task("loading models", total=None)
     loaded = run.load()
     progress.remove_task(loading)
-    task = progress.add_task("serving", total=len(plan(config)) * len(config.rates))
+    task = progress.add_task("serving", total=len(plan(config)) * len(args.rates))
 
     def finished(eval_run: EvalRun) -> None:
         run.runs.append(eval_run)

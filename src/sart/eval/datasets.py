@@ -67,6 +67,10 @@ class Problem:
     """Everything else the row had: ``level``, ``subject``, ``choices``, ``solution``..."""
 
 
+def _problems(items: Iterable[Problem]) -> tuple[Problem, ...]:
+    return tuple(items)
+
+
 def _check_grading(_inst: object, _attr: attrs.Attribute, value: str) -> None:
     config_check(value in GRADINGS, "grading", value, f"one of {', '.join(GRADINGS)}")
 
@@ -76,7 +80,7 @@ class Dataset:
     """Problems, the template that words them, and the grader that checks their answers."""
 
     name: str
-    problems: tuple[Problem, ...] = attrs.field(converter=tuple)
+    problems: tuple[Problem, ...] = attrs.field(converter=_problems)
     template: PromptTemplate = MATH
     grading: str = attrs.field(default="math-verify", validator=_check_grading)
     """The grader's name: ``math-verify``, ``choice`` or ``exact``."""

@@ -37,6 +37,7 @@ from typing import IO, Any
 
 import attrs
 
+from sart import converters
 from sart.bench.traces import TraceRequest
 from sart.errors import ConfigError
 
@@ -51,7 +52,7 @@ class ProblemRecord:
     gold: str
     trace: TraceRequest
     """The branches as a trace line (length, answer, rewards, final reward)."""
-    correct: tuple[bool, ...] = attrs.field(converter=tuple)
+    correct: tuple[bool, ...] = attrs.field(converter=converters.bools)
     """Whether each branch's answer is the gold one (same order as ``trace.branches``)."""
 
     def __attrs_post_init__(self) -> None:

@@ -84,7 +84,9 @@ class QwenFormatOptions:
 
     @step_separator.validator
     def _check_separator(self, _attr: attrs.Attribute, value: object) -> None:
-        config_check(isinstance(value, str) and value, "step_separator", value, "a non-empty str")
+        config_check(
+            isinstance(value, str) and value != "", "step_separator", value, "a non-empty str"
+        )
 
 
 @attrs.frozen(kw_only=True, slots=False)
@@ -363,13 +365,15 @@ class StepTagFormat(InputFormat):
         span_starts = [s for s, _, _ in spans]
         bounds = [_first_at_or_after(spans, span_starts, c, len(ids)) for c in starts]
         bounds.append(len(ids))
-        tag_tokens = [_token_at(spans, span_starts, c) for c in tags]
-        for i, k in enumerate(tag_tokens):
+        tag_tokens: list[int] = []
+        for i, c in enumerate(tags):
+            k = _token_at(spans, span_starts, c)
             if k is None or ids[k] != self.tag_id or not bounds[i] <= k < bounds[i + 1]:
                 raise TagNotFound(
                     f"the tag after step {i} is not tokenised as the single token "
                     f"{self.tag_id} (it merges with the text around it)"
                 )
+            tag_tokens.append(k)
         segments = tuple(tuple(ids[a:b]) for a, b in itertools.pairwise(bounds))
         rating = tuple(k - a for k, a in zip(tag_tokens, bounds))
         return Encoded(tuple(ids[: bounds[0]]), segments, rating)

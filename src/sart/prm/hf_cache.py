@@ -17,7 +17,7 @@ its positions' dimension.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,6 +36,7 @@ class CacheAPI:
 
     @classmethod
     def of(cls, model: Any) -> CacheAPI:
+        parameters: Mapping[str, inspect.Parameter]
         try:
             parameters = inspect.signature(model.forward).parameters
         except (TypeError, ValueError):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import torch
@@ -28,8 +28,11 @@ from sart.prm.hf_cache import CacheAPI, cut_rows, stack_left_padded
 from sart.prm.window import Encoded
 from sart.types import BranchId
 
+T = TypeVar("T")
 
-def chunks(seq: Sequence[int], size: int) -> Iterator[Sequence[int]]:
+
+def chunks(seq: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    """``seq`` in consecutive slices of at most ``size`` items."""
     for start in range(0, len(seq), size):
         yield seq[start : start + size]
 

@@ -13,11 +13,13 @@ def _positive_or_none(_inst: object, attr: attrs.Attribute, value: float | None)
         raise ConfigError(f"{attr.name}={value!r} must be None or > 0")
 
 
-def _to_admission(value: object) -> Admission:
+def to_admission(value: object) -> Admission:
+    """An attrs converter to ``Admission`` (``ConfigError`` naming the choices)."""
     return enum_converter(Admission, "admission")(value)
 
 
-def _to_scoring(value: object) -> Scoring:
+def to_scoring(value: object) -> Scoring:
+    """An attrs converter to ``Scoring`` (``ConfigError`` naming the choices)."""
     return enum_converter(Scoring, "scoring")(value)
 
 
@@ -27,9 +29,9 @@ class SchedulerConfig:
 
     batch_size: int = attrs.field(validator=int_at_least(1))
     """``B``: the most branches decoding at once."""
-    admission: Admission = attrs.field(default=Admission.CHUNK, converter=_to_admission)
+    admission: Admission = attrs.field(default=Admission.CHUNK, converter=to_admission)
     """When freed slots are refilled: between chunks (Algorithm 1) or at the next step."""
-    scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=_to_scoring)
+    scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)
     """Whether decoding waits for PRM checks (Algorithm 1 as written) or goes on meanwhile."""
     poll_steps: int | None = attrs.field(default=None, validator=int_at_least(1, optional=True))
     """With overlapped scoring, the longest decode chunk while a ``Score`` is in flight;

@@ -85,6 +85,13 @@ def _policy(method: str, n: int) -> sart.Policy:
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": TESTBED_MAX_TOKENS}
 
 
+def _sampling(seed: int) -> sart.SamplingSettings:
+    """``SAMPLING`` with ``seed``, for the in-process modes."""
+    return sart.SamplingSettings(
+        seed=seed, temperature=1.0, top_p=1.0, max_tokens=TESTBED_MAX_TOKENS
+    )
+
+
 async def _closed_loop(
     clients: int, each: int, ask: Callable[[int, testbed.Question], Awaitable[tuple[str, int]]]
 ) -> tuple[float, list[float], int, int]:
@@ -119,7 +126,7 @@ def _sync_driver(engine: Any, prm: Any, args: argparse.Namespace) -> Callable[[s
         tally = [0, 0]
 
         def send(index: int) -> None:
-            sampling = sart.SamplingSettings(seed=index, **SAMPLING)
+            sampling = _sampling(index)
             request = sart.Request(f"r{index}", questions[index].prompt, policy, sampling)
             driver.submit(attrs.evolve(request, arrival=driver.clock.now()))
 
@@ -154,13 +161,13 @@ def _in_process(mode: str, engine: Any, prm: Any, args: argparse.Namespace) -> C
                 driver = sart.AsyncDriver(engine, prm, batch_size=args.batch_size)
                 serving = asyncio.create_task(driver.serve())
 
-                async def ask(i: int, q: testbed.Question) -> tuple[str, int]:
-                    sampling = sart.SamplingSettings(seed=i, **SAMPLING)
+                async def ask_driver(i: int, q: testbed.Question) -> tuple[str, int]:
+                    sampling = _sampling(i)
                     r = await driver.generate(sart.Request(f"r{i}", q.prompt, policy, sampling))
                     return r.text or "", r.generated_tokens
 
                 try:
-                    return await _closed_loop(args.clients, args.requests, ask)
+                    return await _closed_loop(args.clients, args.requests, ask_driver)
                 finally:
                     driver.stop()
                     await serving
@@ -172,7 +179,7 @@ def _in_process(mode: str, engine: Any, prm: Any, args: argparse.Namespace) -> C
             service.start()
 
             async def ask(i: int, q: testbed.Question) -> tuple[str, int]:
-                sampling = sart.SamplingSettings(seed=i, **SAMPLING)
+                sampling = _sampling(i)
                 rid = service.submit(sart.Request(f"r{i}", q.prompt, policy, sampling))
                 outcome = await service.result(rid)
                 return outcome.result.text or "", outcome.result.generated_tokens
@@ -295,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 if mode == "driver":
                     return _sync_driver(engine, prm, settings)
                 if mode == "http":
+                    assert server is not None  # started above when "http" is among the modes
                     return _over_http(server, settings)
                 return _in_process(mode, engine, prm, settings)
 

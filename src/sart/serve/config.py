@@ -14,8 +14,10 @@ from typing import Any
 
 import attrs
 
-from sart.errors import config_check, enum_converter
+from sart import converters
+from sart.errors import config_check
 from sart.prm.base import PRM
+from sart.scheduler.config import to_admission, to_scoring
 from sart.types import Admission, Scoring
 
 
@@ -72,7 +74,7 @@ class ServeConfig:
     """A server's fixed settings: served model names, per-request defaults and limits,
     the scheduler's settings, and access control."""
 
-    models: tuple[str, ...] = attrs.field(converter=tuple, validator=_check_models)
+    models: tuple[str, ...] = attrs.field(converter=converters.strs, validator=_check_models)
     """Names the server answers to in ``model`` (the first one is listed first)."""
     method: str = "sart"
     """The method of requests that name none (``sart.serve.method_names()``)."""
@@ -95,13 +97,9 @@ class ServeConfig:
     """Nucleus mass of requests that do not say."""
     batch_size: int = attrs.field(default=64, validator=_positive_int("batch_size"))
     """``B``: the most branches decoding at once, over all requests."""
-    scoring: Scoring = attrs.field(
-        default=Scoring.OVERLAPPED, converter=enum_converter(Scoring, "scoring")
-    )
+    scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)
     """Whether decoding goes on while the PRM scores (see ``sart.Scoring``)."""
-    admission: Admission = attrs.field(
-        default=Admission.CHUNK, converter=enum_converter(Admission, "admission")
-    )
+    admission: Admission = attrs.field(default=Admission.CHUNK, converter=to_admission)
     """When freed batch slots are refilled (see ``sart.Admission``)."""
     max_queue: int = attrs.field(default=1024, validator=_positive_int("max_queue"))
     """The most requests waiting to be scheduled; past it a request gets 429 at once."""

@@ -19,6 +19,7 @@ The statistics are pure functions (``auroc``, ``pearson``... in
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from sart import converters
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
 from sart.rollouts import Rollout, auroc, majority, pearson, rollout_shape
@@ -61,6 +63,10 @@ class Branch:
     half_rewards: tuple[float, ...]
     """PRM step rewards of the first half of the tokens."""
     full_rewards: tuple[float, ...]
+
+
+def _aggregated(branch: Branch, how: str) -> float:
+    return aggregate(branch.full_rewards, how)
 
 
 #: What the long testbed is built to show (issue "a long, hard testbed"): field ->
@@ -241,7 +247,7 @@ def summarize(
         majority_ok.append(any(b.correct for b in group if b.answer == vote))
         oracle_ok.append(any(b.correct for b in group))
         for how in AGGREGATIONS:
-            chosen = max(group, key=lambda b, how=how: aggregate(b.full_rewards, how))
+            chosen = max(group, key=functools.partial(_aggregated, how=how))
             best[how].append(chosen.correct)
     by_difficulty: dict[int, list[bool]] = {}
     for b in branches:
@@ -296,7 +302,9 @@ class ReportConfig:
     n: int = 8
     questions: int = 120
     seed: int = 0
-    difficulties: tuple[int, ...] = attrs.field(default=(3, 4, 5, 6, 7, 8), converter=tuple)
+    difficulties: tuple[int, ...] = attrs.field(
+        default=(3, 4, 5, 6, 7, 8), converter=converters.ints
+    )
     max_new_tokens: int = 256
 
     testbed: str = "testbed"

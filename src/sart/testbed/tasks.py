@@ -43,6 +43,7 @@ from collections.abc import Collection, Sequence
 
 import attrs
 
+from sart import converters
 from sart.answers import extract_answer
 from sart.errors import config_check
 from sart.prm.aggregate import split_steps
@@ -80,7 +81,7 @@ class Question:
     """``digits`` to add mod 10, ``rounds`` times over if set (a cycled question, as the
     long testbed's); the difficulty is the number of additions."""
 
-    digits: tuple[int, ...] = attrs.field(converter=tuple)
+    digits: tuple[int, ...] = attrs.field(converter=converters.ints)
     rounds: int | None = attrs.field(default=None, validator=_rounds_check, kw_only=True)
 
     @digits.validator
@@ -197,7 +198,7 @@ class TraceConfig:
     """Chance a step writes a wrong result when its addition carries (sum >= 10)."""
     error_plain: float = attrs.field(default=0.02, validator=_probability("error_plain"))
     """Chance a step writes a wrong result otherwise."""
-    styles: tuple[float, ...] = attrs.field(default=(0.05, 0.3, 0.6), converter=tuple)
+    styles: tuple[float, ...] = attrs.field(default=(0.05, 0.3, 0.6), converter=converters.floats)
     """Per-trace re-check rates, one drawn uniformly per trace: the length variance."""
     recheck_after_error: float = attrs.field(
         default=0.3, validator=_probability("recheck_after_error")
@@ -205,7 +206,9 @@ class TraceConfig:
     """Extra re-check chance right after a wrong step (a model that "feels" unsure)."""
     fix: float = attrs.field(default=0.3, validator=_probability("fix"))
     """Chance a re-check of a wrong step writes the right result."""
-    sloppiness: tuple[float, ...] = attrs.field(default=(0.25, 1.0, 2.5), converter=tuple)
+    sloppiness: tuple[float, ...] = attrs.field(
+        default=(0.25, 1.0, 2.5), converter=converters.floats
+    )
     """Per-trace multipliers of the error rates, one drawn uniformly per trace.
 
     Errors cluster in some traces, as in real reasoning, where a branch that

@@ -462,6 +462,10 @@ def train(
     _save(root / "policy", policy, tokenizer)
     prm = train_prm(config, root / "policy", tokenizer, log)
     _save(root / "prm", prm, tokenizer)
+    seconds = {
+        "policy": round(policy_seconds, 3),
+        "total": round(loaded_seconds + time.perf_counter() - started, 3),
+    }
     manifest = {
         "config": config.to_json(),
         # The first stage's own weights were loaded, not trained in this process.
@@ -472,14 +476,11 @@ def train(
         "threads": config.threads,
         # Milliseconds kept: a tiny run's policy stage (tests, a fast machine)
         # takes under 0.05 s, which a tenth of a second would record as none.
-        "seconds": {
-            "policy": round(policy_seconds, 3),
-            "total": round(loaded_seconds + time.perf_counter() - started, 3),
-        },
+        "seconds": seconds,
         "sha256": weight_hashes(root),
     }
     partial = root / ".manifest.json.partial"
     partial.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     os.replace(partial, root / "manifest.json")
-    log(f"trained in {manifest['seconds']['total']:.0f}s -> {root}")
+    log(f"trained in {seconds['total']:.0f}s -> {root}")
     return manifest
