@@ -82,14 +82,18 @@ def _policy(method: str, n: int) -> sart.Policy:
     return build_policy(fields, method=method, n=n, max_n=n, interval=TESTBED_INTERVAL)[1]
 
 
-SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_tokens": TESTBED_MAX_TOKENS}
+SETTINGS = sart.SamplingSettings(temperature=1.0, top_p=1.0, max_tokens=TESTBED_MAX_TOKENS)
+"""How every mode samples: the in-process ones take it with a seed, HTTP as ``SAMPLING``."""
+SAMPLING = {
+    "temperature": SETTINGS.temperature,
+    "top_p": SETTINGS.top_p,
+    "max_tokens": SETTINGS.max_tokens,
+}
 
 
 def _sampling(seed: int) -> sart.SamplingSettings:
-    """``SAMPLING`` with ``seed``, for the in-process modes."""
-    return sart.SamplingSettings(
-        seed=seed, temperature=1.0, top_p=1.0, max_tokens=TESTBED_MAX_TOKENS
-    )
+    """``SETTINGS`` with ``seed``, for the in-process modes."""
+    return attrs.evolve(SETTINGS, seed=seed)
 
 
 async def _closed_loop(
@@ -174,7 +178,9 @@ def _in_process(mode: str, engine: Any, prm: Any, args: argparse.Namespace) -> C
                     driver.close()
             from sart.serve.service import Service
 
-            config = ServeConfig(models=("testbed",), batch_size=args.batch_size, max_n=args.n)
+            config = ServeConfig(
+                models=("testbed",), batch_size=args.batch_size, max_n=args.n, n=args.n
+            )
             service = Service(engine, prm, config)
             service.start()
 
@@ -202,7 +208,8 @@ class _Server:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sart-serve-bench-", suffix=".log")
         command = [
             *(sys.executable, "-m", "sart.cli", "serve", "--port", "0", "--no-access-log"),
-            *("--batch-size", str(args.batch_size), "--max-n", str(args.n)),
+            # --n too: the server's default n (8) must not exceed --max-n.
+            *("--batch-size", str(args.batch_size), "--max-n", str(args.n), "--n", str(args.n)),
         ]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
