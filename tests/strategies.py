@@ -124,6 +124,40 @@ def policies(draw: st.DrawFn, interval: int) -> sart.Policy:
     return sart.Policy(n=n, stop=stop, prune=prune, select=select, interval=interval)
 
 
+@st.composite
+def rebranch_rules(draw: st.DrawFn) -> sart.Rebranch:
+    """A ``Rebranch`` with any of its options."""
+    return sart.Rebranch(
+        parents=draw(st.sampled_from(("softmax", "top", "systematic"))),
+        temperature=draw(st.none() | st.sampled_from((0.05, 0.2, 1.0))),
+        until=draw(st.sampled_from((0.25, 0.5, 1.0))),
+        refill_completed=draw(st.booleans()),
+        stop_after=draw(st.none() | st.integers(1, 3)),
+        token_budget=draw(st.none() | st.integers(1, 200)),
+        when_idle=draw(st.booleans()),
+    )
+
+
+@st.composite
+def forking_policies(draw: st.DrawFn, interval: int) -> sart.Policy:
+    """A policy that forks branches: Rebase, particle filtering, or SART with a drawn
+    re-branching rule (also around a stock prune rule other than SART's)."""
+    n = draw(st.integers(1, MAX_N))
+    m = draw(st.integers(1, n))
+    kind = draw(st.sampled_from(("rebase", "particle", "sart_rebranch", "custom")))
+    if kind == "rebase":
+        return sart.rebase(n, draw(st.sampled_from((0.05, 0.2, 1.0))), interval)
+    if kind == "particle":
+        return sart.particle_filter(n, interval, draw(st.none() | st.just(0.2)))
+    rule = draw(rebranch_rules())
+    if kind == "sart_rebranch":
+        beta = draw(st.integers(0, n - 1))
+        return sart.sart_rebranch(n, m, draw(rewards), beta, interval, rule=rule)
+    stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
+    prune = draw(st.sampled_from([sart.NoPrune(), sart.TwoPhasePrune(0.5, n // 2)]))
+    return sart.Policy(n=n, stop=stop, prune=prune, interval=interval, rebranch=rule)
+
+
 @attrs.frozen
 class RequestParts:
     """What a request needs besides its id and arrival."""
@@ -134,9 +168,13 @@ class RequestParts:
 
 
 @st.composite
-def request_parts(draw: st.DrawFn, interval: int) -> RequestParts:
-    """A policy, one script per branch, and sampling settings."""
-    policy = draw(policies(interval))
+def request_parts(draw: st.DrawFn, interval: int, forks: bool = False) -> RequestParts:
+    """A policy, one script per branch, and sampling settings (``forks``: the policy may
+    also be one that forks branches, one in three)."""
+    if forks and draw(st.integers(0, 2)) == 0:
+        policy = draw(forking_policies(interval))
+    else:
+        policy = draw(policies(interval))
     kind = branch_scripts if policy.reward is None else confident_scripts
     scripts = draw(st.lists(kind, min_size=policy.n, max_size=policy.n))
     return RequestParts(policy, tuple(scripts), draw(sampling_settings))

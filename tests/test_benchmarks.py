@@ -63,6 +63,14 @@ class Case:
 
 CASES = [
     Case(
+        "rebranch_variants.py",
+        "--requests 12 --n 4 --rate 2 --methods sart rb-softmax rb-balance "
+        "--out /tmp/sart-bench-rebranch-variants --no-plots",
+        tuple(
+            rf"^\s+2\s+{method}\s+4\s+{NUMBER}\s" for method in ("SART", "rb-softmax", "rb-balance")
+        ),
+    ),
+    Case(
         "scheduler_overhead.py",
         "--batch-sizes 8 16 --intervals 16 --median-length 100",
         (

@@ -15,10 +15,15 @@ the faults; and overlapped checks keep up to ``K`` (drawn) ``Score`` commands in
 flight on a PRM of one or more replicas. Draining (a rule,
 and the teardown) runs to the end and checks every request ended exactly once,
 only faulted ones failed, only cancelled ones were cancelled, and timed-out
-ones no sooner than their deadline.
+ones no sooner than their deadline. One request in three forks branches
+(Rebase, particle filtering, SART with a drawn re-branching rule): a request
+never holds more live branches in the engine than its ``n``, and every fork
+starts from a branch the engine still runs.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -32,7 +37,7 @@ from hypothesis.stateful import (
 
 import sart
 from sart import BranchId, RequestResult, RequestStatus
-from sart.testing import BranchScript, FakeEngine, ScriptedPRM
+from sart.testing import BranchScript, FakeEngine, ScriptedPRM, ScriptTable
 from strategies import (
     MAX_BATCH,
     PRM_FAIL,
@@ -49,6 +54,15 @@ from strategies import (
 MAX_DRAIN_STEPS = 20_000
 
 
+class LiveTable(ScriptTable):
+    """A script table that reads requests' scripts as they are submitted, shared by the
+    engine and the PRM so that both see the forks the engine made."""
+
+    def __init__(self, scripts: dict[str, tuple[BranchScript, ...]]) -> None:
+        super().__init__({})
+        self._table = scripts  # the machine's own dict, filled by submit
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     """See the module docstring."""
 
@@ -61,12 +75,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.cancelled: set[str] = set()  # cancel() said they were open
         self.deadlines: dict[str, float] = {}  # of requests with a timeout
         self.started_at: dict[BranchId, int] = {}  # engine.steps when a branch went live
+        self.widths: dict[str, int] = {}  # each request's n
         self.ready = False
 
     # ------------------------------------------------------------ helpers
-
-    def _script(self, branch: BranchId) -> BranchScript:
-        return self.scripts[branch.request_id][branch.index]
 
     def _deliver(self, result: RequestResult) -> None:
         rid = result.request_id
@@ -89,8 +101,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             # The scheduler ended branches in the last step; this step only frees them (all
             # of them). A check answered within this step (a confidence source's costs no
             # time) may end more, which the next step frees in turn.
+            # A check that pruned may also fork, in the slots it freed (after the abort).
             log = self.engine.log[seen:]
-            assert {entry[0] for entry in log} <= {"abort", "release"}
+            assert {entry[0] for entry in log} <= {"abort", "release", "start"}
+            for entry in log:
+                if entry[0] == "start":
+                    assert min(entry[2]) >= self.widths[entry[1]], "only forks start here"
             assert sum(len(entry[1]) for entry in log if entry[0] == "abort") >= lag
         # Rules may step many times; hold the invariants at every step, not only after the rule.
         self.within_batch_budget()
@@ -99,6 +115,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.scheduler_running_within_engine_live()
         self.at_most_k_scores_in_flight()
         self.results_are_unique()
+        self.at_most_n_live_per_request()
+        starts = [e for e in self.engine.log[seen:] if e[0] == "start"]
+        if any(max(e[2], default=0) >= self.widths[e[1]] for e in starts):
+            event("forked branches")
         return more
 
     # ------------------------------------------------------------ rules
@@ -127,8 +147,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         aging: float | None,
     ) -> None:
         self.batch_size = batch_size
-        self.engine = FakeEngine(self._script, max_branches=batch_size)
-        self.prm = ScriptedPRM(self._script, every=every, attribute_failures=attribute_failures)
+        table = LiveTable(self.scripts)
+        self.engine = FakeEngine(table, max_branches=batch_size)
+        self.prm = ScriptedPRM(table, every=every, attribute_failures=attribute_failures)
         # A PRM call takes ``prm_cost`` steps of virtual time: overlapped, rewards
         # arrive while decoding goes on.
         priced = sart.CostedPRM(self.prm, lambda _items: float(prm_cost), replicas=replicas)
@@ -148,7 +169,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.ready = True
 
     @rule(
-        parts=intervals.flatmap(request_parts),
+        parts=intervals.flatmap(lambda every: request_parts(every, forks=True)),
         lateness=st.floats(0.0, 1.0),
         # One request in four has a timeout, so that most still run to their end.
         timeout=st.integers(0, 3).flatmap(lambda k: st.floats(0.5, 200.0) if k == 3 else st.none()),
@@ -160,6 +181,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = f"r{len(self.submitted)}"
         arrival = self.engine.clock.now() * (1.0 - lateness)  # already arrived
         self.scripts[rid] = parts.scripts
+        self.widths[rid] = parts.policy.n
+        if parts.policy.forks:
+            event("a policy that forks")
         request = sart.Request(
             rid, "p", parts.policy, parts.sampling, arrival, timeout=timeout, priority=priority
         )
@@ -240,6 +264,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     def within_batch_budget(self) -> None:
         assert len(self.engine.live_branches) <= self.batch_size
         assert self.engine.peak_live <= self.batch_size
+
+    @invariant()
+    def at_most_n_live_per_request(self) -> None:
+        live = Counter(b.request_id for b in self.engine.live_branches)
+        for rid, count in live.items():
+            assert count <= self.widths[rid], f"{rid} holds {count} live branches"
 
     @invariant()
     def live_branches_belong_to_unfinished_requests(self) -> None:

@@ -280,7 +280,10 @@ class DriverBase:
                 if isinstance(cmd, (Prefill, StartBranches, Abort, Pause, ReleasePrefix))
                 else frozenset()
             )
-            if ids & failed:  # an earlier command of this request failed
+            # An earlier command of this request failed: skip what builds on it. An Abort
+            # is always carried out (it is never answered Skipped): the branches it names
+            # run whatever failed before it (a fork's start, before its request's cancel).
+            if ids & failed and not isinstance(cmd, Abort):
                 answers[cmd.id] = Skipped()
                 continue
             fn, args, to_event = self._effect(cmd)

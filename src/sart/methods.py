@@ -31,6 +31,8 @@ sart-adaptive   ``sart.sart_adaptive(n, m, alpha, beta)``    prm         m, alph
 sart-blocking   ``sart`` with blocking checks (an alias)     prm         m, alpha, beta
 deepconf        ``sart.deepconf_online(n)``                  confidence  --
 sart-conf       ``sart.sart_confidence(n, m, alpha, beta)``  confidence  m, alpha, beta
+sart-rebranch   ``sart.sart_rebranch(n, m, alpha, beta)``    prm         m, alpha, beta
+particle        ``sart.particle_filter(n)``                  prm         --
 ==============  ==========================================  ==========  ======================
 
 This module is pure: it builds policies, it never loads or runs anything.
@@ -253,6 +255,19 @@ register_method(
     short_label="SART-conf",
     rewards=Rewards.CONFIDENCE,
     options=OPTIONS,
+)
+register_method(
+    "sart-rebranch",
+    _two_phase(recipes.sart_rebranch),
+    label="SART with re-branching",
+    short_label="SART-rebranch",
+    options=OPTIONS,
+)
+register_method(
+    "particle",
+    lambda n, interval: recipes.particle_filter(n, interval=interval),
+    label="Particle filtering",
+    short_label="Particle",
 )
 
 __all__ = [

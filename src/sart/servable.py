@@ -34,7 +34,7 @@ def check_servable(
             f"{request.id!r}): it honours {sorted(sampling_fields(engine)) or 'none'} of "
             "vLLM's extra sampling fields"
         )
-    if policy.prune.forks and not supports_fork(engine):
+    if policy.forks and not supports_fork(engine):
         raise ConfigError(
             f"request {request.id!r} uses policy {policy.name!r}, which forks branches; "
             f"{type(engine).__name__} does not support forking"

@@ -83,6 +83,10 @@ class BranchView:
     """Generated text so far."""
     end_step: int | None
     """Scheduler decode step at which the branch ended (``None`` while live)."""
+    parent: int | None = None
+    """A fork's parent branch (``None``: started from the prompt)."""
+    inherited: int = 0
+    """Of ``num_tokens``, those a fork took over from its parent."""
 
     @property
     def is_running(self) -> bool:
@@ -104,10 +108,27 @@ class RequestView:
     num_completed: int
     num_pruned: int
     branches: tuple[BranchView, ...]
-    """All ``n`` branches, by index (waiting ones included)."""
+    """Every branch, by index (waiting ones included): the ``n`` started from the prompt,
+    then the forks of a re-branching policy, in the order they were made."""
     load: Load | None = None
     """The server's load at this check (``None`` where no scheduler measured it, as in
     a view built by hand)."""
+    max_tokens: int | None = None
+    """The request's cap on a branch's tokens (``SamplingSettings.max_tokens``)."""
+    seed: int = 0
+    """The request's sampling seed: a rule that draws (systematic resampling) seeds its
+    draws from it, so a run is deterministic given its seeds."""
+
+    @property
+    def live(self) -> tuple[BranchView, ...]:
+        """Branches running or waiting for a slot."""
+        return tuple(b for b in self.branches if not b.status.is_ended)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the request's branches generated so far (a fork's inherited prefix
+        counted once, in its parent)."""
+        return sum(b.num_tokens - b.inherited for b in self.branches)
 
     @property
     def running(self) -> tuple[BranchView, ...]:

@@ -8,6 +8,9 @@
 - ``rate_sweep.png`` (with two or more ``--rate`` values): P97 end-to-end latency
   and accuracy against the arrival rate, one line per method and ``N``: how each
   fares from idle to overload.
+- ``frontier.png`` (with gold answers): accuracy against P97 and against tokens per
+  request, every method and ``N``, one column per rate, the frontier drawn
+  (``sart.bench.frontier``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sart.bench.frontier import plot_frontier
 from sart.bench.runner import BenchConfig, RunRecord
 from sart.methods import get_method
 from sart.types import BranchStatus
@@ -40,6 +44,8 @@ def write_plots(config: BenchConfig, records: Sequence[RunRecord], out: Path) ->
         _distributions(plt, config, records, out / "distributions.png"),
         _against_rate(plt, config, records, out / "rate_sweep.png"),
     ]
+    if any(r.summary.accuracy is not None for r in records):
+        paths.append(plot_frontier(plt, config, records, out / "frontier.png"))
     return [p for p in paths if p is not None]
 
 

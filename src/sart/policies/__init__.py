@@ -6,18 +6,23 @@ from sart.policies.base import (
     PauseRule,
     Policy,
     PruneRule,
+    RebranchRule,
     RewardSource,
     Selector,
     StopRule,
 )
 from sart.policies.equivalence import Equivalence, ExactMatch
+from sart.policies.particle import Resample
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
+from sart.policies.rebranch import Rebranch
 from sart.policies.recipes import (
     deepconf_online,
+    particle_filter,
     rebase,
     sart,
     sart_adaptive,
     sart_confidence,
+    sart_rebranch,
     sart_without_pruning,
     self_consistency,
     vanilla,
@@ -54,6 +59,9 @@ __all__ = [
     "PauseRule",
     "Policy",
     "PruneRule",
+    "Rebranch",
+    "RebranchRule",
+    "Resample",
     "RewardBalance",
     "RewardSource",
     "Selector",
@@ -67,10 +75,12 @@ __all__ = [
     "WeightedVote",
     "deepconf_online",
     "fair_share",
+    "particle_filter",
     "rebase",
     "sart",
     "sart_adaptive",
     "sart_confidence",
+    "sart_rebranch",
     "sart_without_pruning",
     "self_consistency",
     "vanilla",

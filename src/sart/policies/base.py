@@ -1,9 +1,12 @@
-"""The three policy parts (stop rule, prune rule, selector) and the ``Policy`` that holds them.
+"""The policy parts and the ``Policy`` that holds them.
 
-Each part is a small class whose hooks have no-op defaults, in the manner of
-``trio.abc.Instrument``: override only what you need. The scheduler notices a
-prune rule that leaves ``choose`` as the default and skips scoring for it, so
-an unused hook costs nothing.
+Five hook classes -- ``StopRule``, ``PruneRule``, ``RebranchRule``, ``PauseRule``,
+``AdmitRule`` -- and the ``Selector``; besides them a policy names its reward source
+(``reward``) and how an answer is read (``extract``). Each part is a small class
+whose hooks have no-op defaults, in the manner of ``trio.abc.Instrument``: override
+only what you need. The scheduler notices a prune rule that leaves ``choose`` as
+the default and skips scoring for it, and a re-branching rule that leaves ``fork``
+as the default and never asks it, so an unused hook costs nothing.
 """
 
 from __future__ import annotations
@@ -91,6 +94,46 @@ class PruneRule:
     def forks(self) -> bool:
         """Whether this rule forks branches (``fork`` is overridden)."""
         return type(self).fork is not PruneRule.fork
+
+
+class RebranchRule:
+    """Re-spends a request's free seats on forks of its live branches.
+
+    A request has ``n`` seats: each branch started from the prompt takes one, a
+    pruned branch gives its seat back, a completed one keeps it. At every check of a
+    request that goes on, ``fork(request, room)`` may ask for children of running
+    branches: ``{running branch index: children}``, at most ``room`` in all. ``room``
+    is the request's free seats counting its completed branches' too (``n`` less its
+    live branches), cut to the batch slots free now: a fork starts at once or not at
+    all, it never waits for a slot. A rule that refills only pruned seats takes
+    ``num_completed`` off ``room`` itself. Children start where their parent is (its
+    tokens, text and reward; copy-on-write KV) with seeds of their own, and count
+    toward the stop rule only when they complete.
+
+    ``sart.policies.rebranch.Rebranch`` is the stock rule. Running branches are
+    scored at every due check of a policy with an active rule (set ``needs_rewards =
+    False`` on a rule that picks parents without rewards).
+    """
+
+    needs_rewards: ClassVar[bool] = True
+
+    def fork(self, request: RequestView, room: int) -> Mapping[int, int]:
+        return {}
+
+    # Compared by value, as ``AdmitRule`` (a subclass may keep state of its own).
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @property
+    def active(self) -> bool:
+        """Whether this rule may fork at all (``fork`` is overridden)."""
+        return type(self).fork is not RebranchRule.fork
 
 
 @attrs.frozen
@@ -189,6 +232,10 @@ def _default_admit() -> AdmitRule:
     return AdmitRule()
 
 
+def _default_rebranch() -> RebranchRule:
+    return RebranchRule()
+
+
 def _default_select() -> Selector:
     from sart.policies.select import BestReward
 
@@ -231,6 +278,11 @@ class Policy:
     )
     """Settles the policy when its request is admitted, from the server's load (default:
     as given; ``sart.policies.adaptive.BranchByLoad`` chooses ``n`` by load)."""
+    rebranch: RebranchRule = attrs.field(
+        factory=_default_rebranch, validator=_instance_of(RebranchRule, "rebranch")
+    )
+    """Re-spends free seats on forks of live branches at checks (default: never;
+    ``sart.policies.rebranch.Rebranch`` forks the best-rewarded ones)."""
 
     def __attrs_post_init__(self) -> None:
         self.stop.validate(self.n)
@@ -239,7 +291,18 @@ class Policy:
     @property
     def scores_running(self) -> bool:
         """Whether running branches need PRM rewards at each check."""
-        return self.prune.active and self.prune.needs_rewards
+        return (self.prune.active and self.prune.needs_rewards) or self.rescores
+
+    @property
+    def rescores(self) -> bool:
+        """Whether running branches are scored at every due check, also once the pruning
+        budget is spent: a re-branching rule picks its parents by fresh rewards."""
+        return self.rebranch.active and self.rebranch.needs_rewards
+
+    @property
+    def forks(self) -> bool:
+        """Whether the policy may fork branches (its engine must support forking)."""
+        return self.prune.forks or self.rebranch.active
 
     @property
     def scores_completed(self) -> bool:

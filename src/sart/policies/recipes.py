@@ -9,7 +9,9 @@ import attrs
 from sart.errors import config_check
 from sart.policies.adaptive import BranchByLoad, ShedUnderLoad
 from sart.policies.base import Policy
+from sart.policies.particle import Resample
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
+from sart.policies.rebranch import Rebranch
 from sart.policies.reward_balance import RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
@@ -136,6 +138,41 @@ def rebase(n: int, temperature: float = 0.2, interval: int = 400) -> Policy:
         select=WeightedVote(),
         interval=interval,
         name=f"rebase(n={n})",
+    )
+
+
+def sart_rebranch(
+    n: int,
+    m: int | None = None,
+    alpha: float = 0.5,
+    beta: int | None = None,
+    interval: int = 400,
+    rule: Rebranch | None = None,
+) -> Policy:
+    """SART that re-branches: ``sart(n, m, alpha, beta, interval)``, whose checks refill
+    the seats pruning frees with forks of the best-rewarded live branches (``rule``,
+    default ``Rebranch()``: REBASE's softmax at temperature 0.2 over branches not past
+    half of ``max_tokens``, only while nothing else waits for a slot). At saturation
+    it is SART. See ``sart.policies.rebranch``."""
+    m = _paper_m(n, m)
+    return attrs.evolve(
+        sart(n, m, alpha, beta, interval),
+        rebranch=Rebranch() if rule is None else rule,
+        name=f"sart-rebranch(n={n},m={m})",
+    )
+
+
+def particle_filter(n: int, interval: int = 400, temperature: float | None = None) -> Policy:
+    """Particle filtering (Puri et al., 2025): ``n`` particles resampled by PRM weight at
+    every check (systematic resampling), the best-rewarded completed one answers. See
+    ``sart.policies.particle``."""
+    return Policy(
+        n=n,
+        stop=AllDone(),
+        prune=Resample(temperature=temperature),
+        select=BestReward(),
+        interval=interval,
+        name=f"particle(n={n})",
     )
 
 

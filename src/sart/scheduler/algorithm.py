@@ -9,11 +9,14 @@ decode chunk each involved request is *checked*:
    completions are counted (lines 36-39);
 2. ``prune_due`` / ``choose_prunes``: every ``T`` steps, while the pruning budget
    lasts, the prune rule picks low-reward running branches (lines 40-45: at most
-   ``beta`` in the first phase); ``fork_children`` lets a rule (Rebase) start
+   ``beta`` in the first phase); ``prune_forks`` lets a rule (Rebase) start
    children of survivors in the slots the prunes freed;
 3. ``should_finish``: the request ends when no branch is left or its stop rule
    says so (``M`` completed; lines 46-48), and ``choose_answer`` picks the
-   response by the selection rule (the highest PRM reward, section 5.1).
+   response by the selection rule (the highest PRM reward, section 5.1);
+4. beyond the paper, ``rebranch_forks``: a request that goes on may re-spend its
+   free seats (``n`` less its live branches) on forks of its best live branches,
+   as its re-branching rule asks (``sart.policies.rebranch``).
 
 These functions change only the request's own records (``RequestState``); the
 scheduler (``core``) turns what they return into commands and frees the batch
@@ -23,22 +26,13 @@ request alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from sart.messages import BranchSpec
 from sart.results import RequestResult
 from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running
 from sart.state import BranchState, RequestState
 from sart.types import BranchId, BranchStatus, Phase, RequestStatus
 from sart.views import RequestView
-
-
-def end_branch(req: RequestState, branch: BranchState, status: BranchStatus, step: int) -> None:
-    """Record that a running branch of ``req`` ended (pruned, stopped, failed) at ``step``."""
-    branch.status = status
-    branch.end_step = step
-    branch.ended_in = req.phase
-    req.running -= 1
 
 
 def count_completions(req: RequestState, ended: Sequence[BranchState]) -> None:
@@ -79,38 +73,60 @@ def choose_prunes(req: RequestState) -> tuple[list[BranchState], RequestView]:
 
 
 def fork_children(
-    req: RequestState, view: RequestView, slots: int
-) -> tuple[list[BranchState], tuple[BranchSpec, ...]]:
-    """The children the rule asks for, added to ``req``, to start in the ``slots`` its
-    prunes just freed (so a fork never takes a batch slot from another request)."""
-    rule = req.policy.prune
-    wanted = call(lambda v: dict(rule.fork(v)), view, name=f"{type(rule).__name__}.fork")
-    children: list[BranchState] = []
-    specs: list[BranchSpec] = []
+    req: RequestState, wanted: object, room: int, rule: str, room_is: str
+) -> list[BranchState]:
+    """The children ``wanted`` (``{running branch index: children}``, from ``rule``) asks
+    for, checked and added to ``req``: at most ``room`` of them, each of a running branch
+    (never of a pruned or finished one), each starting where its parent is."""
+    if not isinstance(wanted, Mapping):
+        raise PolicyFailure(f"{rule} returned {wanted!r}, not a mapping of index to children")
+    parents: list[tuple[BranchState, int]] = []
     for index, count in sorted(wanted.items()):
         if not isinstance(index, int) or not 0 <= index < len(req.branches):
-            raise PolicyFailure(f"fork rule chose {index!r}, not a branch index")
+            raise PolicyFailure(f"{rule} chose {index!r}, not a branch index")
         parent = req.branches[index]
         if parent.status is not BranchStatus.RUNNING:
-            raise PolicyFailure(f"fork rule chose branch {index}, which is not running")
+            raise PolicyFailure(f"{rule} chose branch {index}, which is not running")
         if not isinstance(count, int) or count < 0:
-            raise PolicyFailure(f"fork rule asked for {count!r} children of branch {index}")
+            raise PolicyFailure(f"{rule} asked for {count!r} children of branch {index}")
+        parents.append((parent, count))
+    total = sum(count for _, count in parents)
+    if total > room:
+        raise PolicyFailure(f"{rule} asked for {total} new branches; {room_is}")
+    children: list[BranchState] = []
+    for parent, count in parents:
         for _ in range(count):
-            child = BranchState(
-                BranchId(req.id, len(req.branches)), req.request.seed + len(req.branches)
-            )
-            # The child starts where its parent is: same tokens, same last reward.
-            child.num_tokens = parent.num_tokens
-            child.chunks = [parent.text] if parent.num_tokens else []
-            child.reward = parent.reward
+            at = len(req.branches)
+            child = BranchState.forked(BranchId(req.id, at), req.request.seed + at, parent)
             req.branches.append(child)
             children.append(child)
-            specs.append(BranchSpec(index=child.index, seed=child.seed, parent=index))
-    if len(children) > slots:
-        raise PolicyFailure(
-            f"fork rule asked for {len(children)} new branches; pruning freed {slots} slots"
-        )
-    return children, tuple(specs)
+    return children
+
+
+def prune_forks(req: RequestState, view: RequestView, freed: int) -> list[BranchState]:
+    """The children a forking prune rule (Rebase) asks for, in the ``freed`` slots its
+    prunes just freed (so a fork never takes a batch slot from another request)."""
+    rule = req.policy.prune
+    name = f"{type(rule).__name__}.fork"
+    wanted = call(lambda v: dict(rule.fork(v)), view, name=name)
+    return fork_children(req, wanted, freed, "fork rule", f"pruning freed {freed} slots")
+
+
+def rebranch_room(req: RequestState, free_slots: int) -> int:
+    """Forks ``req`` may start now: its free seats (``n`` less its live branches), and
+    never more than the batch's free slots (a fork never waits for a slot)."""
+    return max(0, min(req.n - req.live, free_slots))
+
+
+def rebranch_forks(req: RequestState, free_slots: int) -> list[BranchState]:
+    """The children the request's re-branching rule asks for, within ``rebranch_room``."""
+    room = rebranch_room(req, free_slots)
+    if room == 0 or not req.running:
+        return []
+    rule = req.policy.rebranch
+    name = f"{type(rule).__name__}.fork"
+    wanted = call(lambda v: dict(rule.fork(v, room)), req.view(), name=name)
+    return fork_children(req, wanted, room, "rebranch rule", f"{room} may start now")
 
 
 def should_finish(req: RequestState, view: RequestView | None) -> bool:

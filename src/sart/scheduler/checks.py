@@ -64,7 +64,7 @@ def score_items(check: Check) -> list[ScoreItem]:
     branches: list[BranchState] = []
     if policy.scores_completed:
         branches.extend(b for b in check.ended if b.status.is_completed)
-    if check.due and policy.scores_running and may_prune(req, check.ended):
+    if check.due and policy.scores_running and (policy.rescores or may_prune(req, check.ended)):
         branches.extend(b for b in req.branches if b.status is BranchStatus.RUNNING)
     return [
         ScoreItem(

@@ -271,10 +271,7 @@ class Scheduler:
                 self._requests.fail(req, str(exc), now)
         for branch in paused:
             req = self._active[branch.id.request_id]
-            del self._slots.running[branch.id]
-            req.running -= 1
-            branch.status = BranchStatus.WAITING
-            branch.paused = True
+            self._slots.pause(branch)
             self._waiting.add_branches(req, [branch])
             self._pauses += 1
         return paused
@@ -355,19 +352,17 @@ class Scheduler:
 
     def _on_start(self, cmd: StartBranches, event: Event, now: float) -> None:
         ids = [BranchId(cmd.request_id, spec.index) for spec in cmd.branches]
-        self._slots.reserved.difference_update(ids)
         req = self._pending.get(cmd.request_id)
         if req is None or req.ended:
+            self._slots.unreserve(ids)
             if isinstance(event, Started):  # a driver that did not skip: undo at once
                 self._outbox.append(Abort(tuple(ids)))
             return
         if isinstance(event, Started):
-            for bid in ids:
-                branch = req.branches[bid.index]
-                branch.status = BranchStatus.RUNNING
-                self._slots.running[bid] = branch
-            req.running += len(ids)
-        elif isinstance(event, Failed):
+            self._slots.started(req, ids)
+            return
+        self._slots.unreserve(ids)
+        if isinstance(event, Failed):
             self._requests.fail(req, f"starting branches failed: {event.reason}", now)
         elif isinstance(event, Skipped):
             self._requests.fail(req, "start skipped after an earlier failure", now)

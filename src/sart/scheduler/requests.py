@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sart.commands import Abort, Command, Finish, ReleasePrefix
+from sart.commands import Abort, Command, Finish, ReleasePrefix, StartBranches
 from sart.results import RequestResult
 from sart.scheduler import algorithm
 from sart.scheduler.checks import Check
@@ -18,7 +18,7 @@ from sart.scheduler.hooks import PolicyFailure
 from sart.scheduler.slots import Slots
 from sart.scheduler.waiting import WaitQueue
 from sart.state import BranchState, RequestState
-from sart.types import BranchStatus, RequestStatus
+from sart.types import BranchId, BranchStatus, RequestStatus
 from sart.views import Load
 
 
@@ -61,15 +61,32 @@ class RequestTable:
                 req.num_pruned += len(victims)
                 self.outbox.append(Abort(tuple(b.id for b in victims)))
                 if req.policy.prune.forks:
-                    _, specs = algorithm.fork_children(req, view, len(victims))
-                    if specs:
-                        self.outbox.append(self._slots.fork(req.id, specs))
+                    self._fork(req, algorithm.prune_forks(req, view, len(victims)))
                 view = req.view()
         if algorithm.should_finish(req, view):
             self._finalise(req, now)
+        elif req.policy.rebranch.active:
+            self._fork(req, algorithm.rebranch_forks(req, self._slots.free()))
+
+    def _fork(self, req: RequestState, children: Sequence[BranchState]) -> None:
+        if children:
+            self.outbox.append(self._slots.fork(req.id, children))
+
+    def _drop_pending_forks(self, req: RequestState) -> None:
+        """``req`` ends: the forks its checks asked for and the engine has not started yet
+        (their ``StartBranches`` still in the outbox) are never started. Left there, the
+        engine would start them after the request's aborts and prefix release."""
+        kept: list[Command] = []
+        for cmd in self.outbox:
+            if isinstance(cmd, StartBranches) and cmd.request_id == req.id:
+                self._slots.unreserve([BranchId(req.id, spec.index) for spec in cmd.branches])
+            else:
+                kept.append(cmd)
+        self.outbox[:] = kept
 
     def _finalise(self, req: RequestState, now: float) -> None:
         chosen, answer_of = algorithm.choose_answer(req)
+        self._drop_pending_forks(req)
         stopped = []
         for branch in req.branches:
             if branch.status is BranchStatus.RUNNING:
@@ -96,6 +113,7 @@ class RequestTable:
         branches; the waiting ones never start."""
         if req.ended:
             return
+        self._drop_pending_forks(req)
         aborted = []
         for branch in req.branches:
             if branch.status is BranchStatus.RUNNING:
@@ -112,8 +130,7 @@ class RequestTable:
         self, req: RequestState, branch: BranchState, status: BranchStatus, step: int | None = None
     ) -> None:
         """End a running branch of ``req`` at ``step`` (default: now) and free its slot."""
-        algorithm.end_branch(req, branch, status, self.step if step is None else step)
-        del self._slots.running[branch.id]
+        self._slots.end(req, branch, status, self.step if step is None else step)
 
     def _close(self, req: RequestState, result: RequestResult, now: float) -> None:
         req.ended = True

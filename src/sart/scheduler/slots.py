@@ -1,4 +1,4 @@
-"""The batch budget's bookkeeping: which branches hold a slot, and the cleanups
+"""The batch budget: the one owner of which branches hold a slot, and of the cleanups
 the engine still owes.
 
 A branch holds one of the ``B`` slots while it runs, while its start command is
@@ -6,6 +6,12 @@ in flight (*reserved*), and -- after the scheduler ended it -- while the engine
 failed to abort it (*unaborted*: the engine may still decode it). Aborts and
 prefix releases the engine failed are asked again when nothing else runs, a
 bounded number of times, then given up on and counted.
+
+Only ``Slots`` starts, forks, marks running, ends and pauses branches: it moves a
+branch's status in and out of ``RUNNING`` together with its slot, so a request's
+running count (``RequestState.running``, derived from its branches' statuses) and
+the batch's (``len(running)``) can never disagree. Re-branching moves slots between
+branches at every check; with one owner a fork cannot be counted twice or lost.
 """
 
 from __future__ import annotations
@@ -15,8 +21,8 @@ from collections.abc import Sequence
 from sart.commands import Abort, Command, Done, Event, Failed, ReleasePrefix, Skipped, StartBranches
 from sart.errors import SchedulerError
 from sart.messages import BranchSpec
-from sart.state import BranchState
-from sart.types import BranchId
+from sart.state import BranchState, RequestState
+from sart.types import BranchId, BranchStatus
 
 
 class Slots:
@@ -48,10 +54,47 @@ class Slots:
             branch.paused = False
         return StartBranches(request_id=request_id, branches=specs)
 
-    def fork(self, request_id: str, specs: tuple[BranchSpec, ...]) -> StartBranches:
-        """Reserve slots for forked children and the command that starts them."""
-        self.reserved.update(BranchId(request_id, spec.index) for spec in specs)
+    def fork(self, request_id: str, children: Sequence[BranchState]) -> StartBranches:
+        """Reserve slots for forked children (``BranchState.parent`` set) and the command
+        that starts them from their parents' state."""
+        if len(children) > self.free():
+            raise SchedulerError(f"{len(children)} forks asked for {self.free()} free slots")
+        self.reserved.update(child.id for child in children)
+        specs = tuple(
+            BranchSpec(index=child.index, seed=child.seed, parent=child.parent)
+            for child in children
+        )
         return StartBranches(request_id=request_id, branches=specs)
+
+    def started(self, req: RequestState, ids: Sequence[BranchId]) -> None:
+        """The engine started (or resumed, or forked) ``ids`` of ``req``: they run now."""
+        self.reserved.difference_update(ids)
+        for bid in ids:
+            branch = req.branches[bid.index]
+            branch.status = BranchStatus.RUNNING
+            self.running[bid] = branch
+
+    def unreserve(self, ids: Sequence[BranchId]) -> None:
+        """A start command was answered without starting ``ids`` (failed, skipped, or its
+        request ended meanwhile): their reservations end."""
+        self.reserved.difference_update(ids)
+
+    def end(self, req: RequestState, branch: BranchState, status: BranchStatus, step: int) -> None:
+        """End a running branch of ``req`` (pruned, stopped, failed, or completed in
+        decode) at ``step``, and free its slot."""
+        if branch.status is not BranchStatus.RUNNING or not status.is_ended:
+            raise SchedulerError(f"branch {branch.id} ({branch.status}) cannot end as {status}")
+        branch.status = status
+        branch.end_step = step
+        branch.ended_in = req.phase
+        del self.running[branch.id]
+
+    def pause(self, branch: BranchState) -> None:
+        """Pause a running branch for more urgent work: it waits (to resume from its
+        tokens) and frees its slot."""
+        del self.running[branch.id]
+        branch.status = BranchStatus.WAITING
+        branch.paused = True
 
     def late_report(self, branch: BranchId, finished: bool) -> bool:
         """Whether a decode's report of ``branch`` is of one the scheduler ended but the

@@ -6,8 +6,9 @@ implement is a 400 naming the field, never silently ignored. sart's own
 fields sit at the top level of the body, the way vLLM takes its extensions
 (``extra_body`` in the ``openai`` client puts them there):
 
-- ``method``: ``vanilla``, ``sc``, ``sart``, ``sart-no-prune``, ``rebase``,
-  or a name the operator registered (``sart.serve.register_method``);
+- ``method``: a name of the method registry (``sart.methods``: ``vanilla``, ``sc``,
+  ``sart``, ``sart-rebranch``, ``rebase``, ``particle`` and the rest), or a name the
+  operator registered (``sart.serve.register_method``);
 - ``m``, ``alpha``, ``beta``, ``interval``: the policy's fields;
 - ``selector``: ``best-reward``, ``majority`` or ``weighted``.
 
