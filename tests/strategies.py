@@ -140,19 +140,26 @@ def rebranch_rules(draw: st.DrawFn) -> sart.Rebranch:
 
 @st.composite
 def forking_policies(draw: st.DrawFn, interval: int) -> sart.Policy:
-    """A policy that forks branches: Rebase, particle filtering, or SART with a drawn
-    re-branching rule (also around a stock prune rule other than SART's)."""
+    """A policy that forks branches: Rebase, particle filtering, load-aware re-sharing
+    (alone, or as ``sart_rebranch``), or a drawn seat-refilling ``Rebranch`` rule around
+    a stock stop and prune rule."""
     n = draw(st.integers(1, MAX_N))
     m = draw(st.integers(1, n))
-    kind = draw(st.sampled_from(("rebase", "particle", "sart_rebranch", "custom")))
+    kind = draw(st.sampled_from(("rebase", "particle", "sart_rebranch", "reshare", "custom")))
     if kind == "rebase":
         return sart.rebase(n, draw(st.sampled_from((0.05, 0.2, 1.0))), interval)
+    if kind == "reshare":
+        inner = sart.TwoPhasePrune(draw(rewards), draw(st.integers(0, n - 1)))
+        prune = sart.Reshare(inner, draw(st.sampled_from((0.05, 0.2, 1.0))))
+        stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
+        return sart.Policy(n=n, stop=stop, prune=prune, interval=interval)
     if kind == "particle":
         return sart.particle_filter(n, interval, draw(st.none() | st.just(0.2)))
-    rule = draw(rebranch_rules())
     if kind == "sart_rebranch":
         beta = draw(st.integers(0, n - 1))
-        return sart.sart_rebranch(n, m, draw(rewards), beta, interval, rule=rule)
+        temperature = draw(st.sampled_from((0.05, 0.2, 1.0)))
+        return sart.sart_rebranch(n, m, draw(rewards), beta, interval, temperature)
+    rule = draw(rebranch_rules())
     stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
     prune = draw(st.sampled_from([sart.NoPrune(), sart.TwoPhasePrune(0.5, n // 2)]))
     return sart.Policy(n=n, stop=stop, prune=prune, interval=interval, rebranch=rule)

@@ -58,7 +58,7 @@ def test_bench_writes_table_json_and_plots(
         assert all(r["correct"] in (True, False) for r in run["requests"])
     assert [(r["rate"], r["n"]) for r in doc["ratios_p97"]] == [(2.0, 2), (2.0, 4)]
     check_prm_records(doc, printed)
-    for name in ("latency_accuracy.png", "resources.png", "distributions.png"):
+    for name in ("latency_accuracy.png", "resources.png", "distributions.png", "frontier.png"):
         assert (tmp_path / "out" / name).stat().st_size > 10_000
     assert not (tmp_path / "out" / "rate_sweep.png").exists()  # one rate: nothing to sweep
 

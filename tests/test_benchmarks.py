@@ -63,6 +63,15 @@ class Case:
 
 CASES = [
     Case(
+        "fork_model.py",
+        "--quick",
+        (
+            r"^\d+ forks from 1 file\(s\)$",
+            rf"^fit: intercept -{NUMBER}, slope {NUMBER} \(ForkModel: ",
+            rf"^0.60-0.70\s+\d+\s+{NUMBER}\s+{NUMBER}$",
+        ),
+    ),
+    Case(
         "rebranch_variants.py",
         "--requests 12 --n 4 --rate 2 --methods sart rb-softmax rb-balance "
         "--out /tmp/sart-bench-rebranch-variants --no-plots",

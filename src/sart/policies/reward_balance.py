@@ -22,6 +22,12 @@ Mapping onto the step/chunk model:
   request loses a slot. A completed leaf is not replaced, so the budget
   shrinks with every solution, as in Rebase;
 - leaves are re-shared only when every one of them has been scored this check.
+
+``Reshare`` is the same re-sharing made load-aware, for SART that prunes *and*
+re-branches (``sart.sart_rebranch``): while no other work waits for a batch slot
+and the KV cache has room it re-shares as Rebase does; under load it prunes by its
+``inner`` rule (SART's two phases) and forks nothing, so the slots pruning frees go
+to the waiting requests.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import attrs
 
 from sart.errors import config_check
 from sart.policies.base import PruneRule
+from sart.policies.rebranch import others_waiting
+from sart.types import Phase
 from sart.views import BranchView, Limits, RequestView
 
 
@@ -83,5 +91,67 @@ class RewardBalance(PruneRule):
         return [b.index for b in sorted(dropped, key=lambda b: (b.reward, b.index))]
 
     def fork(self, request: RequestView) -> Mapping[int, int]:
+        shares = allocate(request.running, self.temperature)
+        return {index: k - 1 for index, k in shares.items() if k >= 2}
+
+
+def _check_share(_inst: object, attr: attrs.Attribute, value: float) -> None:
+    ok = isinstance(value, (int, float)) and 0.0 < value <= 1.0
+    config_check(ok, attr.name, value, "in (0, 1]")
+
+
+@attrs.frozen
+class Reshare(PruneRule):
+    """Rebase's re-sharing while the server has room, ``inner``'s prunes under load.
+
+    Idle (no other request or branch waits for a batch slot, and the KV cache is
+    below ``kv_limit`` of its capacity): at each check the running branches are
+    re-shared by ``softmax(reward / temperature)`` as ``RewardBalance`` does, the
+    ones whose share is 0 pruned and the others forked into the slots freed. Busy:
+    ``inner`` prunes within its own budget (its ``start(n)`` limit in phase 1,
+    ``n - 1`` in phase 2, counting every prune of the request, re-sharing's too) and
+    nothing is forked. The threshold is ``inner``'s throughout.
+    """
+
+    inner: PruneRule
+    temperature: float = attrs.field(default=0.2, validator=_check_temperature)
+    kv_limit: float = attrs.field(default=0.9, validator=_check_share)
+    """Idle only while the KV cache is below this share of its capacity."""
+
+    def validate(self, n: int) -> None:
+        self.inner.validate(n)
+
+    def start(self, n: int) -> Limits:
+        # Re-sharing's prunes are replaced by forks: no cap but never all (the
+        # scheduler's); ``choose`` keeps ``inner``'s own budget when busy.
+        return Limits(threshold=self.inner.start(n).threshold, max_num_pruned=sys.maxsize)
+
+    def enter_exploit(self, limits: Limits, first: BranchView, n: int) -> Limits:
+        inner = self.inner.enter_exploit(limits, first, n)
+        return Limits(threshold=inner.threshold, max_num_pruned=sys.maxsize)
+
+    def idle(self, request: RequestView) -> bool:
+        """Whether the server has room for forks (see the class docstring)."""
+        load = request.load
+        if load is None:
+            return True
+        use = load.kv_use
+        return others_waiting(request) == 0 and (use is None or use < self.kv_limit)
+
+    def choose(self, request: RequestView) -> Iterable[int]:
+        if self.idle(request):
+            shares = allocate(request.running, self.temperature)
+            dropped = [b for b in request.running if shares.get(b.index, 1) == 0]
+            return [b.index for b in sorted(dropped, key=lambda b: (b.reward, b.index))]
+        budget = (
+            self.inner.start(request.n).max_num_pruned
+            if request.phase is Phase.EXPLORE
+            else request.n - 1
+        )
+        return list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
+
+    def fork(self, request: RequestView) -> Mapping[int, int]:
+        if not self.idle(request):
+            return {}
         shares = allocate(request.running, self.temperature)
         return {index: k - 1 for index, k in shares.items() if k >= 2}
