@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 from pathlib import Path
 
@@ -108,7 +109,7 @@ def main() -> None:
     )
     print(f"{'reward':>11} {'forks':>6} {'right %':>8} {'fitted %':>9}")
     fitted = 1 / (1 + np.exp(-(intercept + slope * reward)))
-    for low, high in zip(BUCKETS, BUCKETS[1:]):
+    for low, high in itertools.pairwise(BUCKETS):
         mask = (reward >= low) & (reward < high)
         if mask.any():
             print(

@@ -129,3 +129,15 @@ def test_resume_is_refused_with_a_mix(tmp_path: Path, capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         main(["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--resume", "--out", str(tmp_path)])
     assert "a --mix benchmark starts afresh" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_log_without_its_results_json(tmp_path: Path) -> None:
+    # A kept runs.jsonl restored alone (results.json not beside it) was silently started
+    # afresh, losing every run it held; now it is refused and the log left whole.
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    config = document(tmp_path)["config"]
+    (tmp_path / "results.json").unlink()
+    before = (tmp_path / "runs.jsonl").read_text()
+    with pytest.raises(ConfigError, match=re.escape("holds runs.jsonl but no results.json")):
+        resumable_runs(tmp_path, config, None)
+    assert (tmp_path / "runs.jsonl").read_text() == before

@@ -675,3 +675,34 @@ def test_a_branch_that_wrote_no_answer_loads(tmp_path: Path) -> None:
     path = write_lines(tmp_path / "t.jsonl", [json.dumps(line)])
     (request,) = Trace.load(path)
     assert request.branches[0].answer == ""
+
+
+def test_a_forks_correctness_follows_its_parents_reward_at_the_fork() -> None:
+    from sart.bench.traces import ForkModel, TraceScript
+
+    def branch(answer: str, reward: float) -> BranchScript:
+        return BranchScript(length=200, answer=answer, rewards=(reward,) * 4, final_reward=reward)
+
+    request = TraceRequest(
+        id="q",
+        arrival=0.0,
+        answer="7",
+        branches=(branch("7", 0.9), branch("3", 0.2), branch("7", 0.8), branch("3", 0.3)),
+        interval=50,
+    )
+    trace = Trace.of([request])
+
+    def right_share(parent: int, model: ForkModel | None) -> float:
+        script = TraceScript(trace, None, model)
+        answers = [
+            script.fork(BranchId("q", 4 + k), BranchId("q", parent), 60).answer for k in range(400)
+        ]
+        return sum(a == "7" for a in answers) / len(answers)
+
+    model = ForkModel()
+    assert model.right(0.9) > 0.9 and model.right(0.2) < 0.1
+    # Forked at 60 tokens: the parent's reward then is its first, 0.9 or 0.2.
+    assert right_share(0, model) > 0.85 and right_share(1, model) < 0.15
+    # The former draw ignores the reward: a wrong parent's children are right as
+    # often as a fresh branch is, less the share kept (60 / 200).
+    assert 0.2 < right_share(1, None) < 0.5

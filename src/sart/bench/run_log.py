@@ -101,6 +101,13 @@ def resumable_runs(
     differs when it was another benchmark; nothing when ``out`` has none."""
     results = out / "results.json"
     if not results.exists():
+        if RunLog(out).read():
+            # Its runs cannot be checked against this benchmark, and starting afresh would
+            # drop them from the log (as it once dropped a whole kept comparison).
+            raise ConfigError(
+                f"--resume: {out} holds {RUN_LOG} but no results.json, which says what "
+                f"benchmark its runs belong to; restore results.json, or move {RUN_LOG} away"
+            )
         return []
     document = json.loads(results.read_text(encoding="utf-8"))
     # Through JSON, so that tuples and lists compare as results.json holds them.

@@ -128,7 +128,8 @@ class Trace:
         """Branch behaviour for ``SimEngine``/``FakeEngine`` and ``ScriptedPRM``
         (share one between the engine and the PRM: forks are recorded in it).
         ``every``: the tokens between recorded rewards where a request does not say
-        (its ``interval``); the PRM must read rewards at the same ``every``."""
+        (its ``interval``); the PRM must read rewards at the same ``every``.
+        Forks are drawn by the fitted ``ForkModel`` (``TraceScript``)."""
         return TraceScript(self, every)
 
     def gold(self) -> dict[str, str]:
