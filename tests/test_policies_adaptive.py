@@ -280,3 +280,42 @@ def test_a_broken_admission_rule_fails_its_request_only(admit: object, reason: s
     assert bad.status is sart.RequestStatus.FAILED and reason in (bad.reason or "")
     assert good.ok
     assert engine.live_branches == frozenset() and engine.prefixes == frozenset()
+
+
+def test_an_admission_rule_may_not_settle_on_more_than_the_driver_set_up() -> None:
+    # Majority vote needs no PRM, so a driver without one accepts the request; the rule
+    # then settles on SART, whose checks would reach the PRM the driver lacks. That
+    # request fails with a reason; the run and the other request go on.
+    class ToSart(sart.AdmitRule):
+        def admit(self, policy: sart.Policy, load: Load) -> sart.Policy:
+            return sart.sart(policy.n, m=2, interval=8)
+
+    table = scripts(2, 4)
+    needy = attrs.evolve(sart.self_consistency(4, interval=8), admit=ToSart())
+    requests = [
+        sart.Request("r0", "q", needy),
+        sart.Request("r1", "q", sart.self_consistency(4, interval=8)),
+    ]
+    engine = FakeEngine(table)
+    bad, good = sart.run(requests, engine, None, batch_size=8)
+    assert bad.status is sart.RequestStatus.FAILED
+    assert "needs rewards for its running branches" in (bad.reason or "")
+    assert good.ok and len(good.branches) == 4
+    assert engine.live_branches == frozenset() and engine.prefixes == frozenset()
+
+
+def test_an_admission_rule_may_narrow_the_policy() -> None:
+    # Fewer branches and no pruning need nothing the submitted SART did not.
+    class Narrow(sart.AdmitRule):
+        def admit(self, policy: sart.Policy, load: Load) -> sart.Policy:
+            return sart.self_consistency(2, interval=8)
+
+    table = scripts(1, 4)
+    policy = attrs.evolve(sart.sart(4, m=2, interval=8), admit=Narrow())
+    (result,) = sart.run(
+        [sart.Request("r0", "q", policy)],
+        FakeEngine(table),
+        ScriptedPRM(table, every=8),
+        batch_size=8,
+    )
+    assert result.ok and len(result.branches) == 2

@@ -54,7 +54,31 @@ def admitted_policy(policy: Policy, load: Load) -> Policy:
             f"admission rule {type(rule).__name__} returned {chosen!r}: a Policy with 1 to "
             f"{policy.n} branches was expected"
         )
+    beyond = needs_beyond(policy, chosen)
+    if beyond:
+        raise PolicyFailure(
+            f"admission rule {type(rule).__name__} settled on policy {chosen.name!r}, which "
+            f"needs {beyond} that the submitted {policy.name!r} does not: the driver set up "
+            "rewards, sampling and the engine's checks for the submitted policy"
+        )
     return attrs.evolve(chosen, admit=AdmitRule()) if chosen.admit.active else chosen
+
+
+def needs_beyond(submitted: Policy, settled: Policy) -> str:
+    """What ``settled`` needs that ``submitted`` does not ('' if nothing). The driver
+    routes rewards, asks for log-probabilities and checks the engine and PRM from the
+    submitted policy before it arrives, so a settled policy may narrow it (fewer
+    branches, less scoring) but not need more: that would reach a PRM the driver may
+    not have, or an engine that cannot fork."""
+    if settled.reward != submitted.reward:
+        return f"another reward source ({settled.reward!r})"
+    if settled.scores_running and not submitted.scores_running:
+        return "rewards for its running branches"
+    if settled.scores_completed and not submitted.scores_completed:
+        return "rewards for its completed branches"
+    if settled.forks and not submitted.forks:
+        return "forks"
+    return ""
 
 
 def running_choices(req: RequestState, chosen: Sequence[object], rule: str) -> list[BranchState]:
