@@ -54,9 +54,7 @@ from typing import Any
 
 import attrs
 
-from sart.messages import TokenLogprobs
-from sart.prm.aggregate import AGGREGATIONS, aggregate
-from sart.rewards.signals import (
+from sart.confidence.signals import (
     GroupConfidence,
     LowestGroupConfidence,
     LowestTokenLogprob,
@@ -65,6 +63,8 @@ from sart.rewards.signals import (
     TailConfidence,
     TokenConfidence,
 )
+from sart.messages import TokenLogprobs
+from sart.prm.aggregate import AGGREGATIONS, aggregate
 from sart.rollouts import auroc
 
 #: The testbed's check interval T: a window of one check's tokens.
@@ -98,7 +98,7 @@ class Config:
 
 
 def make_signals(window: int, tail: int) -> dict[str, Signal]:
-    """Every signal of ``sart.rewards.signals``, by its ``SIGNALS`` name."""
+    """Every signal of ``sart.confidence.signals``, by its ``SIGNALS`` name."""
     return {
         "token": TokenConfidence(),
         "group": GroupConfidence(window),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import sart
@@ -80,3 +82,12 @@ def test_a_registered_method_is_known_everywhere(monkeypatch: pytest.MonkeyPatch
     register_method("not-a-policy", lambda n, interval: "x")
     with pytest.raises(TypeError, match=r"built 'x', not a sart\.Policy"):
         get_method("not-a-policy").policy(2, 16)
+
+
+@pytest.mark.parametrize("doc", ["docs/reference/api.md", "docs/tutorials/serve.md"])
+def test_every_builtin_method_is_documented(doc: str) -> None:
+    # The registry is the one list of methods; the API reference and the server's
+    # tutorial name each built-in, so a new method cannot land undocumented.
+    text = (Path(__file__).resolve().parents[1] / doc).read_text()
+    missing = [name for name in method_names() if f"`{name}`" not in text]
+    assert not missing, f"{doc} does not name {missing}"

@@ -28,7 +28,7 @@ def test_import_sart_loads_no_engine_or_torch() -> None:
 #: and the drivers, which act through the engine and PRM contracts only.
 CORE = (
     "scheduler", "commands.py", "state.py", "views.py", "messages.py", "policies",
-    "methods.py", "rewards", "driver.py", "async_driver.py", "score_runner.py", "servable.py",
+    "methods.py", "rewards", "confidence", "driver.py", "async_driver.py", "score_runner.py", "servable.py",
 )  # fmt: skip
 #: The contracts (protocols and their helpers), which the drivers may import.
 CONTRACTS = ("sart.engines.base", "sart.prm.base")
@@ -58,6 +58,68 @@ def test_the_core_imports_no_adapter_module() -> None:
                 assert not name.startswith(adapters), (
                     f"{path.relative_to(root)} imports {name}: the core must not know the adapters"
                 )
+
+
+def _unit(module: str) -> str | None:
+    """The unit ``module`` belongs to in the import graph: a subpackage of sart
+    (``sart.policies``), or a module of sart's own top level (``sart.request``)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "sart" and len(parts) > 1 else None
+
+
+def _is_unit(root: Path, unit: str) -> bool:
+    """Whether ``unit`` is a module or subpackage of sart (not a name imported from one)."""
+    path = root.parent / unit.replace(".", "/")
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
+def _module_imports(tree: ast.Module) -> list[str]:
+    """What a module imports when it loads: its top-level imports, also those under an
+    ``if`` (``TYPE_CHECKING`` too: a type-only edge is still a dependency) or a
+    ``try``; not the deferred ones inside functions."""
+    found: list[str] = []
+    body: list[ast.stmt] = list(tree.body)
+    while body:
+        node = body.pop()
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, (ast.If, ast.Try)):
+            body += node.body + node.orelse
+            body += [s for h in getattr(node, "handlers", []) for s in h.body]
+    return found
+
+
+def test_no_import_cycle_among_sarts_packages() -> None:
+    # A cycle between two packages (policies <-> rewards, say) makes import order
+    # matter and gets hidden behind lazy imports; each unit may only sit above others.
+    root = Path(sart.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        unit = _unit(".".join(parts))
+        if unit is None:  # sart/__init__.py re-exports everything: the top, not a cycle
+            continue
+        for name in _module_imports(ast.parse(path.read_text(encoding="utf-8"))):
+            target = _unit(name)
+            if target is not None and target != unit and _is_unit(root, target):
+                graph.setdefault(unit, set()).add(target)
+
+    def reaches(start: str, goal: str) -> list[str] | None:
+        paths, seen = [[start]], {start}
+        while paths:
+            path = paths.pop()
+            for nxt in sorted(graph.get(path[-1], ())):
+                if nxt == goal:
+                    return [*path, nxt]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    paths.append([*path, nxt])
+        return None
+
+    cycles = [c for unit in sorted(graph) if (c := reaches(unit, unit))]
+    assert not cycles, f"import cycles: {cycles}"
 
 
 def test_exported_names_exist_and_are_unique() -> None:

@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 import sart
 from sart import BranchStatus, Phase, RequestResult, RequestStatus
-from sart.rewards.confidence import ConfidenceScorer
-from sart.rewards.signals import NEUTRAL_REWARD
+from sart.confidence.scorer import ConfidenceScorer
+from sart.confidence.signals import NEUTRAL_REWARD
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 from strategies import (
     PREFILL,

@@ -153,7 +153,9 @@ def test_a_method_and_its_fields_build_the_policy() -> None:
             policy(**fields)
 
 
-def test_a_registered_method_is_served_by_name() -> None:
+def test_a_registered_method_is_served_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A copy of the registry, so the method does not outlive the test.
+    monkeypatch.setattr(sart.methods, "_METHODS", dict(sart.methods._METHODS))
     register_method("wide-sc", lambda n, interval: sart.self_consistency(2 * n, interval))
     _, p = build_policy(
         PolicyFields(method="wide-sc", n=3), method="sart", n=8, max_n=16, interval=4

@@ -10,13 +10,9 @@ its build functions; neither changes anything on GPUs, nor a setting the user ma
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from sart.launch import LoadSpec
-
-VLLM_PRMS = ("vllm-qwen", "vllm-cached")
-"""PRM kinds that run on a vLLM engine (``sart.launch.VLLM_PRMS``)."""
+from sart.load_spec import VLLM_PRMS, LoadSpec
 
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 """vLLM's switch between its engine core in a process of its own (``1``, its default)

@@ -46,7 +46,7 @@ class TokenLogprobs(NamedTuple):
     """The ``k`` most likely tokens', highest first (``k`` = ``SamplingSettings.logprobs``;
     empty for ``logprobs=0``; fewer than ``k`` where a server keys them by token text
     and two tokens share one, see ``sart.engines.openai``). Only the values: no signal
-    needs the token ids, and a branch keeps none of them (``sart.rewards.signals``
+    needs the token ids, and a branch keeps none of them (``sart.confidence.signals``
     folds them into running sums)."""
 
 

@@ -179,7 +179,7 @@ class SamplingSettings:
     """Log-probabilities to return with each generated token, as vLLM's ``logprobs``:
     ``None`` none; ``0`` the sampled token's only; ``k`` also the ``k`` most likely
     tokens' (``BranchDelta.logprobs``). A confidence reward source raises it to the
-    ``k`` it needs (``sart.rewards.signals``)."""
+    ``k`` it needs (``sart.confidence.signals``)."""
     # vLLM's sampling fields beyond those above (``EXTRA_SAMPLING``): the same names,
     # meanings and ranges as vLLM's ``SamplingParams``; an engine honours those it
     # lists in its ``sampling_fields``, and refuses a request that sets another.

@@ -66,7 +66,7 @@ import attrs
 
 from sart.engines.costs import H100, Accelerator, ModelSpec, non_negative
 from sart.errors import config_check, enum_converter
-from sart.prm.base import ScoreItem
+from sart.messages import ScoreItem
 
 QWEN_MATH_PRM_7B = ModelSpec(
     "Qwen2.5-Math-PRM-7B",

@@ -1,5 +1,15 @@
 """Policies: what to stop on, what to prune, which answer to pick, and the recipes."""
 
+from sart.confidence import ConfidenceScorer
+from sart.confidence.signals import (
+    GroupConfidence,
+    LowestGroupConfidence,
+    LowestTokenLogprob,
+    MeanTokenLogprob,
+    Signal,
+    TailConfidence,
+    TokenConfidence,
+)
 from sart.policies.adaptive import BranchByLoad, ShedUnderLoad, fair_share
 from sart.policies.base import (
     AdmitRule,
@@ -30,16 +40,6 @@ from sart.policies.recipes import (
 from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
-from sart.rewards.confidence import ConfidenceScorer
-from sart.rewards.signals import (
-    GroupConfidence,
-    LowestGroupConfidence,
-    LowestTokenLogprob,
-    MeanTokenLogprob,
-    Signal,
-    TailConfidence,
-    TokenConfidence,
-)
 
 __all__ = [
     "AdmitRule",

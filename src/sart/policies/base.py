@@ -271,7 +271,7 @@ class Policy:
     lowest reward first)."""
     reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
     """This policy's own reward source, used for its requests instead of the driver's
-    PRM (e.g. ``sart.rewards.ConfidenceScorer``: confidence from the policy's
+    PRM (e.g. ``sart.ConfidenceScorer``: confidence from the policy's
     log-probabilities). ``None``: the driver's PRM."""
     admit: AdmitRule = attrs.field(
         factory=_default_admit, validator=_instance_of(AdmitRule, "admit")

@@ -6,6 +6,8 @@ import functools
 
 import attrs
 
+from sart.confidence.scorer import ConfidenceScorer
+from sart.confidence.signals import LowestGroupConfidence, LowestTokenLogprob, Signal
 from sart.errors import config_check
 from sart.policies.adaptive import BranchByLoad, ShedUnderLoad
 from sart.policies.base import Policy
@@ -14,8 +16,6 @@ from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.policies.stop import AllDone, FirstM
-from sart.rewards.confidence import ConfidenceScorer
-from sart.rewards.signals import LowestGroupConfidence, LowestTokenLogprob, Signal
 
 
 def vanilla(interval: int = 400) -> Policy:
@@ -239,7 +239,7 @@ def sart_confidence(
     and two-phase pruning (``sart()``'s defaults), the best-rewarded answer, rewards from
     ``signal`` (default ``LowestTokenLogprob()``: the lowest sampled-token probability
     so far, which needs no top-k). Phase 1 compares rewards with ``alpha``: for a
-    confidence signal that depends on ``scale`` (``sart.rewards.signals``); phase 2
+    confidence signal that depends on ``scale`` (``sart.confidence.signals``); phase 2
     compares branches with each other and does not."""
     m = _paper_m(n, m)
     signal = LowestTokenLogprob() if signal is None else signal

@@ -8,7 +8,7 @@ before the server started (``sart serve --plugin MODULE``). A request can never
 make the server import or run anything.
 
 ``deepconf`` and ``sart-conf`` score branches with the policy's own
-log-probabilities (``sart.rewards.confidence``), not the server's PRM: they
+log-probabilities (``sart.confidence.scorer``), not the server's PRM: they
 run on a server started without one, on any engine that returns logprobs. An
 alias that fixes its scoring (``sart-blocking``) runs only on a server started
 with that scoring.

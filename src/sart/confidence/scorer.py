@@ -7,8 +7,8 @@ in [0, 1] behind the PRM's interface, so every prune rule and selector works
 with it unchanged. The driver feeds it each decode call's deltas
 (``observe``, from the loop's thread) and asks it for rewards at checks
 (``score``, from a PRM worker thread when scoring overlaps): it is stateful
-and locked, so it lives here, beside the PRMs, not among the pure rules of
-``sart.policies``. The signals and their rewards are in ``sart.rewards.signals``.
+and locked, so it lives below the pure rules of
+``sart.policies``. The signals and their rewards are in ``sart.confidence.signals``.
 
 Memory: a branch keeps one running state (at most the signal's window of
 floats); ``release`` drops a request's states.
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import attrs
 
+from sart.confidence.signals import NEUTRAL_REWARD, LowestGroupConfidence, Signal, Tracker
 from sart.errors import PRMError, config_check, int_at_least
 from sart.messages import ScoreItem, StepOutput
-from sart.rewards.signals import NEUTRAL_REWARD, LowestGroupConfidence, Signal, Tracker
 from sart.types import BranchId
 
 

@@ -2,7 +2,7 @@
 
 Each ``Signal`` makes a ``Tracker``: a branch's running state, fed the
 log-probabilities the engine reports with each token, whose ``value`` the
-signal maps to a reward in [0, 1]. ``ConfidenceScorer`` (``sart.rewards.confidence``)
+signal maps to a reward in [0, 1]. ``ConfidenceScorer`` (``sart.confidence.scorer``)
 holds one per branch behind the PRM's interface.
 
 The signals (Fu et al., 2025, "Deep Think with Confidence", arXiv:2508.15260,
