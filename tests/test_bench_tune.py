@@ -102,8 +102,20 @@ def test_sart_tune_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (out / "tune.png").stat().st_size > 0
     printed = capsys.readouterr().out
     assert "Held-out trace" in printed
-    if data["winner"] is not None and "beats" in printed:
-        assert "use it: sart.sart(4" in printed
+    # The verdict printed agrees with the held-out numbers written: a winner that misses
+    # its held-out floor is never recommended; one that meets it and beats the
+    # defaults on both P97 and accuracy is.
+    winner = data["winner"]
+    assert winner is not None
+    held = {h["policy"]: h for h in data["held_out"]}
+    tuned, paper = held[winner["policy"]], held[Candidate.paper(4).code()]
+    if not tuned["meets_floor"]:
+        assert "tuned misses the accuracy floor held out" in printed
+        assert "use it:" not in printed
+    elif tuned["p97"] < paper["p97"] and tuned["accuracy"] >= paper["accuracy"]:
+        assert f"use it: {winner['policy']}" in printed.replace("\n", "")
+    else:
+        assert "does not beat" in printed and "use it:" not in printed
 
 
 def test_sart_tune_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

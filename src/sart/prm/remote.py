@@ -132,8 +132,9 @@ class RemotePRM:
         self.tokens_processed = 0
         """Tokens sent to the servers."""
         self.tokens_cached = 0
-        """Of those, the servers' prefix caches held (from their ``usage``, when they
-        report it)."""
+        """Of those, the servers' prefix caches held, from their ``usage`` where they
+        report it. vLLM's ``/pooling`` (0.32) does not: there it stays 0 and the
+        servers' own ``vllm:prefix_cache_hits`` metric tells."""
         self.requests_sent = [0] * len(urls)
         """HTTP requests sent to each server."""
 
