@@ -14,6 +14,7 @@ import sart.registry
 from sart import testbed
 from sart.launch import (
     ENGINES,
+    PRM_KINDS,
     Gateway,
     LoadSpec,
     build_engine,
@@ -86,6 +87,11 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"engine": "openai"}, "gateway=None must be set exactly when engine='openai'"),
         ({"engine": "hf", "gateway": Gateway(("http://x",))}, "gateway=Gateway("),
         ({"engine": "tgi"}, "engine='tgi' must be one of"),
+        (
+            {"engine": "hf", "prm": "p", "prm_urls": ("http://x",)},
+            "prm_urls=('http://x',) has no effect with PRM kind 'qwen' (only remote reads it)",
+        ),
+        ({"engine": "hf", "prm": "p", "prm_kind": "remote"}, "prm_urls=() must be at least one"),
         ({"engine": "hf", "batch_size": 0}, "batch_size=0 must be >= 1"),
     ],
 )
@@ -97,6 +103,36 @@ def test_a_field_the_engine_or_prm_would_ignore_is_refused(fields: dict, message
 
 def test_every_loader_engine_is_a_registry_name() -> None:
     assert set(ENGINES) <= set(sart.registry.engine_names())
+    assert set(PRM_KINDS) <= set(sart.registry.prm_names())
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--prm-url", "http://x"], None),
+        (["--prm-url", "http://x", "--prm-kind", "remote"], None),
+        (["--prm-url", "http://x", "--prm-kind", "vllm-cached"], "give one or the other"),
+        (["--prm-kind", "remote"], "--prm-kind remote needs --prm-url"),
+    ],
+)
+def test_prm_url_means_the_remote_kind_and_nothing_else(flags: list[str], said: str | None) -> None:
+    # --prm-url used to turn --prm-kind vllm-cached (a PRM on vLLM in this process)
+    # silently into the remote PRM; now the remote PRM is a kind of its own.
+    import argparse
+
+    from sart.flags import add_model_flags, load_spec
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", default="hf")
+    parser.add_argument("--model", default="m")
+    add_model_flags(parser)
+    args = parser.parse_args(["--prm", "tok", *flags])
+    if said is None:
+        spec = load_spec(args, batch_size=4)
+        assert spec.prm_kind == "remote" and spec.prm_urls == ("http://x",)
+    else:
+        with pytest.raises(sart.ConfigError, match=said):
+            load_spec(args, batch_size=4)
 
 
 def test_testbed_stands_for_the_shipped_policy_and_its_calibrated_prm() -> None:

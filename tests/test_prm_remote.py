@@ -140,7 +140,7 @@ def test_sart_bench_scores_on_the_servers(
     argv += ["--rate", "50", "--max-tokens", "24", "--interval", "8", "--no-plots"]
     assert main([*argv, "--out", str(out)]) == 0
     doc = json.loads((out / "results.json").read_text())
-    assert doc["serving"]["prm_kind"] == "vllm-cached"
+    assert doc["serving"]["prm_kind"] == "remote"
     assert doc["serving"]["prm_urls"] == urls
     (run,) = doc["runs"]
     assert (run["summary"]["requests"], run["summary"]["failed"]) == (4, 0)
@@ -204,7 +204,7 @@ def test_every_command_takes_the_servers(tmp_path: Path) -> None:
     ):
         args = _parser().parse_args(argv)
         spec = load_spec(args, batch_size=8)
-        assert (spec.prm_kind, spec.prm_urls) == ("vllm-cached", tuple(urls)), argv[0]
+        assert (spec.prm_kind, spec.prm_urls) == ("remote", tuple(urls)), argv[0]
     no_tokenizer = _parser().parse_args(["serve", "--model", "m", "--prm-url", *urls])
     with pytest.raises(sart.ConfigError, match="--prm-url needs --prm"):
         load_spec(no_tokenizer, batch_size=8)

@@ -63,7 +63,7 @@ def cpu_layout(spec: LoadSpec, *, with_prm: bool = True) -> dict[str, str]:
     (``VLLM_CPU_OMP_THREADS_BIND=nobind``). Each setting stays the user's where the
     environment already has it; on GPUs nothing changes."""
     has_prm = with_prm and spec.prm is not None
-    local_vllm_prm = has_prm and spec.prm_kind in VLLM_PRMS and not spec.prm_urls
+    local_vllm_prm = has_prm and spec.prm_kind in VLLM_PRMS
     vllm_cpu = (spec.engine == "vllm" or local_vllm_prm) and _on_vllm_cpu()
     chosen: dict[str, str] = {}
     if vllm_cpu:

@@ -26,6 +26,7 @@ from typing import Any
 from sart.errors import ConfigError
 from sart.launch import (
     PRM_KINDS,
+    REMOTE_PRM,
     TESTBED_MAX_TOKENS,
     Gateway,
     IgnoredSetting,
@@ -129,7 +130,8 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         help=f"{scope}Qwen2.5-Math-PRM style on transformers (qwen, the default), "
         "Math-Shepherd style (shepherd), Qwen2.5-Math-PRM served by vLLM with STEP pooling, "
         "re-encoding each branch at every check (vllm-qwen), or served by vLLM from its prefix "
-        "cache, each check computing only the new tokens (vllm-cached)",
+        "cache, each check computing only the new tokens (vllm-cached), or on vllm serve "
+        "PRM servers (remote: what --prm-url implies)",
     )
     p.add_argument("--device", default=None, help="hf: the policy's torch device (default cpu)")
     p.add_argument(
@@ -160,7 +162,7 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         metavar="URL",
         help="score on these PRM servers (vllm serve of the PRM loaded as sart's LAST-pooled "
         "architecture, see docs/how-to/custom-prm.md) instead of a PRM in this process; "
-        "a request's checks always go to one server. Implies --prm-kind vllm-cached; --prm "
+        "a request's checks always go to one server. Implies --prm-kind remote; --prm "
         "then names the PRM's tokenizer",
     )
     p.add_argument(
@@ -390,7 +392,14 @@ def load_spec(
             "--prm-url needs --prm: the PRM's tokenizer (its directory or hub id), which "
             "encodes each check as the servers' model reads it"
         )
-    prm_kind = args.prm_kind or ("vllm-cached" if args.prm_url else "qwen")
+    if args.prm_url and args.prm_kind not in (None, REMOTE_PRM):
+        raise ConfigError(
+            f"--prm-url scores on PRM servers (--prm-kind {REMOTE_PRM}, which it implies); "
+            f"--prm-kind {args.prm_kind} loads a PRM here: give one or the other"
+        )
+    if args.prm_kind == REMOTE_PRM and not args.prm_url:
+        raise ConfigError(f"--prm-kind {REMOTE_PRM} needs --prm-url: the PRM servers to score on")
+    prm_kind = args.prm_kind or (REMOTE_PRM if args.prm_url else "qwen")
     model, prm, prm_options = resolve_models(args.model, args.prm, prm_kind, local=local)
     try:
         return _spec(args, engine, model, prm, prm_kind, prm_options, batch_size, chat, gateway)

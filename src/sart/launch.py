@@ -33,6 +33,7 @@ from sart.load_spec import (  # re-exported: the loader's names, as before
     ENGINES,
     PRM_KINDS,
     PRM_READS,
+    REMOTE_PRM,
     SYNC_ENGINES,
     TRANSFORMERS_PRMS,
     Gateway,
@@ -181,10 +182,8 @@ def build_prm(spec: LoadSpec) -> Any:
     if spec.prm is None:
         return None
     trust = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    if spec.prm_urls:
-        from sart.prm.remote import RemotePRM
-
-        return RemotePRM(
+    if spec.prm_kind == REMOTE_PRM:
+        return load_prm(REMOTE_PRM)(
             spec.prm_urls,
             spec.prm,
             api_key=spec.prm_api_key,
@@ -301,6 +300,7 @@ __all__ = [
     "ENGINE_READS",
     "PRM_KINDS",
     "PRM_READS",
+    "REMOTE_PRM",
     "SYNC_ENGINES",
     "TESTBED",
     "TESTBED_INTERVAL",

@@ -27,7 +27,9 @@ ENGINES = (*SYNC_ENGINES, "vllm-async", "openai")
 TRANSFORMERS_PRMS = ("qwen", "shepherd")
 """PRM kinds that load with transformers, on a torch device, in a process of their own
 by default."""
-PRM_KINDS = (*TRANSFORMERS_PRMS, *VLLM_PRMS)
+REMOTE_PRM = "remote"
+"""The PRM kind that scores on ``vllm serve`` PRM servers (``prm_urls``) over HTTP."""
+PRM_KINDS = (*TRANSFORMERS_PRMS, *VLLM_PRMS, REMOTE_PRM)
 """PRM kinds the loader builds (names of ``sart.registry``)."""
 
 ENGINE_READS: dict[str, tuple[str, ...]] = {
@@ -42,8 +44,8 @@ PRM_READS: dict[str, tuple[str, ...]] = {
     "prm_device": TRANSFORMERS_PRMS,
     "prm_in_process": TRANSFORMERS_PRMS,
     "prm_replicas": TRANSFORMERS_PRMS,
-    "prm_urls": ("vllm-cached",),
-    "prm_api_key": ("vllm-cached",),
+    "prm_urls": (REMOTE_PRM,),
+    "prm_api_key": (REMOTE_PRM,),
 }
 """``LoadSpec`` fields only some PRM kinds read -> those kinds."""
 
@@ -113,9 +115,9 @@ class LoadSpec:
     """Transformers PRMs: processes hosting a copy of the PRM each, scoring checks side
     by side (``sart.prm.process.PRMPool``; the driver keeps as many in flight)."""
     prm_urls: tuple[str, ...] = attrs.field(default=(), converter=converters.strs)
-    """``vllm-cached``: ``vllm serve`` servers of the PRM to score on
-    (``sart.prm.remote.RemotePRM``) instead of an engine in this process; ``prm`` is
-    then the PRM's tokenizer (its directory or hub id)."""
+    """``remote`` (and only it, which needs them): ``vllm serve`` servers of the PRM
+    to score on (``sart.prm.remote.RemotePRM``); ``prm`` is then the PRM's tokenizer
+    (its directory or hub id)."""
     prm_api_key: str | None = None
     """``prm_urls``: the servers' API key."""
     trust_remote_code: bool = False
@@ -160,6 +162,8 @@ class LoadSpec:
             return
         for name, readers in PRM_READS.items():
             _refuse_unread(self, name, defaults[name], readers, "PRM kind", self.prm_kind)
+        if self.prm_kind == REMOTE_PRM and not self.prm_urls:
+            config_check(False, "prm_urls", self.prm_urls, f"at least one URL with {REMOTE_PRM!r}")
 
     @property
     def prm_process(self) -> bool:

@@ -33,6 +33,7 @@ _PRMS: dict[str, Any] = {
     "shepherd": "sart.prm.hf:StepTagPRM",
     "vllm-qwen": "sart.prm.vllm:VLLMQwenPRM",
     "vllm-cached": "sart.prm.vllm_cached:VLLMCachedPRM",
+    "remote": "sart.prm.remote:RemotePRM",
 }
 
 # Which extra provides a third-party module, for the error message (one table for
