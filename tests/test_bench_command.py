@@ -437,7 +437,7 @@ def _vllm_argv(tmp_path: Path, *extra: str) -> list[str]:
 def test_bench_builds_vllm_with_max_num_seqs_equal_to_the_branch_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("sart.registry.load_engine", lambda name: {"vllm": _StandInVLLM}[name])
+    monkeypatch.setitem(sart.registry._ENGINES, "vllm", _StandInVLLM)
     argv = _vllm_argv(tmp_path, "--batch-size", "6", "--vllm-arg", "dtype=float32")
     assert main(argv) == 0
     assert _StandInVLLM.built == {"model": "some/model", "max_num_seqs": 6, "dtype": "float32"}
@@ -494,7 +494,7 @@ def test_scoring_reaches_a_real_engines_driver(
             super().__init__(*args, **kwargs)
             modes.append(self.scoring)
 
-    monkeypatch.setattr("sart.registry.load_engine", lambda name: {"vllm": _StandInVLLM}[name])
+    monkeypatch.setitem(sart.registry._ENGINES, "vllm", _StandInVLLM)
     monkeypatch.setattr(real, "SyncDriver", Recording)
     assert main(_vllm_argv(tmp_path, "--scoring", "blocking")) == 0
     # vanilla and sc warm up (results dropped), then run for the record

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import sart.methods
+import sart.registry
 from sart.cli import main
 
 PLUGIN = '''
@@ -105,6 +106,104 @@ def test_a_plugin_method_is_served(plugin: Path) -> None:
 
 
 PROMPTS = '{"prompt": "Q p1 3 S", "answer": "3"}\n'
+
+
+ADAPTERS = '''
+"""A toy engine and a toy PRM, as a plugin author writes them: a class with
+from_spec(spec), registered by name (here, wrappers of sart's transformers adapters)."""
+from sart.engines.hf import HFEngine
+from sart.prm.hf import QwenMathPRM
+from sart.registry import register_engine, register_prm
+
+BUILT = []
+
+
+class ToyEngine(HFEngine):
+    @classmethod
+    def from_spec(cls, spec):
+        BUILT.append(("engine", spec.engine))
+        return cls.from_pretrained(spec.model, device="cpu")
+
+
+class ToyPRM(QwenMathPRM):
+    @classmethod
+    def from_spec(cls, spec):
+        BUILT.append(("prm", spec.prm_kind))
+        return cls.from_pretrained(spec.prm, device="cpu", **spec.prm_options)
+
+
+register_engine("toy", ToyEngine)
+register_prm("toy-prm", ToyPRM)
+'''
+
+
+@pytest.fixture
+def adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A plugin module ``toy_adapters`` on the path; the registries as they were after."""
+    pytest.importorskip("transformers")
+    folder = tmp_path / "adapters"
+    folder.mkdir()
+    (folder / "toy_adapters.py").write_text(ADAPTERS)
+    monkeypatch.syspath_prepend(str(folder))
+    for table in ("_ENGINES", "_PRMS", "_ENGINE_BUILDERS", "_PRM_BUILDERS", "_STREAMING"):
+        monkeypatch.setattr(
+            sart.registry, table, type(getattr(sart.registry, table))(getattr(sart.registry, table))
+        )
+    yield folder
+    sys.modules.pop("toy_adapters", None)
+
+
+TOY = ["--plugin", "toy_adapters", "--engine", "toy", "--prm-kind", "toy-prm"]
+
+
+def test_a_plugin_engine_and_prm_are_benchmarked_by_name(adapters: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    argv = ["bench", *TOY, "--model", "testbed", "--methods", "sart", "--n", "2"]
+    argv += ["--rate", "20", "--requests", "3", "--no-plots", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    import toy_adapters
+
+    assert toy_adapters.BUILT[:2] == [("engine", "toy"), ("prm", "toy-prm")]
+    (run,) = json.loads((out / "results.json").read_text())["runs"]
+    assert run["method"] == "sart" and run["summary"]["requests"] == 3
+
+
+def test_a_plugin_engine_and_prm_evaluate_by_name(adapters: Path, tmp_path: Path) -> None:
+    out = tmp_path / "eval"
+    argv = ["eval", *TOY, "--dataset", "testbed", "--limit", "3", "--model", "testbed"]
+    argv += ["--n", "2", "--rate", "20", "--methods", "sart", "--out", str(out), "--no-plots"]
+    assert main([*argv, "--json"]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [(r["method"], r["n"], len(r["requests"])) for r in runs] == [("sart", 2, 3)]
+
+
+def test_a_plugin_engine_and_prm_are_served_by_name(adapters: Path) -> None:
+    pytest.importorskip("fastapi")
+    from sart import testbed
+    from serving import KEY, Server
+
+    server = Server(*TOY, "--api-key", KEY, env={"PYTHONPATH": str(adapters)})
+    try:
+        prompt = testbed.make_questions(3, 1)[0].prompt
+        extra = {"method": "sart", "n": 2}
+        reply = server.client().completions.create(model="testbed", prompt=prompt, extra_body=extra)
+        assert reply.model_extra["sart"]["policy"].startswith("sart")
+    finally:
+        code, log = server.stop()
+    assert code == 0, log
+
+
+def test_an_engine_no_plugin_registered_is_refused_by_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--engine", "toy", "--model", "testbed", "--no-plots"])
+    assert "--engine 'toy' must be one of ['sim', 'hf', 'sglang', 'vllm']" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", "testbed", "--prm-kind", "toy-prm"])
+    assert "--prm-kind 'toy-prm' must be one of" in capsys.readouterr().err
 
 
 def _every_command(tmp_path: Path, *flags: str) -> dict[str, list[str]]:

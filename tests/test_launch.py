@@ -13,8 +13,6 @@ import sart
 import sart.registry
 from sart import testbed
 from sart.launch import (
-    ENGINES,
-    PRM_KINDS,
     Gateway,
     LoadSpec,
     build_engine,
@@ -101,9 +99,18 @@ def test_a_field_the_engine_or_prm_would_ignore_is_refused(fields: dict, message
     assert message in str(info.value)
 
 
-def test_every_loader_engine_is_a_registry_name() -> None:
-    assert set(ENGINES) <= set(sart.registry.engine_names())
-    assert set(PRM_KINDS) <= set(sart.registry.prm_names())
+def test_the_loader_builds_every_registered_name_but_the_test_doubles() -> None:
+    registry = sart.registry
+    assert set(registry.loadable_engines()) == set(registry.engine_names()) - {"fake", "sim"}
+    steps = set(registry.step_engines())
+    assert {"hf", "vllm", "sglang"} <= steps and not steps & {"vllm-async", "openai"}
+    assert set(registry.loadable_prms()) == set(registry.prm_names()) - {"scripted"}
+    for name in registry.loadable_engines():
+        assert callable(registry.engine_builder(name)), name
+    for kind in registry.loadable_prms():
+        assert callable(registry.prm_builder(kind)), kind
+    with pytest.raises(sart.UnknownComponentError, match="no from_spec|cannot be loaded"):
+        registry.engine_builder("fake")
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,6 @@ from typing import Any
 
 from sart.errors import ConfigError
 from sart.launch import (
-    PRM_KINDS,
     REMOTE_PRM,
     TESTBED_MAX_TOKENS,
     Gateway,
@@ -35,6 +34,7 @@ from sart.launch import (
     resolve_models,
     sampling_defaults,
 )
+from sart.registry import loadable_prms
 from sart.testbed.specs import LONG
 from sart.types import SamplingSettings
 
@@ -125,7 +125,6 @@ def add_model_flags(p: Any, scope: str = "") -> None:
     )
     p.add_argument(
         "--prm-kind",
-        choices=PRM_KINDS,
         default=None,
         help=f"{scope}Qwen2.5-Math-PRM style on transformers (qwen, the default), "
         "Math-Shepherd style (shepherd), Qwen2.5-Math-PRM served by vLLM with STEP pooling, "
@@ -357,6 +356,15 @@ def import_plugins(modules: list[str]) -> None:
             raise ConfigError(f"--plugin {module}: cannot import it ({exc})") from None
 
 
+def check_name(flag: str, value: str | None, allowed: list[str]) -> None:
+    """Refuse a ``--engine`` or ``--prm-kind`` that names none of ``allowed``: checked
+    against the registry once ``--plugin`` modules have registered theirs."""
+    if value is not None and value not in allowed:
+        raise ConfigError(
+            f"{flag} {value!r} must be one of {allowed} (a --plugin module may register more)"
+        )
+
+
 def key_values(pairs: list[str], flag: str) -> dict[str, Any]:
     """``["tensor_parallel_size=2", "dtype=bfloat16"]`` -> keyword arguments (``flag``
     names the option in errors). A value is parsed as JSON when it can be (numbers,
@@ -384,6 +392,7 @@ def load_spec(
     """What ``args`` say to load (``--model testbed`` resolved; a local path that does
     not exist, or a flag the engine or PRM would ignore, refused)."""
     engine = args.engine
+    check_name("--prm-kind", args.prm_kind, loadable_prms())
     local = engine != "openai"
     check_path("model", args.model if local else None)
     check_path("prm", args.prm)
@@ -456,6 +465,7 @@ __all__ = [
     "add_output_flags",
     "add_plugin_flag",
     "add_sampling_flags",
+    "check_name",
     "import_plugins",
     "in_flags",
     "key_values",

@@ -26,16 +26,13 @@ from typing import Any
 
 import attrs
 
-from sart.cpu_layout import cpu_layout, vllm_layout
+from sart.cpu_layout import cpu_layout
 from sart.errors import ConfigError
 from sart.load_spec import (  # re-exported: the loader's names, as before
     ENGINE_READS,
-    ENGINES,
-    PRM_KINDS,
     PRM_READS,
     REMOTE_PRM,
-    SYNC_ENGINES,
-    TRANSFORMERS_PRMS,
+    VLLM_PRMS,
     Gateway,
     IgnoredSetting,
     LoadSpec,
@@ -71,7 +68,7 @@ def resolve_models(
                 "them (then give --model DIR/policy --prm DIR/prm)"
             )
     if prm_bed is not None:
-        if prm_kind != "qwen":
+        if prm_kind in (*VLLM_PRMS, REMOTE_PRM):
             # Its model class is custom transformers code (auto_map), which vLLM's
             # pooling runner cannot load.
             raise ConfigError(
@@ -124,86 +121,28 @@ def check_path(field: str, value: str | None) -> None:
 
 
 def build_engine(spec: LoadSpec) -> Any:
-    """The policy's engine, sized to ``spec.batch_size`` branches."""
-    from sart.registry import load_engine
+    """The policy's engine, sized to ``spec.batch_size`` branches, built by the
+    registry's builder for ``spec.engine`` (``sart.builders``, or a plugin's)."""
+    from sart.registry import engine_builder
 
-    options: dict[str, Any] = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    if spec.chat:
-        options["chat"] = True
-    if spec.engine == "hf":
-        return load_engine("hf").from_pretrained(spec.model, device=spec.device or "cpu", **options)
-    if spec.engine == "sglang":
-        server_args = {"max_running_requests": spec.batch_size, **spec.sglang_args}
-        # sglang.Engine runs its calls on its own loop: the bridge drives it.
-        return load_engine("sglang").from_args(spec.model, **options, **server_args).bridge()
-    if spec.engine == "openai":
-        return _gateway(spec)
-    engine_args = {"max_num_seqs": spec.batch_size, **options, **spec.vllm_args}
-    if spec.engine == "vllm":
-        engine_args = vllm_layout(engine_args)
-    engine = load_engine(spec.engine).from_engine_args(spec.model, **engine_args)
-    # sart's branch budget, not vLLM's queue, must decide admission.
-    engine.check_batch_size(spec.batch_size)
-    return engine
-
-
-def _gateway(spec: LoadSpec) -> Any:
-    """``OpenAIEngine`` over the upstreams, with the tokenizer if one is given or local."""
-    from sart.registry import load_engine
-
-    gateway = spec.gateway
-    assert gateway is not None
-    tokenizer = None
-    source = gateway.tokenizer or (spec.model if Path(spec.model).expanduser().is_dir() else None)
-    if source is not None:
-        try:
-            from transformers import AutoTokenizer
-        except ImportError as exc:
-            raise ConfigError(
-                f"tokenizer={source!r}: loading it needs transformers (pip install "
-                f"'sart[hf]'): {exc}"
-            ) from None
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
-    return load_engine("openai")(
-        list(gateway.upstreams),
-        spec.model,
-        api_key=gateway.api_key,
-        tokenizer=tokenizer,
-        affinity=gateway.affinity,
-        explicit_abort=gateway.explicit_abort,
-    )
+    return engine_builder(spec.engine)(spec)
 
 
 def build_prm(spec: LoadSpec) -> Any:
-    """The PRM (``None`` without one): a transformers PRM in a ``PRMProcess`` unless
-    ``prm_in_process``; vLLM's in its own engine."""
-    from sart.registry import load_prm
+    """The PRM (``None`` without one), built by the registry's builder for
+    ``spec.prm_kind``: a transformers PRM in a ``PRMProcess`` (``PRMPool`` for
+    ``prm_replicas`` > 1) unless ``prm_in_process``."""
+    from sart.registry import prm_builder
 
     if spec.prm is None:
         return None
-    trust = {"trust_remote_code": True} if spec.trust_remote_code else {}
-    if spec.prm_kind == REMOTE_PRM:
-        return load_prm(REMOTE_PRM)(
-            spec.prm_urls,
-            spec.prm,
-            api_key=spec.prm_api_key,
-            trust_remote_code=spec.trust_remote_code,
-            **spec.prm_options,
-        )
-    if spec.prm_kind not in TRANSFORMERS_PRMS:  # a vLLM engine of its own
-        options = vllm_layout({**trust, **spec.prm_options})
-        return load_prm(spec.prm_kind).from_engine_args(spec.prm, **options)
-    factory = functools.partial(
-        load_prm(spec.prm_kind).from_pretrained,
-        spec.prm,
-        device=spec.resolved_prm_device,
-        **trust,
-        **spec.prm_options,
-    )
+    build = prm_builder(spec.prm_kind)
     if not spec.prm_process:
-        return factory()
+        return build(spec)
     from sart.prm.process import PRMPool, PRMProcess
 
+    # The process builds it from the spec there (both pickle: a function and a value).
+    factory = functools.partial(build, spec)
     return PRMPool(factory, spec.prm_replicas) if spec.prm_replicas > 1 else PRMProcess(factory)
 
 
@@ -296,12 +235,9 @@ def load(spec: LoadSpec, *, with_prm: bool = True) -> Loaded:
 
 
 __all__ = [
-    "ENGINES",
     "ENGINE_READS",
-    "PRM_KINDS",
     "PRM_READS",
     "REMOTE_PRM",
-    "SYNC_ENGINES",
     "TESTBED",
     "TESTBED_INTERVAL",
     "TESTBED_MAX_TOKENS",

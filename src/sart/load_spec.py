@@ -16,21 +16,16 @@ import attrs
 
 from sart import converters
 from sart.errors import ConfigError, config_check
+from sart.registry import loadable_engines, loadable_prms
 
 VLLM_PRMS = ("vllm-qwen", "vllm-cached")
 """PRM kinds that run on a vLLM engine."""
 
-SYNC_ENGINES = ("hf", "vllm", "sglang")
-"""Engines the step driver runs (SGLang through its ``SyncBridge``): bench and eval's."""
-ENGINES = (*SYNC_ENGINES, "vllm-async", "openai")
-"""Every engine the loader builds from a model name (names of ``sart.registry``)."""
 TRANSFORMERS_PRMS = ("qwen", "shepherd")
 """PRM kinds that load with transformers, on a torch device, in a process of their own
 by default."""
 REMOTE_PRM = "remote"
 """The PRM kind that scores on ``vllm serve`` PRM servers (``prm_urls``) over HTTP."""
-PRM_KINDS = (*TRANSFORMERS_PRMS, *VLLM_PRMS, REMOTE_PRM)
-"""PRM kinds the loader builds (names of ``sart.registry``)."""
 
 ENGINE_READS: dict[str, tuple[str, ...]] = {
     "device": ("hf",),
@@ -134,10 +129,11 @@ class LoadSpec:
     gateway: Gateway | None = None
 
     def __attrs_post_init__(self) -> None:
-        config_check(self.engine in ENGINES, "engine", self.engine, f"one of {ENGINES}")
+        engines, kinds = loadable_engines(), loadable_prms()
+        config_check(self.engine in engines, "engine", self.engine, f"one of {engines}")
         config_check(bool(self.model), "model", self.model, "a model name or path")
         config_check(self.batch_size >= 1, "batch_size", self.batch_size, ">= 1")
-        config_check(self.prm_kind in PRM_KINDS, "prm_kind", self.prm_kind, f"one of {PRM_KINDS}")
+        config_check(self.prm_kind in kinds, "prm_kind", self.prm_kind, f"one of {kinds}")
         config_check(
             isinstance(self.prm_replicas, int) and self.prm_replicas >= 1,
             "prm_replicas",

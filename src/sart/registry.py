@@ -36,19 +36,57 @@ _PRMS: dict[str, Any] = {
     "remote": "sart.prm.remote:RemotePRM",
 }
 
+# How the loader builds each built-in from a ``LoadSpec`` (``sart.builders``); a name
+# without one is built by its class's ``from_spec(spec)``. The simulator and the fake
+# engine are built by their callers, not from a model name.
+_ENGINE_BUILDERS: dict[str, Any] = {
+    "hf": "sart.builders:hf_engine",
+    "vllm": "sart.builders:vllm_engine",
+    "vllm-async": "sart.builders:vllm_engine",
+    "sglang": "sart.builders:sglang_engine",
+    "openai": "sart.builders:gateway_engine",
+}
+_PRM_BUILDERS: dict[str, Any] = {
+    "qwen": "sart.builders:transformers_prm",
+    "shepherd": "sart.builders:transformers_prm",
+    "vllm-qwen": "sart.builders:vllm_prm",
+    "vllm-cached": "sart.builders:vllm_prm",
+    "remote": "sart.builders:remote_prm",
+}
+_NOT_LOADABLE = {"engine": ("fake", "sim"), "prm": ("scripted",)}
+# Engines whose builder gives an async, streaming engine: only ``sart serve`` (its
+# ``AsyncDriver``) runs them; ``sart bench`` and ``sart eval`` step their engine.
+_STREAMING: set[str] = {"vllm-async", "openai"}
+
 # Which extra provides a third-party module, for the error message (one table for
 # sart; a name here so that tests can swap it).
 _EXTRAS = EXTRAS
 
 
-def register_engine(name: str, target: str | type) -> None:
-    """Register an engine class, or its ``"module:Class"`` path, under ``name``."""
+def register_engine(
+    name: str, target: str | type, *, build: Any = None, streaming: bool = False
+) -> None:
+    """Register an engine class, or its ``"module:Class"`` path, under ``name``.
+
+    Every command can then load it by name (``--engine NAME``, after ``--plugin``
+    imports the module that registers it): ``build(spec)`` (a callable or its
+    ``"module:function"`` path) builds it from a ``sart.LoadSpec``, by default the
+    class's ``from_spec(spec)``. ``streaming``: what it builds is an async engine
+    (``sart.AsyncEngine``), which only ``sart serve`` runs."""
     _ENGINES[name] = target
+    _ENGINE_BUILDERS.pop(name, None)
+    if build is not None:
+        _ENGINE_BUILDERS[name] = build
+    (_STREAMING.add if streaming else _STREAMING.discard)(name)
 
 
-def register_prm(name: str, target: str | type) -> None:
-    """Register a PRM class, or its ``"module:Class"`` path, under ``name``."""
+def register_prm(name: str, target: str | type, *, build: Any = None) -> None:
+    """Register a PRM class, or its ``"module:Class"`` path, under ``name``
+    (``--prm-kind NAME``); ``build`` as for ``register_engine``."""
     _PRMS[name] = target
+    _PRM_BUILDERS.pop(name, None)
+    if build is not None:
+        _PRM_BUILDERS[name] = build
 
 
 def engine_names() -> list[str]:
@@ -57,6 +95,51 @@ def engine_names() -> list[str]:
 
 def prm_names() -> list[str]:
     return sorted(_PRMS)
+
+
+def loadable_engines() -> list[str]:
+    """Engines a command can load from a model name (every one but the simulator and
+    the fake engine, which their callers build): the names ``--engine`` takes."""
+    return sorted(set(_ENGINES) - set(_NOT_LOADABLE["engine"]))
+
+
+def step_engines() -> list[str]:
+    """Loadable engines that step (``sart.Engine``): what ``sart bench`` and ``sart eval``
+    drive."""
+    return [name for name in loadable_engines() if name not in _STREAMING]
+
+
+def loadable_prms() -> list[str]:
+    """PRM kinds a command can load (every one but the scripted test PRM)."""
+    return sorted(set(_PRMS) - set(_NOT_LOADABLE["prm"]))
+
+
+def engine_builder(name: str) -> Any:
+    """What builds engine ``name`` from a ``LoadSpec`` (see ``register_engine``)."""
+    return _builder(_ENGINES, _ENGINE_BUILDERS, name, "engine")
+
+
+def prm_builder(name: str) -> Any:
+    """What builds PRM kind ``name`` from a ``LoadSpec`` (see ``register_prm``)."""
+    return _builder(_PRMS, _PRM_BUILDERS, name, "prm")
+
+
+def _builder(table: dict[str, Any], builders: dict[str, Any], name: str, kind: str) -> Any:
+    if name in builders:
+        build = builders[name]
+        if not isinstance(build, str):
+            return build
+        module_name, _, attr = build.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+    cls = _load(table, name, kind)
+    build = getattr(cls, "from_spec", None)
+    if not callable(build):
+        raise UnknownComponentError(
+            f"{kind} {name!r} ({getattr(cls, '__qualname__', cls)!r}) cannot be loaded from "
+            "a model name: register it with build=..., or give its class a "
+            "from_spec(spec) classmethod"
+        )
+    return build
 
 
 def load_engine(name: str) -> Any:

@@ -35,6 +35,7 @@ from sart.bench.traces import Trace
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
 from sart.flags import (
+    check_name,
     import_plugins,
     in_flags,
     load_spec,
@@ -42,6 +43,7 @@ from sart.flags import (
 )
 from sart.launch import LoadSpec, load
 from sart.methods import get_method
+from sart.registry import step_engines
 from sart.rollouts import rollout_shape, trace_rollouts
 from sart.testbed.specs import testbed
 from sart.types import SamplingSettings
@@ -87,6 +89,7 @@ def trace_stats_command(args: argparse.Namespace) -> int:
 def run_bench_command(args: argparse.Namespace) -> int:
     try:
         import_plugins(args.plugin)
+        check_name("--engine", args.engine, ["sim", *step_engines()])
         return _bench(args)
     except ConfigError as exc:
         raise in_flags(exc) from None

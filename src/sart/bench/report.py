@@ -156,6 +156,8 @@ def _setting(config: BenchConfig) -> str:
         return f"vLLM model {config.model}"
     if config.engine == "sglang":
         return f"SGLang model {config.model}"
+    if config.engine != "sim":
+        return f"{config.engine} model {config.model}"
     if config.trace is not None:
         return f"trace {config.trace} on {config.cost}"
     return f"{config.workload} workload on {config.cost}"

@@ -42,6 +42,7 @@ from sart.eval.parser import (
 )
 from sart.eval.problems_file import ProblemRecord, ProblemsFile
 from sart.flags import (
+    check_name,
     import_plugins,
     in_flags,
     load_spec,
@@ -50,6 +51,7 @@ from sart.flags import (
 from sart.launch import Loaded, load
 from sart.methods import Rewards, check_methods, get_method
 from sart.policies.equivalence import Equivalence
+from sart.registry import step_engines
 from sart.testbed.specs import testbed
 from sart.types import Scoring
 
@@ -57,6 +59,7 @@ from sart.types import Scoring
 def run_eval_command(args: argparse.Namespace) -> int:
     try:
         import_plugins(args.plugin)
+        check_name("--engine", args.engine, step_engines())
         return _eval(args)
     except ConfigError as exc:
         raise in_flags(exc) from None

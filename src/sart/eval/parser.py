@@ -92,7 +92,6 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["hf", "vllm"],
         default="hf",
         help="hf: transformers (default); vllm: vLLM in this process (sart[vllm])",
     )

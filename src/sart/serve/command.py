@@ -36,13 +36,13 @@ from sart.flags import (
     add_model_flags,
     add_plugin_flag,
     add_scoring_flag,
+    check_name,
     import_plugins,
     in_flags,
     load_spec,
 )
 from sart.flags import sampling as sampling_flags
 from sart.launch import (
-    ENGINES,
     TESTBED,
     TESTBED_INTERVAL,
     TESTBED_MAX_TOKENS,
@@ -52,6 +52,7 @@ from sart.launch import (
 )
 from sart.launch import load as load_models
 from sart.methods import method_names
+from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
 from sart.testbed.specs import LONG, testbed
 
@@ -90,7 +91,6 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--engine",
-        choices=ENGINES,
         default="hf",
         help="the engine (default hf); openai: a gateway in front of --upstream servers",
     )
@@ -332,6 +332,7 @@ def _upstream_model(url: str, api_key: str | None) -> str:
 def run_serve_command(args: argparse.Namespace) -> int:
     try:
         import_plugins(args.plugin)
+        check_name("--engine", args.engine, loadable_engines())
         spec = load_spec_of(args)
         config = serve_config(args, has_prm=spec.prm is not None)
     except ConfigError as exc:
