@@ -187,3 +187,10 @@ def test_a_real_benchmark_resumes_with_its_serving_compared(
     # Another sampling is another benchmark.
     with pytest.raises(SystemExit):
         main(bench_argv("hf", out, "--methods", "sc", "--temperature", "0.5", "--resume"))
+    # Runs of another sampler are another benchmark: the same seeds draw other tokens.
+    assert after["serving"]["sampler"] == "counter-inverse-cdf/1"
+    document = json.loads((out / "results.json").read_text())
+    document["serving"].pop("sampler")  # as results.json was before the batched sampler
+    (out / "results.json").write_text(json.dumps(document))
+    with pytest.raises(SystemExit):
+        main(bench_argv("hf", out, "--methods", "sc", "sart", "--resume"))

@@ -216,7 +216,8 @@ def test_a_sampled_branch_paused_and_resumed_makes_the_same_tokens(engine: HFEng
     branch goes on exactly as if it had not been paused (its KV recomputed)."""
     from sart.engines.base import BranchSpec
 
-    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30)
+    # ignore_eos: the branch is still live when it pauses, whatever it draws.
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30, ignore_eos=True)
 
     def run(pause_at: int | None) -> list[int]:
         e = _fresh(engine)

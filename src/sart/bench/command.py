@@ -43,7 +43,7 @@ from sart.flags import (
 )
 from sart.launch import LoadSpec, load
 from sart.methods import get_method
-from sart.registry import step_engines
+from sart.registry import load_engine, step_engines
 from sart.rollouts import rollout_shape, trace_rollouts
 from sart.testbed.specs import testbed
 from sart.types import SamplingSettings
@@ -186,7 +186,13 @@ class RealSetup:
         runs without it (a top-p cut changes the testbed's accuracy)."""
         s = self.sampling
         return self.spec.describe() | {
-            "sampling": {"temperature": s.temperature, "top_p": s.top_p, "max_tokens": s.max_tokens}
+            "sampling": {
+                "temperature": s.temperature,
+                "top_p": s.top_p,
+                "max_tokens": s.max_tokens,
+            },
+            # Two samplers draw other tokens from the same seeds: --resume keeps them apart.
+            "sampler": getattr(load_engine(self.spec.engine), "sampler", None),
         }
 
 

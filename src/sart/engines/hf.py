@@ -21,8 +21,10 @@ This engine is the readable reference that CI runs on tiny models, not a fast
 server (use vLLM or SGLang for that). Text is decoded
 incrementally (``sart.engines.detok``), as vLLM's detokenizer does.
 
-Sampling is per branch with its own ``torch.Generator`` seeded by the branch
-seed, so results are reproducible; ``temperature == 0`` is greedy and gives
+Sampling is one pass over the step's logits for every branch
+(``sart.engines.hf_sampling``), each branch drawing from a counter-based stream of
+its seed, so its tokens depend on its seed and history only (not on the batch it
+shares) and results are reproducible; ``temperature == 0`` is greedy and gives
 exactly ``model.generate(do_sample=False)``'s tokens. The EOS token (or a stop
 string) ends a branch as ``FINISHED`` and counts as a generated token, as in
 vLLM; reaching ``max_tokens`` ends it as ``TRUNCATED``. Stop strings are cut
@@ -37,8 +39,8 @@ vLLM's default, they are raw, the ``log_softmax`` of the model's next-token
 logits before temperature and top-p, for the sampled token and the ``k`` most
 likely ones (``k`` clamped to the vocabulary). Each step they are computed in
 one batch on the device over the branches of the requests that asked, and
-read back with one transfer; the other branches pay nothing. A fork reports
-them only for the tokens it generates itself.
+read back with the tokens in one transfer. A fork reports them only for the
+tokens it generates itself.
 
 Prompts (``sart.engines.prompts``): token ids are used as they are; text is
 tokenized with special tokens added, or, with ``chat=True``, wrapped as one user
@@ -67,13 +69,12 @@ with needs_extra("the transformers engine", "hf"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from sart.engines import hf_kv
+from sart.engines import hf_kv, hf_sampling
 from sart.engines.base import (
     BranchSpec,
     EngineStats,
     StepDeltas,
     StepOutput,
-    TokenLogprobs,
 )
 from sart.engines.detok import Detok
 from sart.engines.hf_kv import KV, InPlaceCache, OwnKV, StepBatch, StepBatches, empty
@@ -96,7 +97,7 @@ _START = Detok()
 
 
 class _Branch:
-    __slots__ = ("detok", "generator", "kv", "logits", "prefix", "text", "tokens")
+    __slots__ = ("detok", "kv", "logits", "prefix", "seed", "text", "tokens")
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class _Branch:
         logits: torch.Tensor,
         tokens: list[int],
         text: str,
-        generator: torch.Generator,
+        seed: int,
         detok: Detok = _START,
     ) -> None:
         self.prefix = prefix
@@ -113,7 +114,7 @@ class _Branch:
         self.logits = logits  # next-token logits
         self.tokens = tokens
         self.text = text  # reported so far
-        self.generator = generator
+        self.seed = seed  # its draws: sart.engines.hf_sampling.uniforms(seed, draw)
         self.detok = detok  # where decoding its tokens to text stands
 
     @property
@@ -133,6 +134,8 @@ class HFEngine:
     supports_fork = True
     supports_pause = True
     sampling_fields = frozenset(EXTRA_SAMPLING)
+    sampler = hf_sampling.SAMPLER
+    """How it draws tokens (a benchmark records it: runs of two samplers differ)."""
 
     def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
         self.model = model.eval()
@@ -208,15 +211,14 @@ class HFEngine:
             if spec.resume:  # its tokens, text and sampler state; its KV recomputed below
                 new.append((spec, self._ledger.paused[BranchId(request_id, spec.index)]))
                 continue
-            generator = torch.Generator(device=self.device).manual_seed(spec.seed)
             if spec.parent is None:
-                branch = _Branch(prefix, None, prefix.data.logits, [], "", generator)
+                branch = _Branch(prefix, None, prefix.data.logits, [], "", spec.seed)
             else:  # borrows the parent's KV buffers, copied at the fork's first write
                 parent = self._ledger.branches[BranchId(request_id, spec.parent)]
                 tokens = list(parent.tokens)
                 kv = parent.kv.fork() if parent.kv is not None else None
                 branch = _Branch(
-                    prefix, kv, parent.logits, tokens, parent.text, generator, parent.detok
+                    prefix, kv, parent.logits, tokens, parent.text, spec.seed, parent.detok
                 )
             new.append((spec, branch))
         resumed = [branch for spec, branch in new if spec.resume]
@@ -245,9 +247,7 @@ class HFEngine:
         self._batches.clear()
         self._ledger.pause(
             list(branch_ids),
-            keep=lambda b: _Branch(
-                b.prefix, None, b.logits, b.tokens, b.text, b.generator, b.detok
-            ),
+            keep=lambda b: _Branch(b.prefix, None, b.logits, b.tokens, b.text, b.seed, b.detok),
         )
 
     def release_prefix(self, request_id: str) -> None:
@@ -273,9 +273,14 @@ class HFEngine:
     def _decode_one(self, step: int, deltas: StepDeltas) -> bool:
         """Sample one token for every live branch, then forward the ones still live."""
         live = list(self._ledger.branches.items())
-        tokens = [self._sample(branch) for _, branch in live]
-        # All of the step's tokens first, so their log-probabilities are one batch.
-        logprobs = self._logprobs([branch for _, branch in live], tokens)
+        rows = [
+            hf_sampling.Row(b.prefix.sampling, b.seed, b.tokens, b.prefix.data.ids) for _, b in live
+        ]
+        # One pass over the step's logits, and one read back (hf_sampling).
+        logits = torch.stack([b.logits for _, b in live])
+        chosen = hf_sampling.sample(logits, rows, self.eos_ids)
+        asking, values = hf_sampling.logprobs(logits, rows, chosen)
+        tokens, logprobs = hf_sampling.read_back(chosen, asking, values, rows)
         going: list[tuple[BranchId, _Branch, int]] = []
         ended = False
         for (bid, branch), token, lp in zip(live, tokens, logprobs):
@@ -294,84 +299,6 @@ class HFEngine:
         if going:
             self._forward_batch(going)
         return ended
-
-    def _logprobs(self, branches: list[_Branch], tokens: list[int]) -> list[TokenLogprobs | None]:
-        """The raw log-probabilities of this step's tokens for the branches whose
-        request asked (``None`` for the others), in ``branches``' order.
-
-        One batch for all asking branches, whatever their ``k``: a ``log_softmax``
-        and a ``topk`` at the largest ``k``, each branch then keeping its own first
-        ``k``; and one ``.tolist()``, since a device-to-host read per branch would
-        synchronise the device once per branch. Raw means before temperature and
-        top-p, as vLLM's default: the model's own distribution, which is what
-        confidence signals read.
-        """
-        rows = [
-            i for i, branch in enumerate(branches) if branch.prefix.sampling.logprobs is not None
-        ]
-        out: list[TokenLogprobs | None] = [None] * len(branches)
-        if not rows:
-            return out
-        logits = torch.stack([branches[i].logits for i in rows])
-        vocab = logits.shape[-1]
-        ks = [min(branches[i].prefix.sampling.logprobs or 0, vocab) for i in rows]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        chosen = torch.tensor([tokens[i] for i in rows], device=logp.device)
-        values = logp.gather(1, chosen[:, None])  # column 0: the sampled token's
-        if max(ks) > 0:
-            values = torch.cat([values, logp.topk(max(ks), dim=-1).values], dim=1)
-        for i, k, row in zip(rows, ks, values.tolist()):
-            out[i] = TokenLogprobs(row[0], tuple(row[1 : 1 + k]))
-        return out
-
-    def _sample(self, branch: _Branch) -> int:
-        sampling = branch.prefix.sampling
-        logits = branch.logits
-        if sampling.extra_fields():
-            logits = self._penalised(branch, sampling)
-        if sampling.temperature == 0.0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / sampling.temperature, dim=-1)
-        if sampling.min_p > 0.0 or sampling.top_k is not None:
-            if sampling.min_p > 0.0:
-                probs = probs.masked_fill(probs < sampling.min_p * probs.max(), 0.0)
-            if sampling.top_k is not None and sampling.top_k < probs.shape[-1]:
-                kth = torch.topk(probs, sampling.top_k).values[-1]
-                probs = probs.masked_fill(probs < kth, 0.0)
-            probs = probs / probs.sum()
-        if sampling.top_p < 1.0:
-            ordered, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix of tokens whose mass reaches top_p.
-            drop = torch.cumsum(ordered, dim=-1) - ordered > sampling.top_p
-            ordered = ordered.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(0, order, ordered)
-        return int(torch.multinomial(probs, 1, generator=branch.generator))
-
-    def _penalised(self, branch: _Branch, sampling: SamplingSettings) -> torch.Tensor:
-        """The branch's next-token logits under vLLM's penalties: ``repetition_penalty``
-        on the prompt's and the output's tokens, ``presence_penalty`` and
-        ``frequency_penalty`` on the output's, and no EOS or stop token before
-        ``min_tokens`` (log-probabilities stay raw: they read ``branch.logits``)."""
-        logits = branch.logits.clone()
-        if sampling.repetition_penalty != 1.0:
-            seen = torch.tensor(
-                sorted({*branch.prefix.data.ids, *branch.tokens}), device=logits.device
-            )
-            if len(seen):
-                picked = logits[seen]
-                rp = sampling.repetition_penalty
-                logits[seen] = torch.where(picked > 0, picked / rp, picked * rp)
-        if branch.tokens and (sampling.presence_penalty or sampling.frequency_penalty):
-            ids = torch.tensor(branch.tokens, device=logits.device)
-            counts = torch.zeros_like(logits).index_add_(
-                0, ids, torch.ones_like(ids, dtype=logits.dtype)
-            )
-            logits -= sampling.frequency_penalty * counts
-            logits -= sampling.presence_penalty * (counts > 0).to(logits.dtype)
-        if len(branch.tokens) < sampling.min_tokens:
-            ends = [*self.eos_ids, *sampling.stop_token_ids]
-            logits[torch.tensor(ends, device=logits.device)] = float("-inf")
-        return logits
 
     def _advance_text(self, branch: _Branch, token: int) -> tuple[FinishReason | None, str]:
         """Whether ``token`` ends the branch, and the text it adds. ``branch.text`` is
@@ -437,11 +364,12 @@ class HFEngine:
         cache = InPlaceCache.build(full, config) if self.in_place else None
         if cache is None:  # the forward will not write the free column: no reuse
             kept.clear()
-        mask = torch.zeros((len(going), width + 1), dtype=torch.long, device=self.device)
-        for row, length in enumerate(lengths):
-            mask[row, width - length :] = 1
+        # Mask and positions from one upload: row r attends to its last lengths[r] + 1.
+        sizes = torch.tensor(lengths, device=self.device)
+        columns = torch.arange(width + 1, device=self.device)
+        mask = (columns[None, :] >= (width - sizes)[:, None]).long()
         ids = torch.tensor([[t] for _, _, t in going], device=self.device)
-        positions = torch.tensor([[n] for n in lengths], device=self.device)
+        positions = sizes[:, None]
         with torch.inference_mode():
             out = self._forward(
                 ids,
@@ -454,6 +382,7 @@ class HFEngine:
         # transformers' own cache) the last of the cache the forward returns.
         done = full if cache is not None else hf_kv.pairs_of(hf_kv.out_cache(out))
         new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
+        last = out.logits[:, -1].float()  # one op; each branch keeps a view of its row
         for row, (_, branch, _) in enumerate(going):
             mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
             limit = branch.prefix.sampling.max_tokens
@@ -461,7 +390,7 @@ class HFEngine:
                 branch.kv = empty(mine, limit)
             else:
                 branch.kv.append(mine, limit)
-            branch.logits = out.logits[row, -1].float()
+            branch.logits = last[row]
 
     def _recompute(self, branch: _Branch) -> None:
         """A resumed branch's KV over its tokens, in one forward from the prompt's KV
