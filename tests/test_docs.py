@@ -111,12 +111,15 @@ def test_doc_code_blocks_run(path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     module = types.ModuleType(module_name)
     module.__file__ = str(path)
     monkeypatch.setitem(sys.modules, module_name, module)
-    # Pages register engines and PRMs of their own: each page gets the registry back
+    # Pages register engines, PRMs and methods of their own: each page gets the registries back
     # as it found it, so that no page changes what another test sees.
-    from sart import registry
+    from sart import methods, registry
 
-    monkeypatch.setattr(registry, "_ENGINES", dict(registry._ENGINES))
-    monkeypatch.setattr(registry, "_PRMS", dict(registry._PRMS))
+    for table in ("_ENGINES", "_PRMS", "_ENGINE_BUILDERS", "_PRM_BUILDERS", "_STREAMING"):
+        monkeypatch.setattr(
+            registry, table, type(getattr(registry, table))(getattr(registry, table))
+        )
+    monkeypatch.setattr(methods, "_METHODS", dict(methods._METHODS))  # methods too
     for block in blocks:
         if block.skip:
             continue
