@@ -144,13 +144,14 @@ def test_names_from_before_the_split_are_still_importable_here() -> None:
     assert all(hasattr(hf, name) for name in hf.__all__)
 
 
-def test_good_probability_is_the_softmax_good_column_in_float32() -> None:
+def test_good_probability_is_the_softmax_good_column_in_float64() -> None:
+    # One formula for every PRM, in-process or remote (sart.prm.last_step).
     from sart.prm.formats import good_probability
 
     two_way = torch.tensor([[0.0, 0.0], [-1.0, 1.0], [3.0, -2.0]], dtype=torch.bfloat16)
     got = good_probability(two_way)
-    expected = torch.softmax(two_way.float(), dim=-1)[:, 1].tolist()
-    assert got == expected and got[0] == 0.5 and got[1] > 0.5 > got[2]
+    expected = torch.softmax(two_way.double(), dim=-1)[:, 1].tolist()
+    assert got == pytest.approx(expected, rel=1e-15) and got[0] == 0.5 and got[1] > 0.5 > got[2]
 
 
 # ---------------------------------------------------------------- QwenMathPRM

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sart.prm.placement import Placement
 
 
@@ -27,3 +29,37 @@ def test_a_worker_marked_down_takes_no_requests_until_its_cooldown_ends() -> Non
     placement.mark_down(0)
     placement.mark_down(1)
     assert placement.of("e") == 0  # every worker down: try anyway
+
+
+def test_fan_out_sends_each_worker_its_requests_and_sorts_out_the_answers() -> None:
+    import concurrent.futures
+
+    from sart.errors import PRMError
+    from sart.prm.placement import fan_out
+
+    placement = Placement(3, cooldown=60.0)
+    ids = ["a", "b", "c", "a", "d"]  # a, b, c on workers 0, 1, 2; d on 0
+
+    def call(worker: int, held: list[int]) -> list[str]:
+        if worker == 1:
+            raise PRMError("worker 1 is gone")  # names no request: all it held fail
+        if worker == 2:
+            raise PRMError("c's input is bad", ["c"])
+        return [ids[k] for k in held]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        out = fan_out(placement, pool, ids, call, mark_down=True)
+        assert out.held == {0: [0, 3, 4], 1: [1], 2: [2]}
+        assert out.answers == {0: ["a", "a", "d"]}
+        assert out.failed == {"b": "worker 1 is gone", "c": "c's input is bad"}
+        with pytest.raises(PRMError) as caught:
+            out.raise_failures()
+        assert caught.value.request_ids == frozenset({"b", "c"})
+        # Both failed workers are out of new placements; a's stays.
+        assert placement.of("e") == 0 and placement.of("a") == 0
+
+        def buggy(worker: int, held: list[int]) -> None:
+            raise KeyError("a bug, not a worker's failure")
+
+        with pytest.raises(KeyError):
+            fan_out(Placement(2), pool, ["x", "y"], buggy).raise_failures()

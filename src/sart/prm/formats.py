@@ -35,6 +35,7 @@ import attrs
 from sart.errors import ConfigError, PRMError, config_check
 from sart.prm.aggregate import split_steps
 from sart.prm.base import ScoreItem
+from sart.prm.last_step import two_way_reward
 from sart.prm.window import ContextLimit, ContextOverflow, Encoded, fit_context
 
 QWEN_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -130,9 +131,10 @@ def encode_item(prm: Any, item: ScoreItem, owner: str | None = None) -> Encoded:
 
 def good_probability(two_way: Any) -> list[float]:
     """The reward of each row of ``[n, 2]`` (bad, good) logits: the softmax's good
-    column, computed in float32. ``two_way`` is a torch tensor (only its methods
-    are used: this module imports no torch)."""
-    return two_way.float().softmax(dim=-1)[:, 1].tolist()
+    column (``sart.prm.last_step.two_way_reward``, the one formula every PRM uses).
+    ``two_way`` is a torch tensor (only its methods are used: this module imports no
+    torch); it is read back once."""
+    return [two_way_reward(pair) for pair in two_way.double().tolist()]
 
 
 def single_token(tokenizer: Any, token: str | int, field: str) -> int:

@@ -7,15 +7,26 @@ same worker. ``Placement`` places a request, at its first check, on the worker
 with the fewest requests placed (ties: the lowest index), keeps it there until
 ``release``, and leaves a worker marked down out of new placements for a while
 (its requests are placed again at their next check). Thread-safe; pure Python.
+
+``fan_out`` sends one call to each worker a batch of requests is placed on, side by
+side, and sorts out what came back: the pools differ only in what a call is.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Generic, TypeVar
 
-__all__ = ["Placement"]
+import attrs
+
+from sart.errors import PRMError
+
+__all__ = ["FanOut", "Placement", "fan_out"]
+
+T = TypeVar("T")
 
 
 class Placement:
@@ -80,3 +91,55 @@ class Placement:
             for worker in self._placed.values():
                 counts[worker] += 1
             return counts
+
+
+@attrs.frozen
+class FanOut(Generic[T]):
+    """What the workers of one ``fan_out`` answered."""
+
+    held: dict[int, list[int]]
+    """Worker -> the positions (in the call's ``request_ids``) it was sent."""
+    answers: dict[int, T]
+    """Worker -> its answer, for the workers that answered."""
+    failed: dict[str, str]
+    """Request id -> why, for the requests of workers that raised a ``PRMError`` (the
+    requests it names, or every request the worker held)."""
+    unattributed: Exception | None = None
+    """An error that names no request (a bug, not a worker's failure): re-raise it."""
+
+    def raise_failures(self) -> None:
+        """Raise the unattributed error, else one ``PRMError`` naming the failed requests."""
+        if self.unattributed is not None:
+            raise self.unattributed
+        if self.failed:
+            raise PRMError("; ".join(sorted(set(self.failed.values()))), sorted(self.failed))
+
+
+def fan_out(
+    placement: Placement,
+    pool: concurrent.futures.Executor,
+    request_ids: Sequence[str],
+    call: Callable[[int, list[int]], T],
+    *,
+    mark_down: bool = False,
+) -> FanOut[T]:
+    """``call(worker, positions)`` on ``pool`` for each worker the requests are placed
+    on, all at once; each worker's answer or failure. ``mark_down``: a worker that
+    fails is left out of placements for the placement's cooldown."""
+    held = placement.split(request_ids)
+    calls = {worker: pool.submit(call, worker, positions) for worker, positions in held.items()}
+    answers: dict[int, T] = {}
+    failed: dict[str, str] = {}
+    unattributed: Exception | None = None
+    for worker, future in calls.items():
+        try:
+            answers[worker] = future.result()
+        except PRMError as exc:
+            if mark_down:
+                placement.mark_down(worker)
+            named = set(exc.request_ids) or {request_ids[k] for k in held[worker]}
+            for rid in named:
+                failed.setdefault(rid, str(exc))
+        except Exception as exc:
+            unattributed = exc
+    return FanOut(held, answers, failed, unattributed)

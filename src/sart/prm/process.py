@@ -38,7 +38,7 @@ from typing import Any
 
 from sart.errors import ConfigError, PRMError
 from sart.prm.base import PRM, ScoreItem
-from sart.prm.placement import Placement
+from sart.prm.placement import Placement, fan_out
 
 _SCORE, _RELEASE, _CLOSE = "score", "release", "close"
 
@@ -194,34 +194,19 @@ class PRMPool:
         """Each item scored by its request's process, all processes at once. A process
         that fails fails its requests' items (``PRMError`` naming them)."""
         items = list(items)
-        groups = self.placement.split(item.branch.request_id for item in items)
-        calls = {
-            worker: self._calls.submit(self._processes[worker].score, [items[k] for k in held])
-            for worker, held in groups.items()
-        }
+        out = fan_out(
+            self.placement,
+            self._calls,
+            [item.branch.request_id for item in items],
+            lambda worker, held: self._processes[worker].score([items[k] for k in held]),
+        )
+        # An unattributed error as from a PRM in this process: the driver retries
+        # request by request to find the one at fault.
+        out.raise_failures()
         rewards: list[float] = [0.0] * len(items)
-        failed: dict[str, str] = {}
-        unattributed: Exception | None = None
-        for worker, call in calls.items():
-            held = groups[worker]
-            try:
-                values = call.result()
-            except PRMError as exc:
-                # Named requests, or (a process that is gone) all it held.
-                named = set(exc.request_ids) or {items[k].branch.request_id for k in held}
-                failed.update((rid, str(exc)) for rid in named)
-                continue
-            except Exception as exc:
-                unattributed = exc
-                continue
-            for k, value in zip(held, values):
+        for worker, values in out.answers.items():
+            for k, value in zip(out.held[worker], values):
                 rewards[k] = value
-        if unattributed is not None:
-            # As from a PRM in this process: the driver retries request by request to
-            # find the one at fault.
-            raise unattributed
-        if failed:
-            raise PRMError("; ".join(sorted(set(failed.values()))), sorted(failed))
         return rewards
 
     def release(self, request_id: str) -> None:

