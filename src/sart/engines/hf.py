@@ -57,7 +57,6 @@ exactly as it would have.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +68,7 @@ with needs_extra("the transformers engine", "hf"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from sart import hf_compat
 from sart.engines import hf_kv, hf_sampling
 from sart.engines.base import (
     BranchSpec,
@@ -147,9 +147,7 @@ class HFEngine:
         if eos is None:
             eos = tokenizer.eos_token_id
         self.eos_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos])
-        params = inspect.signature(model.forward).parameters
-        # transformers 5 renamed past_key_values to cache (argument and output).
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = hf_compat.cache_argument(model)
         self._ledger: PrefixLedger[_PromptKV, _Branch] = PrefixLedger()
         limit = getattr(model.config, "max_position_embeddings", None)
         self.context_len: int | None = limit if isinstance(limit, int) else None
@@ -200,7 +198,9 @@ class HFEngine:
             )
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
-        kv = _PromptKV(hf_kv.pairs_of(hf_kv.out_cache(out)), out.logits[0, -1].float(), tuple(ids))
+        kv = _PromptKV(
+            hf_compat.pairs_of(hf_compat.out_cache(out)), out.logits[0, -1].float(), tuple(ids)
+        )
         self._ledger.prefill(request_id, len(ids), sampling, kv)
         return len(ids)
 
@@ -374,13 +374,13 @@ class HFEngine:
             out = self._forward(
                 ids,
                 cache=cache
-                or hf_kv.dynamic_cache([(k[:, :, :-1], v[:, :, :-1]) for k, v in full], config),
+                or hf_compat.dynamic_cache([(k[:, :, :-1], v[:, :, :-1]) for k, v in full], config),
                 attention_mask=mask,
                 position_ids=positions,
             )
         # The step's keys and values: written into the batch's free position, or (with
         # transformers' own cache) the last of the cache the forward returns.
-        done = full if cache is not None else hf_kv.pairs_of(hf_kv.out_cache(out))
+        done = full if cache is not None else hf_compat.pairs_of(hf_compat.out_cache(out))
         new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
         last = out.logits[:, -1].float()  # one op; each branch keeps a view of its row
         for row, (_, branch, _) in enumerate(going):
@@ -404,11 +404,11 @@ class HFEngine:
         ids = torch.tensor([branch.tokens], device=self.device)
         mask = torch.ones((1, prompt + count), dtype=torch.long, device=self.device)
         positions = torch.arange(prompt, prompt + count, device=self.device)[None]
-        cache = hf_kv.dynamic_cache(pairs, self.model.config)
+        cache = hf_compat.dynamic_cache(pairs, self.model.config)
         with torch.inference_mode():
             out = self._forward(ids, cache=cache, attention_mask=mask, position_ids=positions)
         limit = branch.prefix.sampling.max_tokens
-        branch.kv = OwnKV.of(hf_kv.pairs_of(hf_kv.out_cache(out)), count, limit)
+        branch.kv = OwnKV.of(hf_compat.pairs_of(hf_compat.out_cache(out)), count, limit)
         branch.logits = out.logits[0, -1].float()
 
     # ------------------------------------------------------------- helpers

@@ -39,6 +39,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from sart.hf_compat import LEGACY
+
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
 _FIRST = 16
@@ -185,7 +187,7 @@ class InPlaceCache(DynamicCache):
     @classmethod
     def build(cls, full: KV, config: Any) -> InPlaceCache | None:
         held = [(k[:, :, :-1], v[:, :, :-1]) for k, v in full]
-        if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
+        if LEGACY:  # transformers 4.x
             cache = cls.from_legacy_cache(tuple(held))  # type: ignore[attr-defined]
         else:
             # Built empty (no copy), then pointed at the batch's positions: transformers
@@ -297,25 +299,6 @@ def split_cost(config: Any, device: torch.device, dtype: torch.dtype) -> int | N
     return round((layers * per_layer * bandwidth + weights) / per_position)
 
 
-def dynamic_cache(pairs: KV, config: Any) -> Any:
-    """transformers' ``DynamicCache`` over ``pairs`` (it copies them)."""
-    if hasattr(DynamicCache, "from_legacy_cache"):  # transformers 4.x
-        return DynamicCache.from_legacy_cache(tuple(pairs))
-    return DynamicCache(ddp_cache_data=pairs, config=config)
-
-
-def out_cache(out: Any) -> Any:
-    """A forward output's cache (transformers 5 renamed ``past_key_values`` ``cache``)."""
-    return getattr(out, "cache", None) or out.past_key_values
-
-
-def pairs_of(cache: Any) -> KV:
-    """A transformers cache's per-layer ``(keys, values)``."""
-    if hasattr(cache, "layers"):
-        return [(layer.keys, layer.values) for layer in cache.layers]
-    return [(k, v) for k, v in cache.to_legacy_cache()]  # transformers 4.x
-
-
 __all__ = [
     "KV",
     "InPlaceCache",
@@ -323,10 +306,7 @@ __all__ = [
     "StepBatch",
     "StepBatches",
     "batch",
-    "dynamic_cache",
     "empty",
     "groups",
-    "out_cache",
-    "pairs_of",
     "split_cost",
 ]

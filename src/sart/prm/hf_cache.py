@@ -16,12 +16,13 @@ its positions' dimension.
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import transformers
+
+from sart.hf_compat import cache_argument, from_legacy, new_cache
 
 __all__ = ["CacheAPI", "cut_rows", "stack_left_padded"]
 
@@ -36,21 +37,11 @@ class CacheAPI:
 
     @classmethod
     def of(cls, model: Any) -> CacheAPI:
-        parameters: Mapping[str, inspect.Parameter]
-        try:
-            parameters = inspect.signature(model.forward).parameters
-        except (TypeError, ValueError):
-            parameters = {}
-        return cls("cache" if "cache" in parameters else "past_key_values")
+        return cls(cache_argument(model))
 
     @staticmethod
     def new(model: Any) -> Any:
-        from transformers import DynamicCache
-
-        try:
-            return DynamicCache(config=model.config)
-        except TypeError:  # transformers < 4.56 takes no config
-            return DynamicCache()
+        return new_cache(model.config)
 
     def returned(self, output: Any, passed: Any) -> Any:
         """The cache after a forward: the one the output carries, under the same
@@ -61,7 +52,7 @@ class CacheAPI:
         if value is None or value is passed:
             return passed
         if isinstance(value, tuple):  # the legacy format, from old custom code
-            return transformers.DynamicCache.from_legacy_cache(value)
+            return from_legacy(value)
         return value
 
     @staticmethod
