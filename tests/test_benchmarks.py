@@ -63,6 +63,14 @@ class Case:
 
 CASES = [
     Case(
+        "frontier.py",
+        "--quick --out /tmp/sart-frontier-quick.png",
+        (
+            rf"^\s+2 SART-rebranch 4\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}  ",
+            r"^wrote /tmp/sart-frontier-quick.png$",
+        ),
+    ),
+    Case(
         "fork_model.py",
         "--quick",
         (
