@@ -382,7 +382,7 @@ def test_a_replay_defaults_to_the_traces_width_and_interval(tmp_path: Path) -> N
 
 
 def test_vllm_engine_args_parse_json_values_and_keep_strings() -> None:
-    from sart.flags import key_values
+    from sart.model_flags import key_values
 
     assert key_values(
         ["tensor_parallel_size=2", "enforce_eager=true", "dtype=bfloat16", "x=[1, 2]"], "--vllm-arg"

@@ -127,7 +127,7 @@ def test_prm_url_means_the_remote_kind_and_nothing_else(flags: list[str], said: 
     # silently into the remote PRM; now the remote PRM is a kind of its own.
     import argparse
 
-    from sart.flags import add_model_flags, load_spec
+    from sart.model_flags import add_model_flags, load_spec
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", default="hf")

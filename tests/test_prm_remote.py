@@ -194,7 +194,7 @@ def test_a_killed_server_fails_only_the_requests_it_held(
 
 def test_every_command_takes_the_servers(tmp_path: Path) -> None:
     from sart.cli import _parser
-    from sart.flags import load_spec
+    from sart.model_flags import load_spec
 
     urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
     for argv in (

@@ -7,7 +7,7 @@ frozen ``LoadSpec`` and build it here (``load``, or ``build_engine`` and
 
 The spec (``sart.load_spec``, re-exported here) knows which of its fields each
 engine and each PRM kind reads, and refuses a field set where it would be
-ignored. The commands build specs from one set of flags (``sart.launch_flags``).
+ignored. The commands build specs from one set of flags (``sart.model_flags``).
 
 ``--model testbed`` (``TESTBED``) stands for the shipped testbed policy, and, unless
 another PRM is named, its PRM with the options it is calibrated for

@@ -38,11 +38,11 @@ from sart.flags import (
     check_name,
     import_plugins,
     in_flags,
-    load_spec,
     sampling,
 )
 from sart.launch import LoadSpec, load
 from sart.methods import get_method
+from sart.model_flags import load_spec
 from sart.registry import load_engine, step_engines
 from sart.rollouts import rollout_shape, trace_rollouts
 from sart.testbed.specs import testbed

@@ -18,11 +18,9 @@ from sart.bench.traces import Trace, is_trace_file
 from sart.bench.workloads import WORKLOADS
 from sart.errors import ConfigError
 from sart.flags import (
-    MODEL_DESTS,
     add_admission_flag,
     add_cost_model_flag,
     add_methods_flag,
-    add_model_flags,
     add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
@@ -30,6 +28,7 @@ from sart.flags import (
 )
 from sart.launch import TESTBED_INTERVAL
 from sart.methods import check_methods
+from sart.model_flags import MODEL_DESTS, add_model_flags
 from sart.testbed.specs import LONG, testbed
 from sart.types import Admission, Scoring
 

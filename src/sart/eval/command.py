@@ -45,11 +45,11 @@ from sart.flags import (
     check_name,
     import_plugins,
     in_flags,
-    load_spec,
     sampling,
 )
 from sart.launch import Loaded, load
 from sart.methods import Rewards, check_methods, get_method
+from sart.model_flags import load_spec
 from sart.policies.equivalence import Equivalence
 from sart.registry import step_engines
 from sart.testbed.specs import testbed

@@ -17,13 +17,13 @@ from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.flags import (
     add_cost_model_flag,
     add_methods_flag,
-    add_model_flags,
     add_output_flags,
     add_plugin_flag,
     add_sampling_flags,
     add_scoring_flag,
 )
 from sart.launch import TESTBED_INTERVAL
+from sart.model_flags import add_model_flags
 from sart.testbed.specs import LONG
 
 DATASET_CHOICES = (*DATASETS, "testbed", "testbed-long")

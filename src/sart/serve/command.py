@@ -3,7 +3,7 @@
 ``sart serve`` with no flags serves the shipped testbed (``--model testbed``:
 its policy on transformers, its PRM in a process of its own) on
 ``127.0.0.1:8000``. Models load as every command loads them (``sart.launch``,
-the same flags: ``sart.flags``); ``--engine`` picks the adapter:
+the same flags: ``sart.flags``, ``sart.model_flags``); ``--engine`` picks the adapter:
 
 - ``hf`` (default): transformers, on ``--device``; its calls run on a
   worker thread so that the event loop keeps answering;
@@ -33,13 +33,11 @@ from collections.abc import Callable
 from sart.errors import ConfigError
 from sart.flags import (
     add_admission_flag,
-    add_model_flags,
     add_plugin_flag,
     add_scoring_flag,
     check_name,
     import_plugins,
     in_flags,
-    load_spec,
 )
 from sart.flags import sampling as sampling_flags
 from sart.launch import (
@@ -52,6 +50,7 @@ from sart.launch import (
 )
 from sart.launch import load as load_models
 from sart.methods import method_names
+from sart.model_flags import add_model_flags, load_spec
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
 from sart.testbed.specs import LONG, testbed
