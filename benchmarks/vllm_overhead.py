@@ -240,7 +240,7 @@ def run_sart_method(
     ``sart.bench.real.run_real`` does."""
     import sart
     from sart.bench.runner import serve
-    from sart.driver import SyncDriver
+    from sart.sync_driver import SyncDriver
 
     requests = [
         sart.Request(

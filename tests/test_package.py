@@ -28,8 +28,8 @@ def test_import_sart_loads_no_engine_or_torch() -> None:
 #: and the drivers, which act through the engine and PRM contracts only.
 CORE = (
     "scheduler", "commands.py", "state.py", "views.py", "messages.py", "policies",
-    "methods.py", "rewards", "confidence", "driver.py", "async_driver.py", "score_runner.py",
-    "servable.py",
+    "methods.py", "rewards", "confidence", "driver.py", "sync_driver.py", "async_driver.py",
+    "score_runner.py", "servable.py",
 )  # fmt: skip
 #: The contracts (protocols and their helpers), which the drivers may import.
 CONTRACTS = ("sart.engines.base", "sart.prm.base")

@@ -11,7 +11,7 @@ PRMs load lazily by name (see ``sart.registry``).
 from sart.answers import extract_answer
 from sart.async_driver import AsyncDriver
 from sart.clock import Clock, VirtualClock, WallClock
-from sart.driver import SyncDriver, TimelineSample, run
+from sart.driver import TimelineSample
 from sart.engines.base import AsyncEngine, Engine, EngineStats, ReportsUsage
 from sart.errors import (
     ConfigError,
@@ -75,6 +75,7 @@ from sart.request import Request
 from sart.results import BranchOutcome, RequestResult, Timings
 from sart.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from sart.state import RequestMeta
+from sart.sync_driver import SyncDriver, run
 from sart.types import (
     Admission,
     BranchId,

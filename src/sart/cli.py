@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from sart import __version__
 from sart.bench.parser import add_bench_parser, add_trace_parser
 from sart.bench.tune_command import add_tune_parser
-from sart.driver import SyncDriver
 from sart.engines.fake import FakeEngine
 from sart.engines.scripts import random_scripts
 from sart.errors import EXTRAS, ConfigError, SartError, install_hint, needs_extra
@@ -21,6 +20,7 @@ from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
 from sart.serve.command import add_serve_parser
+from sart.sync_driver import SyncDriver
 from sart.testbed.command import add_parser as add_testbed_parser
 from sart.types import BranchStatus, SamplingSettings
 

@@ -1,4 +1,4 @@
-"""The drivers: the one loop that carries out the scheduler's commands, and the synchronous driver.
+"""The one loop that carries out the scheduler's commands, shared by both drivers.
 
 A driver owns the effects the scheduler only decides: calling the engine and
 the PRM, reading the clock, releasing requests at their arrival times, and
@@ -9,8 +9,9 @@ let through.
 
 The loop is written once, in ``DriverBase._step``: a generator that yields
 the effects it needs (call an engine method, start scoring, wait) and gets
-their results back. ``SyncDriver`` performs them by calling, the asyncio
-driver (``sart.async_driver``) by awaiting; that is the only difference.
+their results back. ``SyncDriver`` (``sart.sync_driver``) performs them by
+calling, the asyncio driver (``sart.async_driver``) by awaiting; that is the only
+difference.
 
 Scoring (``sart.Scoring``): how a ``Score`` runs -- priced on a virtual clock,
 on worker threads, or blocking -- and the PRM time each request is charged are
@@ -23,7 +24,6 @@ each request is ``sart.rewards``'.
 
 from __future__ import annotations
 
-import concurrent.futures
 import heapq
 import itertools
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -50,7 +50,7 @@ from sart.commands import (
     StartBranches,
     Started,
 )
-from sart.engines.base import Engine, engine_clock, supports_pause
+from sart.engines.base import engine_clock, supports_pause
 from sart.errors import ConfigError, EngineError, RequestRefused, enum_converter
 from sart.messages import StepOutput
 from sart.prm.base import PRM
@@ -59,7 +59,7 @@ from sart.results import RequestResult
 from sart.rewards.isolation import prm_workers
 from sart.rewards.router import RewardRouter
 from sart.scheduler import Scheduler, SchedulerConfig
-from sart.score_runner import PendingScore, ScoreRunner
+from sart.score_runner import ScoreRunner
 from sart.servable import check_servable
 from sart.types import Admission, Scoring
 
@@ -384,96 +384,3 @@ class DriverBase:
         if self._on_result is not None:
             for result in delivered:
                 self._on_result(result)
-
-
-class SyncDriver(DriverBase):
-    """Runs requests through a ``Scheduler`` against a step-based engine and a PRM."""
-
-    def run(self, requests: Iterable[Request] = ()) -> list[RequestResult]:
-        """Submit ``requests``, run until everything submitted has finished, and
-        return their results in submission order."""
-        requests = self._submit_all(requests)
-        try:
-            while self.step():
-                pass
-        finally:
-            self.close()
-        return self._results_of(requests)
-
-    def step(self) -> bool:
-        """Carry out one batch of commands (or wait once); ``False`` when there is
-        nothing left to do."""
-        loop = self._step()
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                effect = loop.send(value) if error is None else loop.throw(error)
-            except StopIteration as stop:
-                return bool(stop.value)
-            value, error = None, None
-            try:
-                value = self._perform(effect)
-            except Exception as exc:  # the loop turns it into a Failed event
-                error = exc
-
-    def _perform(self, effect: Effect) -> Any:
-        if isinstance(effect, _Call):
-            return effect.fn(*effect.args)
-        if isinstance(effect, _StartScore):
-            return self._start_score(effect.command)
-        self._wait(effect.until)
-        return None
-
-    def _start_score(self, command: Score) -> PendingScore:
-        scores = self.scores
-        if scores.virtual:
-            return scores.price(command)
-        if self.scoring is Scoring.BLOCKING:
-            return scores.waited(command, scores.timed(command.items))
-        return PendingScore(command, future=scores.executor().submit(scores.timed, command.items))
-
-    def _wait(self, until: float | None) -> None:
-        pending = self.scores.pending
-        start = self.clock.now()
-        if not pending:
-            assert until is not None  # the loop waits only for an arrival or a Score
-            self.clock.sleep_until(until)
-            return
-        if self.scores.virtual:
-            ready = min(p.ready_at for p in pending)
-            self.clock.sleep_until(ready if until is None else min(until, ready))
-        else:
-            timeout = None if until is None else max(0.0, until - start)
-            futures = [p.future for p in pending]
-            concurrent.futures.wait(futures, timeout=timeout, return_when="FIRST_COMPLETED")
-        self.scores.stalled(self.clock.now() - start)
-
-
-def run(
-    requests: Iterable[Request],
-    engine: Engine,
-    prm: PRM | None = None,
-    *,
-    batch_size: int = 64,
-    admission: Admission | str = Admission.CHUNK,
-    scoring: Scoring | str = Scoring.OVERLAPPED,
-    aging: float | None = None,
-    clock: Clock | None = None,
-) -> list[RequestResult]:
-    """Serve ``requests`` on ``engine`` with the synchronous driver; results in input order.
-
-    ``scoring="blocking"`` runs Algorithm 1 as written (decoding waits for every
-    PRM check); the default overlaps checks with decoding (see ``sart.Scoring``).
-    Requests are admitted by ``Request.priority``, then arrival (``aging``: see
-    ``SchedulerConfig.aging``)."""
-    driver = SyncDriver(
-        engine,
-        prm,
-        batch_size=batch_size,
-        admission=admission,
-        scoring=scoring,
-        aging=aging,
-        clock=clock,
-    )
-    return driver.run(requests)

@@ -32,7 +32,6 @@ from sart.answers import extract_answer
 from sart.bench.runner import BenchConfig, RunRecord, method_policy, method_scoring, plan, serve
 from sart.bench.trace_lines import MAX_CONFIDENCE, MIN_LOGPROB
 from sart.bench.traces import Trace, TraceRequest
-from sart.driver import SyncDriver
 from sart.engines.base import BranchDelta, BranchSpec, Engine, EngineStats, StepOutput
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
@@ -42,6 +41,7 @@ from sart.policies.stop import AllDone
 from sart.prm.base import PRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.sync_driver import SyncDriver
 from sart.types import BranchId, Prompt, SamplingSettings, Scoring
 from sart.views import RequestView
 

@@ -27,7 +27,7 @@ from sart.bench.config import (
 )
 from sart.bench.traces import Trace, TraceRequest
 from sart.bench.workloads import workload
-from sart.driver import SyncDriver, TimelineSample
+from sart.driver import TimelineSample
 from sart.engines.base import ReportsUsage
 from sart.engines.costs import cost_model
 from sart.engines.prm_costs import PRMCostModel, PRMPricer, prm_serving
@@ -40,6 +40,7 @@ from sart.prm.priced import CostedPRM
 from sart.prm.scripted import ScriptedPRM
 from sart.request import Request
 from sart.results import RequestResult
+from sart.sync_driver import SyncDriver
 from sart.types import SamplingSettings
 
 
