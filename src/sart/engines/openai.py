@@ -93,6 +93,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sart.engines.base import BranchDelta, EngineStats
 from sart.engines.ledger import cap_max_tokens
+from sart.engines.openai_upstreams import Upstreams
 from sart.engines.openai_wire import (
     Closing,
     Downgrade,
@@ -175,7 +176,8 @@ class OpenAIEngine(StreamingEngine):
         self.affinity = affinity
         self.explicit_abort = explicit_abort
         self.servers = [Server(base_url(u), extras=return_token_ids is not False) for u in urls]
-        self._rr = 0
+        self.upstreams = Upstreams(self.servers)
+        """Which server a request and each branch stream from (``openai_upstreams``)."""
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, _Request] = {}
         self._progress: dict[BranchId, _Progress] = {}
@@ -223,20 +225,22 @@ class OpenAIEngine(StreamingEngine):
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
-        home = self._home() if self.affinity else None
-        ids, max_len = await self._tokenize(prompt, request_id, home)
-        tokens = len(ids) if ids is not None else words(prompt)
-        max_tokens = cap_max_tokens(
-            request_id,
-            tokens,
-            sampling.max_tokens,
-            max_len,
-            f"the server's max_model_len={max_len}",
-        )
+        home = self.upstreams.home() if self.affinity else None
+        try:
+            ids, max_len = await self._tokenize(prompt, request_id, home)
+            tokens = len(ids) if ids is not None else words(prompt)
+            max_tokens = cap_max_tokens(
+                request_id,
+                tokens,
+                sampling.max_tokens,
+                max_len,
+                f"the server's max_model_len={max_len}",
+            )
+        except BaseException:  # refused or failed: the request never opens there
+            self.upstreams.leave(_Request(None, 0, home))
+            raise
         self._ledger.prefill(request_id, tokens, sampling, HeldPrompt(prompt))
         self._requests[request_id] = _Request(ids, max_tokens, home)
-        if home is not None:
-            self.servers[home].requests += 1
         return tokens
 
     async def pause(self, branch_ids: Sequence[BranchId]) -> None:
@@ -254,8 +258,8 @@ class OpenAIEngine(StreamingEngine):
             del self._paused[bid]  # never resumed
         await super().release_prefix(request_id)
         request = self._requests.pop(request_id, None)
-        if request is not None and request.home is not None:
-            self.servers[request.home].requests -= 1
+        if request is not None:
+            self.upstreams.leave(request)
 
     def stats(self) -> EngineStats:
         kv = sum(p.tokens for p in self._ledger.prefixes.values())
@@ -369,36 +373,6 @@ class OpenAIEngine(StreamingEngine):
 
     # -------------------------------------------------------------- streams
 
-    def _home(self) -> int:
-        """A new request's server: the fewest open requests, then the fewest live
-        branches, ties in round-robin order. (Its branches start only after the
-        prefill, so live branches alone would send every request prefilled in one
-        scheduler step to the same server.)"""
-        return self._least(set(), lambda s: (s.requests, s.live))
-
-    def _pick(self, exclude: set[int], request: _Request | None = None) -> int:
-        """The server for a branch's next attempt: its request's home (with affinity),
-        else the least-loaded server not in ``exclude`` (all of them if none is left),
-        ties in round-robin order. A request whose home failed moves to the server
-        picked instead, so that its later branches follow the cached prompt."""
-        if request is not None and request.home is not None:
-            if request.home not in exclude:
-                return request.home
-            moved = self._least(exclude, lambda s: (s.live,))
-            self.servers[request.home].requests -= 1
-            self.servers[moved].requests += 1
-            request.home = moved
-            return moved
-        return self._least(exclude, lambda s: (s.live,))
-
-    def _least(self, exclude: set[int], load: Any) -> int:
-        n = len(self.servers)
-        order = [(self._rr + i) % n for i in range(n)]
-        candidates = [i for i in order if i not in exclude] or order
-        best = min(candidates, key=lambda i: load(self.servers[i]))  # first minimum wins
-        self._rr = (best + 1) % n
-        return best
-
     async def _stream(self, branch: BranchId, body: dict[str, Any], root: bool) -> Any:
         task = asyncio.current_task()
         if task is not None:
@@ -428,7 +402,7 @@ class OpenAIEngine(StreamingEngine):
         index = 0
         while True:
             if not without_extras:
-                index = self._pick(tried, self._requests.get(branch.request_id))
+                index = self.upstreams.pick(tried, self._requests.get(branch.request_id))
             server = self.servers[index]
             self.placement[branch] = server.url
             self._inflight[branch] = (server, rid)
