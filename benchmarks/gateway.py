@@ -42,7 +42,7 @@ import httpx
 import sart
 from sart.demo_models import build_demo_models
 from sart.engines.openai import OpenAIEngine
-from sart.engines.streaming import SyncBridge
+from sart.engines.sync_bridge import SyncBridge
 from sart.types import BranchId, SamplingSettings
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))

@@ -114,7 +114,7 @@ def fresh_vllm(engine: Any, **kwargs: Any) -> Any:
 def fresh_vllm_async(bridge: Any, **kwargs: Any) -> Any:
     """A new ``VLLMAsyncEngine`` adapter over ``bridge``'s ``AsyncLLM``, behind a
     ``SyncBridge`` on the same loop (``AsyncLLM``'s output handler lives there)."""
-    from sart.engines.streaming import SyncBridge
+    from sart.engines.sync_bridge import SyncBridge
 
     base = bridge.engine
     engine = type(base)(base.async_llm, stats_recorder=base.stats_recorder, **kwargs)

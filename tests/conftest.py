@@ -103,7 +103,7 @@ def vllm_async_bridge(demo_models: dict[str, Path]) -> Iterator[Any]:
     """A ``SyncBridge`` whose engine is a ``VLLMAsyncEngine`` built on the bridge's loop
     (``AsyncLLM`` starts its output handler on the loop running when it is built)."""
     pytest.importorskip("vllm")
-    from sart.engines.streaming import SyncBridge
+    from sart.engines.sync_bridge import SyncBridge
     from sart.engines.vllm_async import VLLMAsyncEngine
 
     with _vllm_env():

@@ -30,7 +30,7 @@ from adapters import (  # noqa: E402
 from openai_standin import SocketServer, StandInServer, transport  # noqa: E402
 from sart.engines.base import BranchSpec, TokenLogprobs  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
-from sart.engines.streaming import SyncBridge  # noqa: E402
+from sart.engines.sync_bridge import SyncBridge  # noqa: E402
 from sart.testing import check_engine  # noqa: E402
 from sart.types import BranchId, FinishReason  # noqa: E402
 

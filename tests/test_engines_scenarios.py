@@ -40,7 +40,7 @@ from adapters import (
 )
 from sart.engines.base import BranchSpec, ReportsUsage, supports_fork, supports_pause
 from sart.engines.scripts import BranchScript, ScriptTable
-from sart.engines.streaming import SyncBridge
+from sart.engines.sync_bridge import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
 from sart.types import BranchId, BranchStatus, FinishReason
 from sglang_cpu import NO_EOS, SGLANG_CONTEXT_LEN, sglang_adapter

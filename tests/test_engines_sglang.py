@@ -28,7 +28,7 @@ import sart
 from adapters import EXTRA_FIELDS, PROMPTS, check_pruned, pruning_workload, run_to_end
 from sart.engines.base import BranchSpec, TokenLogprobs
 from sart.engines.scripts import BranchScript, ScriptTable
-from sart.engines.streaming import SyncBridge
+from sart.engines.sync_bridge import SyncBridge
 from sart.testing import ScriptedPRM, check_engine
 from sart.types import BranchId, BranchStatus, FinishReason
 from sglang_standin import EOS, SGLangStandIn, adapter_module, forget_adapter_module

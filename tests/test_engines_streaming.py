@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 import sart
 from sart.engines.base import BranchSpec
-from sart.engines.streaming import BranchStart, SyncBridge
+from sart.engines.streaming import BranchStart
+from sart.engines.sync_bridge import SyncBridge
 from sart.testing import (
     BranchScript,
     FakeEngine,

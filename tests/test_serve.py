@@ -25,7 +25,8 @@ openai = pytest.importorskip("openai")
 import httpx  # noqa: E402
 
 import sart  # noqa: E402
-from sart.engines.streaming import Chunk, StreamingEngine, SyncBridge  # noqa: E402
+from sart.engines.streaming import Chunk, StreamingEngine  # noqa: E402
+from sart.engines.sync_bridge import SyncBridge  # noqa: E402
 from sart.errors import ConfigError, EngineError  # noqa: E402
 from sart.serve import Backend, ServeConfig, create_app, register_method  # noqa: E402
 from sart.serve.engine import ServingEngine  # noqa: E402

@@ -133,7 +133,7 @@ class Engine(Protocol):
 class AsyncEngine(Protocol):
     """The same contract for asynchronous engines (``StreamingEngine`` and its vLLM
     ``AsyncLLM``, SGLang and OpenAI-server adapters), for ``AsyncDriver``; under the
-    synchronous driver, wrap one in ``sart.engines.streaming.SyncBridge``."""
+    synchronous driver, wrap one in ``sart.engines.sync_bridge.SyncBridge``."""
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         """As ``Engine.prefill``."""

@@ -137,7 +137,8 @@ if importlib.util.find_spec("sglang") is None:
 
 from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
-from sart.engines.streaming import BranchStart, Chunk, StreamingEngine, SyncBridge  # noqa: E402
+from sart.engines.streaming import BranchStart, Chunk, StreamingEngine  # noqa: E402
+from sart.engines.sync_bridge import SyncBridge  # noqa: E402
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}

@@ -52,7 +52,7 @@ from sart.engines.base import (
     supports_fork,
     supports_pause,
 )
-from sart.engines.streaming import SyncBridge
+from sart.engines.sync_bridge import SyncBridge
 from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
