@@ -369,12 +369,20 @@ def test_reshare_re_shares_when_idle_and_prunes_as_inner_when_busy() -> None:
     assert sorted(rule.choose(view)) == [1, 2]
     assert rule.fork(view) == {0: 1, 3: 1}
     busy = attrs.evolve(view, load=load(waiting_requests=1))
-    # Busy: TwoPhasePrune's alpha = 0.5 and beta = 1 (lowest first), and no forks.
-    assert list(rule.choose(busy)) == [2]
-    assert rule.fork(busy) == {}
+    # Busy: TwoPhasePrune (alpha = 0.5, beta = 1) shrinks the request by one branch,
+    # and the 3 slots left are re-shared: 2, 0, 0, 1 (branch 1 replaced by a fork of 0).
+    assert list(rule.choose(busy)) == [2, 1]
+    assert rule.fork(busy) == {0: 1}
+    # busy="prune", or the KV cache full: TwoPhasePrune's own prunes, and no forks.
+    pruning = attrs.evolve(rule, busy="prune")
+    assert list(pruning.choose(busy)) == [2] and pruning.fork(busy) == {}
+    full = attrs.evolve(view, load=load(kv=95))
+    assert list(rule.choose(full)) == [2] and rule.fork(full) == {}
     assert rule.start(4).threshold == 0.5 and rule.start(4).max_num_pruned > 4
     with pytest.raises(sart.ConfigError, match="kv_limit=0 must be in"):
         sart.Reshare(sart.NoPrune(), kv_limit=0)
+    with pytest.raises(sart.ConfigError, match="busy='wait'"):
+        sart.Reshare(sart.NoPrune(), busy="wait")
 
 
 def test_sart_rebranch_falls_back_to_sart_at_saturation() -> None:

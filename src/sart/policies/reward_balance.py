@@ -25,9 +25,10 @@ Mapping onto the step/chunk model:
 
 ``Reshare`` is the same re-sharing made load-aware, for SART that prunes *and*
 re-branches (``sart.sart_rebranch``): while no other work waits for a batch slot
-and the KV cache has room it re-shares as Rebase does; under load it prunes by its
-``inner`` rule (SART's two phases) and forks nothing, so the slots pruning frees go
-to the waiting requests.
+and the KV cache has room it re-shares as Rebase does; while others wait it
+shrinks as its ``inner`` rule (SART's two phases) would, so the slots pruning
+frees go to the waiting requests, but re-shares the fewer slots it keeps among
+the best prefixes; with the KV cache full it prunes as ``inner`` and forks nothing.
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ from sart.types import Phase
 from sart.views import BranchView, Limits, RequestView
 
 
-def allocate(leaves: Sequence[BranchView], temperature: float) -> dict[int, int]:
-    """Share ``len(leaves)`` slots by ``softmax(reward / temperature)``, largest
-    remainders first (ties: higher reward, then lower index). ``{}`` if a leaf
-    has no reward yet."""
+def allocate(
+    leaves: Sequence[BranchView], temperature: float, slots: int | None = None
+) -> dict[int, int]:
+    """Share ``slots`` (default ``len(leaves)``) slots by ``softmax(reward /
+    temperature)``, largest remainders first (ties: higher reward, then lower
+    index). ``{}`` if a leaf has no reward yet."""
+    slots = len(leaves) if slots is None else slots
     rewards: dict[int, float] = {}
     for b in leaves:
         if b.reward is None:
@@ -57,9 +61,9 @@ def allocate(leaves: Sequence[BranchView], temperature: float) -> dict[int, int]
     top = max(rewards.values())
     weights = [math.exp((rewards[b.index] - top) / temperature) for b in leaves]
     total = sum(weights)
-    quotas = [len(leaves) * w / total for w in weights]
+    quotas = [slots * w / total for w in weights]
     shares = {b.index: math.floor(q) for b, q in zip(leaves, quotas)}
-    left = len(leaves) - sum(shares.values())
+    left = slots - sum(shares.values())
     order = sorted(
         zip(leaves, quotas),
         key=lambda p: (-(p[1] - math.floor(p[1])), -rewards[p[0].index], p[0].index),
@@ -100,6 +104,14 @@ def _check_share(_inst: object, attr: attrs.Attribute, value: float) -> None:
     config_check(ok, attr.name, value, "in (0, 1]")
 
 
+BUSY = ("reshare", "prune")
+"""What ``Reshare`` does while other work waits: re-share the slots it keeps, or prune."""
+
+
+def _check_busy(_inst: object, _attr: attrs.Attribute, value: str) -> None:
+    config_check(value in BUSY, "busy", value, f"one of {BUSY}")
+
+
 @attrs.frozen
 class Reshare(PruneRule):
     """Rebase's re-sharing while the server has room, ``inner``'s prunes under load.
@@ -107,16 +119,25 @@ class Reshare(PruneRule):
     Idle (no other request or branch waits for a batch slot, and the KV cache is
     below ``kv_limit`` of its capacity): at each check the running branches are
     re-shared by ``softmax(reward / temperature)`` as ``RewardBalance`` does, the
-    ones whose share is 0 pruned and the others forked into the slots freed. Busy:
-    ``inner`` prunes within its own budget (its ``start(n)`` limit in phase 1,
-    ``n - 1`` in phase 2, counting every prune of the request, re-sharing's too) and
-    nothing is forked. The threshold is ``inner``'s throughout.
+    ones whose share is 0 pruned and the others forked into the slots freed.
+
+    Busy: ``inner`` picks its prunes within its own budget (its ``start(n)`` limit
+    in phase 1, ``n - 1`` in phase 2, counting every prune of the request,
+    re-sharing's too), so the request shrinks by as many branches as ``inner``
+    alone would shrink it. With ``busy="reshare"`` (the default) the slots it keeps
+    are re-shared among the running branches by the same softmax -- SART's shrink,
+    Rebase's choice of survivors -- unless the KV cache is at ``kv_limit``, where a
+    fork's own KV has no room; with ``busy="prune"``, and whenever the KV cache is
+    full, ``inner``'s prunes stand and nothing is forked. The threshold is
+    ``inner``'s throughout.
     """
 
     inner: PruneRule
     temperature: float = attrs.field(default=0.2, validator=_check_temperature)
     kv_limit: float = attrs.field(default=0.9, validator=_check_share)
     """Idle only while the KV cache is below this share of its capacity."""
+    busy: str = attrs.field(default="reshare", validator=_check_busy)
+    """Under load: ``"reshare"`` the slots ``inner`` keeps, or ``"prune"`` only."""
 
     def validate(self, n: int) -> None:
         self.inner.validate(n)
@@ -130,28 +151,39 @@ class Reshare(PruneRule):
         inner = self.inner.enter_exploit(limits, first, n)
         return Limits(threshold=inner.threshold, max_num_pruned=sys.maxsize)
 
+    def kv_full(self, request: RequestView) -> bool:
+        """Whether the KV cache is at ``kv_limit`` of its capacity (no room for forks)."""
+        use = None if request.load is None else request.load.kv_use
+        return use is not None and use >= self.kv_limit
+
     def idle(self, request: RequestView) -> bool:
         """Whether the server has room for forks (see the class docstring)."""
-        load = request.load
-        if load is None:
-            return True
-        use = load.kv_use
-        return others_waiting(request) == 0 and (use is None or use < self.kv_limit)
+        return (request.load is None or others_waiting(request) == 0) and not self.kv_full(request)
+
+    def shares(self, request: RequestView) -> tuple[list[int], dict[int, int]]:
+        """This check's prunes and the slots each running branch keeps (forks: share
+        less one). Recomputed by ``fork`` from the same view ``choose`` read."""
+        running = request.running
+        if self.idle(request):
+            shares = allocate(running, self.temperature)
+        else:
+            budget = (
+                self.inner.start(request.n).max_num_pruned
+                if request.phase is Phase.EXPLORE
+                else request.n - 1
+            )
+            chosen = list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
+            if self.busy == "prune" or self.kv_full(request):
+                return chosen, {}
+            shares = allocate(running, self.temperature, len(running) - len(chosen))
+            if not shares:  # a branch without a reward yet: ``inner``'s prunes stand
+                return chosen, {}
+        dropped = [b for b in running if shares.get(b.index, 1) == 0]
+        order = sorted(dropped, key=lambda b: (b.reward, b.index))
+        return [b.index for b in order], shares
 
     def choose(self, request: RequestView) -> Iterable[int]:
-        if self.idle(request):
-            shares = allocate(request.running, self.temperature)
-            dropped = [b for b in request.running if shares.get(b.index, 1) == 0]
-            return [b.index for b in sorted(dropped, key=lambda b: (b.reward, b.index))]
-        budget = (
-            self.inner.start(request.n).max_num_pruned
-            if request.phase is Phase.EXPLORE
-            else request.n - 1
-        )
-        return list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
+        return self.shares(request)[0]
 
     def fork(self, request: RequestView) -> Mapping[int, int]:
-        if not self.idle(request):
-            return {}
-        shares = allocate(request.running, self.temperature)
-        return {index: k - 1 for index, k in shares.items() if k >= 2}
+        return {index: k - 1 for index, k in self.shares(request)[1].items() if k >= 2}
