@@ -299,7 +299,7 @@ def load(config: Config) -> tuple[Any, Any, Any]:
 def measure(config: Config) -> dict[str, Any]:
     """Sample, grade, score with the PRM and every confidence signal; the result's JSON."""
     from sart.testbed import PRM_AGGREGATION
-    from sart.testbed.report import draw, score_drawn
+    from sart.testbed.draw import draw, score_drawn
     from sart.testbed.tasks import make_questions
 
     started = time.perf_counter()

@@ -98,7 +98,8 @@ def quality(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sart.testbed import POLICY_PATH, PRM_AGGREGATION, PRM_PATH, prm_kwargs
-    from sart.testbed.report import ReportConfig, draw, score_drawn, summarize
+    from sart.testbed.draw import draw, score_drawn
+    from sart.testbed.report import ReportConfig, summarize
     from sart.testbed.tasks import make_questions
 
     torch.set_num_threads(args.threads)

@@ -72,8 +72,16 @@ register_method(
 )
 
 
-def _reshare(name: str, select: sart.Selector, m_of: int = 2, temperature: float = 0.2) -> None:
-    """SART's stop at ``m = n / m_of`` over load-aware re-sharing (``Reshare``)."""
+def _reshare(
+    name: str,
+    select: sart.Selector,
+    m_of: int = 2,
+    temperature: float = 0.2,
+    busy: str = "prune",
+) -> None:
+    """SART's stop at ``m = n / m_of`` over load-aware re-sharing (``Reshare``); ``busy``:
+    what it does while others wait (``sart.Reshare.busy``; ``"prune"``, the first
+    variants' behaviour)."""
 
     def build(
         n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
@@ -83,7 +91,7 @@ def _reshare(name: str, select: sart.Selector, m_of: int = 2, temperature: float
         return sart.Policy(
             n=n,
             stop=sart.FirstM(m),
-            prune=sart.Reshare(inner, temperature=temperature),
+            prune=sart.Reshare(inner, temperature=temperature, busy=busy),
             select=select,
             interval=interval,
             name=f"{name}(n={n},m={m})",
@@ -96,6 +104,8 @@ _reshare("rb-reshare", sart.WeightedVote())
 _reshare("rb-reshare-best", sart.BestReward())
 _reshare("rb-reshare-m4", sart.WeightedVote(), m_of=4)
 _reshare("rb-reshare-t05", sart.WeightedVote(), temperature=0.5)
+for _busy in sart.policies.reward_balance.BUSY:
+    _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 
 if __name__ == "__main__":
     import sys

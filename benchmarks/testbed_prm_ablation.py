@@ -51,9 +51,10 @@ import torch
 from sart.prm.hf import QwenMathPRM
 from sart.rollouts import auroc
 from sart.testbed import PRM_PATH, prm_kwargs
+from sart.testbed.draw import draw
 from sart.testbed.logistic import fit_logistic
 from sart.testbed.modeling_testbed_prm import FEATURES
-from sart.testbed.report import ReportConfig, draw
+from sart.testbed.report import ReportConfig
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
 from sart.testbed.train import TrainConfig, _pad, prm_examples
 

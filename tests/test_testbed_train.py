@@ -17,7 +17,8 @@ import torch
 
 from sart.testbed.first_stage import FIRST_STAGE
 from sart.testbed.model import ModelConfig
-from sart.testbed.train import TrainConfig, _fit_head, train
+from sart.testbed.train import TrainConfig, train
+from sart.testbed.train_prm import _fit_head
 
 
 @pytest.mark.parametrize(

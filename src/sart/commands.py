@@ -38,6 +38,14 @@ def _id() -> int:
     return attrs.field(default=0, eq=False, kw_only=True)  # type: ignore[no-any-return]
 
 
+def _of_request_id(command: StartBranches | ReleasePrefix) -> frozenset[str]:
+    return frozenset((command.request_id,))
+
+
+def _of_branches(command: Abort | Pause) -> frozenset[str]:
+    return frozenset(b.request_id for b in command.branches)
+
+
 @attrs.frozen
 class Prefill:
     request: Request
@@ -54,9 +62,7 @@ class StartBranches:
     branches: tuple[BranchSpec, ...]
     id: int = _id()
 
-    @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset((self.request_id,))
+    request_ids = property(_of_request_id)
 
 
 @attrs.frozen
@@ -77,9 +83,7 @@ class Abort:
     branches: tuple[BranchId, ...]
     id: int = _id()
 
-    @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset(b.request_id for b in self.branches)
+    request_ids = property(_of_branches)
 
 
 @attrs.frozen
@@ -90,9 +94,7 @@ class Pause:
     branches: tuple[BranchId, ...]
     id: int = _id()
 
-    @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset(b.request_id for b in self.branches)
+    request_ids = property(_of_branches)
 
 
 @attrs.frozen
@@ -100,9 +102,7 @@ class ReleasePrefix:
     request_id: str
     id: int = _id()
 
-    @property
-    def request_ids(self) -> frozenset[str]:
-        return frozenset((self.request_id,))
+    request_ids = property(_of_request_id)
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ things, built here once:
 from __future__ import annotations
 
 import argparse
+import enum
 import importlib
 from typing import Any
 
@@ -168,15 +169,22 @@ def check_int_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -
             raise ConfigError(f"{action.option_strings[0]} {shown} must be >= {low}")
 
 
+def _add_enum_flag(
+    p: Any, flag: str, choices: type[enum.Enum], default: enum.Enum, help: str
+) -> None:
+    p.add_argument(flag, choices=[c.value for c in choices], default=default.value, help=help)
+
+
 def add_scoring_flag(p: Any) -> None:
     """``--scoring``: whether decoding waits for the PRM's checks (``sart.Scoring``)."""
     from sart.types import Scoring
 
-    p.add_argument(
+    _add_enum_flag(
+        p,
         "--scoring",
-        choices=[s.value for s in Scoring],
-        default=Scoring.OVERLAPPED.value,
-        help="overlapped (default): decoding goes on while the PRM scores, decisions apply "
+        Scoring,
+        Scoring.OVERLAPPED,
+        "overlapped (default): decoding goes on while the PRM scores, decisions apply "
         "when its rewards arrive; blocking: decoding waits for every PRM check "
         "(Algorithm 1 as written)",
     )
@@ -186,11 +194,12 @@ def add_admission_flag(p: Any) -> None:
     """``--admission``: when freed batch slots are refilled (``sart.Admission``)."""
     from sart.types import Admission
 
-    p.add_argument(
+    _add_enum_flag(
+        p,
         "--admission",
-        choices=[a.value for a in Admission],
-        default=Admission.CHUNK.value,
-        help="chunk (default): freed slots are refilled between decode chunks (Algorithm "
+        Admission,
+        Admission.CHUNK,
+        "chunk (default): freed slots are refilled between decode chunks (Algorithm "
         "1); token: a decode returns as soon as a branch ends, refilling its slot at once",
     )
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -71,9 +71,19 @@ def majority(answers: Sequence[str]) -> str:
     return max(answers, key=lambda a: counts[a]) if answers else ""
 
 
-def _median(values: Sequence[float]) -> float:
+def nan_median(values: Sequence[float]) -> float:
+    """The median of the values that are not ``nan`` (``nan`` if none are)."""
+    return _without_nan(statistics.median, values)
+
+
+def nan_mean(values: Sequence[float]) -> float:
+    """The mean of the values that are not ``nan`` (``nan`` if none are)."""
+    return _without_nan(statistics.fmean, values)
+
+
+def _without_nan(stat: Callable[[list[float]], float], values: Sequence[float]) -> float:
     kept = [v for v in values if not math.isnan(v)]
-    return statistics.median(kept) if kept else math.nan
+    return stat(kept) if kept else math.nan
 
 
 @attrs.frozen
@@ -192,9 +202,9 @@ def rollout_shape(questions: Sequence[Sequence[Rollout]]) -> RolloutShape:
         rollouts=min(len(g) for g in groups),
         median_length=statistics.median(r.length for r in everything),
         longest=max(r.length for r in everything),
-        median_cv=_median(cvs),
-        median_spread=_median(spreads),
-        median_r=_median(rs),
+        median_cv=nan_median(cvs),
+        median_spread=nan_median(spreads),
+        median_r=nan_median(rs),
         negative_r_share=sum(r < 0 for r in varied) / len(varied) if varied else math.nan,
         correct_over_wrong=(
             statistics.fmean(right_len) / statistics.fmean(wrong_len)

@@ -135,6 +135,15 @@ class RequestView:
         return tuple(b for b in self.branches if b.status is BranchStatus.RUNNING)
 
     @property
+    def others_waiting(self) -> int:
+        """Batch slots other work waits for (0 without a ``load``): other requests'
+        waiting branches, and one per queued request."""
+        if self.load is None:
+            return 0
+        own = sum(b.status is BranchStatus.WAITING for b in self.branches)
+        return max(0, self.load.waiting_branches - own) + self.load.waiting_requests
+
+    @property
     def completed(self) -> tuple[BranchView, ...]:
         return tuple(b for b in self.branches if b.status.is_completed)
 

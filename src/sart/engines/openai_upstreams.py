@@ -7,12 +7,27 @@ branch's next attempt (its request's home with affinity, else the least-loaded
 server not yet tried), ties in round-robin order; a request whose home failed
 moves, with its count, to the server picked instead, so that its later branches
 follow the prompt that server now caches. Pure bookkeeping: no I/O.
+
+With several servers (``OpenAIEngine``'s ``base_urls``, one model) and ``affinity``
+(the default) every branch of a request, and its forks, stream from one
+server: the one with the fewest open requests of this engine when the request
+is prefilled (then the fewest live branches, ties in round-robin order), so
+the prompt is prefilled once and its KV shared by the branches through that
+server's prefix cache. With ``affinity=False`` each branch goes to the server
+with the fewest live branches (the prompt is then prefilled on every server
+that gets a branch of it). A transport error (connection refused or reset,
+timeout) or a 502/503/504 answer before the branch streamed any token is
+retried on another server (``max_retries`` times in all); the request's later
+branches then follow it there. A branch that has already streamed tokens is
+never retried: its request fails (``EngineError``), the other requests go on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import attrs
 
 from sart.engines.openai_wire import Server
 
@@ -21,6 +36,18 @@ class Homed(Protocol):
     """A request as ``Upstreams`` sees it: the server it calls home (``None``: none)."""
 
     home: int | None
+
+
+@attrs.define
+class UpstreamRequest:
+    """A request as ``OpenAIEngine`` keeps it: its prompt's ids, its ``max_tokens``, and
+    the server it calls home."""
+
+    ids: list[int] | None
+    """The prompt's token ids, if known (the server's own, once a stream reports them)."""
+    max_tokens: int
+    home: int | None = None
+    """The server every branch of the request streams from (with affinity)."""
 
 
 class Upstreams:

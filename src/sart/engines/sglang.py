@@ -26,33 +26,8 @@ matching, and ``"lpm"`` does it only for prefixes of 32 tokens or more. A fork
 are the prompt plus the parent's generated token ids, with ``max_new_tokens``
 reduced by those tokens; the radix cache serves the shared prefix.
 
-Sampling: ``temperature``, ``top_p``, ``max_new_tokens`` (capped by the
-model's context length), ``stop`` and ``sampling_seed`` = the branch's seed.
-SGLang honours ``sampling_seed`` only with ``enable_deterministic_inference``
-(then the same seeds give the same text, which sart's ``check_engine`` asks
-for), which needs a GPU attention backend (``fa3``, ``flashinfer``,
-``triton``...); otherwise, and always on SGLang's CPU path, each branch still
-samples independently, just not reproducibly.
-
-Log-probabilities. A request whose ``SamplingSettings.logprobs`` is ``k``
-(not ``None``) is sent with ``return_logprob=True`` and ``top_logprobs_num=k``
-(``logprob_start_len`` is left at SGLang's default, -1: the output tokens
-only, so the prompt costs nothing more and the radix cache still serves all
-of it but its last token). Each chunk's ``meta_info`` then carries
-``output_token_logprobs`` (one ``(logprob, token_id, text)`` per output
-token; ``text`` is ``None``, ``return_text_in_logprobs`` being off) and, for
-``k > 0``, ``output_top_logprobs`` (per token the ``k`` most likely as such
-triples, highest first), cumulative or incremental as the chunk's
-``output_ids`` are (SGLang slices both at the same offset); the adapter takes
-the entries of the chunk's new tokens (``TokenLogprobs``), one per token, or
-fails the request if SGLang sent fewer. A fork reports its own new tokens'
-only. What they measure (``python/sglang/srt/layers/sampler.py``): unlike
-vLLM's default raw log-probabilities, SGLang's are ``log_softmax(logits /
-temperature)`` of the logits after its logit processors and penalties, but
-before top-p / top-k / min-p filtering; a greedy request (temperature 0,
-which SGLang runs as temperature 1 with top-k 1) gets ``log_softmax(logits)``.
-SGLang's environment variable ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` makes them
-the unscaled ``log_softmax(logits)`` for every request, like vLLM's.
+Sampling and log-probabilities: how sart's settings become SGLang's request
+fields and what SGLang's log-probabilities measure is ``sart.engines.sglang_wire``.
 
 Request ids. Each branch's ``rid`` is ``f"{rid_prefix}-{len(name)}:{name}"``
 with ``name = f"{index}_{request_id}"`` (vLLM's naming of parallel-sampling
@@ -123,7 +98,7 @@ import asyncio
 import contextlib
 import importlib.util
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from sart.errors import ConfigError, EngineError, MissingDependencyError, install_hint, needs_extra
@@ -135,17 +110,12 @@ if importlib.util.find_spec("sglang") is None:
         f"{_WHAT} needs sglang: {install_hint('sglang')} (the module 'sglang' is not installed)"
     )
 
+from sart.engines import sglang_wire as wire  # noqa: E402
 from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine  # noqa: E402
 from sart.engines.sync_bridge import SyncBridge  # noqa: E402
-from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings  # noqa: E402
-
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-
-
-class SGLangRequestError(RuntimeError):
-    """SGLang ended a branch's request itself (finish reason ``"abort"`` or unknown)."""
+from sart.types import EXTRA_SAMPLING, BranchId, Prompt, SamplingSettings  # noqa: E402
 
 
 def _import_sglang() -> Any:
@@ -170,10 +140,6 @@ async def _close(stream: Any) -> None:
             await aclose()
         except Exception:  # the request has ended; closing is best effort
             pass
-
-
-#: vLLM's sampling field names that SGLang spells otherwise.
-_SGLANG_NAMES = {"min_tokens": "min_new_tokens", "include_stop_str_in_output": "no_stop_trim"}
 
 
 class SGLangEngine(StreamingEngine):
@@ -337,11 +303,11 @@ class SGLangEngine(StreamingEngine):
             logprobs: tuple[TokenLogprobs, ...] = ()
             if top_k is not None and token_ids:
                 try:
-                    logprobs = _token_logprobs(branch, meta, start, len(token_ids), top_k)
-                except SGLangRequestError:
+                    logprobs = wire.token_logprobs(branch, meta, start, len(token_ids), top_k)
+                except wire.SGLangRequestError:
                     await _close(stream)  # SGLang aborts a request whose stream is closed
                     raise
-            finish = self._finish(branch, rid, meta.get("finish_reason"))
+            finish = wire.finish_reason(branch, rid, meta.get("finish_reason"))
             carry += text
             if finish is not None:  # the last chunk: let go of SGLang's generator now
                 await _close(stream)
@@ -376,30 +342,8 @@ class SGLangEngine(StreamingEngine):
         name = str(branch) if resumes == 0 else f"{branch}~{resumes}"
         return f"{self.rid_prefix}-{len(name)}:{name}"
 
-    @staticmethod
-    def sampling_params(sampling: SamplingSettings, seed: int, max_new_tokens: int) -> dict:
-        """SGLang's ``sampling_params`` dict for one branch: vLLM's extra fields set away
-        from their defaults under SGLang's names (``min_new_tokens``, ``no_stop_trim``;
-        ``min_new_tokens`` kept within the tokens a fork or a resume has to go)."""
-        params: dict[str, Any] = {
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_new_tokens": max_new_tokens,
-            "sampling_seed": seed,
-        }
-        if sampling.stop:
-            params["stop"] = list(sampling.stop)
-        for field, value in sampling.extra_fields(max_new_tokens).items():
-            params[_SGLANG_NAMES.get(field, field)] = value
-        return params
-
-    @staticmethod
-    def logprob_args(sampling: SamplingSettings) -> dict[str, Any]:
-        """The ``async_generate`` keywords that ask SGLang for ``sampling.logprobs``
-        (none when it is ``None``: SGLang then computes none)."""
-        if sampling.logprobs is None:
-            return {}
-        return {"return_logprob": True, "top_logprobs_num": sampling.logprobs}
+    sampling_params = staticmethod(wire.sampling_params)
+    logprob_args = staticmethod(wire.logprob_args)
 
     def check_batch_size(self, batch_size: int) -> None:
         """Raise ``ConfigError`` if SGLang's ``max_running_requests`` is set below
@@ -417,19 +361,6 @@ class SGLangEngine(StreamingEngine):
 
     # --------------------------------------------------------------- helpers
 
-    def _finish(self, branch: BranchId, rid: str, reason: Any) -> FinishReason | None:
-        if reason is None:
-            return None
-        kind = reason.get("type") if isinstance(reason, Mapping) else reason
-        finish = _FINISH.get(kind) if isinstance(kind, str) else None
-        if finish is None:
-            message = reason.get("message") if isinstance(reason, Mapping) else None
-            raise SGLangRequestError(
-                f"SGLang ended branch {branch} (rid {rid!r}) with finish_reason {kind!r}"
-                + (f": {message}" if message else f" ({reason!r})")
-            )
-        return finish
-
     def _prompt_ids(self, request_id: str, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise EngineError(
@@ -438,32 +369,3 @@ class SGLangEngine(StreamingEngine):
                 [request_id],
             )
         return prompt_ids(self.tokenizer, prompt, self.chat)
-
-
-def _token_logprobs(
-    branch: BranchId, meta: Mapping[str, Any], start: int, count: int, top_k: int
-) -> tuple[TokenLogprobs, ...]:
-    """The log-probabilities of a chunk's ``count`` new tokens, at ``start`` in its
-    ``meta_info`` lists: ``output_token_logprobs`` (``(logprob, token_id, text)`` per
-    token) and, for ``top_k > 0``, ``output_top_logprobs`` (per token a list of such
-    triples, most likely first). Raises ``SGLangRequestError`` if SGLang sent fewer
-    entries than tokens: a branch's logprobs are one per token or none."""
-    # Slices only: in cumulative mode the lists hold every token so far.
-    sampled = (meta.get("output_token_logprobs") or ())[start : start + count]
-    tops: Sequence[Any] = [()] * count
-    if top_k > 0:
-        tops = (meta.get("output_top_logprobs") or ())[start : start + count]
-    if len(sampled) < count or len(tops) < count:
-        raise SGLangRequestError(
-            f"SGLang sent log-probabilities for {min(len(sampled), len(tops))} of the "
-            f"{count} new tokens of branch {branch} (meta_info keys: {sorted(meta)})"
-        )
-    out = []
-    for entry, top in zip(sampled, tops, strict=True):
-        if entry is None or (top_k > 0 and not top):
-            raise SGLangRequestError(
-                f"SGLang sent a token of branch {branch} without its log-probabilities"
-            )
-        values = sorted((float(t[0]) for t in top), reverse=True)[:top_k]
-        out.append(TokenLogprobs(float(entry[0]), tuple(values)))
-    return tuple(out)

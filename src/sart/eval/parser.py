@@ -10,18 +10,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from sart import flags
 from sart.bench.parser import REAL_BATCH_SIZE
 from sart.engines.costs import PRESETS
 from sart.errors import ConfigError
 from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
-from sart.flags import (
-    add_cost_model_flag,
-    add_methods_flag,
-    add_output_flags,
-    add_plugin_flag,
-    add_sampling_flags,
-    add_scoring_flag,
-)
 from sart.launch import TESTBED_INTERVAL
 from sart.model_flags import add_model_flags
 from sart.testbed.specs import LONG
@@ -102,8 +95,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "tiny reasoning model, with its PRM by default)",
     )
     add_model_flags(p)
-    add_sampling_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
-    add_plugin_flag(p)
+    flags.add_sampling_flags(p, "", EVAL_MAX_TOKENS, EVAL_TEMPERATURE)
+    flags.add_plugin_flag(p)
     p.add_argument(
         "--chat",
         choices=["auto", "on", "off"],
@@ -121,7 +114,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         "are derived from it. Vanilla is N = 1",
     )
     p.add_argument("--ns", type=int, nargs="+", default=None, help=argparse.SUPPRESS)
-    add_methods_flag(p, "evaluate", DEFAULT_METHODS, default=list(DEFAULT_METHODS))
+    flags.add_methods_flag(p, "evaluate", DEFAULT_METHODS, default=list(DEFAULT_METHODS))
     p.add_argument(
         "--interval",
         type=int,
@@ -136,7 +129,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help=f"the real engine's branch budget B (default {REAL_BATCH_SIZE}); the simulator "
         "sizes its own to the cost model",
     )
-    add_cost_model_flag(
+    flags.add_cost_model_flag(
         p, "derived latencies: ", default=DEFAULT_COST_MODEL, shown=DEFAULT_COST_MODEL
     )
     p.add_argument(
@@ -148,7 +141,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="arrival rates in requests/s, as in sart bench: requests arrive as a Poisson "
         "process at each (default 1), simulated or, with --live, real",
     )
-    add_scoring_flag(p)
+    flags.add_scoring_flag(p)
     p.add_argument(
         "--seed",
         type=int,
@@ -161,7 +154,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
         help="serve every method for real, one after the other (wall-clock latency, each "
         "method generating its own branches), instead of deriving them from one pass",
     )
-    add_output_flags(p, "sart-eval", "the results JSON (without per-request rows)")
+    flags.add_output_flags(p, "sart-eval", "the results JSON (without per-request rows)")
     p.set_defaults(func=_run)
 
 

@@ -26,7 +26,7 @@ import attrs
 
 from sart.errors import int_at_least
 from sart.policies.base import AdmitRule, Policy, PruneRule
-from sart.types import BranchStatus, Phase
+from sart.types import Phase
 from sart.views import BranchView, Limits, Load, RequestView
 
 
@@ -105,7 +105,7 @@ class ShedUnderLoad(PruneRule):
             else request.n - 1
         )
         picked = list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
-        wanted = _slots_wanted(request)
+        wanted = request.others_waiting
         running = len(request.running) - len(picked)
         shed = min(wanted, running - self.keep)
         if shed > 0:
@@ -121,15 +121,6 @@ class ShedUnderLoad(PruneRule):
     def forks(self) -> bool:
         """As ``inner``: an engine without forking serves it when ``inner`` does not fork."""
         return self.inner.forks
-
-
-def _slots_wanted(request: RequestView) -> int:
-    """Batch slots other work waits for: others' waiting branches, one per queued request."""
-    load = request.load
-    if load is None:
-        return 0
-    own = sum(b.status is BranchStatus.WAITING for b in request.branches)
-    return max(0, load.waiting_branches - own) + load.waiting_requests
 
 
 def _shed_order(b: BranchView) -> tuple[float, int, int]:

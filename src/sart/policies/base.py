@@ -96,7 +96,21 @@ class PruneRule:
         return type(self).fork is not PruneRule.fork
 
 
-class RebranchRule:
+class _ByValue:
+    """Compared by value, as the other policy parts are (they are attrs classes; the
+    bases deriving from this are not, so that a subclass may keep state of its own)."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class RebranchRule(_ByValue):
     """Re-spends a request's free seats on forks of its live branches.
 
     A request has ``n`` seats: each branch started from the prompt takes one, a
@@ -119,16 +133,6 @@ class RebranchRule:
 
     def fork(self, request: RequestView, room: int) -> Mapping[int, int]:
         return {}
-
-    # Compared by value, as ``AdmitRule`` (a subclass may keep state of its own).
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
     @property
     def active(self) -> bool:
@@ -156,7 +160,7 @@ class PauseRule:
         return [b.index for b in sorted(request.running, key=key)]
 
 
-class AdmitRule:
+class AdmitRule(_ByValue):
     """Settles a request's policy when it is admitted, from the server's load.
 
     ``admit(policy, load)`` returns the policy the request is served with: the
@@ -168,17 +172,6 @@ class AdmitRule:
 
     def admit(self, policy: Policy, load: Load) -> Policy:
         return policy
-
-    # Compared by value, as the other parts are (they are attrs classes; this base is
-    # not, so that a subclass may keep state of its own).
-    def __eq__(self, other: object) -> bool:
-        return type(self) is type(other) and vars(self) == vars(other)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
 
     @property
     def active(self) -> bool:
@@ -224,18 +217,6 @@ def _default_prune() -> PruneRule:
     return NoPrune()
 
 
-def _default_pause() -> PauseRule:
-    return PauseRule()
-
-
-def _default_admit() -> AdmitRule:
-    return AdmitRule()
-
-
-def _default_rebranch() -> RebranchRule:
-    return RebranchRule()
-
-
 def _default_select() -> Selector:
     from sart.policies.select import BestReward
 
@@ -264,22 +245,18 @@ class Policy:
     """Turns a branch's text into its answer, for votes and results."""
     name: str = "custom"
     """Label used in reports."""
-    pause: PauseRule = attrs.field(
-        factory=_default_pause, validator=_instance_of(PauseRule, "pause")
-    )
+    pause: PauseRule = attrs.field(factory=PauseRule, validator=_instance_of(PauseRule, "pause"))
     """Which running branches to pause first for more urgent requests (default: the
     lowest reward first)."""
     reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
     """This policy's own reward source, used for its requests instead of the driver's
     PRM (e.g. ``sart.ConfidenceScorer``: confidence from the policy's
     log-probabilities). ``None``: the driver's PRM."""
-    admit: AdmitRule = attrs.field(
-        factory=_default_admit, validator=_instance_of(AdmitRule, "admit")
-    )
+    admit: AdmitRule = attrs.field(factory=AdmitRule, validator=_instance_of(AdmitRule, "admit"))
     """Settles the policy when its request is admitted, from the server's load (default:
     as given; ``sart.policies.adaptive.BranchByLoad`` chooses ``n`` by load)."""
     rebranch: RebranchRule = attrs.field(
-        factory=_default_rebranch, validator=_instance_of(RebranchRule, "rebranch")
+        factory=RebranchRule, validator=_instance_of(RebranchRule, "rebranch")
     )
     """Re-spends free seats on forks of live branches at checks (default: never;
     ``sart.policies.rebranch.Rebranch`` forks the best-rewarded ones)."""

@@ -37,7 +37,6 @@ import attrs
 
 from sart.errors import config_check
 from sart.policies.base import RebranchRule
-from sart.types import BranchStatus
 from sart.views import BranchView, RequestView
 
 PARENTS = ("softmax", "top", "systematic")
@@ -109,15 +108,6 @@ def draw_uniform(request: RequestView) -> float:
     return random.Random(f"{request.seed}/{len(request.branches)}").random()
 
 
-def others_waiting(request: RequestView) -> int:
-    """Batch slots other work waits for: others' waiting branches, one per queued request."""
-    load = request.load
-    if load is None:
-        return 0
-    own = sum(b.status is BranchStatus.WAITING for b in request.branches)
-    return max(0, load.waiting_branches - own) + load.waiting_requests
-
-
 def _check_parents(_inst: object, _attr: attrs.Attribute, value: str) -> None:
     config_check(value in PARENTS, "parents", value, f"one of {PARENTS}")
 
@@ -172,7 +162,7 @@ class Rebranch(RebranchRule):
             return False
         if self.when_idle and request.load is not None:
             use = request.load.kv_use
-            if others_waiting(request) > 0 or (use is not None and use >= self.kv_limit):
+            if request.others_waiting > 0 or (use is not None and use >= self.kv_limit):
                 return False
         return True
 

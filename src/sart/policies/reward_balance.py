@@ -41,7 +41,6 @@ import attrs
 
 from sart.errors import config_check
 from sart.policies.base import PruneRule
-from sart.policies.rebranch import others_waiting
 from sart.types import Phase
 from sart.views import BranchView, Limits, RequestView
 
@@ -104,8 +103,9 @@ def _check_share(_inst: object, attr: attrs.Attribute, value: float) -> None:
     config_check(ok, attr.name, value, "in (0, 1]")
 
 
-BUSY = ("reshare", "prune")
-"""What ``Reshare`` does while other work waits: re-share the slots it keeps, or prune."""
+BUSY = ("reshare", "replace", "prune")
+"""What ``Reshare`` does while other work waits: re-share the slots it keeps at every
+check, only at checks where ``inner`` prunes, or never (prune only)."""
 
 
 def _check_busy(_inst: object, _attr: attrs.Attribute, value: str) -> None:
@@ -158,7 +158,7 @@ class Reshare(PruneRule):
 
     def idle(self, request: RequestView) -> bool:
         """Whether the server has room for forks (see the class docstring)."""
-        return (request.load is None or others_waiting(request) == 0) and not self.kv_full(request)
+        return request.others_waiting == 0 and not self.kv_full(request)
 
     def shares(self, request: RequestView) -> tuple[list[int], dict[int, int]]:
         """This check's prunes and the slots each running branch keeps (forks: share
@@ -174,6 +174,8 @@ class Reshare(PruneRule):
             )
             chosen = list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
             if self.busy == "prune" or self.kv_full(request):
+                return chosen, {}
+            if self.busy == "replace" and not chosen:
                 return chosen, {}
             shares = allocate(running, self.temperature, len(running) - len(chosen))
             if not shares:  # a branch without a reward yet: ``inner``'s prunes stand

@@ -86,16 +86,7 @@ class RequestTable:
 
     def _finalise(self, req: RequestState, now: float) -> None:
         chosen, answer_of = algorithm.choose_answer(req)
-        self._drop_pending_forks(req)
-        stopped = []
-        for branch in req.branches:
-            if branch.status is BranchStatus.RUNNING:
-                self.end_running(req, branch, BranchStatus.STOPPED)
-                stopped.append(branch.id)
-            elif branch.status is BranchStatus.WAITING:
-                branch.status = BranchStatus.STOPPED  # never started: nothing to free
-        if stopped:
-            self.outbox.append(Abort(tuple(stopped)))
+        self._end_branches(req, BranchStatus.STOPPED)
         self._close(req, algorithm.completed_result(req, chosen, answer_of, now), now)
 
     def fail(self, req: RequestState, reason: str, now: float, refused: bool = False) -> None:
@@ -113,18 +104,24 @@ class RequestTable:
         branches; the waiting ones never start."""
         if req.ended:
             return
+        self._end_branches(req, BranchStatus.FAILED)
+        result = algorithm.unfinished_result(req, status, reason, now, refused)
+        self._close(req, result, now)
+
+    def _end_branches(self, req: RequestState, status: BranchStatus) -> None:
+        """End every branch of ``req`` not ended yet with ``status``: the running ones
+        aborted (their slots freed), the others (waiting, paused: no KV) just marked;
+        forks asked for but not started are dropped."""
         self._drop_pending_forks(req)
         aborted = []
         for branch in req.branches:
             if branch.status is BranchStatus.RUNNING:
-                self.end_running(req, branch, BranchStatus.FAILED)
+                self.end_running(req, branch, status)
                 aborted.append(branch.id)
             elif not branch.status.is_ended:
-                branch.status = BranchStatus.FAILED
+                branch.status = status
         if aborted:
             self.outbox.append(Abort(tuple(aborted)))
-        result = algorithm.unfinished_result(req, status, reason, now, refused)
-        self._close(req, result, now)
 
     def end_running(
         self, req: RequestState, branch: BranchState, status: BranchStatus, step: int | None = None

@@ -102,6 +102,7 @@ def sample(
     """
     config_check(temperature > 0, "temperature", temperature, "> 0")
     model.eval()
+    draw = _Draw.of(model, eos_id, generator, temperature)
     out: list[Sample | None] = [None] * len(prompts)
     by_length: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
@@ -112,32 +113,51 @@ def sample(
             chunk = indices[start : start + batch_size]
             ids = torch.tensor([list(prompts[i]) for i in chunk], dtype=torch.long)
             sampler = _sample_compacting if compact else _sample_batch
-            drawn = sampler(model, ids, eos_id, generator, temperature, max_new_tokens)
+            drawn = sampler(draw, ids, max_new_tokens)
             for i, s in zip(chunk, drawn):
                 out[i] = s
     return [s for s in out if s is not None]
 
 
-def _sample_batch(
-    model: Any,
-    ids: torch.Tensor,
-    eos_id: int,
-    generator: torch.Generator,
-    temperature: float,
-    max_new_tokens: int,
-) -> list[Sample]:
-    from sart.prm.hf import CacheAPI
+@attrs.frozen
+class _Draw:
+    """What a sampling loop draws with: the model, its cache API, the seeded
+    generator, the temperature and EOS."""
 
+    model: Any
+    api: Any
+    generator: torch.Generator
+    temperature: float
+    eos_id: int
+
+    @classmethod
+    def of(cls, model: Any, eos_id: int, generator: torch.Generator, temperature: float) -> _Draw:
+        from sart.prm.hf import CacheAPI
+
+        # transformers 5.x names the argument ``cache``, 4.x and early 5.x
+        # ``past_key_values``: under the wrong name the cache is silently unused.
+        return cls(model, CacheAPI.of(model), generator, temperature, eos_id)
+
+    def new_cache(self) -> Any:
+        return self.api.new(self.model)
+
+    def step(self, cache: Any, step_input: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """One decode step: each row's next token, sampled, and the cache after it."""
+        output = self.model(input_ids=step_input, use_cache=True, **{self.api.argument: cache})
+        cache = self.api.returned(output, cache)
+        probs = torch.softmax(output.logits[:, -1, :].float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1), cache
+
+
+def _sample_batch(draw: _Draw, ids: torch.Tensor, max_new_tokens: int) -> list[Sample]:
+    eos_id = draw.eos_id
     batch = ids.shape[0]
-    # transformers 5.x names the argument ``cache``, 4.x and early 5.x
-    # ``past_key_values``: under the wrong name the cache is silently unused.
-    api = CacheAPI.of(model)
-    cache = api.new(model)
+    cache = draw.new_cache()
     done = torch.zeros(batch, dtype=torch.bool)
     generated: list[torch.Tensor] = []
     step_input = ids
     for _ in range(max_new_tokens):
-        token, cache = _draw(model, api, cache, step_input, generator, temperature)
+        token, cache = draw.step(cache, step_input)
         token = torch.where(done, torch.full_like(token, eos_id), token)
         generated.append(token)
         done |= token == eos_id
@@ -152,40 +172,16 @@ def _sample_batch(
     return samples
 
 
-def _draw(
-    model: Any,
-    api: Any,
-    cache: Any,
-    step_input: torch.Tensor,
-    generator: torch.Generator,
-    temperature: float,
-) -> tuple[torch.Tensor, Any]:
-    """One decode step: each row's next token, sampled, and the cache after it."""
-    output = model(input_ids=step_input, use_cache=True, **{api.argument: cache})
-    cache = api.returned(output, cache)
-    probs = torch.softmax(output.logits[:, -1, :].float() / temperature, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1), cache
-
-
-def _sample_compacting(
-    model: Any,
-    ids: torch.Tensor,
-    eos_id: int,
-    generator: torch.Generator,
-    temperature: float,
-    max_new_tokens: int,
-) -> list[Sample]:
+def _sample_compacting(draw: _Draw, ids: torch.Tensor, max_new_tokens: int) -> list[Sample]:
     """``_sample_batch`` that keeps only unfinished rows in the batch and the cache."""
-    from sart.prm.hf import CacheAPI
-
-    api = CacheAPI.of(model)
-    cache = api.new(model)
+    eos_id = draw.eos_id
+    cache = draw.new_cache()
     alive = list(range(ids.shape[0]))  # original row of each batch row
     tokens: list[list[int]] = [[] for _ in alive]
     finished = [False] * len(alive)
     step_input = ids
     for _ in range(max_new_tokens):
-        token, cache = _draw(model, api, cache, step_input, generator, temperature)
+        token, cache = draw.step(cache, step_input)
         drawn = token.tolist()
         keep = []
         for row, token in enumerate(drawn):

@@ -14,7 +14,8 @@ with the PRM through ``sart.prm.hf.QwenMathPRM`` (the adapter sart uses) at
   100% of the trace (per aggregation), and best-of-``n`` by reward.
 
 The statistics are pure functions (``auroc``, ``pearson``... in
-``sart.rollouts``), tested on their own. Needs the ``[hf]`` extra to sample.
+``sart.rollouts``), tested on their own; drawing and scoring the branches is
+``sart.testbed.draw``. Needs the ``[hf]`` extra to sample.
 """
 
 from __future__ import annotations
@@ -24,45 +25,16 @@ import math
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from sart import converters
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
-from sart.rollouts import Rollout, auroc, majority, pearson, rollout_shape
+from sart.rollouts import Rollout, auroc, majority, nan_mean, pearson, rollout_shape
+from sart.testbed.draw import Branch, draw, score_drawn
 from sart.testbed.specs import TESTBEDS
-
-if TYPE_CHECKING:
-    from sart.testbed.model import Sample
-    from sart.testbed.tasks import Question
-
-# --------------------------------------------------------------------------- statistics
-
-
-def _nanmean(values: Sequence[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
-    return statistics.fmean(kept) if kept else math.nan
-
-
-# --------------------------------------------------------------------------- the data
-
-
-@attrs.frozen
-class Branch:
-    """One sampled branch, graded and scored."""
-
-    question: int
-    difficulty: int
-    length: int
-    """Generated tokens, EOS excluded."""
-    answer: str
-    correct: bool
-    finished: bool
-    half_rewards: tuple[float, ...]
-    """PRM step rewards of the first half of the tokens."""
-    full_rewards: tuple[float, ...]
 
 
 def _aggregated(branch: Branch, how: str) -> float:
@@ -266,7 +238,7 @@ def summarize(
         median_length_cv=shape.median_cv,
         median_longest_over_shortest=shape.median_spread,
         mean_length=statistics.fmean(b.length for b in branches),
-        mean_within_question_r=_nanmean(rs),
+        mean_within_question_r=nan_mean(rs),
         pooled_within_question_r=pearson(dev_len, dev_ok),
         branch_accuracy=statistics.fmean(labels),
         accuracy_by_difficulty={k: statistics.fmean(v) for k, v in sorted(by_difficulty.items())},
@@ -332,52 +304,6 @@ class ReportConfig:
         return cls(testbed=testbed, **{**defaults, **fields})
 
 
-@attrs.frozen
-class Drawn:
-    """One sampled branch before grading: its text whole and cut to half its tokens."""
-
-    question_index: int
-    question: Question
-    sample: Sample
-    half: str
-    """The decoded first ``len(tokens) // 2`` tokens: the trace at 50%."""
-    text: str
-
-
-def draw(
-    questions: Sequence[Question],
-    n: int,
-    policy: Any,
-    tokenizer: Any,
-    seed: int,
-    max_new_tokens: int = 256,
-    *,
-    compact: bool = False,
-) -> list[Drawn]:
-    """``n`` branches per question from the seeded sampler, in order."""
-    import torch
-
-    from sart.testbed.model import sample
-
-    prompts = [tokenizer(q.prompt)["input_ids"] for q in questions for _ in range(n)]
-    samples = sample(
-        policy,
-        prompts,
-        eos_id=tokenizer.eos_token_id,
-        generator=torch.Generator().manual_seed(seed),
-        max_new_tokens=max_new_tokens,
-        compact=compact,
-    )
-    out = []
-    for index, s in enumerate(samples):
-        qi = index // n
-        tokens = list(s.tokens)
-        half = tokenizer.decode(tokens[: len(tokens) // 2], skip_special_tokens=True)
-        text = tokenizer.decode(tokens, skip_special_tokens=True)
-        out.append(Drawn(qi, questions[qi], s, half, text))
-    return out
-
-
 def sample_branches(
     config: ReportConfig,
     policy_dir: str | Path | None = None,
@@ -409,42 +335,6 @@ def sample_branches(
         compact=config.compact,
     )
     return score_drawn(prm, drawn, config.n)
-
-
-def score_drawn(prm: Any, drawn: Sequence[Drawn], n: int) -> list[Branch]:
-    """Grade ``drawn`` (``n`` branches per question) and score each at 50% and
-    100% of its tokens with ``prm`` (``step_rewards``)."""
-    from sart.prm.base import ScoreItem
-    from sart.testbed.tasks import grade
-    from sart.types import BranchId
-
-    items_half, items_full = [], []
-    for index, d in enumerate(drawn):
-        branch = BranchId(f"q{d.question_index}", index % n)
-        length = len(d.sample.tokens)
-        items_half.append(ScoreItem(branch, d.question.prompt, d.half, length // 2, False))
-        items_full.append(ScoreItem(branch, d.question.prompt, d.text, length, True))
-    half_rewards = prm.step_rewards(items_half)
-    full_rewards = prm.step_rewards(items_full)
-    return [
-        Branch(
-            question=d.question_index,
-            difficulty=d.question.difficulty,
-            length=len(d.sample.tokens),
-            answer=_answer(d.text),
-            correct=grade(d.question, d.text),
-            finished=d.sample.finished,
-            half_rewards=tuple(h),
-            full_rewards=tuple(f),
-        )
-        for d, h, f in zip(drawn, half_rewards, full_rewards)
-    ]
-
-
-def _answer(text: str) -> str:
-    from sart.answers import extract_answer
-
-    return extract_answer(text)
 
 
 def calibrate(

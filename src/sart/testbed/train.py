@@ -4,15 +4,9 @@
    (``tasks.noisy_trace``) generated on the fly, loss on the response tokens
    and EOS only. The training sequence is ``tokenizer(prompt)`` followed by
    the response's words and EOS: the ids sart's engines feed and produce.
-2. PRM: ``modeling_testbed_prm.TestbedPRM``, a frozen copy of the trained
-   policy whose log-probabilities of the trace feed seven running features
-   and a linear 2-label head, read at ``<step>`` separators as
-   Qwen2.5-Math-PRM is. The head is fitted by logistic regression on
-   rollouts sampled from the policy itself at temperature 1 (half of them
-   cut at a random token, as the PRM sees branches during generation), each
-   position labelled with whether the whole rollout is graded correct.
-   Inputs are built by ``QwenMathPRM.encode``, the adapter's own encoding,
-   so training and inference see the same ids.
+2. PRM (``sart.testbed.train_prm``): the trained policy, frozen, with a linear
+   head on seven running features of its log-probabilities, fitted by logistic
+   regression to the outcomes of the policy's own rollouts.
 
    Fine-tuning the policy's trunk as a token classifier on step labels (what
    this module did first) never learned to check a step's addition: AUROC
@@ -38,15 +32,13 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sart.testbed.first_stage import load_first_stage, save_first_stage
-from sart.testbed.logistic import fit_logistic
-from sart.testbed.model import sample
 from sart.testbed.recipe import (
     TrainConfig,
     cosine_schedule,
@@ -57,30 +49,18 @@ from sart.testbed.recipe import (
 from sart.testbed.skills import skill_hits, skill_probes
 from sart.testbed.tasks import (
     MAX_DIGITS,
-    QUESTION_END,
-    STEP_WORD,
     TraceConfig,
-    grade,
     make_question,
     noisy_response,
 )
-from sart.testbed.tokenizer import PRM_SEPARATOR, build_tokenizer
+from sart.testbed.tokenizer import build_tokenizer
+from sart.testbed.train_common import pad_rows, setup_training
+from sart.testbed.train_prm import train_prm
 
 Log = Callable[[str], None]
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def _setup(config: TrainConfig) -> None:
-    torch.set_num_threads(config.threads)
-    torch.use_deterministic_algorithms(True)
-    torch.manual_seed(config.seed)
-
-
-def _pad(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
-    width = max(map(len, rows))
-    return torch.tensor([list(r) + [value] * (width - len(r)) for r in rows], dtype=torch.long)
 
 
 def _optimizer(model: Any, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -129,7 +109,7 @@ def train_policy(
     """
     from transformers import LlamaForCausalLM
 
-    _setup(config)
+    setup_training(config)
     model = LlamaForCausalLM(config.model.llama(tokenizer))
     rng = random.Random(config.seed)
     # One difficulty per batch: the traces have similar lengths, so little compute
@@ -156,7 +136,7 @@ def refine_policy(
     stage's noise, with a fresh optimizer and a schedule of its own, from batches of
     the grown curriculum's difficulties."""
     refine = config.refine[stage]
-    _setup(config)
+    setup_training(config)
     # The first refine stage's names are those it had when it was the only one.
     name = "refine" if stage == 0 else f"refine{stage + 1}"
     rng = random.Random(f"{name}-{config.seed}")
@@ -228,8 +208,8 @@ def _accumulate(
     """Back-propagate the mean token loss of ``rows`` in ``parts`` micro-batches of
     similar lengths (one part: the whole batch at once); the loss."""
     if parts == 1:
-        input_ids, targets = _pad(rows, pad), _pad(labels, -100)
-        mask = _pad([[1] * len(r) for r in rows], 0)
+        input_ids, targets = pad_rows(rows, pad), pad_rows(labels, -100)
+        mask = pad_rows([[1] * len(r) for r in rows], 0)
         loss = model(input_ids=input_ids, attention_mask=mask, labels=targets).loss
         loss.backward()
         return loss.detach()
@@ -239,9 +219,9 @@ def _accumulate(
     total = torch.zeros(())
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
-        input_ids = _pad([rows[i] for i in chunk], pad)
-        targets = _pad([labels[i] for i in chunk], -100)
-        mask = _pad([[1] * len(rows[i]) for i in chunk], 0)
+        input_ids = pad_rows([rows[i] for i in chunk], pad)
+        targets = pad_rows([labels[i] for i in chunk], -100)
+        mask = pad_rows([[1] * len(rows[i]) for i in chunk], 0)
         logits = model(input_ids=input_ids, attention_mask=mask).logits[:, :-1]
         # Summed, then divided by the whole batch's token count: the same gradient
         # as one batch, whatever the split.
@@ -254,132 +234,6 @@ def _accumulate(
         loss.backward()
         total += loss.detach()
     return total
-
-
-# --------------------------------------------------------------------------- the PRM
-
-
-def prm_examples(
-    config: TrainConfig, policy: Any, tokenizer: Any, encoder: Any, log: Log = print
-) -> list[tuple[list[int], list[int], bool]]:
-    """(ids, rating positions, outcome) from the policy's own rollouts.
-
-    One rollout per question (mixed difficulty), sampled at temperature 1;
-    ``prm_cut`` of them cut at a random token, as the PRM sees branches
-    during generation. The outcome is whether the *whole* rollout is graded
-    correct: every prefix of it is an example of "will this trace end right"
-    (Math-Shepherd's Monte Carlo label with one rollout). ``encoder`` is a
-    ``QwenMathPRM``: its ``encode`` is the input format.
-    """
-    rng = random.Random(config.seed + 1)
-    questions = [
-        make_question(rng, rng.randint(config.min_digits, config.max_digits), config.cycle)
-        for _ in range(config.prm_rollouts)
-    ]
-    generator = torch.Generator().manual_seed(config.seed + 2)
-    started = time.perf_counter()
-    samples = sample(
-        policy,
-        [tokenizer(q.prompt)["input_ids"] for q in questions],
-        eos_id=tokenizer.eos_token_id,
-        generator=generator,
-        max_new_tokens=config.max_new_tokens,
-        compact=config.compact_rollouts,
-    )
-    log(f"prm rollouts: {len(samples)} in {time.perf_counter() - started:.0f}s")
-    examples = []
-    for question, s in zip(questions, samples):
-        tokens = list(s.tokens)
-        correct = grade(question, tokenizer.decode(tokens, skip_special_tokens=True))
-        if tokens and rng.random() < config.prm_cut:
-            tokens = tokens[: rng.randint(1, len(tokens))]
-        enc = encoder.encode(question.prompt, tokenizer.decode(tokens, skip_special_tokens=True))
-        if enc.segments:
-            examples.append((enc.ids(), enc.positions(), correct))
-    return examples
-
-
-def prm_config(policy: Any, tokenizer: Any) -> Any:
-    """The testbed PRM's configuration around a trained policy."""
-    from sart.testbed.modeling_testbed_prm import TestbedPRMConfig
-
-    ids = tokenizer.convert_tokens_to_ids
-    settings = policy.config.to_dict()
-    settings.pop("_name_or_path", None)  # where the policy was loaded from: not a setting
-    return TestbedPRMConfig(
-        text_config=settings,
-        separator_id=ids(PRM_SEPARATOR),
-        step_word_id=ids(STEP_WORD),
-        question_end_id=ids(QUESTION_END),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-
-
-@torch.no_grad()
-def _example_features(
-    model: Any, examples: Sequence[tuple[list[int], list[int], bool]], pad: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running features at every rating position, and the outcome labels."""
-    rows, labels = [], []
-    for start in range(0, len(examples), 64):
-        chunk = examples[start : start + 64]
-        input_ids = _pad([e[0] for e in chunk], pad)
-        mask = _pad([[1] * len(e[0]) for e in chunk], 0)
-        features = model.features(input_ids, mask)
-        for row, (_ids, positions, correct) in enumerate(chunk):
-            rows.append(features[row, positions])
-            labels += [float(correct)] * len(positions)
-    return torch.cat(rows), torch.tensor(labels)
-
-
-def _fit_head(model: Any, features: torch.Tensor, labels: torch.Tensor, l2: float) -> float:
-    """Fit the PRM's head (``fit_logistic``); the final training loss."""
-    fitted = fit_logistic(features, labels, l2)
-    with torch.no_grad():
-        model.feature_mean.copy_(fitted.mean)
-        model.feature_scale.copy_(fitted.scale)
-        # Two labels (bad, good) whose softmax is the logistic model's probability.
-        model.score.weight.zero_()
-        model.score.bias.zero_()
-        model.score.weight[1] = fitted.weight
-        model.score.bias[1] = fitted.bias
-    return fitted.loss
-
-
-def train_prm(config: TrainConfig, policy_dir: Path, tokenizer: Any, log: Log = print) -> Any:
-    """The PRM (``modeling_testbed_prm.TestbedPRM``): the trained policy, frozen,
-    with its head fitted to the outcomes of the policy's own rollouts."""
-    from transformers import LlamaForCausalLM
-
-    from sart.prm.hf import QwenMathPRM
-    from sart.testbed.modeling_testbed_prm import FEATURES, TestbedPRM
-
-    _setup(config)
-    policy = LlamaForCausalLM.from_pretrained(policy_dir).eval()
-    model = TestbedPRM(prm_config(policy, tokenizer))
-    model.policy.load_state_dict(policy.state_dict())
-    model.eval()
-    encoder = QwenMathPRM(
-        model,
-        tokenizer,
-        system_prompt=None,
-        step_separator=PRM_SEPARATOR,
-        max_length=config.prm_max_length,
-    )
-    examples = prm_examples(config, policy, tokenizer, encoder, log)
-    started = time.perf_counter()
-    features, labels = _example_features(model, examples, tokenizer.pad_token_id)
-    loss = _fit_head(model, features, labels, config.prm_l2)
-    weights = ", ".join(
-        f"{name} {w:+.2f}" for name, w in zip(FEATURES, model.score.weight[1].tolist())
-    )
-    log(
-        f"prm head: {len(examples)} rollouts, {len(labels)} positions, "
-        f"{float(labels.mean()):.2f} positive, loss {loss:.4f} "
-        f"({time.perf_counter() - started:.0f}s); weights {weights}"
-    )
-    return model
 
 
 # --------------------------------------------------------------------------- the whole run
