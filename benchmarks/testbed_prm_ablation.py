@@ -2,7 +2,7 @@
 
 Reproduces the measurements behind the testbed PRM's design (docs/testbed.md,
 "Why the PRM reads the policy's likelihood"). Training data: the PRM's own
-training examples (``sart.testbed.train.prm_examples``: 4096 rollouts of the
+training examples (``sart.testbed.train_prm.prm_examples``: 4096 rollouts of the
 shipped policy, half cut at a random token, outcome labels at every
 separator). Evaluation: the calibration report's branches (120 questions x 8,
 seed 0), each judged from its first 50% of tokens and from all of them.
@@ -56,7 +56,9 @@ from sart.testbed.logistic import fit_logistic
 from sart.testbed.modeling_testbed_prm import FEATURES
 from sart.testbed.report import ReportConfig
 from sart.testbed.tasks import Question, grade, make_question, make_questions, step_labels
-from sart.testbed.train import TrainConfig, _pad, prm_examples
+from sart.testbed.train import TrainConfig
+from sart.testbed.train_common import pad_rows
+from sart.testbed.train_prm import prm_examples
 
 _POSITION = re.compile(r"p(\d+) \d \+")
 QUICK_ROLLOUTS = 256
@@ -72,8 +74,8 @@ def inputs(prm: Any, rows: Sequence[list[int]], positions: Sequence[list[int]]) 
     out = []
     for start in range(0, len(rows), 64):
         chunk = list(rows[start : start + 64])
-        ids = _pad(chunk, prm.tokenizer.pad_token_id)
-        mask = _pad([[1] * len(r) for r in chunk], 0)
+        ids = pad_rows(chunk, prm.tokenizer.pad_token_id)
+        mask = pad_rows([[1] * len(r) for r in chunk], 0)
         features = model.features(ids, mask)
         policy_ids = ids.masked_fill(ids == model.config.separator_id, model.config.step_word_id)
         hidden = model.policy(

@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sart.commands import Done, Score
-from sart.driver import DriverBase, Effect, _Call, _StartScore
+from sart.driver import DriverBase, Effect, Outcome, Returned, _Call, _StartScore, advance
 from sart.request import Request
 from sart.results import RequestResult
 from sart.score_runner import PendingScore
@@ -106,21 +106,19 @@ class AsyncDriver(DriverBase):
         self._wakeup.set()
 
     async def step(self) -> bool:
-        """Carry out one batch of commands (or wait once); ``False`` when there is
-        nothing left to do."""
+        """One batch of commands carried out, awaiting the engine's and the PRM's
+        coroutines (or one wait); ``False`` once nothing is left to do."""
         loop = self._step()
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                effect = loop.send(value) if error is None else loop.throw(error)
-            except StopIteration as stop:
-                return bool(stop.value)
-            value, error = None, None
-            try:
-                value = await self._perform(effect)
-            except Exception as exc:  # the loop turns it into a Failed event
-                error = exc
+        effect = advance(loop, (None, None))
+        while not isinstance(effect, Returned):
+            effect = advance(loop, await self._attempt(effect))
+        return effect.more
+
+    async def _attempt(self, effect: Effect) -> Outcome:
+        try:
+            return await self._perform(effect), None
+        except Exception as exc:  # the loop turns it into a Failed event
+            return None, exc
 
     async def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, _Call):

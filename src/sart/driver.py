@@ -100,6 +100,27 @@ class _Wait:
 
 Effect = _Call | _StartScore | _Wait
 
+Outcome = tuple[Any, BaseException | None]
+"""What carrying out an effect gave: its value, or the exception it raised."""
+
+
+@attrs.frozen
+class Returned:
+    """The loop of one ``step`` returned: whether there is more to do."""
+
+    more: bool
+
+
+def advance(loop: Generator[Effect, Any, bool], outcome: Outcome) -> Effect | Returned:
+    """Answer ``loop``'s last effect with ``outcome`` (its value sent in, or its exception
+    thrown in: the loop turns it into a ``Failed`` event); the next effect, or
+    ``Returned`` once the loop is done."""
+    value, error = outcome
+    try:
+        return loop.send(value) if error is None else loop.throw(error)
+    except StopIteration as stop:
+        return Returned(bool(stop.value))
+
 
 class DriverBase:
     """What the synchronous and the asyncio drivers share: intake, the loop, the mapping

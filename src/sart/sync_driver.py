@@ -14,7 +14,7 @@ from typing import Any
 
 from sart.clock import Clock
 from sart.commands import Score
-from sart.driver import DriverBase, Effect, _Call, _StartScore
+from sart.driver import DriverBase, Effect, Outcome, Returned, _Call, _StartScore, advance
 from sart.engines.base import Engine
 from sart.prm.base import PRM
 from sart.request import Request
@@ -41,18 +41,16 @@ class SyncDriver(DriverBase):
         """Carry out one batch of commands (or wait once); ``False`` when there is
         nothing left to do."""
         loop = self._step()
-        value: Any = None
-        error: BaseException | None = None
-        while True:
-            try:
-                effect = loop.send(value) if error is None else loop.throw(error)
-            except StopIteration as stop:
-                return bool(stop.value)
-            value, error = None, None
-            try:
-                value = self._perform(effect)
-            except Exception as exc:  # the loop turns it into a Failed event
-                error = exc
+        effect = advance(loop, (None, None))
+        while not isinstance(effect, Returned):
+            effect = advance(loop, self._attempt(effect))
+        return effect.more
+
+    def _attempt(self, effect: Effect) -> Outcome:
+        try:
+            return self._perform(effect), None
+        except Exception as exc:  # the loop turns it into a Failed event
+            return None, exc
 
     def _perform(self, effect: Effect) -> Any:
         if isinstance(effect, _Call):

@@ -149,10 +149,7 @@ def run_method(
     ]
     capacity = cost_model(config.cost).kv_capacity_tokens
     drivers = [driver for driver, _, _ in replicas]
-    if len(drivers) == 1:
-        record = serve(drivers[0], requests, trace.gold(), method, n, rate, capacity)
-    else:
-        record = serve_replicas(drivers, requests, trace.gold(), method, n, rate, capacity)
+    record = serve(drivers, requests, trace.gold(), method, n, rate, capacity)
     pricers = [pricer for _, _, pricer in replicas if pricer is not None]
     return attrs.evolve(
         record,
@@ -191,7 +188,7 @@ def sim_prm(config: BenchConfig, prm: PRM) -> tuple[PRM, PRMPricer | None]:
 
 
 def serve(
-    driver: SyncDriver,
+    drivers: SyncDriver | Sequence[SyncDriver],
     requests: Sequence[Request],
     gold: dict[str, str],
     method: str,
@@ -199,30 +196,55 @@ def serve(
     rate: float | None,
     kv_capacity: int | None = None,
 ) -> RunRecord:
-    """Run ``requests`` through ``driver``, sampling each request's resource use after
-    every decode call (when the engine reports it: ``ReportsUsage``)."""
-    for request in requests:
-        driver.submit(request)
+    """Run ``requests`` through a driver, or on several replicas (a driver each, with its
+    own engine and clock), sampling each request's resource use after every decode call
+    (when the engine reports it: ``ReportsUsage``).
+
+    On several replicas the requests, in arrival order, each go to the replica with the
+    fewest open requests at its arrival (ties: the lowest index), as a load-balancing
+    router places them. Before a request is placed every replica runs until its clock
+    reaches the arrival (or it has nothing to do); a replica in the middle of a decode
+    chunk may be past it, as a real router sees load with some lag. The run's timeline
+    is then the fleet's: branches and KV summed over replicas, against ``kv_capacity``
+    times the number of replicas (each replica's own preemptions keep it within its
+    cache)."""
+    fleet = [drivers] if isinstance(drivers, SyncDriver) else list(drivers)
     usage: dict[str, list[tuple[float, int, int]]] = {}
     try:
-        while _step_sampling(driver, usage):
-            pass
+        if len(fleet) == 1:
+            for request in requests:
+                fleet[0].submit(request)  # the driver holds each until its arrival
+        else:
+            for request in sorted(requests, key=lambda r: r.arrival):
+                for driver in fleet:
+                    while driver.clock.now() < request.arrival and _step_sampling(driver, usage):
+                        pass
+                target = min(range(len(fleet)), key=lambda i: (fleet[i].open_requests, i))
+                fleet[target].submit(request)
+        for driver in fleet:
+            while _step_sampling(driver, usage):
+                pass
     finally:
-        driver.close()  # the PRM worker thread, if overlapped checks started one
-    by_id = {res.request_id: res for res in driver.results}
+        for driver in fleet:
+            driver.close()  # the PRM worker thread, if overlapped checks started one
+    by_id = {res.request_id: res for driver in fleet for res in driver.results}
     results = tuple(by_id[r.id] for r in requests)
+    if len(fleet) == 1:
+        timeline = tuple(fleet[0].timeline)
+    else:
+        timeline = _fleet_timeline([d.timeline for d in fleet])
     return RunRecord(
         method=method,
         n=n,
         rate=rate,
-        summary=RunSummary.of(results, driver.timeline, gold),
+        summary=RunSummary.of(results, list(timeline), gold),
         results=results,
-        timeline=tuple(driver.timeline),
+        timeline=timeline,
         request_usage={rid: tuple(v) for rid, v in usage.items()},
-        kv_capacity=kv_capacity,
-        batch_size=driver.scheduler.config.batch_size,
-        prm_busy=driver.prm_busy,
-        prm_wait=driver.prm_wait,
+        kv_capacity=None if kv_capacity is None else kv_capacity * len(fleet),
+        batch_size=fleet[0].scheduler.config.batch_size * len(fleet),
+        prm_busy=sum(d.prm_busy for d in fleet),
+        prm_wait=sum(d.prm_wait for d in fleet),
     )
 
 
@@ -238,55 +260,6 @@ def _step_sampling(driver: SyncDriver, usage: dict[str, list[tuple[float, int, i
             live, kv = engine.usage(rid)
             usage.setdefault(rid, []).append((now, live, kv))
     return more
-
-
-def serve_replicas(
-    drivers: Sequence[SyncDriver],
-    requests: Sequence[Request],
-    gold: dict[str, str],
-    method: str,
-    n: int,
-    rate: float | None,
-    kv_capacity: int | None = None,
-) -> RunRecord:
-    """``serve`` on several replicas (each driver with its own engine and clock): the
-    requests, in arrival order, each go to the replica with the fewest open requests
-    at its arrival (ties: the lowest index), as a load-balancing router places them.
-    Before a request is placed every replica runs until its clock reaches the arrival
-    (or it has nothing to do); a replica in the middle of a decode chunk may be past
-    it, as a real router sees load with some lag. The run's timeline is the fleet's:
-    branches and KV summed over replicas, against ``kv_capacity`` times the number of
-    replicas (each replica's own preemptions keep it within its cache)."""
-    usage: dict[str, list[tuple[float, int, int]]] = {}
-    try:
-        for request in sorted(requests, key=lambda r: r.arrival):
-            for driver in drivers:
-                while driver.clock.now() < request.arrival and _step_sampling(driver, usage):
-                    pass
-            target = min(range(len(drivers)), key=lambda i: (drivers[i].open_requests, i))
-            drivers[target].submit(request)
-        for driver in drivers:
-            while _step_sampling(driver, usage):
-                pass
-    finally:
-        for driver in drivers:
-            driver.close()
-    by_id = {res.request_id: res for driver in drivers for res in driver.results}
-    results = tuple(by_id[r.id] for r in requests)
-    timeline = _fleet_timeline([d.timeline for d in drivers])
-    return RunRecord(
-        method=method,
-        n=n,
-        rate=rate,
-        summary=RunSummary.of(results, list(timeline), gold),
-        results=results,
-        timeline=timeline,
-        request_usage={rid: tuple(v) for rid, v in usage.items()},
-        kv_capacity=None if kv_capacity is None else kv_capacity * len(drivers),
-        batch_size=drivers[0].scheduler.config.batch_size * len(drivers),
-        prm_busy=sum(d.prm_busy for d in drivers),
-        prm_wait=sum(d.prm_wait for d in drivers),
-    )
 
 
 def _fleet_timeline(timelines: Sequence[Sequence[TimelineSample]]) -> tuple[TimelineSample, ...]:
@@ -371,6 +344,5 @@ __all__ = [
     "run_bench",
     "run_method",
     "serve",
-    "serve_replicas",
     "traces",
 ]

@@ -151,13 +151,15 @@ def sart_rebranch(
     """SART that prunes *and* re-branches: ``n`` branches, stop once ``m`` complete
     (``n/2``), and at every check, while the server has room, Rebase's re-sharing of
     the running branches (``softmax(reward / temperature)``: the low ones pruned,
-    the best forked into the slots they free); under load, SART's two-phase pruning
-    (``alpha``, ``beta``) and no forks (``sart.policies.reward_balance.Reshare``).
+    the best forked into the slots they free); under load, the request shrinks as
+    SART's two-phase pruning (``alpha``, ``beta``) would shrink it, and the slots it
+    keeps are re-shared the same way (``sart.policies.reward_balance.Reshare``).
     The answer is the reward-weighted vote.
 
     The defaults were chosen on the long testbed's developer seed (``--seed 1``, 60
     requests, N = 8, vLLM-CPU at 0.25 requests/s) among seat-refilling variants
-    (``sart.Rebranch``) and this one: docs/testbed.md gives the runs.
+    (``sart.Rebranch``) and this one, and what it does under load on vLLM-CPU at 1
+    request/s: docs/testbed.md gives the runs.
     """
     m = _paper_m(n, m)
     base = sart(n, m, alpha, beta, interval)
