@@ -376,6 +376,13 @@ def test_reshare_re_shares_when_idle_and_prunes_as_inner_when_busy() -> None:
     # busy="prune", or the KV cache full: TwoPhasePrune's own prunes, and no forks.
     pruning = attrs.evolve(rule, busy="prune")
     assert list(pruning.choose(busy)) == [2] and pruning.fork(busy) == {}
+    # busy="replace": re-shares where TwoPhasePrune prunes (here), not at a check where
+    # it prunes nothing (every reward above alpha), where "reshare" still re-shares.
+    assert attrs.evolve(rule, busy="replace").fork(busy) == {0: 1}
+    high = request(branch(0, 0.9), branch(1, 0.6), branch(2, 0.55), branch(3, 0.8))
+    high = attrs.evolve(high, load=load(waiting_requests=1))
+    assert attrs.evolve(rule, busy="replace").fork(high) == {}
+    assert list(rule.choose(high)) and rule.fork(high)
     full = attrs.evolve(view, load=load(kv=95))
     assert list(rule.choose(full)) == [2] and rule.fork(full) == {}
     assert rule.start(4).threshold == 0.5 and rule.start(4).max_num_pruned > 4

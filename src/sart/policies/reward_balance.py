@@ -114,7 +114,7 @@ def _check_busy(_inst: object, _attr: attrs.Attribute, value: str) -> None:
 
 @attrs.frozen
 class Reshare(PruneRule):
-    """Rebase's re-sharing while the server has room, ``inner``'s prunes under load.
+    """Rebase's re-sharing while the server has room, ``inner``'s shrink under load.
 
     Idle (no other request or branch waits for a batch slot, and the KV cache is
     below ``kv_limit`` of its capacity): at each check the running branches are
@@ -127,9 +127,10 @@ class Reshare(PruneRule):
     alone would shrink it. With ``busy="reshare"`` (the default) the slots it keeps
     are re-shared among the running branches by the same softmax -- SART's shrink,
     Rebase's choice of survivors -- unless the KV cache is at ``kv_limit``, where a
-    fork's own KV has no room; with ``busy="prune"``, and whenever the KV cache is
-    full, ``inner``'s prunes stand and nothing is forked. The threshold is
-    ``inner``'s throughout.
+    fork's own KV has no room; ``busy="replace"`` re-shares only at the checks where
+    ``inner`` prunes; with ``busy="prune"``, and whenever the KV cache is full,
+    ``inner``'s prunes stand and nothing is forked. The threshold is ``inner``'s
+    throughout.
     """
 
     inner: PruneRule
