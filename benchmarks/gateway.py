@@ -9,7 +9,10 @@ directory) on loopback, then measures, side by side in one run:
    affinity (every branch of a request on one server) and once per branch
    (each branch on the least-loaded server). Reported: vLLM's prefix-cache
    queries and hits (``vllm:prefix_cache_queries`` / ``_hits``, summed over
-   both servers), the hit rate, and where each request's branches went.
+   both servers), the hit rate (and each server's), the share of the
+   generated tokens the busier server made (0.5: an even split), and where
+   each request's branches went; then the same requests on one server alone
+   (``one``), whose hit rate each server's should match.
 2. **Abort latency.** ``--width`` long branches (``ignore_eos``) on one
    server, all aborted as soon as each has streamed a token; reported: the
    tokens the server still generated after the abort call
@@ -18,6 +21,10 @@ directory) on loopback, then measures, side by side in one run:
    through a closed connection only (``explicit_abort=False``) and with
    vLLM's explicit abort endpoint (``--enable-scale-out``), on a quiet
    machine and with ``--burners`` busy processes competing for the CPUs.
+3. **A replica that dies.** Self-Consistency over ``--requests`` long
+   requests on both servers; ``--kill-after`` seconds in, the second server is
+   killed. Reported: by the server each request lived on, how many failed and
+   how many completed (only the killed server's should fail).
 
 Needs vLLM (the CI's ``.ci-vllm-venv``):
 
@@ -30,12 +37,16 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -52,10 +63,10 @@ WORDS = "add the two numbers then check the sum carry one digit step result".spl
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, log: Path) -> Iterator[str]:
+def vllm_server(model: Path, log: Path, handles: list[Any] | None = None) -> Iterator[str]:
     """The tests' ``vllm serve`` of the demo policy (``tests/adapters.py``), with vLLM's
     explicit abort endpoint."""
-    with vllm_serve(model, log, "--enable-scale-out") as url:
+    with vllm_serve(model, log, "--enable-scale-out", handles=handles) as url:
         yield url
 
 
@@ -76,11 +87,15 @@ def prompts(count: int, words: int, seed: int) -> list[str]:
     ]
 
 
+COUNTERS = (
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:generation_tokens_total",
+)
+
+
 def placement_run(urls: list[str], affinity: bool, args: argparse.Namespace, seed: int) -> dict:
-    before = {
-        u: (metric(u, "vllm:prefix_cache_queries_total"), metric(u, "vllm:prefix_cache_hits_total"))
-        for u in urls
-    }
+    before = {u: [metric(u, name) for name in COUNTERS] for u in urls}
     engine = OpenAIEngine(urls, "demo", affinity=affinity)
     bridge = SyncBridge.build(lambda: engine)
     sampling = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
@@ -96,12 +111,17 @@ def placement_run(urls: list[str], affinity: bool, args: argparse.Namespace, see
     if failed:
         raise RuntimeError("requests failed: " + "; ".join(failed[:3]))
     spread = [len({engine.placement[BranchId(r.id, j)] for j in range(args.n)}) for r in requests]
-    queries = sum(metric(u, "vllm:prefix_cache_queries_total") - before[u][0] for u in urls)
-    hits = sum(metric(u, "vllm:prefix_cache_hits_total") - before[u][1] for u in urls)
+    # Each server's prefix-cache queries, hits and generated tokens over the run.
+    own = {u: [metric(u, name) - b for name, b in zip(COUNTERS, before[u])] for u in urls}
+    queries = sum(q for q, _, _ in own.values())
+    hits = sum(h for _, h, _ in own.values())
+    made = [t for _, _, t in own.values()]
     return {
         "queries": queries,
         "hits": hits,
         "rate": hits / max(queries, 1),
+        "rates": [h / max(q, 1) for q, h, _ in own.values()],
+        "share": max(made) / max(sum(made), 1),
         "servers_per_request": sum(spread) / len(spread),
         "wall_s": wall,
     }
@@ -125,6 +145,34 @@ async def abort_once(url: str, explicit: bool, width: int) -> tuple[float, float
     return metric(url, "vllm:generation_tokens_total") - made0, idle
 
 
+def kill_run(urls: list[str], victim: Any, args: argparse.Namespace) -> dict[str, int]:
+    """Self-Consistency over ``--requests`` long requests on both servers (affinity);
+    ``--kill-after`` seconds in, the second server's processes are killed (SIGKILL).
+    Counts, by the server each request lived on, the requests that failed."""
+    engine = OpenAIEngine(urls, "demo", extra_body={"ignore_eos": True})
+    bridge = SyncBridge.build(lambda: engine)
+    sampling = SamplingSettings(temperature=1.0, max_tokens=args.kill_tokens)
+    requests = [
+        sart.Request(f"k{i}", p, sart.self_consistency(args.n), sampling=sampling)
+        for i, p in enumerate(prompts(args.requests, 20, seed=7))
+    ]
+    timer = threading.Timer(args.kill_after, os.killpg, (victim.pid, signal.SIGKILL))
+    timer.start()
+    try:
+        results = sart.run(requests, bridge, batch_size=args.n * args.requests)
+    finally:
+        timer.cancel()
+        bridge.close()
+    counts = {"killed_failed": 0, "killed_ok": 0, "other_failed": 0, "other_ok": 0}
+    for result in results:
+        # Where its branches streamed last (a branch that had not streamed yet moved).
+        where = {engine.placement[BranchId(result.request_id, j)] for j in range(args.n)}
+        on_killed = urls[1] in where
+        key = ("killed_" if on_killed else "other_") + ("ok" if result.ok else "failed")
+        counts[key] += 1
+    return counts
+
+
 def burn(stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
     while not stop.is_set():
         sum(i * i for i in range(10_000))
@@ -139,27 +187,39 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--burners", type=int, default=2)
-    parser.add_argument("--only", choices=["placement", "abort"], default=None)
+    parser.add_argument("--kill-tokens", type=int, default=600)
+    parser.add_argument("--kill-after", type=float, default=3.0)
+    parser.add_argument("--only", choices=["placement", "abort", "kill"], default=None)
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = build_demo_models(tmp)["policy"]
-    with vllm_server(model, tmp / "a.log") as one, vllm_server(model, tmp / "b.log") as two:
+    handles: list[Any] = []
+    with (
+        vllm_server(model, tmp / "a.log") as one,
+        vllm_server(model, tmp / "b.log", handles) as two,
+    ):
         print(
             f"servers {one} {two}; N={args.n}, {args.requests} requests of "
             f"~{args.prompt_words} words",
             flush=True,
         )
-        for rep in range(args.repeats if args.only != "abort" else 0):
-            for affinity in (True, False):
-                got = placement_run([one, two], affinity, args, seed=1000 * rep + affinity)
-                name = "request" if affinity else "branch "
+        for rep in range(args.repeats if args.only in (None, "placement") else 0):
+            runs = [
+                ([one, two], True, "request"),
+                ([one, two], False, "branch "),
+                ([one], True, "one    "),
+            ]
+            for urls, affinity, name in runs:
+                got = placement_run(urls, affinity, args, seed=1000 * rep + affinity)
+                rates = " ".join(f"{r:.3f}" for r in got["rates"])
                 print(
                     f"placement={name} hits {got['hits']:7.0f} / {got['queries']:7.0f} "
-                    f"tokens = {got['rate']:.3f}; servers per request "
+                    f"tokens = {got['rate']:.3f} (per server {rates}); generated tokens on "
+                    f"the busier server {got['share']:.1%}; servers per request "
                     f"{got['servers_per_request']:.2f}; {got['wall_s']:.1f} s",
                     flush=True,
                 )
-        for burners in (0, args.burners) if args.only != "placement" else ():
+        for burners in (0, args.burners) if args.only in (None, "abort") else ():
             stop = multiprocessing.Event()
             procs = [multiprocessing.Process(target=burn, args=(stop,)) for _ in range(burners)]
             for p in procs:
@@ -183,6 +243,14 @@ def main() -> None:
                 stop.set()
                 for p in procs:
                     p.join()
+        if args.only in (None, "kill"):  # last: it kills the second server
+            got = kill_run([one, two], handles[0], args)
+            print(
+                f"kill the second server after {args.kill_after:g} s: its requests "
+                f"{got['killed_failed']} failed, {got['killed_ok']} completed; the other "
+                f"server's {got['other_failed']} failed, {got['other_ok']} completed",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

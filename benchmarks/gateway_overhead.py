@@ -68,6 +68,33 @@ def bench(url: str, tokenizer: Path, out: Path, args: argparse.Namespace) -> dic
     }
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` and every process under it, alive now (from
+    ``/proc``: Linux)."""
+    import psutil  # vLLM's own dependency
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+def pin(pid: int, cpus: list[int], tree: bool = True) -> None:
+    """Run every thread of ``pid`` (and, with ``tree``, of every process under it) on
+    ``cpus`` only; threads and processes started later inherit it."""
+    import psutil
+
+    root = psutil.Process(pid)
+    for proc in [root, *(root.children(recursive=True) if tree else ())]:
+        for thread in proc.threads():
+            os.sched_setaffinity(thread.id, cpus)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=256)
@@ -81,23 +108,52 @@ def main() -> None:
         default=1,
         help="the upstream's --stream-interval: tokens per streamed chunk (vLLM's default 1)",
     )
+    parser.add_argument(
+        "--gateway-flag",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="one more flag for sart serve (repeat it; e.g. --gateway-flag=--admission=token)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="vllm serve on the first CPU, the gateway and the load generator on the others "
+        "(as in a deployment, where the gateway does not share the upstream's cores)",
+    )
     args = parser.parse_args()
+    if args.pin and len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pin needs two CPUs at least")
     work = Path(tempfile.mkdtemp(prefix="sart-gateway-overhead-"))
     policy = build_demo_models(work / "models")["policy"]
     upstream_flags = ["--stream-interval", str(args.stream_interval)]
-    with vllm_serve(policy, work / "vllm-serve.log", *upstream_flags) as upstream:
+    handles: list[Any] = []
+    with vllm_serve(policy, work / "vllm-serve.log", *upstream_flags, handles=handles) as upstream:
+        pids = {"gateway": 0, "vllm serve": handles[0].pid}
+        cpus = sorted(os.sched_getaffinity(0))
+        if args.pin:
+            pin(handles[0].pid, cpus[:1])
+            pin(os.getpid(), cpus[1:], tree=False)  # the gateway and the client inherit it
         gateway = Server(
             "--engine", "openai", "--upstream", upstream, "--model", "demo",
             "--tokenizer", str(policy), "--api-key", KEY, "--method", "vanilla",
             "--max-tokens", str(args.output_len), "--max-tokens-limit", "4000",
             "--batch-size", str(max(args.concurrency, 1)), "--max-queue", str(args.prompts),
+            *args.gateway_flag,
         )  # fmt: skip
+        pids["gateway"] = gateway.process.pid
         try:
             runs: dict[str, list[dict[str, float]]] = {"direct": [], "through sart": []}
             for repeat in range(args.repeats):  # alternately: the machine is shared
                 for name, url in (("direct", upstream), ("through sart", gateway.url)):
                     out = work / f"{name.replace(' ', '-')}-{repeat}.json"
-                    runs[name].append(bench(url, policy, out, args))
+                    before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                    row = bench(url, policy, out, args)
+                    # CPU per request of the gateway's process and of vllm serve's (all
+                    # its processes), over the run (the load generator's start included).
+                    for k, pid in pids.items():
+                        row[f"{k} cpu"] = 1000 * (cpu_seconds(pid) - before[k]) / args.prompts
+                    runs[name].append(row)
         finally:
             code, log = gateway.stop()
             (work / "gateway.log").write_text(log)
@@ -108,14 +164,16 @@ def main() -> None:
         f"{args.prompts} prompts, {args.concurrency} in flight, {args.input_len} in / "
         f"{args.output_len} out tokens, {args.stream_interval} tokens per upstream chunk, "
         f"median of {args.repeats} alternate runs"
+        + (f"; vllm serve on CPU {cpus[0]}, the rest on {cpus[1:]}" if args.pin else "")
     )
-    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms")
-    print(f"{'':>14}" + "".join(f"{k:>12}" for k in keys))
+    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms", "gateway cpu", "vllm serve cpu")
+    print(f"{'':>14}" + "".join(f"{k:>12}" for k in keys[:4]) + "  CPU ms/request: gateway, vllm")
     median = {
         name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()
     }
     for name, row in median.items():
-        print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys))
+        cpu = f"  {row[keys[4]]:8.1f} {row[keys[5]]:8.1f}"
+        print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys[:4]) + cpu)
     direct, gate = median["direct"], median["through sart"]
     print(
         f"gateway / direct throughput {gate['req/s'] / direct['req/s']:.2f}; added latency "

@@ -277,11 +277,12 @@ VLLM_CASES = [
     ),
     Case(
         "gateway_overhead.py",
-        "--prompts 16 --concurrency 8 --repeats 1 --output-len 16",
+        "--prompts 16 --concurrency 8 --repeats 1 --output-len 16 --pin",
         (
-            r"^vllm serve and sart serve --engine openai --method vanilla in front of it: 16 ",
-            rf"^\s+direct(\s+{NUMBER}){{4}}$",
-            rf"^\s+through sart(\s+{NUMBER}){{4}}$",
+            r"^vllm serve and sart serve --engine openai --method vanilla in front of it: 16 .*"
+            r"; vllm serve on CPU \d+, the rest on \[[\d, ]+\]$",
+            rf"^\s+direct(\s+{NUMBER}){{6}}$",
+            rf"^\s+through sart(\s+{NUMBER}){{6}}$",
             rf"^gateway / direct throughput {NUMBER}; added latency P50 [+-]{NUMBER} ms, P99 ",
         ),
         needs=("vllm", "torch", "transformers", "httpx", "fastapi"),
@@ -289,16 +290,21 @@ VLLM_CASES = [
     ),
     Case(
         "gateway.py",
-        "--n 2 --requests 2 --prompt-words 40 --max-tokens 4 --width 2 --repeats 1 --burners 1",
+        "--n 2 --requests 2 --prompt-words 40 --max-tokens 4 --width 2 --repeats 1 --burners 1 "
+        "--kill-tokens 3000 --kill-after 1",
         (
             r"^servers http://\S+ http://\S+; N=2, 2 requests of ~40 words$",
             r"^placement=request hits .*; servers per request 1\.00; ",
             r"^placement=branch  hits .*; servers per request [\d.]+; ",
+            r"^placement=one     hits .* \(per server [\d.]+\); generated tokens on the "
+            r"busier server 100\.0%; servers per request 1\.00; ",
             *(
                 rf"^abort {how} burners={burners}: tokens per aborted branch after the call "
                 for how in ("disconnect", "explicit  ")
                 for burners in (0, 1)
             ),
+            r"^kill the second server after 1 s: its requests \d+ failed, \d+ completed; the "
+            r"other server's 0 failed, \d+ completed$",
         ),
         needs=("vllm", "torch", "transformers", "httpx"),
         timeout=600,

@@ -308,3 +308,178 @@ def test_a_bridge_shows_its_engines_tokenizer() -> None:
         assert bridge.tokenizer is None
         engine.tokenizer = object()  # type: ignore[attr-defined]
         assert bridge.tokenizer is engine.tokenizer  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- per-request steps
+
+
+def _per_request(script: object = None, burst: int = 5) -> FakeStreamingEngine:
+    engine = FakeStreamingEngine(script, burst=burst)  # type: ignore[arg-type]
+    engine.per_request_steps = True
+    return engine
+
+
+def test_per_request_steps_pass_the_conformance_suite() -> None:
+    check_engine(lambda: SyncBridge(_per_request()))
+    check_engine(lambda: SyncBridge(_per_request(burst=1)))
+
+
+def test_per_request_steps_a_request_in_its_prefill_holds_no_other_back() -> None:
+    async def scenario() -> None:
+        engine = _per_request({"a": [BranchScript(length=6)] * 2, "b": [BranchScript(length=50)]})
+        await engine.prefill("a", "p", SamplingSettings(max_tokens=100))
+        await engine.prefill("b", "p", SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        await engine.start_branches("b", [BranchSpec(0, 0)])
+        # b's stream is held at 0 tokens (a server still prefilling it): a lockstep
+        # step would wait for it; here a's end is reported at once.
+        engine._streams[BranchId("b", 0)].task.cancel()  # type: ignore[union-attr]
+        out = await engine.step(100)
+        assert out.request_steps == {"a": 6, "b": 0}
+        assert out.steps == 6
+        assert {bid for bid, d in out.deltas.items() if d.finish} == {
+            BranchId("a", 0),
+            BranchId("a", 1),
+        }
+        assert BranchId("b", 0) not in out.deltas  # no progress, not reported
+        await engine.abort([BranchId("b", 0)])
+
+    asyncio.run(scenario())
+
+
+def test_per_request_steps_keep_a_requests_branches_in_lockstep() -> None:
+    async def scenario() -> None:
+        engine = _per_request({"a": [BranchScript(length=30)] * 3}, burst=9)
+        await engine.prefill("a", "p", SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(j, j) for j in range(3)])
+        out = await engine.step(7)
+        assert out.request_steps == {"a": 7}
+        assert {d.new_tokens for d in out.deltas.values()} == {7}
+        out = await engine.step(100)  # every branch ends at token 30
+        assert out.request_steps == {"a": 23}
+        assert all(d.finish is FinishReason.STOP for d in out.deltas.values())
+
+    asyncio.run(scenario())
+
+
+def test_per_request_steps_cut_a_request_at_its_first_end_with_until_first_end() -> None:
+    async def scenario() -> None:
+        engine = _per_request({"a": [BranchScript(length=5), BranchScript(length=20)]}, burst=3)
+        await engine.prefill("a", "p", SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(0, 0), BranchSpec(1, 1)])
+        out = await engine.step(100, until_first_end=True)
+        assert out.request_steps == {"a": 5}
+        assert out.deltas[BranchId("a", 0)].finish is FinishReason.STOP
+        assert out.deltas[BranchId("a", 1)].new_tokens == 5
+        assert out.deltas[BranchId("a", 1)].finish is None
+
+    asyncio.run(scenario())
+
+
+def test_interrupt_returns_the_step_in_flight_with_what_each_request_made() -> None:
+    async def scenario() -> None:
+        engine = _per_request({"a": [BranchScript(length=50)]})
+        await engine.prefill("a", "p", SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [BranchSpec(0, 0)])
+        engine._streams[BranchId("a", 0)].task.cancel()  # type: ignore[union-attr]
+        step = asyncio.ensure_future(engine.step(100))
+        await asyncio.sleep(0.01)
+        assert not step.done()  # nothing to report: it waits
+        engine.interrupt()
+        out = await asyncio.wait_for(step, 1)
+        assert out.steps == 0 and out.request_steps == {"a": 0} and not out.deltas
+        engine.interrupt()  # with no step in flight: the next one returns at once
+        out = await asyncio.wait_for(engine.step(100), 1)
+        assert out.steps == 0
+        await engine.abort([BranchId("a", 0)])
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    burst=st.integers(1, 12),
+    interval=st.integers(1, 12),
+    token=st.booleans(),
+    which=st.integers(0, 3),
+)
+def test_per_request_steps_give_a_request_the_step_engines_result(
+    seed: int, burst: int, interval: int, token: bool, which: int
+) -> None:
+    # A request's branches advance in lockstep and its checks come every ``interval``
+    # of its own steps (request_steps): alone, it ends exactly as on the step engine.
+    script = random_scripts(seed=seed, median_length=20, every=interval)
+    policy = [
+        sart.sart(4, interval=interval),
+        sart.vanilla(),
+        sart.self_consistency(3, interval=interval),
+        sart.rebase(3, interval=interval),
+    ][which]
+
+    def serve(engine: object) -> tuple[object, ...]:
+        request = sart.Request("q", "p", policy, sampling=sart.SamplingSettings(max_tokens=40))
+        (r,) = sart.run(
+            [request],
+            engine,
+            ScriptedPRM(script, every=interval),
+            batch_size=8,
+            admission=sart.Admission.TOKEN if token else sart.Admission.CHUNK,
+            clock=sart.VirtualClock(),
+        )
+        return (r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches])
+
+    assert serve(SyncBridge(_per_request(script, burst=burst))) == serve(FakeEngine(script))
+
+
+class _Recording(FakeStreamingEngine):
+    """Records each step's ``request_steps``."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.per_request_steps = True
+        self.advanced: list[dict[str, int]] = []
+
+    async def step(self, max_steps: int, until_first_end: bool = False) -> sart.StepOutput:
+        out = await super().step(max_steps, until_first_end)
+        self.advanced.append(dict(out.request_steps or {}))
+        return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    burst=st.integers(1, 12),
+    interval=st.integers(1, 12),
+    batch=st.integers(1, 12),
+    token=st.booleans(),
+)
+def test_per_request_steps_end_every_request_once_and_leak_nothing(
+    seed: int, burst: int, interval: int, batch: int, token: bool
+) -> None:
+    script = random_scripts(seed=seed, median_length=20, every=interval)
+    policies = [
+        sart.sart(4, interval=interval),
+        sart.vanilla(),
+        sart.self_consistency(3, interval=interval),
+        sart.rebase(3, interval=interval),
+    ]
+    requests = [
+        sart.Request(f"q{i}", "p", p, sampling=sart.SamplingSettings(max_tokens=40))
+        for i, p in enumerate(policies * 2)
+    ]
+    engine = _Recording(script, burst=burst)
+    bridge = SyncBridge(engine)
+    results = sart.run(
+        requests,
+        bridge,
+        ScriptedPRM(script, every=interval),
+        batch_size=batch,
+        admission=sart.Admission.TOKEN if token else sart.Admission.CHUNK,
+        clock=sart.VirtualClock(),
+    )
+    assert sorted(r.request_id for r in results) == sorted(r.id for r in requests)
+    assert all(r.status is sart.RequestStatus.COMPLETED for r in results)
+    assert all(b.num_tokens <= 40 for r in results for b in r.branches)
+    assert bridge.stats().live_branches == 0
+    assert all(set(step.values()) <= set(range(41)) for step in engine.advanced)

@@ -233,6 +233,36 @@ def test_a_cancelled_request_is_refused_by_its_next_engine_call_only() -> None:
     asyncio.run(main())
 
 
+def test_an_arrival_for_a_free_slot_ends_a_streaming_step_at_once() -> None:
+    # Requests on a streaming engine advance independently under the server, and one
+    # that arrives while a slot is free does not wait for the step in flight.
+    async def main() -> None:
+        inner = StallingEngine()
+        engine = ServingEngine(inner)
+        assert inner.per_request_steps
+        sampling = sart.SamplingSettings(max_tokens=100)
+        await engine.prefill("a", "a", sampling)
+        await engine.start_branches("a", [sart.BranchSpec(0, 0)])
+        step = asyncio.ensure_future(engine.step(50))
+        await asyncio.sleep(0.05)
+        assert not step.done()  # a's stream stalls after one token: nothing to report
+        assert engine.live_branches() == 1
+        engine.arrived()
+        output = await asyncio.wait_for(step, 1)
+        assert output.request_steps == {"a": 1}  # what it made, not 50
+        await engine.abort([sart.BranchId("a", 0)])
+        await engine.release_prefix("a")
+        engine.close()
+
+    asyncio.run(main())
+
+
+def test_a_step_engine_under_the_server_keeps_its_lockstep() -> None:
+    bridge = SyncBridge(FakeStreamingEngine())
+    ServingEngine(bridge)
+    assert not bridge.engine.per_request_steps  # its own loop: not interrupted from ours
+
+
 class StallingEngine(StreamingEngine):
     """Streams of request ``a`` make one token then stall until aborted; the others make
     ten tokens, slowly, then stop."""

@@ -1,5 +1,7 @@
 """The server's request bodies (``sart.serve.protocol``): fields sart does not implement
-are accepted at their neutral values and refused, naming the field, at any other."""
+are accepted at their neutral values and refused, naming the field, at any other;
+fields neither OpenAI's API nor vLLM's knows are ignored, as ``vllm serve`` ignores them;
+vLLM's chat fields keep vLLM's meaning."""
 
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ MEANINGFUL: dict[str, Any] = {
     "suffix": "end",
     "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "required",
+    "chat_template": "{{ messages }}",
+    "documents": [{"title": "t", "text": "x"}],
 }
 BASES: dict[type, dict[str, Any]] = {
     CompletionRequest: {"model": "m", "prompt": "q"},
@@ -72,3 +76,41 @@ def test_any_other_value_is_refused_naming_the_field(model: type, field: str) ->
     with pytest.raises(Refused, match=f"{field}=.* is not supported by sart serve") as caught:
         parse(model, body(model, field, MEANINGFUL[field]))
     assert caught.value.param == field and caught.value.status == 400
+
+
+def test_a_field_neither_api_knows_is_ignored() -> None:
+    request = parse(CompletionRequest, json.dumps({"model": "m", "prompt": "q", "x_y": 1}).encode())
+    assert request.prompt == "q" and request.model_extra == {"x_y": 1}
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ({"continue_final_message": True, "add_generation_prompt": False}, None),
+        ({"continue_final_message": True}, "cannot be used together"),
+        ({"continue_final_message": True, "add_generation_prompt": True}, "cannot be used"),
+    ],
+)
+def test_continue_final_message_as_vllm_takes_it(
+    extra: dict[str, Any], refused: str | None
+) -> None:
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    raw = json.dumps({"model": "m", "messages": messages, **extra}).encode()
+    if refused is None:
+        request = parse(ChatCompletionRequest, raw)
+        assert request.continue_final_message and not request.add_generation_prompt
+        return
+    with pytest.raises(Refused, match=refused) as caught:
+        parse(ChatCompletionRequest, raw)
+    assert caught.value.param == "continue_final_message"
+
+
+def test_stream_options_take_vllms_continuous_usage_stats() -> None:
+    raw = {
+        "model": "m",
+        "prompt": "q",
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    request = parse(CompletionRequest, json.dumps(raw).encode())
+    assert request.stream_options.continuous_usage_stats is True

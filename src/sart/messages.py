@@ -77,6 +77,11 @@ class StepOutput:
     """Decode steps actually run (fewer than asked if the call ended early)."""
     deltas: Mapping[BranchId, BranchDelta]
     """Per live branch; a branch that made no progress may be absent."""
+    request_steps: Mapping[str, int] | None = None
+    """Steps each request advanced, when requests advance independently (a streaming
+    engine with ``per_request_steps``: lockstep within a request, not across them);
+    a request with live branches that is absent advanced none, and ``steps`` is the
+    largest. ``None``: every request advanced ``steps``."""
 
 
 @attrs.frozen

@@ -66,19 +66,26 @@ def _check_step(
     """Check one step's output against the live set; return the branches it ended."""
     _require(isinstance(out, StepOutput), f"step() must return a StepOutput, got {out!r}")
     _require(0 <= out.steps <= max_steps, f"step({max_steps}) ran {out.steps} steps")
+    advanced = out.request_steps  # requests that advance independently (per_request_steps)
+    if advanced is not None:
+        _require(
+            out.steps == max(advanced.values(), default=0),
+            f"step() ran {out.steps} steps, not its requests' most: {dict(advanced)}",
+        )
     ended: set[BranchId] = set()
     for bid, delta in out.deltas.items():
         _require(bid in live, f"step() reported branch {bid}, which is not live")
+        steps = out.steps if advanced is None else advanced.get(bid.request_id, 0)
         _require(
-            0 <= delta.new_tokens <= out.steps,
-            f"branch {bid} made {delta.new_tokens} tokens in {out.steps} steps",
+            0 <= delta.new_tokens <= steps,
+            f"branch {bid} made {delta.new_tokens} tokens in {steps} steps",
         )
         tokens[bid] = tokens.get(bid, 0) + delta.new_tokens
         _require(tokens[bid] <= max_tokens, f"branch {bid} exceeded max_tokens={max_tokens}")
         if delta.finish is not None:
             _require(
-                delta.end_offset is not None and 1 <= delta.end_offset <= out.steps,
-                f"branch {bid} ended with end_offset={delta.end_offset} in {out.steps} steps",
+                delta.end_offset is not None and 1 <= delta.end_offset <= steps,
+                f"branch {bid} ended with end_offset={delta.end_offset} in {steps} steps",
             )
             if delta.finish is FinishReason.LENGTH:
                 _require(
@@ -87,7 +94,7 @@ def _check_step(
                 )
             ended.add(bid)
     still = live - ended
-    if still and not ended:
+    if still and not ended and advanced is None:  # independent requests may return sooner
         _require(
             out.steps == max_steps,
             f"step({max_steps}) returned after {out.steps} steps with no branch ended",

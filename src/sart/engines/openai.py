@@ -77,6 +77,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
         f"(importing it failed with: {exc})"
     ) from exc
 
+from sart.engines.aiohttp_transport import default_transport
 from sart.engines.base import BranchDelta, EngineStats
 from sart.engines.ledger import cap_max_tokens
 from sart.engines.openai_upstreams import UpstreamRequest, Upstreams
@@ -109,8 +110,10 @@ class _Progress:
 class OpenAIEngine(StreamingEngine):
     """A streaming engine over OpenAI-compatible ``/v1/completions`` servers (module
     docstring). ``transport``: an ``httpx.AsyncBaseTransport`` that reaches every server
-    instead of httpx's pool (``httpx.MockTransport`` in tests; yours for a proxy, TLS,
-    limits); ``aclose()`` closes it with the client."""
+    instead of the default (``httpx.MockTransport`` in tests; yours for a proxy, TLS,
+    limits); ``aclose()`` closes it with the client. The default is aiohttp's
+    connections where aiohttp is installed (``sart.engines.aiohttp_transport``: httpx's
+    own pool is slow with many streams in flight), else httpx's pool."""
 
     supports_fork = True
     supports_pause = True
@@ -174,7 +177,7 @@ class OpenAIEngine(StreamingEngine):
                 headers=headers,
                 timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=32),
-                transport=self.transport,
+                transport=self.transport or default_transport(),
             )
         return self._client
 

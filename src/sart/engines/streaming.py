@@ -14,6 +14,15 @@ same scheduler and policies run on them:
 - with ``until_first_end`` it returns as soon as some branch ends; the others
   report what they produced so far (at most as many tokens as the call's
   steps);
+- with ``per_request_steps`` (what ``sart serve`` sets) the lockstep holds
+  within each request only: a request's branches still advance together, so
+  its checks compare branches of equal length every ``T`` of its own steps as in
+  Algorithm 1, but requests advance independently (``StepOutput.request_steps``)
+  and the call returns as soon as one request reaches the chunk's end or a
+  branch ends (see ``_per_request``), or when ``interrupt()`` asks. Streams are
+  independent on the server, so a new request, still in its prefill, no longer
+  holds back every other request's reports and ends, and arrivals start
+  without waiting for the batch in flight;
 - ``abort`` cancels the streams at once (the server frees their KV);
 - ``pause`` cancels them too but keeps their reported token ids, and a
   ``BranchSpec(resume=True)`` start opens a new stream for prompt + those ids
@@ -120,6 +129,9 @@ class StreamingEngine(abc.ABC):
     supports_pause = True
 
     def __init__(self) -> None:
+        self.per_request_steps = False
+        """Lockstep within each request only, not across requests (module docstring)."""
+        self._interrupted = False
         self._ledger: PrefixLedger[HeldPrompt, BranchStream] = PrefixLedger()
         # Set by every stream's pump on news (a token, an end, a failure): ``step``
         # waits on this one event, not on one waiter per stream per token. Made
@@ -194,7 +206,10 @@ class StreamingEngine(abc.ABC):
     async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         streams = dict(self._streams)
         if not streams:
+            self._interrupted = False
             return StepOutput(steps=0, deltas={})
+        if self.per_request_steps:
+            return await self._per_request(streams, max_steps, until_first_end)
         self._news = news = asyncio.Event()
         while True:
             # A branch aborted while this call waits (a task of the same loop may abort)
@@ -210,6 +225,14 @@ class StreamingEngine(abc.ABC):
             news.clear()
             await news.wait()
         return StepOutput(steps=steps, deltas=self._take(streams, steps))
+
+    def interrupt(self) -> None:
+        """With ``per_request_steps``: make the ``step`` in flight (or, if none is, the
+        next one) return now, each request reporting the steps all its branches have
+        made (none, if one of them has made none). A server calls it when a request
+        arrives for a free slot, so that it starts without waiting for an end."""
+        self._interrupted = True
+        self._tell()
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:
         streams = self._ledger.abort(branch_ids)
@@ -329,6 +352,38 @@ class StreamingEngine(abc.ABC):
             return min(ends) if until_first_end else max(ends)
         return target
 
+    async def _per_request(
+        self, streams: dict[BranchId, BranchStream], max_steps: int, until_first_end: bool
+    ) -> StepOutput:
+        """``step`` with lockstep within each request only (``per_request_steps``)."""
+        self._news = news = asyncio.Event()
+        while True:
+            streams = {bid: s for bid, s in streams.items() if bid in self._streams}
+            errors = [bid for bid, s in streams.items() if s.error is not None]
+            if errors:
+                raise self._failure(errors[0], streams[errors[0]])
+            groups: dict[str, dict[BranchId, BranchStream]] = {}
+            for bid, stream in streams.items():
+                groups.setdefault(bid.request_id, {})[bid] = stream
+            reach = {
+                rid: _request_reach(group.values(), max_steps, until_first_end)
+                for rid, group in groups.items()
+            }
+            if self._interrupted or not groups or any(done for _, done in reach.values()):
+                break
+            news.clear()
+            await news.wait()
+        self._interrupted = False
+        deltas: dict[BranchId, BranchDelta] = {}
+        advanced: dict[str, int] = {}
+        for rid, group in groups.items():
+            advanced[rid] = reach[rid][0]
+            taken = self._take(group, advanced[rid])
+            deltas.update((b, d) for b, d in taken.items() if d.new_tokens or d.finish)
+        return StepOutput(
+            steps=max(advanced.values(), default=0), deltas=deltas, request_steps=advanced
+        )
+
     def _take(
         self, streams: dict[BranchId, BranchStream], steps: int
     ) -> dict[BranchId, BranchDelta]:
@@ -367,6 +422,34 @@ class StreamingEngine(abc.ABC):
 
     def _failure(self, bid: BranchId, stream: BranchStream) -> EngineError:
         return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
+
+
+def _request_reach(
+    streams: Iterable[BranchStream], max_steps: int, until_first_end: bool
+) -> tuple[int, bool]:
+    """The steps one request's branches can report together now, and whether the
+    request is at a point the scheduler must see: its chunk's end (``max_steps``),
+    every branch of it ended, or (``until_first_end``) one of them ended.
+
+    ``StreamingEngine._horizon``'s rule applied to one request, except that it never
+    waits: a branch still in its prefill makes the request report 0 steps."""
+    ends: list[int] = []
+    running: list[int] = []
+    for s in streams:
+        if s.finish is not None and len(s.pending) <= max_steps:
+            ends.append(len(s.pending))
+        else:
+            running.append(len(s.pending))
+    reach = min([max_steps, *running])
+    if ends and until_first_end and min(ends) <= reach:
+        return min(ends), True
+    if not running:  # every branch ends within the chunk
+        return max(ends), True
+    if reach >= max_steps:  # the chunk's end, with the ends within it at their offsets
+        return reach, True
+    # Part of the chunk: up to just before its first end, which is reported with the
+    # chunk's end, when the scheduler checks the request (as on a step engine).
+    return (min(reach, min(ends) - 1) if ends else reach), False
 
 
 def _generated(stream: BranchStream) -> int:

@@ -80,7 +80,7 @@ class RewardRouter:
             if getattr(source, "observe", None) is not None:
                 routed.setdefault(id(source), (source, {}))[1][bid] = delta
         for source, deltas in routed.values():
-            source.observe(StepOutput(steps=output.steps, deltas=deltas))
+            source.observe(attrs.evolve(output, deltas=deltas))
 
     def hold(self, request_id: str) -> None:
         """The engine holds ``request_id``'s prefix: its source is released with it."""

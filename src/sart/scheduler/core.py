@@ -381,9 +381,10 @@ class Scheduler:
         out = event.output
         first_step = self._requests.step
         self._requests.step += out.steps
+        advanced = out.request_steps  # None: every request advanced out.steps
         for req in self._active.values():
             if req.running:
-                req.steps_since_check += out.steps
+                req.steps_since_check += out.steps if advanced is None else advanced.get(req.id, 0)
         retry: list[BranchId] = []
         for bid, delta in out.deltas.items():
             branch = self._slots.running.get(bid)

@@ -224,10 +224,17 @@ def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> t
     tokenizer = service.engine.tokenizer
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise Refused("this server's model has no chat template: use /v1/completions", "messages")
-    ids = tokenizer.apply_chat_template(
-        protocol.chat_messages(request), add_generation_prompt=True, tokenize=True
+    # vLLM's way: the template renders text, which is then tokenized (special tokens
+    # only where the request asks: the template already holds them).
+    text = tokenizer.apply_chat_template(
+        protocol.chat_messages(request),
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        tokenize=False,
+        **(request.chat_template_kwargs or {}),
     )
-    # transformers 5 returns a BatchEncoding (a mapping), 4.x a list.
+    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    # transformers 5 may return a BatchEncoding (a mapping), 4.x a list.
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if not ids:
         raise Refused("the chat template rendered no tokens", "messages")

@@ -1,8 +1,11 @@
 """The OpenAI-compatible request shapes, sart's extension fields, and what a request asks for.
 
-Requests are pydantic models in strict mode that forbid unknown fields, as
-OpenAI's API does: a wrong type, a typo (``alpah``) or a field sart does not
-implement is a 400 naming the field, never silently ignored. sart's own
+Requests are pydantic models in strict mode: a wrong type, or a field of
+OpenAI's or vLLM's API that sart does not implement given a value that matters
+(``logit_bias``, ``chat_template``...), is a 400 naming the field, never
+silently ignored. A field neither API knows is ignored, as ``vllm serve``
+ignores it (its protocol models allow extra fields), so that clients written
+for vLLM work unchanged; the server logs its name once. sart's own
 fields sit at the top level of the body, the way vLLM takes its extensions
 (``extra_body`` in the ``openai`` client puts them there):
 
@@ -29,6 +32,7 @@ Responses (OpenAI's, with a ``sart`` field): ``sart.serve.responses``.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 import attrs
@@ -38,6 +42,8 @@ from sart.errors import ConfigError
 from sart.serve.config import ServeConfig
 from sart.serve.methods import PolicyFields, build_policy
 from sart.types import EXTRA_SAMPLING, Prompt, SamplingSettings
+
+logger = logging.getLogger(__name__)
 
 
 class Refused(Exception):
@@ -54,12 +60,17 @@ class Refused(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Unknown fields are kept aside (``model_extra``) and ignored, as vLLM does.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
+    continuous_usage_stats: bool | None = None
+    """vLLM's: ``usage`` on every chunk too. Taken, as ``vllm serve`` takes it; sart
+    streams the chosen branch's answer when the request ends, so its last chunk's
+    ``usage`` (``include_usage``) carries the same numbers."""
 
 
 class _Body(_Strict):
@@ -132,15 +143,28 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Body):
-    """``POST /v1/chat/completions``: messages, rendered with the policy's chat template."""
+    """``POST /v1/chat/completions``: messages, rendered with the policy's chat template.
+
+    vLLM's chat fields keep vLLM's meaning, so that a client that drives ``vllm
+    serve`` one reasoning step at a time drives ``sart serve`` the same way: with
+    ``continue_final_message`` (and ``add_generation_prompt: false``) the last
+    message, the assistant's partial answer, is left open and continued;
+    ``chat_template_kwargs`` go to the template (``enable_thinking``...)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
     logprobs: bool | None = None
     top_logprobs: int | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
+    echo: bool | None = None
 
 
 #: Fields sart does not implement -> the values that mean "not used".
@@ -159,6 +183,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
+    "chat_template": (None,),
+    "documents": (None, []),
 }
 """``response_format`` is accepted as ``{"type": "text"}`` only."""
 
@@ -186,6 +212,21 @@ def parse(model: type[_Body], body: bytes) -> Any:
         request = model.model_validate_json(body)
     except ValidationError as exc:
         raise Refused(*_describe(exc)) from None
+    if isinstance(request, ChatCompletionRequest) and request.continue_final_message:
+        if request.add_generation_prompt:
+            # vLLM refuses the pair (transformers' apply_chat_template does too).
+            raise Refused(
+                "continue_final_message=True and add_generation_prompt=True cannot be used "
+                "together: give add_generation_prompt=False to continue the last message",
+                "continue_final_message",
+            )
+        if request.messages[-1].role != "assistant":
+            raise Refused(
+                "continue_final_message=True continues the last message, which must be the "
+                f"assistant's, not the {request.messages[-1].role}'s",
+                "continue_final_message",
+            )
+    _log_ignored(request)
     for field, neutral in NEUTRAL.items():
         value = getattr(request, field, None)
         if value not in neutral:
@@ -198,6 +239,24 @@ def parse(model: type[_Body], body: bytes) -> Any:
             "response_format",
         )
     return request
+
+
+_logged: set[str] = set()
+
+
+def _log_ignored(request: BaseModel) -> None:
+    """Log, once per name, the fields of a request that neither API knows (ignored)."""
+    names = set(request.model_extra or ())
+    for part in ("stream_options",):
+        nested = getattr(request, part, None)
+        if isinstance(nested, BaseModel):
+            names.update(f"{part}.{name}" for name in nested.model_extra or ())
+    for message in getattr(request, "messages", None) or ():
+        names.update(f"messages.{name}" for name in message.model_extra or ())
+    new = sorted(names - _logged)
+    if new:
+        _logged.update(new)
+        logger.warning("ignoring request fields sart serve does not know: %s", ", ".join(new))
 
 
 def _describe(exc: ValidationError) -> tuple[str, str | None]:
@@ -214,8 +273,6 @@ def _describe(exc: ValidationError) -> tuple[str, str | None]:
     path = [p for p in path if p not in ("str", "int", "float", "bool")]
     where = ".".join(path)
     kind = first["type"]
-    if kind == "extra_forbidden":
-        return f"{where} is not a field sart serve takes (unknown field)", param
     if kind == "missing":
         return f"{where} is required", param
     value = _short(first.get("input"))

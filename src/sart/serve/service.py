@@ -149,6 +149,8 @@ class Service:
         self._futures[rid] = asyncio.get_running_loop().create_future()
         self._waiting.add(rid)
         self._max_tokens[rid] = request.sampling.max_tokens
+        if self.engine.live_branches() < self.config.batch_size:
+            self.engine.arrived()
         if question is not None and self.prm is not None:
             self.prm.ask(rid, question)
         return rid

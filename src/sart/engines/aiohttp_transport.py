@@ -1,0 +1,117 @@
+"""``AiohttpTransport``: httpx's requests carried by an aiohttp session.
+
+``OpenAIEngine`` speaks httpx (its tests replace the transport with
+``httpx.MockTransport``), but httpx's own connection pool (httpcore) is slow
+with many concurrent streams (encode/httpx#3215): measured against ``vllm
+serve`` on this project's 2-core machine, 32 streams in flight of 64 tokens
+each, an httpx client got 26-28 requests/s where an aiohttp one got 56-106,
+with half the client's CPU time (``benchmarks/gateway_overhead.py`` has the
+end-to-end numbers). ``vllm bench serve`` and vLLM's router use aiohttp. So
+when aiohttp is installed (the ``serve`` and ``remote`` extras install it),
+the engine's httpx client sends through this transport: httpx keeps the API,
+aiohttp holds the connections.
+
+Errors keep httpx's meaning, which the engine's retries read: a refused or
+failed connection is ``httpx.ConnectError``, a timeout ``httpx.ConnectTimeout``
+or ``httpx.ReadTimeout``, a connection that breaks mid-stream
+``httpx.ReadError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+try:
+    import aiohttp
+except ImportError:  # pragma: no cover - exercised where aiohttp is absent
+    aiohttp = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    """Whether aiohttp is installed."""
+    return aiohttp is not None
+
+
+def default_transport() -> httpx.AsyncBaseTransport | None:
+    """An ``AiohttpTransport`` if aiohttp is installed, else ``None`` (httpx's pool)."""
+    return AiohttpTransport() if aiohttp is not None else None
+
+
+class _Body(httpx.AsyncByteStream):
+    """An aiohttp response's body as httpx reads it; closing it releases the connection."""
+
+    def __init__(self, response: Any, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._response.content.iter_any():
+                yield data
+        except asyncio.TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc) or "read timed out", request=self._request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ReadError(str(exc) or type(exc).__name__, request=self._request) from exc
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """Sends httpx requests with one aiohttp ``ClientSession`` (made on first use, in
+    the loop that uses it), no limit on connections, keep-alive on."""
+
+    def __init__(self) -> None:
+        if aiohttp is None:
+            raise ImportError("AiohttpTransport needs aiohttp: pip install aiohttp")
+        self._session: Any = None
+
+    def _open(self) -> Any:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+            # httpx decodes the body itself: aiohttp must hand it over as sent.
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        timeouts = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(
+            total=None,
+            sock_connect=timeouts.get("connect"),
+            sock_read=timeouts.get("read"),
+        )
+        try:
+            response = await self._open().request(
+                request.method,
+                str(request.url),
+                headers=[
+                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
+                ],
+                data=await request.aread(),
+                allow_redirects=False,
+                timeout=timeout,
+                # The headers above are httpx's own, Host and Content-Length included.
+                skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+            )
+        except asyncio.TimeoutError as exc:
+            raise httpx.ConnectTimeout(str(exc) or "timed out", request=request) from exc
+        except aiohttp.ClientError as exc:
+            raise httpx.ConnectError(str(exc) or type(exc).__name__, request=request) from exc
+        return httpx.Response(
+            response.status,
+            headers=list(response.raw_headers),  # (name, value) bytes pairs, as sent
+            stream=_Body(response, request),
+            request=request,
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+__all__ = ["AiohttpTransport", "available", "default_transport"]
