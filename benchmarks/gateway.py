@@ -209,8 +209,9 @@ def main() -> None:
                 ([one, two], False, "branch "),
                 ([one], True, "one    "),
             ]
-            for urls, affinity, name in runs:
-                got = placement_run(urls, affinity, args, seed=1000 * rep + affinity)
+            for index, (urls, affinity, name) in enumerate(runs):
+                # Prompts of their own in each run: none is in a server's cache already.
+                got = placement_run(urls, affinity, args, seed=1000 * rep + index)
                 rates = " ".join(f"{r:.3f}" for r in got["rates"])
                 print(
                     f"placement={name} hits {got['hits']:7.0f} / {got['queries']:7.0f} "

@@ -39,7 +39,9 @@ from adapters import vllm_serve  # noqa: E402
 from serving import KEY, Server  # noqa: E402
 
 
-def bench(url: str, tokenizer: Path, out: Path, args: argparse.Namespace) -> dict[str, float]:
+def bench(
+    url: str, tokenizer: Path, out: Path, args: argparse.Namespace, concurrency: int
+) -> dict[str, float]:
     """One ``vllm bench serve`` run against ``url``: its throughputs and latencies."""
     command = [
         sys.executable, str(ROOT / "scripts" / "vllm_bench_serve.py"),
@@ -47,7 +49,7 @@ def bench(url: str, tokenizer: Path, out: Path, args: argparse.Namespace) -> dic
         "--model", "demo", "--tokenizer", str(tokenizer), "--ignore-eos",
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts),
-        "--max-concurrency", str(args.concurrency), "--seed", "0",
+        "--max-concurrency", str(concurrency), "--seed", "0",
         "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
         "--disable-tqdm", "--save-detailed",
     ]  # fmt: skip
@@ -98,7 +100,15 @@ def pin(pid: int, cpus: list[int], tree: bool = True) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="requests in flight (several: "
+        "a table for each, and --plot draws throughput against them)",
+    )
+    parser.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -138,48 +148,88 @@ def main() -> None:
             "--engine", "openai", "--upstream", upstream, "--model", "demo",
             "--tokenizer", str(policy), "--api-key", KEY, "--method", "vanilla",
             "--max-tokens", str(args.output_len), "--max-tokens-limit", "4000",
-            "--batch-size", str(max(args.concurrency, 1)), "--max-queue", str(args.prompts),
+            "--batch-size", str(max(args.concurrency)), "--max-queue", str(args.prompts),
             *args.gateway_flag,
         )  # fmt: skip
         pids["gateway"] = gateway.process.pid
         try:
-            runs: dict[str, list[dict[str, float]]] = {"direct": [], "through sart": []}
+            runs: dict[tuple[int, str], list[dict[str, float]]] = {}
             for repeat in range(args.repeats):  # alternately: the machine is shared
-                for name, url in (("direct", upstream), ("through sart", gateway.url)):
-                    out = work / f"{name.replace(' ', '-')}-{repeat}.json"
-                    before = {k: cpu_seconds(pid) for k, pid in pids.items()}
-                    row = bench(url, policy, out, args)
-                    # CPU per request of the gateway's process and of vllm serve's (all
-                    # its processes), over the run (the load generator's start included).
-                    for k, pid in pids.items():
-                        row[f"{k} cpu"] = 1000 * (cpu_seconds(pid) - before[k]) / args.prompts
-                    runs[name].append(row)
+                for level in args.concurrency:
+                    for name, url in (("direct", upstream), ("through sart", gateway.url)):
+                        out = work / f"{name.replace(' ', '-')}-{level}-{repeat}.json"
+                        before = {k: cpu_seconds(pid) for k, pid in pids.items()}
+                        row = bench(url, policy, out, args, level)
+                        # CPU per request of the gateway's process and of vllm serve's (all
+                        # its processes), over the run (the load generator's start included).
+                        for k, pid in pids.items():
+                            row[f"{k} cpu"] = 1000 * (cpu_seconds(pid) - before[k]) / args.prompts
+                        runs.setdefault((level, name), []).append(row)
         finally:
             code, log = gateway.stop()
             (work / "gateway.log").write_text(log)
         if code != 0:
             raise SystemExit(f"the gateway exited {code}:\n{log[-2000:]}")
-    print(
-        f"vllm serve and sart serve --engine openai --method vanilla in front of it: "
-        f"{args.prompts} prompts, {args.concurrency} in flight, {args.input_len} in / "
-        f"{args.output_len} out tokens, {args.stream_interval} tokens per upstream chunk, "
-        f"median of {args.repeats} alternate runs"
-        + (f"; vllm serve on CPU {cpus[0]}, the rest on {cpus[1:]}" if args.pin else "")
-    )
     keys = ("req/s", "out tok/s", "P50 ms", "P99 ms", "gateway cpu", "vllm serve cpu")
-    print(f"{'':>14}" + "".join(f"{k:>12}" for k in keys[:4]) + "  CPU ms/request: gateway, vllm")
     median = {
-        name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()
+        run: {k: statistics.median(r[k] for r in rows) for k in keys} for run, rows in runs.items()
     }
-    for name, row in median.items():
-        cpu = f"  {row[keys[4]]:8.1f} {row[keys[5]]:8.1f}"
-        print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys[:4]) + cpu)
-    direct, gate = median["direct"], median["through sart"]
-    print(
-        f"gateway / direct throughput {gate['req/s'] / direct['req/s']:.2f}; added latency "
-        f"P50 {gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
-        f"{gate['P99 ms'] - direct['P99 ms']:+,.1f} ms"
+    for level in args.concurrency:
+        print(
+            f"vllm serve and sart serve --engine openai --method vanilla in front of it: "
+            f"{args.prompts} prompts, {level} in flight, {args.input_len} in / "
+            f"{args.output_len} out tokens, {args.stream_interval} tokens per upstream chunk, "
+            f"median of {args.repeats} alternate runs"
+            + (f"; vllm serve on CPU {cpus[0]}, the rest on {cpus[1:]}" if args.pin else "")
+        )
+        print(
+            f"{'':>14}" + "".join(f"{k:>12}" for k in keys[:4]) + "  CPU ms/request: gateway, vllm"
+        )
+        for name in ("direct", "through sart"):
+            row = median[level, name]
+            cpu = f"  {row[keys[4]]:8.1f} {row[keys[5]]:8.1f}"
+            print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys[:4]) + cpu)
+        direct, gate = median[level, "direct"], median[level, "through sart"]
+        print(
+            f"gateway / direct throughput {gate['req/s'] / direct['req/s']:.2f}; added latency "
+            f"P50 {gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
+            f"{gate['P99 ms'] - direct['P99 ms']:+,.1f} ms"
+        )
+    if args.plot is not None:
+        plot(args.plot, args, median)
+        print(f"figure: {args.plot}")
+
+
+def plot(path: Path, args: argparse.Namespace, median: dict[tuple[int, str], Any]) -> None:
+    """Requests per second against requests in flight, direct and through the gateway."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, style in (("direct", "o-"), ("through sart", "s--")):
+        ax.plot(
+            args.concurrency,
+            [median[level, name]["req/s"] for level in args.concurrency],
+            style,
+            label=name if name == "direct" else "through sart serve (vanilla)",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(args.concurrency, [str(level) for level in args.concurrency])
+    ax.set_xlabel("requests in flight")
+    ax.set_ylabel("requests / s")
+    ax.set_title(
+        f"vllm serve, directly and through the gateway\n({args.prompts} prompts, "
+        f"{args.input_len} in / {args.output_len} out, median of {args.repeats})",
+        fontsize=10,
     )
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -277,16 +277,40 @@ VLLM_CASES = [
     ),
     Case(
         "gateway_overhead.py",
-        "--prompts 16 --concurrency 8 --repeats 1 --output-len 16 --pin",
+        "--prompts 16 --concurrency 4 8 --repeats 1 --output-len 16 --pin "
+        "--plot /tmp/sart-gateway-overhead-quick.png",
         (
-            r"^vllm serve and sart serve --engine openai --method vanilla in front of it: 16 .*"
-            r"; vllm serve on CPU \d+, the rest on \[[\d, ]+\]$",
+            *(
+                r"^vllm serve and sart serve --engine openai --method vanilla in front of it: 16 "
+                rf"prompts, {level} in flight.*; vllm serve on CPU \d+, the rest on \[[\d, ]+\]$"
+                for level in (4, 8)
+            ),
             rf"^\s+direct(\s+{NUMBER}){{6}}$",
             rf"^\s+through sart(\s+{NUMBER}){{6}}$",
+            r"^figure: /tmp/sart-gateway-overhead-quick.png$",
             rf"^gateway / direct throughput {NUMBER}; added latency P50 [+-]{NUMBER} ms, P99 ",
         ),
         needs=("vllm", "torch", "transformers", "httpx", "fastapi"),
         timeout=900,
+    ),
+    Case(
+        "gateway_upstream.py",
+        "--prompts 8 --concurrency 4 --output-len 8 --repeats 1",
+        (
+            r"^vllm serve: 8 streamed completions, 4 in flight, 32 in / 8 out tokens, median of 1$",
+            *(
+                rf"^\s+{re.escape(name)}(\s+{NUMBER}){{3}}$"
+                for name in (
+                    "fields bare",
+                    "fields all: the gateway's body",
+                    "client httpx pool",
+                    "client httpx + aiohttp",
+                    "client aiohttp",
+                )
+            ),
+        ),
+        needs=("vllm", "torch", "transformers", "httpx", "aiohttp"),
+        timeout=600,
     ),
     Case(
         "gateway.py",

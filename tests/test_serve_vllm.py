@@ -78,6 +78,38 @@ def test_sart_and_chat_through_the_gateway(gateway: Server) -> None:
     assert len(chat.model_extra["sart"]["branches"]) == 4
 
 
+def test_a_step_wise_client_gets_the_continuation_vllm_serve_gives(
+    gateway: Server, vllm_server_pair: tuple[str, str]
+) -> None:
+    # A search library's loop: the answer so far as the last assistant message, with
+    # vLLM's chat fields; the same model and seed give the same continuation through
+    # the gateway (vanilla: one branch, seeded with the request's seed) as from vllm
+    # serve itself, step after step.
+    direct = openai.OpenAI(base_url=f"{vllm_server_pair[0]}/v1", api_key="none", max_retries=0)
+    partial = "Step 1: add"
+    for step in range(2):
+        ask: dict[str, Any] = {
+            "model": "demo",
+            "messages": [
+                {"role": "user", "content": "What is 3 plus 4?"},
+                {"role": "assistant", "content": partial},
+            ],
+            "max_tokens": 6,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "seed": 40 + step,
+        }
+        fields = {"continue_final_message": True, "add_generation_prompt": False}
+        want = direct.chat.completions.create(**ask, extra_body=fields)
+        got = gateway.client().chat.completions.create(
+            **ask, extra_body={**fields, "method": "vanilla"}
+        )
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens
+        assert got.usage.completion_tokens == want.usage.completion_tokens
+        partial += want.choices[0].message.content
+
+
 def test_a_requests_branches_share_its_prompt_through_one_upstreams_cache(
     gateway: Server, vllm_server_pair: tuple[str, str]
 ) -> None:

@@ -2,11 +2,11 @@
 
 ``OpenAIEngine`` speaks httpx (its tests replace the transport with
 ``httpx.MockTransport``), but httpx's own connection pool (httpcore) is slow
-with many concurrent streams (encode/httpx#3215): measured against ``vllm
-serve`` on this project's 2-core machine, 32 streams in flight of 64 tokens
-each, an httpx client got 26-28 requests/s where an aiohttp one got 56-106,
-with half the client's CPU time (``benchmarks/gateway_overhead.py`` has the
-end-to-end numbers). ``vllm bench serve`` and vLLM's router use aiohttp. So
+with many concurrent streams (encode/httpx#3215): against ``vllm serve`` on
+this project's 2-core machine, 32 streams of 64 tokens in flight, httpx's pool
+got 16 requests/s, httpx over this transport 58 and aiohttp alone 88, with
+about half the client's CPU time (``benchmarks/gateway_upstream.py``;
+``docs/how-to/gateway.md``). ``vllm bench serve`` uses aiohttp. So
 when aiohttp is installed (the ``serve`` and ``remote`` extras install it),
 the engine's httpx client sends through this transport: httpx keeps the API,
 aiohttp holds the connections.
