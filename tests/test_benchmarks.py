@@ -313,6 +313,18 @@ VLLM_CASES = [
         timeout=600,
     ),
     Case(
+        "gateway_sart.py",
+        "--requests 3 --rate 2 --n 2 --max-tokens 32",
+        (
+            r"^SART N=2 on the long testbed: 3 requests at 2 req/s \(Poisson, seed 0\), B = 32$",
+            rf"^\s+in process(\s+{NUMBER}){{4}}$",
+            rf"^\s+gateway(\s+{NUMBER}){{4}}$",
+            rf"^gateway / in process P97 {NUMBER}$",
+        ),
+        needs=("vllm", "torch", "transformers", "httpx", "fastapi", "openai"),
+        timeout=900,
+    ),
+    Case(
         "gateway.py",
         "--n 2 --requests 2 --prompt-words 40 --max-tokens 4 --width 2 --repeats 1 --burners 1 "
         "--kill-tokens 3000 --kill-after 1",
