@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -47,6 +48,8 @@ from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput, 
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
+
+_T = TypeVar("_T")
 
 
 @attrs.frozen
@@ -210,6 +213,18 @@ class StreamingEngine(abc.ABC):
             return StepOutput(steps=0, deltas={})
         if self.per_request_steps:
             return await self._per_request(streams, max_steps, until_first_end)
+        streams, steps = await self._wait_for(
+            streams, lambda live: self._horizon(live.values(), max_steps, until_first_end)
+        )
+        return StepOutput(steps=steps, deltas=self._take(streams, steps))
+
+    async def _wait_for(
+        self,
+        streams: dict[BranchId, BranchStream],
+        ready: Callable[[dict[BranchId, BranchStream]], _T | None],
+    ) -> tuple[dict[BranchId, BranchStream], _T]:
+        """Wait for news until ``ready(streams)`` is not ``None``; return the streams
+        still live then and what ``ready`` said. A stream that failed fails the call."""
         self._news = news = asyncio.Event()
         while True:
             # A branch aborted while this call waits (a task of the same loop may abort)
@@ -218,13 +233,12 @@ class StreamingEngine(abc.ABC):
             errors = [bid for bid, s in streams.items() if s.error is not None]
             if errors:
                 raise self._failure(errors[0], streams[errors[0]])
-            steps = self._horizon(streams.values(), max_steps, until_first_end)
-            if steps is not None:
-                break
+            got = ready(streams)
+            if got is not None:
+                return streams, got
             # Single-threaded: no pump runs between the check above and this wait.
             news.clear()
             await news.wait()
-        return StepOutput(steps=steps, deltas=self._take(streams, steps))
 
     def interrupt(self) -> None:
         """With ``per_request_steps``: make the ``step`` in flight (or, if none is, the
@@ -356,28 +370,23 @@ class StreamingEngine(abc.ABC):
         self, streams: dict[BranchId, BranchStream], max_steps: int, until_first_end: bool
     ) -> StepOutput:
         """``step`` with lockstep within each request only (``per_request_steps``)."""
-        self._news = news = asyncio.Event()
-        while True:
-            streams = {bid: s for bid, s in streams.items() if bid in self._streams}
-            errors = [bid for bid, s in streams.items() if s.error is not None]
-            if errors:
-                raise self._failure(errors[0], streams[errors[0]])
-            groups: dict[str, dict[BranchId, BranchStream]] = {}
-            for bid, stream in streams.items():
+
+        def plan(live: dict[BranchId, BranchStream]) -> tuple[_Groups, dict[str, int]] | None:
+            groups: _Groups = {}
+            for bid, stream in live.items():
                 groups.setdefault(bid.request_id, {})[bid] = stream
             reach = {
                 rid: _request_reach(group.values(), max_steps, until_first_end)
                 for rid, group in groups.items()
             }
-            if self._interrupted or not groups or any(done for _, done in reach.values()):
-                break
-            news.clear()
-            await news.wait()
+            if self._interrupted or not reach or any(done for _, done in reach.values()):
+                return groups, {rid: steps for rid, (steps, _) in reach.items()}
+            return None
+
+        _, (groups, advanced) = await self._wait_for(streams, plan)
         self._interrupted = False
         deltas: dict[BranchId, BranchDelta] = {}
-        advanced: dict[str, int] = {}
         for rid, group in groups.items():
-            advanced[rid] = reach[rid][0]
             taken = self._take(group, advanced[rid])
             deltas.update((b, d) for b, d in taken.items() if d.new_tokens or d.finish)
         return StepOutput(
@@ -422,6 +431,10 @@ class StreamingEngine(abc.ABC):
 
     def _failure(self, bid: BranchId, stream: BranchStream) -> EngineError:
         return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
+
+
+_Groups = dict[str, dict[BranchId, BranchStream]]
+"""Live branches' streams by request."""
 
 
 def _request_reach(
