@@ -110,6 +110,39 @@ def test_abort_cancels_the_stream_on_the_engine() -> None:
     asyncio.run(scenario())
 
 
+def policies(interval: int) -> list[sart.Policy]:
+    """One request of each kind the property tests serve."""
+    return [
+        sart.sart(4, interval=interval),
+        sart.vanilla(),
+        sart.self_consistency(3, interval=interval),
+        sart.rebase(3, interval=interval),
+    ]
+
+
+def serve(
+    engine: object,
+    requests: list[sart.Request],
+    script: object,
+    interval: int,
+    batch: int,
+    token: bool,
+) -> list[sart.RequestResult]:
+    return sart.run(
+        requests,
+        engine,
+        ScriptedPRM(script, every=interval),  # type: ignore[arg-type]
+        batch_size=batch,
+        admission=sart.Admission.TOKEN if token else sart.Admission.CHUNK,
+        clock=sart.VirtualClock(),
+    )
+
+
+def outcomes(results: list[sart.RequestResult]) -> list[object]:
+    """What the property tests compare: status, answer, each branch's status and length."""
+    return [(r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in results]
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -124,41 +157,14 @@ def test_same_results_as_the_step_engine(
     # Streams run at their own pace, yet every branch advances exactly as on the
     # step-based fake: the schedule, and so every result, is the same.
     script = random_scripts(seed=seed, median_length=20, every=interval)
-    admission = sart.Admission.TOKEN if token else sart.Admission.CHUNK
-
-    def serve(engine: object) -> list[sart.RequestResult]:
-        requests = [
-            sart.Request(
-                f"q{i}",
-                "p",
-                policy,
-                sampling=sart.SamplingSettings(max_tokens=40),
-                arrival=float(i),
-            )
-            for i, policy in enumerate(
-                [
-                    sart.sart(4, interval=interval),
-                    sart.vanilla(),
-                    sart.self_consistency(3, interval=interval),
-                    sart.rebase(3, interval=interval),
-                ]
-            )
-        ]
-        return sart.run(
-            requests,
-            engine,
-            ScriptedPRM(script, every=interval),
-            batch_size=batch,
-            admission=admission,
-            clock=sart.VirtualClock(),
-        )
-
-    streamed = serve(SyncBridge(FakeStreamingEngine(script, burst=burst)))
-    stepped = serve(FakeEngine(script))
-    strip = [(r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in stepped]
-    assert [
-        (r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches]) for r in streamed
-    ] == strip
+    requests = [
+        sart.Request(f"q{i}", "p", policy, sampling=sart.SamplingSettings(max_tokens=40), arrival=i)
+        for i, policy in enumerate(policies(interval))
+    ]
+    streamed = FakeStreamingEngine(script, burst=burst)
+    assert outcomes(
+        serve(SyncBridge(streamed), requests, script, interval, batch, token)
+    ) == outcomes(serve(FakeEngine(script), requests, script, interval, batch, token))
 
 
 class _ShutdownEngine:
@@ -410,26 +416,13 @@ def test_per_request_steps_give_a_request_the_step_engines_result(
     # A request's branches advance in lockstep and its checks come every ``interval``
     # of its own steps (request_steps): alone, it ends exactly as on the step engine.
     script = random_scripts(seed=seed, median_length=20, every=interval)
-    policy = [
-        sart.sart(4, interval=interval),
-        sart.vanilla(),
-        sart.self_consistency(3, interval=interval),
-        sart.rebase(3, interval=interval),
-    ][which]
-
-    def serve(engine: object) -> tuple[object, ...]:
-        request = sart.Request("q", "p", policy, sampling=sart.SamplingSettings(max_tokens=40))
-        (r,) = sart.run(
-            [request],
-            engine,
-            ScriptedPRM(script, every=interval),
-            batch_size=8,
-            admission=sart.Admission.TOKEN if token else sart.Admission.CHUNK,
-            clock=sart.VirtualClock(),
-        )
-        return (r.status, r.answer, [(b.status, b.num_tokens) for b in r.branches])
-
-    assert serve(SyncBridge(_per_request(script, burst=burst))) == serve(FakeEngine(script))
+    request = sart.Request(
+        "q", "p", policies(interval)[which], sampling=sart.SamplingSettings(max_tokens=40)
+    )
+    streamed = SyncBridge(_per_request(script, burst=burst))
+    assert outcomes(serve(streamed, [request], script, interval, 8, token)) == outcomes(
+        serve(FakeEngine(script), [request], script, interval, 8, token)
+    )
 
 
 class _Recording(FakeStreamingEngine):
@@ -458,26 +451,13 @@ def test_per_request_steps_end_every_request_once_and_leak_nothing(
     seed: int, burst: int, interval: int, batch: int, token: bool
 ) -> None:
     script = random_scripts(seed=seed, median_length=20, every=interval)
-    policies = [
-        sart.sart(4, interval=interval),
-        sart.vanilla(),
-        sart.self_consistency(3, interval=interval),
-        sart.rebase(3, interval=interval),
-    ]
     requests = [
         sart.Request(f"q{i}", "p", p, sampling=sart.SamplingSettings(max_tokens=40))
-        for i, p in enumerate(policies * 2)
+        for i, p in enumerate(policies(interval) * 2)
     ]
     engine = _Recording(script, burst=burst)
     bridge = SyncBridge(engine)
-    results = sart.run(
-        requests,
-        bridge,
-        ScriptedPRM(script, every=interval),
-        batch_size=batch,
-        admission=sart.Admission.TOKEN if token else sart.Admission.CHUNK,
-        clock=sart.VirtualClock(),
-    )
+    results = serve(bridge, requests, script, interval, batch, token)
     assert sorted(r.request_id for r in results) == sorted(r.id for r in requests)
     assert all(r.status is sart.RequestStatus.COMPLETED for r in results)
     assert all(b.num_tokens <= 40 for r in results for b in r.branches)
