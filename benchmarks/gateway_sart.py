@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,20 @@ async def load(url: str, questions: list[Any], args: argparse.Namespace) -> dict
     }
 
 
+@contextlib.contextmanager
+def serving(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """``sart serve`` with ``flags`` for the block; its output is kept in ``log``, and an
+    exit code other than 0 ends the script with its tail."""
+    server = Server(*flags, env=env)
+    try:
+        yield server
+    finally:
+        code, text = server.stop()
+        log.write_text(text)
+    if code != 0:
+        raise SystemExit(f"sart serve {' '.join(flags[:2])} exited {code}:\n{text[-2000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=60)
@@ -104,31 +120,19 @@ def main() -> None:
         "--interval", str(bed.interval), "--temperature", "1.0", "--top-p", "1.0",
     ]  # fmt: skip
     rows: dict[str, dict[str, float]] = {}
-    server = Server(
-        "--engine", "vllm-async", "--model", "testbed-long", *common, env=VLLM_SERVER_ENV
-    )
-    try:
+    in_process = ("--engine", "vllm-async", "--model", "testbed-long", *common)
+    with serving(work / "in-process.log", *in_process, env=VLLM_SERVER_ENV) as server:
         rows["in process"] = asyncio.run(load(server.url, questions, args))
-    finally:
-        code, log = server.stop()
-        (work / "in-process.log").write_text(log)
-    if code != 0:
-        raise SystemExit(f"sart serve (in process) exited {code}:\n{log[-2000:]}")
     # The policy's own context (its max_position_embeddings), as in process.
     config = json.loads((bed.policy_path / "config.json").read_text())
     context = ("--max-model-len", str(config["max_position_embeddings"]))
     with vllm_serve(bed.policy_path, work / "vllm-serve.log", *context) as upstream:
-        gateway = Server(
+        gateway = (
             "--engine", "openai", "--upstream", upstream, "--model", "demo",
             "--tokenizer", str(bed.policy_path), "--prm", "testbed-long", *common,
         )  # fmt: skip
-        try:
-            rows["gateway"] = asyncio.run(load(gateway.url, questions, args))
-        finally:
-            code, log = gateway.stop()
-            (work / "gateway.log").write_text(log)
-        if code != 0:
-            raise SystemExit(f"the gateway exited {code}:\n{log[-2000:]}")
+        with serving(work / "gateway.log", *gateway) as server:
+            rows["gateway"] = asyncio.run(load(server.url, questions, args))
     print(
         f"SART N={args.n} on the long testbed: {args.requests} requests at {args.rate:g} req/s "
         f"(Poisson, seed {args.seed}), B = {args.batch_size}"

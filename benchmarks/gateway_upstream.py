@@ -38,13 +38,14 @@ from typing import Any
 
 import aiohttp
 import httpx
-import psutil
 
 from sart.demo_models import build_demo_models
 from sart.engines.aiohttp_transport import AiohttpTransport
 from sart.engines.openai_stream import Done, StreamParser
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from gateway_overhead import cpu_seconds  # this script's directory
+
 from adapters import vllm_serve
 
 USAGE = {"include_usage": True}
@@ -125,18 +126,6 @@ async def with_httpx(url: str, fields: dict[str, Any], args: argparse.Namespace,
             return last
 
         await load(url, fields, send, args)
-
-
-def cpu_seconds(pid: int) -> float:
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            times = proc.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
 
 
 def own_cpu() -> float:

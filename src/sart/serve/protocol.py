@@ -244,13 +244,11 @@ def parse(model: type[_Body], body: bytes) -> Any:
 _logged: set[str] = set()
 
 
-def _log_ignored(request: BaseModel) -> None:
+def _log_ignored(request: _Body) -> None:
     """Log, once per name, the fields of a request that neither API knows (ignored)."""
     names = set(request.model_extra or ())
-    for part in ("stream_options",):
-        nested = getattr(request, part, None)
-        if isinstance(nested, BaseModel):
-            names.update(f"{part}.{name}" for name in nested.model_extra or ())
+    if request.stream_options is not None:
+        names.update(f"stream_options.{n}" for n in request.stream_options.model_extra or ())
     for message in getattr(request, "messages", None) or ():
         names.update(f"messages.{name}" for name in message.model_extra or ())
     new = sorted(names - _logged)
