@@ -31,11 +31,6 @@ except ImportError:  # pragma: no cover - exercised where aiohttp is absent
     aiohttp = None  # type: ignore[assignment]
 
 
-def available() -> bool:
-    """Whether aiohttp is installed."""
-    return aiohttp is not None
-
-
 def default_transport() -> httpx.AsyncBaseTransport | None:
     """An ``AiohttpTransport`` if aiohttp is installed, else ``None`` (httpx's pool)."""
     return AiohttpTransport() if aiohttp is not None else None
@@ -114,4 +109,4 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             self._session = None
 
 
-__all__ = ["AiohttpTransport", "available", "default_transport"]
+__all__ = ["AiohttpTransport", "default_transport"]
