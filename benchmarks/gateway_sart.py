@@ -10,6 +10,16 @@ request asking for SART with ``--n`` branches:
 - ``gateway``: ``vllm serve`` of the same policy, and ``sart serve --engine
   openai`` in front of it with the same PRM and sampling.
 
+Both run vLLM with the same engine arguments (those of the tests' ``vllm serve``:
+float32, eager, no chunked prefill...; the in-process engine gets them as
+``--vllm-arg``), so what differs is the path, not the engine. With ``--pin`` the
+processes that run the model (vLLM's engine core and worker) get the first CPU and
+everything else the others (sart serve, its PRM process, vllm serve's API server,
+the load generator), in both modes, as in a deployment where the model runs on its
+accelerators and the gateway has CPUs of its own. Unpinned on a 2-core
+machine the comparison measures the kernel's scheduler more than the gateway
+(docs/how-to/gateway.md says what was measured).
+
 Reported per mode: accuracy (the testbed's grader), requests per second, and
 the P50 and P97 of end-to-end latency as the client sees it; then the
 gateway's P97 over the in-process one.
@@ -25,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import sys
@@ -35,13 +46,19 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import psutil
 
 from sart import testbed as tb
 from sart.testbed.specs import testbed
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from adapters import VLLM_SERVER_ENV, vllm_serve
+from gateway_overhead import pin
+
+from adapters import VLLM_SERVE_ARGS, VLLM_SERVER_ENV, vllm_serve
 from serving import KEY, Server
+
+MODEL_PROCESSES = ("VLLM::EngineCore", "VLLM::Worker")
+"""vLLM's processes that run the model (the names it gives them)."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -85,6 +102,19 @@ async def load(url: str, questions: list[Any], args: argparse.Namespace) -> dict
     }
 
 
+def pin_apart(cpus: list[int]) -> str:
+    """Pin vLLM's model processes under this one to the first of ``cpus``, everything
+    else under it to the others (``--pin``); says which process went where."""
+    pin(os.getpid(), cpus[1:])
+    model = [p for p in psutil.Process().children(recursive=True) if p.name() in MODEL_PROCESSES]
+    if not model:
+        raise SystemExit(f"--pin: found none of vLLM's {MODEL_PROCESSES} processes")
+    for proc in model:
+        pin(proc.pid, cpus[:1], tree=False)
+    names = ", ".join(sorted({p.name() for p in model}))
+    return f"{names} on CPU {cpus[0]}, the rest on {cpus[1:]}"
+
+
 @contextlib.contextmanager
 def serving(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Server]:
     """``sart serve`` with ``flags`` for the block; its output is kept in ``log``, and an
@@ -107,7 +137,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=None, help="default: the testbed's")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="vLLM's model processes on the first CPU, everything else on the others",
+    )
     args = parser.parse_args()
+    # vLLM's engine core in a process of its own in both modes (vllm serve's layout),
+    # whatever the caller's environment says.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    cpus = sorted(os.sched_getaffinity(0))  # before --pin takes the first from this process
+    if args.pin and len(cpus) < 2:
+        raise SystemExit("--pin needs two CPUs at least")
     bed = testbed("testbed-long")
     assert bed is not None
     questions = bed.eval_questions(args.requests, seed=args.seed)
@@ -120,8 +161,13 @@ def main() -> None:
         "--interval", str(bed.interval), "--temperature", "1.0", "--top-p", "1.0",
     ]  # fmt: skip
     rows: dict[str, dict[str, float]] = {}
-    in_process = ("--engine", "vllm-async", "--model", "testbed-long", *common)
+    placed = ""
+    engine_args = [
+        f for k, v in VLLM_SERVE_ARGS.items() for f in ("--vllm-arg", f"{k}={json.dumps(v)}")
+    ]
+    in_process = ("--engine", "vllm-async", "--model", "testbed-long", *engine_args, *common)
     with serving(work / "in-process.log", *in_process, env=VLLM_SERVER_ENV) as server:
+        placed = pin_apart(cpus) if args.pin else ""
         rows["in process"] = asyncio.run(load(server.url, questions, args))
     # The policy's own context (its max_position_embeddings), as in process.
     config = json.loads((bed.policy_path / "config.json").read_text())
@@ -132,10 +178,12 @@ def main() -> None:
             "--tokenizer", str(bed.policy_path), "--prm", "testbed-long", *common,
         )  # fmt: skip
         with serving(work / "gateway.log", *gateway) as server:
+            placed = pin_apart(cpus) if args.pin else ""
             rows["gateway"] = asyncio.run(load(server.url, questions, args))
     print(
         f"SART N={args.n} on the long testbed: {args.requests} requests at {args.rate:g} req/s "
-        f"(Poisson, seed {args.seed}), B = {args.batch_size}"
+        f"(Poisson, seed {args.seed}), B = {args.batch_size}; the same vLLM engine arguments"
+        + (f"; {placed}" if placed else "; unpinned")
     )
     keys = ("accuracy", "req/s", "P50 s", "P97 s")
     print(f"{'':>12}" + "".join(f"{k:>10}" for k in keys))

