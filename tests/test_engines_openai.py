@@ -292,6 +292,22 @@ def test_a_strict_server_gets_the_request_again_without_the_extensions() -> None
     assert [("return_token_ids" in r["body"]) for r in server.requests] == [True, False]
 
 
+def test_stream_interval_is_asked_with_the_extensions_only() -> None:
+    one_branch(plain := StandInServer())
+    one_branch(asked := StandInServer(), stream_interval=8)
+    one_branch(strict := StandInServer(strict=True), stream_interval=8)
+    assert ["stream_interval" in r["body"] for r in plain.requests] == [False]
+    assert [r["body"].get("stream_interval") for r in asked.requests] == [8]
+    # A server that refused the extensions gets the request again without any of them.
+    assert [r["body"].get("stream_interval") for r in strict.requests] == [8, None]
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "8"])
+def test_a_bad_stream_interval_is_refused_by_name(value: Any) -> None:
+    with pytest.raises(sart.ConfigError, match=f"stream_interval={value!r} must be >= 1"):
+        OpenAIEngine("http://127.0.0.1:1", "m", stream_interval=value)
+
+
 def test_a_request_the_server_refuses_fails_alone_and_keeps_the_extensions() -> None:
     # vLLM answers 400 to logprobs above its --max-logprobs: that is the request's
     # fault, not a rejection of the extensions, which later requests still get.
@@ -653,6 +669,43 @@ def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
         await e.aclose()
 
     asyncio.run(scenario())
+
+
+def test_real_stream_interval_gives_the_same_tokens_in_fewer_chunks(vllm_server: str) -> None:
+    """vLLM's per-request ``stream_interval``: the same seeded tokens and log-probabilities
+    as one chunk per token, in chunks of up to ``k`` tokens (the first alone)."""
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=40, seed=3, logprobs=2)
+
+    async def branch(k: int) -> tuple[list[Any], list[int]]:
+        e = OpenAIEngine(vllm_server, "demo", extra_body={"ignore_eos": True}, stream_interval=k)
+        sizes: list[int] = []
+        original = e._pump
+
+        async def pump(stream: Any, chunks: Any) -> None:
+            async def counted() -> Any:
+                async for chunk in chunks:
+                    sizes.append(chunk.tokens)
+                    yield chunk
+
+            await original(stream, counted())
+
+        e._pump = pump  # type: ignore[method-assign]
+        await e.prefill("a", PROMPTS[1], sampling)
+        await e.start_branches("a", [BranchSpec(0, 7)])
+        deltas = (await drain(e, chunk=40))[BranchId("a", 0)]
+        await e.release_prefix("a")
+        await e.aclose()
+        return deltas, sizes
+
+    one, one_sizes = asyncio.run(branch(1))
+    eight, eight_sizes = asyncio.run(branch(8))
+    ids = [t for d in one for t in d.token_ids]
+    assert len(ids) == 40 and [t for d in eight for t in d.token_ids] == ids
+    assert "".join(d.text for d in eight) == "".join(d.text for d in one)
+    assert [lp for d in eight for lp in d.logprobs] == [lp for d in one for lp in d.logprobs]
+    assert one_sizes == [1] * 40
+    assert eight_sizes[0] == 1 and max(eight_sizes) == 8 and sum(eight_sizes) == 40
+    assert len(eight_sizes) <= 1 + -(-39 // 8) + 1
 
 
 @pytest.mark.parametrize("token_ids", [None, False], ids=["id-keys", "text-keys"])

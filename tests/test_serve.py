@@ -521,7 +521,21 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
         (["--vllm-arg", "dtype=half"], "--vllm-arg has no effect with --engine hf"),
         (["--engine", "sglang", "--model", "m", "--sglang-arg", "tp"], "--sglang-arg='tp' must be"),
         (["--engine", "openai"], "--engine openai needs --upstream URL"),
+        (
+            [
+                "--engine",
+                "openai",
+                "--upstream",
+                "http://127.0.0.1:9",
+                "--model",
+                "m",
+                "--upstream-stream-interval",
+                "-2",
+            ],
+            "--upstream-stream-interval -2 must be >= 1",
+        ),
         (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
+        (["--upstream-stream-interval", "8"], "--upstream-stream-interval is for --engine openai"),
         (
             ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
             "could not read its model from /v1/models",

@@ -74,6 +74,7 @@ def gateway_engine(spec: LoadSpec) -> Any:
         tokenizer=tokenizer,
         affinity=gateway.affinity,
         explicit_abort=gateway.explicit_abort,
+        stream_interval=gateway.stream_interval,
     )
 
 

@@ -44,6 +44,7 @@ FLAGS = {
     "gateway": "--upstream",
     "upstreams": "--upstream",
     "tokenizer": "--tokenizer",
+    "stream_interval": "--upstream-stream-interval",
     "chat": "--chat",
     # Runs (sart.bench.runner.BenchConfig and the like).
     "workload": "--workload",

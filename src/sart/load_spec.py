@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from sart import converters
-from sart.errors import ConfigError, config_check
+from sart.errors import ConfigError, config_check, int_at_least
 from sart.registry import loadable_engines, loadable_prms
 
 VLLM_PRMS = ("vllm-qwen", "vllm-cached")
@@ -78,6 +78,8 @@ class Gateway:
     """Every branch of a request on one upstream (its prompt prefilled once)."""
     explicit_abort: bool = False
     """Also POST vLLM's abort endpoint for a pruned branch (not only disconnect)."""
+    stream_interval: int = attrs.field(default=1, validator=int_at_least(1))
+    """Tokens per streamed chunk asked of the upstreams (``OpenAIEngine``)."""
 
     def __attrs_post_init__(self) -> None:
         config_check(bool(self.upstreams), "upstreams", self.upstreams, "at least one URL")

@@ -54,6 +54,16 @@ extensions has them dropped automatically. See ``docs/how-to/sglang.md``.
 
 Sampling: vLLM's extra fields a request sets (``SamplingSettings.extra_fields``)
 go upstream under vLLM's names; ``extra_body`` adds fields to every request.
+
+Chunks: ``stream_interval=k`` (> 1) asks vLLM for a streamed chunk every ``k``
+tokens instead of every token (its per-request ``stream_interval``, sent with the
+extensions; the first token and the end still come at once). Both vLLM's API
+server and this engine then parse and serialize ``k`` times fewer events, but a
+branch's progress is seen ``k`` tokens at a time, so a check (every ``T`` tokens)
+or a prune decided meanwhile waits for the next chunk: keep the default 1 for
+methods that check running branches, and raise it for vanilla or self-consistency
+traffic (``docs/how-to/gateway.md`` has the measurements).
+
 Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
 (or ``engine.close()`` outside a running loop) to close its HTTP client.
 """
@@ -94,7 +104,7 @@ from sart.engines.openai_wire import (
     words,
 )
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
-from sart.errors import ConfigError, EngineError
+from sart.errors import ConfigError, EngineError, config_check
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
@@ -134,6 +144,7 @@ class OpenAIEngine(StreamingEngine):
         transport: httpx.AsyncBaseTransport | None = None,
         affinity: bool = True,
         explicit_abort: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         super().__init__()
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -141,6 +152,10 @@ class OpenAIEngine(StreamingEngine):
             raise ConfigError("base_urls=[] must name at least one server")
         if max_retries < 0:
             raise ConfigError(f"max_retries={max_retries!r} must be >= 0")
+        ok = isinstance(stream_interval, int) and stream_interval >= 1
+        config_check(ok, "stream_interval", stream_interval, ">= 1")
+        self.stream_interval = stream_interval
+        """Tokens per streamed chunk asked of the upstream (module docstring)."""
         self.model = model
         self.api_key = api_key
         self.timeout = timeout
@@ -294,6 +309,8 @@ class OpenAIEngine(StreamingEngine):
             "top_p": sampling.top_p,
             "seed": start.seed,
         }
+        if self.stream_interval > 1:
+            body["stream_interval"] = self.stream_interval
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         body.update(extra := sampling.extra_fields(body["max_tokens"]))  # vLLM's names

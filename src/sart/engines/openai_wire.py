@@ -192,12 +192,18 @@ async def events_of(response: httpx.Response) -> AsyncGenerator[Event, None]:
         yield event
 
 
+BODY_EXTENSIONS = ("stream_interval",)
+"""vLLM's fields that the engine may put in a body itself: sent only with the
+extensions (a server that refused them gets none)."""
+
+
 def completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:
     """The request's body, with the vLLM extensions (``return_token_ids``,
-    ``continuous_usage_stats``, and with ``logprobs`` ``return_tokens_as_token_ids``)
-    if ``extras``, else only ``include_usage``."""
+    ``continuous_usage_stats``, with ``logprobs`` ``return_tokens_as_token_ids``, and
+    the body's own ``BODY_EXTENSIONS``) if ``extras``, else only ``include_usage``."""
     if not extras:
-        return {**body, "stream_options": {"include_usage": True}}
+        plain = {k: v for k, v in body.items() if k not in BODY_EXTENSIONS}
+        return {**plain, "stream_options": {"include_usage": True}}
     payload = {
         **body,
         "return_token_ids": True,

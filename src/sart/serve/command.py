@@ -127,6 +127,16 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "behind a proxy that does not pass disconnects on)",
     )
     g.add_argument(
+        "--upstream-stream-interval",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tokens per streamed chunk asked of vLLM upstreams (its per-request "
+        "stream_interval; default 1: every token). Larger K: less work per token on both "
+        "sides, but branches are seen K tokens at a time, so checks and prunes come later: "
+        "for vanilla and sc traffic, not for methods that check running branches",
+    )
+    g.add_argument(
         "--tokenizer",
         default=None,
         help="a tokenizer directory or hub id for chat templates and token counts "
@@ -276,20 +286,23 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
         check_path("tokenizer", args.tokenizer)
         key = _upstream_key(args)
         args.model = args.model or _upstream_model(args.upstream[0], key)
+        chunk = args.upstream_stream_interval  # None: not given
         gateway = Gateway(
             tuple(args.upstream),
             api_key=key,
             tokenizer=args.tokenizer,
             affinity=args.placement == "request",
             explicit_abort=args.upstream_abort == "explicit",
+            stream_interval=1 if chunk is None else chunk,
         )
     else:
         for flag, given in (
             ("--upstream", args.upstream),
             ("--tokenizer", args.tokenizer),
             ("--upstream-api-key", args.upstream_api_key),
+            ("--upstream-stream-interval", args.upstream_stream_interval),
         ):
-            if given:
+            if given not in (None, []):
                 raise ConfigError(f"{flag} is for --engine openai, not --engine {args.engine}")
     args.model = args.model or TESTBED
     return load_spec(args, batch_size=args.batch_size, gateway=gateway)
