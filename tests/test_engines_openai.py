@@ -673,7 +673,7 @@ def test_real_streams_ids_and_prompt_lengths(vllm_server: str) -> None:
 
 def test_real_stream_interval_gives_the_same_tokens_in_fewer_chunks(vllm_server: str) -> None:
     """vLLM's per-request ``stream_interval``: the same seeded tokens and log-probabilities
-    as one chunk per token, in chunks of up to ``k`` tokens (the first alone)."""
+    as one chunk per token, in chunks of at least ``k`` tokens (the first alone)."""
     sampling = sart.SamplingSettings(temperature=1.0, max_tokens=40, seed=3, logprobs=2)
 
     async def branch(k: int) -> tuple[list[Any], list[int]]:
@@ -684,7 +684,8 @@ def test_real_stream_interval_gives_the_same_tokens_in_fewer_chunks(vllm_server:
         async def pump(stream: Any, chunks: Any) -> None:
             async def counted() -> Any:
                 async for chunk in chunks:
-                    sizes.append(chunk.tokens)
+                    if chunk.tokens:  # not a closing chunk without tokens
+                        sizes.append(chunk.tokens)
                     yield chunk
 
             await original(stream, counted())
@@ -703,9 +704,11 @@ def test_real_stream_interval_gives_the_same_tokens_in_fewer_chunks(vllm_server:
     assert len(ids) == 40 and [t for d in eight for t in d.token_ids] == ids
     assert "".join(d.text for d in eight) == "".join(d.text for d in one)
     assert [lp for d in eight for lp in d.logprobs] == [lp for d in one for lp in d.logprobs]
-    assert one_sizes == [1] * 40
-    assert eight_sizes[0] == 1 and max(eight_sizes) == 8 and sum(eight_sizes) == 40
-    assert len(eight_sizes) <= 1 + -(-39 // 8) + 1
+    # vLLM's API server may merge outputs that queued up into one chunk, never split one:
+    # with k = 8 the first token comes alone and every later chunk but the last has 8+.
+    assert sum(one_sizes) == sum(eight_sizes) == 40
+    assert eight_sizes[0] == 1 and all(n >= 8 for n in eight_sizes[1:-1])
+    assert len(eight_sizes) <= 1 + -(-39 // 8) < len(one_sizes)
 
 
 @pytest.mark.parametrize("token_ids", [None, False], ids=["id-keys", "text-keys"])
