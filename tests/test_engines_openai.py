@@ -705,9 +705,10 @@ def test_real_stream_interval_gives_the_same_tokens_in_fewer_chunks(vllm_server:
     assert "".join(d.text for d in eight) == "".join(d.text for d in one)
     assert [lp for d in eight for lp in d.logprobs] == [lp for d in one for lp in d.logprobs]
     # vLLM's API server may merge outputs that queued up into one chunk, never split one:
-    # with k = 8 the first token comes alone and every later chunk but the last has 8+.
+    # with k = 8 the first token comes alone (unless merged with what followed) and every
+    # later chunk but the last has 8 or more.
     assert sum(one_sizes) == sum(eight_sizes) == 40
-    assert eight_sizes[0] == 1 and all(n >= 8 for n in eight_sizes[1:-1])
+    assert eight_sizes[0] in (1, *range(9, 41)) and all(n >= 8 for n in eight_sizes[1:-1])
     assert len(eight_sizes) <= 1 + -(-39 // 8) < len(one_sizes)
 
 
