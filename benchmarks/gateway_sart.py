@@ -54,7 +54,7 @@ from sart.testbed.specs import testbed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from gateway_overhead import pin
 
-from adapters import VLLM_SERVE_ARGS, VLLM_SERVER_ENV, vllm_serve
+from adapters import VLLM_SERVE_ARGS, VLLM_SERVER_ENV, vllm_arg_flags, vllm_serve
 from serving import KEY, Server
 
 MODEL_PROCESSES = ("VLLM::EngineCore", "VLLM::Worker")
@@ -161,10 +161,7 @@ def main() -> None:
         "--interval", str(bed.interval), "--temperature", "1.0", "--top-p", "1.0",
     ]  # fmt: skip
     rows: dict[str, dict[str, float]] = {}
-    placed = ""
-    engine_args = [
-        f for k, v in VLLM_SERVE_ARGS.items() for f in ("--vllm-arg", f"{k}={json.dumps(v)}")
-    ]
+    engine_args = vllm_arg_flags(VLLM_SERVE_ARGS)
     in_process = ("--engine", "vllm-async", "--model", "testbed-long", *engine_args, *common)
     with serving(work / "in-process.log", *in_process, env=VLLM_SERVER_ENV) as server:
         placed = pin_apart(cpus) if args.pin else ""

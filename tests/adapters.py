@@ -9,6 +9,7 @@ files import, in the manner of ``strategies.py``.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -177,6 +178,15 @@ def serve_flags(engine_args: dict[str, Any]) -> list[str]:
         else:
             flags += [flag, str(value)]
     return flags
+
+
+def vllm_arg_flags(engine_args: dict[str, Any]) -> list[str]:
+    """The same engine arguments as ``sart serve --vllm-arg KEY=VALUE`` flags (JSON values)."""
+    return [
+        f
+        for key, value in engine_args.items()
+        for f in ("--vllm-arg", f"{key}={json.dumps(value)}")
+    ]
 
 
 @contextlib.contextmanager

@@ -509,6 +509,10 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
         assert served.post("/v1/completions", body("short")).status_code == 200
 
 
+GATEWAY_FLAGS = ["--engine", "openai", "--upstream", "http://127.0.0.1:9", "--model", "m"]
+"""A gateway whose upstream is never asked for its model (nothing listens there)."""
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -522,16 +526,7 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
         (["--engine", "sglang", "--model", "m", "--sglang-arg", "tp"], "--sglang-arg='tp' must be"),
         (["--engine", "openai"], "--engine openai needs --upstream URL"),
         (
-            [
-                "--engine",
-                "openai",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--model",
-                "m",
-                "--upstream-stream-interval",
-                "-2",
-            ],
+            [*GATEWAY_FLAGS, "--upstream-stream-interval", "-2"],
             "--upstream-stream-interval -2 must be >= 1",
         ),
         (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
@@ -541,16 +536,7 @@ def test_without_a_prm_methods_that_need_rewards_are_refused() -> None:
             "could not read its model from /v1/models",
         ),
         (
-            [
-                "--engine",
-                "openai",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--model",
-                "m",
-                "--tokenizer",
-                "./no/such/dir",
-            ],
+            [*GATEWAY_FLAGS, "--tokenizer", "./no/such/dir"],
             "--tokenizer './no/such/dir': no such file or directory",
         ),
     ],
