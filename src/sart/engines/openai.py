@@ -97,7 +97,9 @@ from sart.engines.openai_wire import (
     Retryable,
     Server,
     ServerError,
+    abort_on_server,
     base_url,
+    completion_body,
     post_completion,
     server_context,
     tokenize,
@@ -273,7 +275,6 @@ class OpenAIEngine(StreamingEngine):
             start.parent,
             start.prefix_tokens,
         )
-        sampling = start.sampling
         # Not a generator itself: the parent's progress is read now, at the fork.
         request = self._requests[branch.request_id]
         inherited = _Progress()
@@ -298,27 +299,15 @@ class OpenAIEngine(StreamingEngine):
                 "(the server does not return them), so a token-id prompt cannot be extended",
                 [branch.request_id],
             )
-        body: dict[str, Any] = {
-            **self.extra_body,
-            "model": self.model,
-            "prompt": body_prompt,
-            "stream": True,
-            "n": 1,
-            "max_tokens": request.max_tokens - inherited.count,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "seed": start.seed,
-        }
-        if self.stream_interval > 1:
-            body["stream_interval"] = self.stream_interval
-        if sampling.stop:
-            body["stop"] = list(sampling.stop)
-        body.update(extra := sampling.extra_fields(body["max_tokens"]))  # vLLM's names
-        if "include_stop_str_in_output" in extra:  # and SGLang's (each ignores the other's)
-            body["no_stop_trim"] = True
-        body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
-        if sampling.logprobs is not None:
-            body["logprobs"] = sampling.logprobs
+        body = completion_body(
+            body_prompt,
+            start.sampling,
+            model=self.model,
+            max_tokens=request.max_tokens - inherited.count,
+            seed=start.seed,
+            extra_body=self.extra_body,
+            stream_interval=self.stream_interval,
+        )
         root = parent is None and not prefix_tokens
         return Closing(self._stream(branch, body, root=root))
 
@@ -327,29 +316,11 @@ class OpenAIEngine(StreamingEngine):
         task = self._tasks.pop(branch, None)
         jobs: list[Awaitable[object]] = []
         if inflight is not None and self.explicit_abort:
-            jobs.append(self._abort_on_server(*inflight))
+            jobs.append(abort_on_server(self.client, *inflight, self.connect_timeout))
         if task is not None and task is not asyncio.current_task():
             # The base cancelled it: wait until its response (and connection) is closed.
             jobs.append(asyncio.wait([task], timeout=self.connect_timeout + 5.0))
         await asyncio.gather(*jobs)
-
-    async def _abort_on_server(self, server: Server, rid: str) -> None:
-        """Ask ``server`` to abort the request ``rid`` now, where it offers that (vLLM's
-        scale-out endpoint). Best effort: closing the stream aborts it too, later."""
-        if server.abort_endpoint is False:
-            return
-        try:
-            response = await self.client.post(
-                server.url + "/inference/v1/abort_requests",
-                json={"request_ids": [f"cmpl-{rid}-0"]},
-                timeout=self.connect_timeout,
-            )
-        except httpx.HTTPError:
-            return  # the closed stream still aborts it
-        if response.status_code in (404, 405):
-            server.abort_endpoint = False
-        elif response.status_code < 400:
-            server.abort_endpoint = True
 
     def _take(
         self, streams: dict[BranchId, BranchStream], steps: int

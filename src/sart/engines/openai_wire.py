@@ -44,7 +44,7 @@ tests serve it with ``--no-enable-chunked-prefill``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -61,7 +61,7 @@ from sart.engines.openai_stream import (
 )
 from sart.engines.streaming import Chunk
 from sart.errors import EngineError
-from sart.types import BranchId, FinishReason, Prompt
+from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
 RETRY_STATUS = frozenset({502, 503, 504})
@@ -195,6 +195,66 @@ async def events_of(response: httpx.Response) -> AsyncGenerator[Event, None]:
 BODY_EXTENSIONS = ("stream_interval",)
 """vLLM's fields that the engine may put in a body itself: sent only with the
 extensions (a server that refused them gets none)."""
+
+
+def completion_body(
+    prompt: str | list[int],
+    sampling: SamplingSettings,
+    *,
+    model: str,
+    max_tokens: int,
+    seed: int | None,
+    extra_body: Mapping[str, Any],
+    stream_interval: int = 1,
+) -> dict[str, Any]:
+    """One branch's streamed completion request, before the extensions
+    (``completion_payload``): ``extra_body`` under sart's own fields, the request's
+    extra sampling fields under vLLM's names (and SGLang's ``no_stop_trim``), and
+    ``logprobs`` exactly when the request asks for them."""
+    body: dict[str, Any] = {
+        **extra_body,
+        "model": model,
+        "prompt": prompt,
+        "stream": True,
+        "n": 1,
+        "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "seed": seed,
+    }
+    if stream_interval > 1:
+        body["stream_interval"] = stream_interval
+    if sampling.stop:
+        body["stop"] = list(sampling.stop)
+    body.update(extra := sampling.extra_fields(max_tokens))  # vLLM's names
+    if "include_stop_str_in_output" in extra:  # and SGLang's (each ignores the other's)
+        body["no_stop_trim"] = True
+    body.pop("logprobs", None)  # sart's field: asked for exactly when the request does
+    if sampling.logprobs is not None:
+        body["logprobs"] = sampling.logprobs
+    return body
+
+
+async def abort_on_server(
+    client: httpx.AsyncClient, server: Server, rid: str, timeout: float
+) -> None:
+    """Ask ``server`` to abort the request ``rid`` now, where it offers that (vLLM's
+    scale-out endpoint, ``POST /inference/v1/abort_requests``; a server that answers
+    404/405 is not asked again). Best effort: closing the stream aborts it too, later."""
+    if server.abort_endpoint is False:
+        return
+    try:
+        response = await client.post(
+            server.url + "/inference/v1/abort_requests",
+            json={"request_ids": [f"cmpl-{rid}-0"]},
+            timeout=timeout,
+        )
+    except httpx.HTTPError:
+        return  # the closed stream still aborts it
+    if response.status_code in (404, 405):
+        server.abort_endpoint = False
+    elif response.status_code < 400:
+        server.abort_endpoint = True
 
 
 def completion_payload(body: dict[str, Any], extras: bool) -> dict[str, Any]:

@@ -19,7 +19,7 @@ same scheduler and policies run on them:
   its checks compare branches of equal length every ``T`` of its own steps as in
   Algorithm 1, but requests advance independently (``StepOutput.request_steps``)
   and the call returns as soon as one request reaches the chunk's end or a
-  branch ends (see ``_per_request``), or when ``interrupt()`` asks. Streams are
+  branch ends (``sart.engines.lockstep`` has the rules), or when ``interrupt()`` asks. Streams are
   independent on the server, so a new request, still in its prefill, no longer
   holds back every other request's reports and ends, and arrivals start
   without waiting for the batch in flight;
@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TypeVar
 
 import attrs
 
 from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput, TokenLogprobs
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
+from sart.engines.lockstep import horizon, request_reach
 from sart.errors import EngineError
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -214,7 +215,7 @@ class StreamingEngine(abc.ABC):
         if self.per_request_steps:
             return await self._per_request(streams, max_steps, until_first_end)
         streams, steps = await self._wait_for(
-            streams, lambda live: self._horizon(live.values(), max_steps, until_first_end)
+            streams, lambda live: horizon(live.values(), max_steps, until_first_end)
         )
         return StepOutput(steps=steps, deltas=self._take(streams, steps))
 
@@ -343,29 +344,6 @@ class StreamingEngine(abc.ABC):
         if self._news is not None:
             self._news.set()
 
-    @staticmethod
-    def _horizon(
-        streams: Iterable[BranchStream], max_steps: int, until_first_end: bool
-    ) -> int | None:
-        """The steps this call can report now, or ``None`` to wait for more tokens.
-
-        A step engine advances every branch in lockstep, so the call may end at
-        step ``s`` only once every branch has produced ``s`` tokens or ended:
-        ``s = max_steps`` (or, if every branch ends sooner, the last end); with
-        ``until_first_end``, ``s`` = the first end, and no slower branch may
-        still end before it.
-        """
-        streams = list(streams)
-        ends = [
-            len(s.pending) for s in streams if s.finish is not None and len(s.pending) <= max_steps
-        ]
-        target = min(ends) if until_first_end and ends else max_steps
-        if any(s.finish is None and len(s.pending) < target for s in streams):
-            return None
-        if len(ends) == len(streams):  # every branch ends within this call
-            return min(ends) if until_first_end else max(ends)
-        return target
-
     async def _per_request(
         self, streams: dict[BranchId, BranchStream], max_steps: int, until_first_end: bool
     ) -> StepOutput:
@@ -376,7 +354,7 @@ class StreamingEngine(abc.ABC):
             for bid, stream in live.items():
                 groups.setdefault(bid.request_id, {})[bid] = stream
             reach = {
-                rid: _request_reach(group.values(), max_steps, until_first_end)
+                rid: request_reach(group.values(), max_steps, until_first_end)
                 for rid, group in groups.items()
             }
             if self._interrupted or not reach or any(done for _, done in reach.values()):
@@ -435,34 +413,6 @@ class StreamingEngine(abc.ABC):
 
 _Groups = dict[str, dict[BranchId, BranchStream]]
 """Live branches' streams by request."""
-
-
-def _request_reach(
-    streams: Iterable[BranchStream], max_steps: int, until_first_end: bool
-) -> tuple[int, bool]:
-    """The steps one request's branches can report together now, and whether the
-    request is at a point the scheduler must see: its chunk's end (``max_steps``),
-    every branch of it ended, or (``until_first_end``) one of them ended.
-
-    ``StreamingEngine._horizon``'s rule applied to one request, except that it never
-    waits: a branch still in its prefill makes the request report 0 steps."""
-    ends: list[int] = []
-    running: list[int] = []
-    for s in streams:
-        if s.finish is not None and len(s.pending) <= max_steps:
-            ends.append(len(s.pending))
-        else:
-            running.append(len(s.pending))
-    reach = min([max_steps, *running])
-    if ends and until_first_end and min(ends) <= reach:
-        return min(ends), True
-    if not running:  # every branch ends within the chunk
-        return max(ends), True
-    if reach >= max_steps:  # the chunk's end, with the ends within it at their offsets
-        return reach, True
-    # Part of the chunk: up to just before its first end, which is reported with the
-    # chunk's end, when the scheduler checks the request (as on a step engine).
-    return (min(reach, min(ends) - 1) if ends else reach), False
 
 
 def _generated(stream: BranchStream) -> int:

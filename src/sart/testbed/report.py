@@ -32,7 +32,7 @@ import attrs
 from sart import converters
 from sart.errors import config_check
 from sart.prm.aggregate import AGGREGATIONS, aggregate
-from sart.rollouts import Rollout, auroc, majority, nan_mean, pearson, rollout_shape
+from sart.rollouts import REAL_RANGES, Rollout, auroc, majority, nan_mean, pearson, rollout_shape
 from sart.testbed.draw import Branch, draw, score_drawn
 from sart.testbed.specs import TESTBEDS
 
@@ -46,9 +46,10 @@ def _aggregated(branch: Branch, how: str) -> float:
 LONG_RANGES: dict[str, tuple[float, float]] = {
     "median_length": (400, 1000),
     "longest": (2000, math.inf),
-    "median_length_cv": (0.25, 0.5),
-    "median_longest_over_shortest": (2.0, 4.0),
-    "median_within_question_r": (-0.35, -0.1),
+    # The shape of real reasoning, as sart's workloads are held to it.
+    "median_length_cv": REAL_RANGES["median_cv"],
+    "median_longest_over_shortest": REAL_RANGES["median_spread"],
+    "median_within_question_r": REAL_RANGES["median_r"],
     "capped_share": (0.002, 0.2),
     "branch_accuracy": (0.45, 0.65),
     "majority_accuracy": (0.0, 0.85),
