@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +70,7 @@ def bench(
         "out tok/s": result["output_throughput"],
         "P50 ms": statistics.median(latencies),
         "P99 ms": latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)],
+        "duration s": result["duration"],
     }
 
 
@@ -84,6 +88,52 @@ def cpu_seconds(pid: int) -> float:
             continue
         total += times.user + times.system + times.children_user + times.children_system
     return total
+
+
+class CpuBusy:
+    """Samples how busy ``cpus`` are (``/proc/stat``, every ``period`` s) while it runs,
+    so that a window of the run (the load, not the client's start-up) can be read back."""
+
+    def __init__(self, cpus: list[int], period: float = 0.05) -> None:
+        self.cpus = {f"cpu{c}" for c in cpus}
+        self.period = period
+        self.samples: list[tuple[float, float, float]] = []  # (time, busy, total) jiffies
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _read(self) -> tuple[float, float, float]:
+        busy = total = 0.0
+        with open("/proc/stat") as f:
+            for line in f:
+                name, *fields = line.split()
+                if name in self.cpus:
+                    values = [float(v) for v in fields[:8]]
+                    idle = values[3] + values[4]  # idle, iowait
+                    total += sum(values)
+                    busy += sum(values) - idle
+        return time.monotonic(), busy, total
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self._read())
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> CpuBusy:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(self._read())
+
+    def share(self, start: float, end: float) -> float:
+        """The busy share of the CPUs between ``start`` and ``end`` (monotonic seconds)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return math.nan
+        (_, b0, t0), (_, b1, t1) = inside[0], inside[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else math.nan
 
 
 def pin(pid: int, cpus: list[int], tree: bool = True) -> None:
@@ -159,7 +209,11 @@ def main() -> None:
                     for name, url in (("direct", upstream), ("through sart", gateway.url)):
                         out = work / f"{name.replace(' ', '-')}-{level}-{repeat}.json"
                         before = {k: cpu_seconds(pid) for k, pid in pids.items()}
-                        row = bench(url, policy, out, args, level)
+                        with CpuBusy(cpus[1:] if args.pin else cpus) as busy:
+                            row = bench(url, policy, out, args, level)
+                            end = time.monotonic()
+                        # The client's load, not its start-up: the last ``duration`` seconds.
+                        row["busy"] = busy.share(end - row["duration s"], end)
                         # CPU per request of the gateway's process and of vllm serve's (all
                         # its processes), over the run (the load generator's start included).
                         for k, pid in pids.items():
@@ -170,7 +224,7 @@ def main() -> None:
             (work / "gateway.log").write_text(log)
         if code != 0:
             raise SystemExit(f"the gateway exited {code}:\n{log[-2000:]}")
-    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms", "gateway cpu", "vllm serve cpu")
+    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms", "gateway cpu", "vllm serve cpu", "busy")
     median = {
         run: {k: statistics.median(r[k] for r in rows) for k in keys} for run, rows in runs.items()
     }
@@ -195,9 +249,25 @@ def main() -> None:
             f"P50 {gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
             f"{gate['P99 ms'] - direct['P99 ms']:+,.1f} ms"
         )
+        if args.pin:
+            print(account(direct, gate, cpus[1:]))
     if args.plot is not None:
         plot(args.plot, args, median)
         print(f"figure: {args.plot}")
+
+
+def account(direct: dict[str, float], gate: dict[str, float], rest: list[int]) -> str:
+    """Pinned, the CPUs besides vLLM's hold the client and the gateway: how busy they
+    were during the load, and the throughput they allow through the gateway if the
+    client costs per request what it cost directly (a ceiling, in CPU seconds)."""
+    client = 1000 * direct["busy"] * len(rest) / direct["req/s"]  # ms of CPU per request
+    ceiling = 1000 * len(rest) / (client + gate["gateway cpu"])
+    return (
+        f"CPU {rest} busy during the load: direct {direct['busy']:.0%}, through sart "
+        f"{gate['busy']:.0%}; the client {client:.1f} ms + the gateway "
+        f"{gate['gateway cpu']:.1f} ms of CPU per request there allow at most "
+        f"{ceiling:,.1f} req/s through sart ({gate['req/s'] / ceiling:.2f} of it reached)"
+    )
 
 
 def plot(path: Path, args: argparse.Namespace, median: dict[tuple[int, str], Any]) -> None:

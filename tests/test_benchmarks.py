@@ -289,6 +289,8 @@ VLLM_CASES = [
             rf"^\s+through sart(\s+{NUMBER}){{6}}$",
             r"^figure: /tmp/sart-gateway-overhead-quick.png$",
             rf"^gateway / direct throughput {NUMBER}; added latency P50 [+-]{NUMBER} ms, P99 ",
+            r"^CPU \[[\d, ]+\] busy during the load: direct (\d+|nan)%, through sart (\d+|nan)%; "
+            r"the client .* allow at most .* req/s through sart \(.* of it reached\)$",
         ),
         needs=("vllm", "torch", "transformers", "httpx", "fastapi"),
         timeout=900,

@@ -209,27 +209,24 @@ GAOKAO = WorkloadModel(
     loop_share=0.08,
 )
 
-#: GPQA-like: four-choice science questions, longer reasoning, lower accuracy.
-GPQA = WorkloadModel(
+#: GPQA-like: four-choice science questions, longer reasoning, lower accuracy. The
+#: fields it does not name (the token cap, the PRM's separation and per-branch noise,
+#: the spread and overthinking of branches) are GAOKAO's.
+GPQA = attrs.evolve(
+    GAOKAO,
     name="gpqa",
     median_length=6000,
     request_sigma=0.3,
     branch_sigma=0.38,
     difficulty_length=0.5,
-    max_tokens=16384,
     accuracy=0.55,
-    accuracy_concentration=2.0,
     wrong_answers=3,
     wrong_concentration=1.0,
     prompt_tokens=450,
     prm_bias=0.2,
-    prm_separation=1.0,
-    prm_branch_noise=1.0,
     prm_noise=0.7,
     prm_warmup=3000,
     answers=("A", "B", "C", "D"),
-    sigma_spread=0.3,
-    overthink=0.07,
     loop_share=0.04,
 )
 
