@@ -11,6 +11,16 @@ is ``sart bench``'s:
 
 (or ``--plugin rebranch_variants`` with ``benchmarks`` on ``PYTHONPATH``).
 docs/testbed.md gives the numbers and the choice. Not imported by sart itself.
+
+``--seeds K`` (first) serves the same benchmark with ``--seed 0`` to ``K - 1`` and
+prints each method's means over the seeds beside the first method's (accuracy,
+P97, tokens per request, and the P97 ratio's mean and largest), for the simulator,
+where one seed's 200 requests move accuracy by several points:
+
+    python benchmarks/rebranch_variants.py --seeds 5 \
+      --workload benchmarks/runs/testbed-long-vllm/trace.jsonl.gz --batch-size 32 \
+      --requests 200 --n 8 --rate 0.25 0.5 0.75 \
+      --methods sart sart-rebranch rb-busy-replace rb-busy-prune
 """
 
 from __future__ import annotations
@@ -107,9 +117,54 @@ _reshare("rb-reshare-t05", sart.WeightedVote(), temperature=0.5)
 for _busy in sart.policies.reward_balance.BUSY:
     _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 
+
+def over_seeds(seeds: int, argv: list[str]) -> str:
+    """``sart bench argv`` once per seed; each method's means, the first one's beside."""
+    import contextlib
+    import io
+    import json
+    import statistics
+
+    from sart.cli import main
+
+    runs: dict[tuple[float, str], list[dict]] = {}
+    for seed in range(seeds):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            code = main(["bench", *argv, "--seed", str(seed), "--json", "--no-plots"])
+        if code:
+            raise SystemExit(code)
+        for run in json.loads(out.getvalue())["runs"]:
+            runs.setdefault((run["rate"], run["method"]), []).append(run["summary"])
+    lines = [
+        f"means over seeds 0-{seeds - 1}; P97 ratio and accuracy gain against the first method",
+        f"{'rate':>6} {'method':<18} {'acc %':>6} {'gain':>6} {'P97':>8} {'ratio':>6} "
+        f"{'max':>6} {'tok/req':>8}",
+    ]
+    for rate in sorted({rate for rate, _ in runs}):
+        methods = [m for r, m in runs if r == rate]
+        first = runs[rate, methods[0]]
+        for method in methods:
+            rows = runs[rate, method]
+            ratios = [r["e2e"]["p97"] / f["e2e"]["p97"] for r, f in zip(rows, first)]
+            gain = [100 * (r["accuracy"] - f["accuracy"]) for r, f in zip(rows, first)]
+            accuracy = 100 * statistics.fmean(r["accuracy"] for r in rows)
+            lines.append(
+                f"{rate:>6g} {method:<18} {accuracy:6.1f} {statistics.fmean(gain):+6.1f} "
+                f"{statistics.fmean(r['e2e']['p97'] for r in rows):8.1f} "
+                f"{statistics.fmean(ratios):6.2f} {max(ratios):6.2f} "
+                f"{statistics.fmean(r['tokens_per_request'] for r in rows):8,.0f}"
+            )
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     import sys
 
     from sart.cli import main
 
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    argv = sys.argv[1:]
+    if argv[:1] == ["--seeds"]:
+        print(over_seeds(int(argv[1]), argv[2:]))
+    else:
+        sys.exit(main(["bench", *argv]))

@@ -88,6 +88,16 @@ CASES = [
         ),
     ),
     Case(
+        "rebranch_variants.py",
+        "--seeds 2 --requests 12 --n 4 --rate 2 --methods sart rb-busy-prune "
+        "--out /tmp/sart-bench-rebranch-seeds",
+        (
+            r"^means over seeds 0-1; P97 ratio and accuracy gain against the first method$",
+            rf"^\s+2 sart\s+{NUMBER}\s+\+0\.0\s+{NUMBER}\s+1\.00\s+1\.00\s",
+            rf"^\s+2 rb-busy-prune\s+{NUMBER}\s+[+-]{NUMBER}(\s+{NUMBER}){{4}}",
+        ),
+    ),
+    Case(
         "scheduler_overhead.py",
         "--batch-sizes 8 16 --intervals 16 --median-length 100",
         (

@@ -56,7 +56,7 @@ def _values(own: OwnKV, layer: int = 0) -> list[float]:
 def test_appends_past_the_capacity_keep_every_position() -> None:
     own = empty(_token(0), limit=1000)
     for t in range(1, 40):  # past the first buffer (16) and a doubling (32)
-        own.append(_token(t), limit=1000)
+        own.append(_token(t))
     assert own.count == 40 and own.capacity >= 40
     assert _values(own) == [float(t) for t in range(40)]
     assert _values(own, layer=1) == [float(t + 1) for t in range(40)]
@@ -65,21 +65,64 @@ def test_appends_past_the_capacity_keep_every_position() -> None:
 def test_a_buffer_never_grows_past_the_limit() -> None:
     own = empty(_token(0), limit=20)
     for t in range(1, 17):
-        own.append(_token(t), limit=20)
+        own.append(_token(t))
     assert own.count == 17 and own.capacity == 20  # doubling 16 would give 32
 
 
 def test_a_fork_reads_its_parents_positions_and_writes_its_own() -> None:
     parent = empty(_token(0), limit=100)
     for t in range(1, 5):
-        parent.append(_token(t), limit=100)
+        parent.append(_token(t))
     child = parent.fork()
     assert child.pairs is parent.pairs  # borrowed: nothing copied at the fork
-    parent.append(_token(100), limit=100)  # past what the child reads
-    child.append(_token(200), limit=100)  # copies before writing
+    parent.append(_token(100))  # past what the child reads
+    child.append(_token(200))  # copies before writing
     assert child.pairs is not parent.pairs
     assert _values(parent) == [0.0, 1.0, 2.0, 3.0, 4.0, 100.0]
     assert _values(child) == [0.0, 1.0, 2.0, 3.0, 4.0, 200.0]
+
+
+def _step_batch(rows: int, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A step batch whose position ``c`` of row ``r`` holds ``100 r + c`` (layer 0)."""
+    grid = (100 * torch.arange(rows)[:, None] + torch.arange(columns)[None, :]).float()
+    keys = grid[:, None, :, None].expand(rows, HEADS, columns, DIM)
+    return [(keys + layer, -(keys + layer)) for layer in range(LAYERS)]
+
+
+def test_positions_held_in_a_step_batch_are_copied_only_when_read() -> None:
+    step = _step_batch(rows=3, columns=40)
+    own = empty(_token(0), limit=100)
+    before = [k.clone() for k, _ in own.pairs]
+    for column in range(5, 30):  # 25 decode steps in row 1: nothing written meanwhile
+        own.hold(step, row=1, column=column)
+    assert own.count == 26 and own.stored == 1
+    assert all(torch.equal(k, b) for (k, _), b in zip(own.pairs, before))
+    assert _values(own) == [0.0, *[100.0 + c for c in range(5, 30)]]  # read: copied
+    assert _values(own, layer=1) == [1.0, *[101.0 + c for c in range(5, 30)]]
+    assert own.stored == 26
+
+
+def test_a_position_in_another_batch_or_row_copies_those_held_before() -> None:
+    first, second = _step_batch(rows=2, columns=10), _step_batch(rows=2, columns=10)
+    own = OwnKV.in_batch(first, row=0, column=3, limit=50)
+    own.hold(first, row=0, column=4)
+    own.hold(second, row=1, column=7)  # a rebuilt batch: the held two are copied first
+    assert own.stored == 2 and own.count == 3
+    own.hold(second, row=1, column=9)  # not next to column 7: 7 is copied first
+    assert _values(own) == [3.0, 4.0, 107.0, 109.0]
+
+
+def test_a_fork_of_a_branch_with_held_positions_reads_them_all() -> None:
+    step = _step_batch(rows=1, columns=10)
+    parent = empty(_token(0), limit=100)
+    for column in (1, 2, 3):
+        parent.hold(step, row=0, column=column)
+    child = parent.fork()  # copies what the parent holds, then borrows its buffers
+    assert child.pairs is parent.pairs and child.count == 4
+    parent.hold(step, row=0, column=4)
+    child.append(_token(200))
+    assert _values(parent) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert _values(child) == [0.0, 1.0, 2.0, 3.0, 200.0]
 
 
 def test_own_kv_of_a_forwards_cache_keeps_its_last_positions() -> None:
@@ -283,3 +326,33 @@ def _same_branches(fast: dict[BranchId, tuple], reference: dict[BranchId, tuple]
         assert fast[bid][0] == reference[bid][0], bid
         assert fast[bid][1] == pytest.approx(reference[bid][1], abs=1e-4), bid
         assert "".join(fast[bid][2]) == "".join(reference[bid][2]), bid
+
+
+def test_a_decode_steps_tensor_operations_do_not_grow_with_the_branches() -> None:
+    # On a GPU every operation is a kernel launch: work done per branch made a step
+    # launch-bound (issue 46). Steady-state steps of the long testbed's policy, one
+    # batch: the same operations at 32 branches as at 8, and no more than 1,200.
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.testbed import LONG, make_questions
+
+    engine = HFEngine.from_pretrained(str(LONG.policy_path))
+    engine.split_cost = None  # one batch whatever the lengths (as on an accelerator)
+    settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
+
+    def ops(branches: int) -> float:
+        questions = make_questions(1, branches // 8, LONG.difficulties, cycle=LONG.cycle)
+        ids = [f"{branches}-{i}" for i in range(len(questions))]
+        for rid, q in zip(ids, questions):
+            engine.prefill(rid, q.prompt, settings)
+            engine.start_branches(rid, [BranchSpec(i, seed=i) for i in range(8)])
+        engine.step(3)  # past the first steps, which build the batch
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step(4)
+        for rid in ids:
+            engine.release_prefix(rid)
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 4
+
+    few, many = ops(8), ops(32)
+    assert many <= 1200, many
+    assert (many - few) / 24 <= 3, (few, many)

@@ -14,7 +14,9 @@ left-padded into one batch with an attention mask, and explicit position
 ids keep RoPE positions right. The batch is kept between steps while the same
 branches go on, and each step's new keys and values are written into it in
 place, so KV is copied only when the live branches change (one copy of the
-live KV then; ``sart.engines.hf_kv``). Padding costs attention over the
+live KV then; ``sart.engines.hf_kv``), and a branch's own buffers take its new
+positions only then too: a steady step does no tensor work per branch (the next
+step's logits are the last step's rows as they are). Padding costs attention over the
 longest branch, so on a CPU branches of very different lengths are split into
 batches by length when that saves more than a forward costs (``split_cost``).
 This engine is the readable reference that CI runs on tiny models, not a fast
@@ -97,7 +99,7 @@ _START = Detok()
 
 
 class _Branch:
-    __slots__ = ("detok", "kv", "logits", "prefix", "seed", "text", "tokens")
+    __slots__ = ("_logits", "_row", "detok", "kv", "prefix", "seed", "text", "tokens")
 
     def __init__(
         self,
@@ -111,11 +113,25 @@ class _Branch:
     ) -> None:
         self.prefix = prefix
         self.kv = kv  # the branch's own generated-token KV; None before any
-        self.logits = logits  # next-token logits
+        self._logits = logits  # its next-token logits (``logits``), or a step's
+        self._row: int | None = None  # ... row of them
         self.tokens = tokens
         self.text = text  # reported so far
         self.seed = seed  # its draws: sart.engines.hf_sampling.uniforms(seed, draw)
         self.detok = detok  # where decoding its tokens to text stands
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Its next-token logits (a row of a step's, taken only when read)."""
+        return self._logits if self._row is None else self._logits[self._row]
+
+    @logits.setter
+    def logits(self, logits: torch.Tensor) -> None:
+        self._logits, self._row = logits, None
+
+    def logits_in(self, step: torch.Tensor, row: int) -> None:
+        """Its next-token logits are ``step``'s row ``row`` (no tensor op per branch)."""
+        self._logits, self._row = step, row
 
     @property
     def own(self) -> int:
@@ -154,6 +170,8 @@ class HFEngine:
         """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
         longer prompt is refused before any forward, ``max_tokens`` capped to fit."""
         self._batches = StepBatches()  # cleared whenever the live branches change
+        self._next: tuple[tuple[BranchId, ...], torch.Tensor] | None = None
+        """The last step's branches and their next-token logits, when one batch."""
         self.in_place = True
         """Decode into a kept batch with room for the new token (``sart.engines.hf_kv``);
         False takes transformers' own ``DynamicCache`` each step, as a model whose cache
@@ -276,8 +294,14 @@ class HFEngine:
         rows = [
             hf_sampling.Row(b.prefix.sampling, b.seed, b.tokens, b.prefix.data.ids) for _, b in live
         ]
-        # One pass over the step's logits, and one read back (hf_sampling).
-        logits = torch.stack([b.logits for _, b in live])
+        # One pass over the step's logits, and one read back (hf_sampling). While the
+        # same branches go on in one batch, last step's logits are this step's rows.
+        ids = tuple(bid for bid, _ in live)
+        if self._next is not None and self._next[0] == ids:
+            logits = self._next[1]
+        else:
+            logits = torch.stack([b.logits for _, b in live])
+        self._next = None
         chosen = hf_sampling.sample(logits, rows, self.eos_ids)
         asking, values = hf_sampling.logprobs(logits, rows, chosen)
         tokens, logprobs = hf_sampling.read_back(chosen, asking, values, rows)
@@ -349,10 +373,16 @@ class HFEngine:
     def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
         keys = tuple(bid for bid, _, _ in going)
         lengths = [b.length for _, b, _ in going]
-        for kept, rows in self._batches.split(keys, lengths, self.split_cost):
-            self._forward_rows(kept, [going[row] for row in rows])
+        groups = self._batches.split(keys, lengths, self.split_cost)
+        for kept, rows in groups:
+            last = self._forward_rows(kept, [going[row] for row in rows])
+        if len(groups) == 1:  # the rows in ``going``'s order: next step's logits as they are
+            self._next = (keys, last)
 
-    def _forward_rows(self, kept: StepBatch, going: list[tuple[BranchId, _Branch, int]]) -> None:
+    def _forward_rows(
+        self, kept: StepBatch, going: list[tuple[BranchId, _Branch, int]]
+    ) -> torch.Tensor:
+        """Forward one batch of rows; the next-token logits, a row per branch."""
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
         full = kept.get(
@@ -380,17 +410,25 @@ class HFEngine:
             )
         # The step's keys and values: written into the batch's free position, or (with
         # transformers' own cache) the last of the cache the forward returns.
-        done = full if cache is not None else hf_compat.pairs_of(hf_compat.out_cache(out))
-        new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
-        last = out.logits[:, -1].float()  # one op; each branch keeps a view of its row
+        if cache is None:
+            done = hf_compat.pairs_of(hf_compat.out_cache(out))
+            new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
+        last = out.logits[:, -1].float()  # one op; each branch reads its row from it
         for row, (_, branch, _) in enumerate(going):
-            mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
-            limit = branch.prefix.sampling.max_tokens
-            if branch.kv is None:
-                branch.kv = empty(mine, limit)
+            if cache is not None:  # the new position stays in the batch until read
+                if branch.kv is None:
+                    limit = branch.prefix.sampling.max_tokens
+                    branch.kv = OwnKV.in_batch(kept.pairs, row, width, limit)
+                else:
+                    branch.kv.hold(kept.pairs, row, width)
             else:
-                branch.kv.append(mine, limit)
-            branch.logits = last[row]
+                mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
+                if branch.kv is None:
+                    branch.kv = empty(mine, branch.prefix.sampling.max_tokens)
+                else:
+                    branch.kv.append(mine)
+            branch.logits_in(last, row)
+        return last
 
     def _recompute(self, branch: _Branch) -> None:
         """A resumed branch's KV over its tokens, in one forward from the prompt's KV
