@@ -240,6 +240,7 @@ def test_release_and_final_drop_caches(qwen_parts: tuple[Any, Any]) -> None:
     assert prm.cached_branches == [BranchId("b", 0)]
     prm.score([item(response(3), "b", 0, final=True)])
     assert prm.cached_branches == []
+    assert prm._pool.in_use == 0  # every pool slot back
     prm.release("nobody")  # releasing an unknown request is fine
 
 
@@ -247,6 +248,7 @@ def test_cache_count_is_bounded(qwen_parts: tuple[Any, Any]) -> None:
     prm = qwen(qwen_parts, max_cached_branches=2)
     prm.score([item(response(2), "r", i) for i in range(4)])
     assert prm.cached_branches == [BranchId("r", 2), BranchId("r", 3)]
+    assert prm._pool.in_use == 2  # the evicted branches' slots are free again
 
 
 def test_token_id_prompts_are_refused_naming_the_request(qwen_parts: tuple[Any, Any]) -> None:
@@ -529,6 +531,7 @@ def test_a_failed_batched_forward_keeps_no_half_updated_cache(qwen_parts: tuple[
         del model.forward
     # The first chunk's branches kept their new caches, the others lost theirs.
     assert len(prm.cached_branches) == 3
+    assert prm._pool.in_use == 3  # the failed rows' slots are free again
     third = [item(t[:330], "r", j) for j, t in enumerate(texts)]
     for a, b in zip(prm.step_rewards(third), reference.step_rewards(third)):
         assert close(a, b, 1e-4)
@@ -647,3 +650,35 @@ def test_custom_modelling_code_runs_only_when_trusted(tmp_path: Path) -> None:
         QwenMathPRM.from_pretrained(theirs, **testbed.prm_kwargs())
     trusted = QwenMathPRM.from_pretrained(theirs, trust_remote_code=True, **testbed.prm_kwargs())
     assert trusted.model is not None
+
+
+def test_a_checks_tensor_operations_do_not_grow_with_its_rows(
+    testbed_parts: tuple[Any, Any],
+) -> None:
+    # On a GPU each operation is a kernel launch: merging and splitting each row's
+    # cache, and reading each row's rewards, made a 32-row check issue ~500
+    # operations per row (issue 46). Over the pool, a check of 32 cached rows in one
+    # forward issues at most 3 more operations per row than one of 8.
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.testbed import prm_kwargs
+
+    def ops(rows: int) -> float:
+        prm = QwenMathPRM(*testbed_parts, **prm_kwargs(), batch_size=64)
+        prompt, texts = noisy_traces(rows, 120)
+
+        def check(words: int) -> list[ScoreItem]:
+            return [
+                ScoreItem(BranchId("r", j), prompt, " ".join(t[:words]), words, final=False)
+                for j, t in enumerate(texts)
+            ]
+
+        prm.score(check(40))  # every row fresh: no past yet
+        prm.score(check(80))  # warm: every row from the pool
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            prm.score(check(120))
+        assert prm.forward_calls == 3  # one forward a check
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    few, many = ops(8), ops(32)
+    assert (many - few) / 24 <= 3, (few, many)

@@ -28,10 +28,10 @@ Incremental scoring (``incremental=True``, the default). SART re-scores every
 running branch each ``T`` generated tokens; re-encoding the whole response
 each time costs about ``L / (2T)`` PRM tokens per generated token for a
 branch of ``L`` tokens. Instead each branch (keyed by ``ScoreItem.branch``)
-keeps the model's KV cache of its last input and the rewards read from it. A
-new input reuses the longest common prefix of token ids with the cached one:
-only the rest is fed, continuing from the cache's positions up to there
-(the cache is cropped, or cut while batching, see below). Since
+keeps the model's keys and values of its last input (in the PRM's KV pool, or
+a cache of its own: see Batching) and the rewards read from it. A new input
+reuses the longest common prefix of token ids with the cached one: only the
+rest is fed, continuing from the cached positions up to there. Since
 the model is causal, the logits at a position depend only on the tokens up
 to it, so the rewards of the steps inside the common prefix are the ones
 read before, and the result equals full re-encoding (up to float rounding).
@@ -44,9 +44,10 @@ it happens at nearly every check once a branch is past the context. A
 branch's cache is dropped when its request is released (``release``), when
 an item with ``final=True`` has been scored, when a call fails before its
 row was scored (rows scored before the failure keep their new caches), and,
-beyond ``max_cached_branches`` branches, least recently used first. Memory: a
-cache holds up to ``max_length`` tokens of keys and values per branch (about
-56 KiB per token for the 7B Qwen PRM in bfloat16, so 224 MiB at 4096 tokens).
+beyond ``max_cached_branches`` branches, least recently used first (its pool
+slot is then free for another). Memory: up to ``max_length`` tokens of keys and
+values per cached branch (about 56 KiB per token for the 7B Qwen PRM in
+bfloat16, so 224 MiB at 4096 tokens).
 ``tokens_processed`` counts the tokens actually fed to the model, so that a
 benchmark can report PRM tokens per generated token
 (``benchmarks/prm_cost.py``).
@@ -55,34 +56,33 @@ Batching. Without ``incremental``, items are scored in groups of
 ``batch_size`` (sorted by length, right-padded, with an attention mask).
 With ``incremental``, the new tokens of a call's items run in as few
 forwards as ``batch_size`` allows, each row continuing from its own branch's
-cache. Rows with a cache and fresh ones are batched apart, each group sorted
+past. Rows with a past and fresh ones are batched apart, each group sorted
 by new-token count (a right pad costs a whole forward per token, a left pad
-only attention) and cut into chunks of ``batch_size`` rows. For a chunk, each
-row's cached keys and values up to its common prefix are left-padded with
-zeros to the longest and stacked into one cache (``sart.prm.hf_cache``);
-the new tokens are
-right-padded; the attention mask hides both pads, and ``position_ids`` give
+only attention) and cut into chunks of ``batch_size`` rows. The branches' keys
+and values live in the PRM's KV pool (``sart.prm.hf_pool``: one tensor per
+layer, a slot per branch): a chunk's past is read from it in one indexed read
+per tensor, each row's positions right-aligned after left pads that the
+attention mask hides; the new tokens are right-padded; ``position_ids`` give
 every row its real positions (rotary embeddings must not count the pads;
-with a model whose ``forward`` takes no ``position_ids``, only rows with
-caches of equal length share a forward). Afterwards the merged cache is cut
-back into one cache per branch holding its own positions only, copied (a
-view would keep the whole batch alive while one branch is cached). The
-merged cache may hold more slots than ``max_length`` (longest past plus
-longest new part), never a position beyond it. A model that keeps
-per-position state on its caches declares it, and that state is padded,
-stacked and cut like keys and values: its class's ``cache_state_key`` names
-the cache attribute holding a dict of tensors shaped ``[batch, positions,
-...]`` aligned with the cache's positions (the testbed PRM's running
-features, ``sart.testbed.modeling_testbed_prm``); the model may read a row's
-state at its last cached position, which is the row's own, never at a pad.
-Chunks of one row, and caches that cannot be merged (anything but a
-``DynamicCache`` of plain layers: sliding windows, quantised, static), run
-one by one, the cache cropped in place; ``batch_size=1`` is that path
-throughout. Memory: merging and splitting copy a chunk's caches once each,
-so a check needs up to about twice the chunk's cached keys and values for a
-moment. ``benchmarks/prm_batching.py`` times checks of 1 to 32 branches on
-the testbed PRM. These remain reference implementations, not a PRM server
-(no paged memory, no batching across calls).
+with a model whose ``forward`` takes no ``position_ids``, only rows with pasts
+of equal length share a forward); and each row's new positions go back into
+its slot in one indexed write per tensor, the rewards out in one read. So a
+check's tensor work does not grow with its rows (a GPU launches a kernel per
+operation: merging and splitting each row's own cache cost ~500 operations a
+row). A model that keeps per-position state on its caches declares it, and
+the pool keeps that state beside keys and values: its class's
+``cache_state_key`` names the cache attribute holding a dict of tensors shaped
+``[batch, positions, ...]`` aligned with the cache's positions (the testbed
+PRM's running features, ``sart.testbed.modeling_testbed_prm``); the model may
+read a row's state at its last cached position, which is the row's own, never
+at a pad. ``batch_size=1`` scores one row per forward on a cache of the
+branch's own, cropped in place (the reference path), and so do caches that
+cannot be read into the pool (anything but a ``DynamicCache`` of plain
+layers: sliding windows, quantised, static). Memory: the pool holds as many
+slots as branches are cached at once, each as long as the longest of them (it
+grows by doubling). ``benchmarks/prm_batching.py`` times checks of 1 to 32
+branches on the testbed PRM. These remain reference implementations, not a
+PRM server (no paged memory, no batching across calls).
 
 Devices. ``device="cuda:1"`` moves the model there, inputs follow; without a
 device the model stays where it is (e.g. placed by ``device_map``).
@@ -129,7 +129,8 @@ __all__ = [
 """Defined here: the two PRM classes (their base is ``.hf_base``); the rest is
 re-exported from its home (``sart.prm.window``, ``.formats``, ``.aggregate``,
 ``.hf_cache``); rows over
-branch caches are in ``.hf_rows``, loading helpers in ``.hf_loading``."""
+branch caches are in ``.hf_rows``, the KV pool in ``.hf_pool``, loading helpers in
+``.hf_loading``."""
 
 
 def _from_format(name: str, doc: str) -> Any:

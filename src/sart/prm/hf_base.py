@@ -37,7 +37,8 @@ with needs_extra("sart.prm.hf", "hf"):
         model_device,
         output_logits,
     )
-    from sart.prm.hf_rows import BranchCache, IncrementalRows, chunks
+    from sart.prm.hf_pool import KVPool
+    from sart.prm.hf_rows import BranchCache, IncrementalRows, chunks, split_runs
 
 PRMT = TypeVar("PRMT", bound="TransformersPRM")
 
@@ -83,6 +84,7 @@ class TransformersPRM(IncrementalRows):
         pad = tokenizer.pad_token_id
         self._pad_id = pad if pad is not None else (tokenizer.eos_token_id or 0)
         self._caches: OrderedDict[BranchId, BranchCache] = OrderedDict()
+        self._pool = KVPool()  # the cached branches' keys and values (batch_size > 1)
         self.tokens_processed = 0
         """Tokens fed to the model so far (padding excluded)."""
         self.forward_calls = 0
@@ -112,13 +114,13 @@ class TransformersPRM(IncrementalRows):
         self._check_finite(items, results)
         for item in items:
             if item.final:
-                self._caches.pop(item.branch, None)
+                self._forget(item.branch)
         return results
 
     def release(self, request_id: str) -> None:
         """Drop the caches of the request's branches."""
         for branch in [b for b in self._caches if b.request_id == request_id]:
-            del self._caches[branch]
+            self._forget(branch)
 
     @property
     def cached_branches(self) -> list[BranchId]:
@@ -195,11 +197,11 @@ class TransformersPRM(IncrementalRows):
             (i for i, e in enumerate(encoded) if e.segments), key=lambda i: len(encoded[i])
         )
         for chunk in chunks(order, self.batch_size):
-            _, logits = self._forward(
+            _, two_way, counts = self._forward(
                 [encoded[i].ids() for i in chunk], [encoded[i].positions() for i in chunk]
             )
-            for i, rows in zip(chunk, logits):
-                results[i] = good_probability(rows)
+            for i, rewards in zip(chunk, split_runs(good_probability(two_way), counts)):
+                results[i] = rewards
         return results
 
     def _score_incremental(
@@ -218,6 +220,8 @@ class TransformersPRM(IncrementalRows):
             for row in live:
                 if row.done is not None:
                     self._remember(row.branch, row.done)
+                else:
+                    self._drop(row)
         return [[] if row is None else [row.rewards[p] for p in row.positions] for row in rows]
 
     def _forward(
@@ -226,9 +230,11 @@ class TransformersPRM(IncrementalRows):
         positions: list[list[int]],
         cache: Any = None,
         past: Sequence[int] | None = None,
-    ) -> tuple[Any, list[Any]]:
-        """Run the model on right-padded ``rows``; the (bad, good) logits at each
-        row's ``positions`` (indices into the row).
+    ) -> tuple[Any, Any, list[int]]:
+        """Run the model on right-padded ``rows``; its output, the ``[n, 2]`` (bad,
+        good) logits at every row's ``positions`` (indices into the row), row after
+        row, and how many each row has. Inputs are built in Python and uploaded once
+        each, the logits taken in one read: the work does not grow with the rows.
 
         With ``cache``, row ``r`` continues from ``past[r]`` cached tokens
         (default: all the cache holds). The cache then holds ``max(past)``
@@ -239,20 +245,21 @@ class TransformersPRM(IncrementalRows):
         width = max(map(len, rows))
         held = cache.get_seq_length() if cache is not None else 0
         past = list(past) if past is not None else [held] * len(rows)
-        input_ids = torch.full((len(rows), width), self._pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), held + width), dtype=torch.long)
-        for r, row in enumerate(rows):
-            input_ids[r, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[r, held - past[r] : held + len(row)] = 1
+        device = self.device
+        ids = [row + [self._pad_id] * (width - len(row)) for row in rows]
         kwargs: dict[str, Any] = {
-            "input_ids": input_ids.to(self.device),
+            "input_ids": torch.tensor(ids, dtype=torch.long, device=device),
             "use_cache": cache is not None,
         }
         if any(p < held for p in past) or any(len(row) < width for row in rows):
-            kwargs["attention_mask"] = mask.to(self.device)
+            mask = [
+                [0] * (held - p) + [1] * (p + len(row)) + [0] * (width - len(row))
+                for row, p in zip(rows, past)
+            ]
+            kwargs["attention_mask"] = torch.tensor(mask, dtype=torch.long, device=device)
         if any(p < held for p in past):
-            first = torch.tensor(past, dtype=torch.long).unsqueeze(1)
-            kwargs["position_ids"] = (first + torch.arange(width)).to(self.device)
+            real = [list(range(p, p + width)) for p in past]
+            kwargs["position_ids"] = torch.tensor(real, dtype=torch.long, device=device)
         if cache is not None:
             kwargs[self._cache_api.argument] = cache
         index = [list(p) for p in positions]
@@ -260,13 +267,18 @@ class TransformersPRM(IncrementalRows):
             keep = sorted(set(itertools.chain(*positions)))
             where = {p: k for k, p in enumerate(keep)}
             index = [[where[p] for p in row] for row in positions]
-            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=self.device)
+            kwargs["logits_to_keep"] = torch.tensor(keep, dtype=torch.long, device=device)
         with torch.inference_mode():
             output = self.model(**kwargs)
+            logits = output_logits(output)
+            which = (
+                torch.tensor([r for r, row in enumerate(index) for _ in row], device=logits.device),
+                torch.tensor(list(itertools.chain(*index)), dtype=torch.long, device=logits.device),
+            )
+            two_way = self._two_way(logits[which])
         self.tokens_processed += sum(map(len, rows))
         self.forward_calls += 1
-        logits = output_logits(output)
-        return output, [self._two_way(logits[r, row]) for r, row in enumerate(index)]
+        return output, two_way, [len(row) for row in index]
 
     def _check_finite(self, items: Sequence[ScoreItem], results: Sequence[Sequence[float]]) -> None:
         try:
@@ -274,7 +286,7 @@ class TransformersPRM(IncrementalRows):
         except PRMError:
             for item, r in zip(items, results):  # a cache that produced NaN is not worth keeping
                 if not all(map(math.isfinite, r)):
-                    self._caches.pop(item.branch, None)
+                    self._forget(item.branch)
             raise
 
 

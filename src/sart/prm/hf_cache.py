@@ -1,17 +1,13 @@
-"""transformers KV caches as the transformers PRMs use them: pass, crop, merge, split.
+"""transformers KV caches as the transformers PRMs use them: pass, crop, read, fill.
 
 Needs torch and transformers; used by ``sart.prm.hf``, which re-exports
 ``CacheAPI``. ``CacheAPI`` hides what differs between transformers 4.x and
-5.x (the argument's name, how a cache is cropped, where its tensors live);
-``stack_left_padded`` and ``cut_rows`` merge the caches of several rows into
-one batch (each row's positions right-aligned after zero left pads) and cut
-the batch back into one cache per row.
+5.x (the argument's name, how a cache is cropped, where its tensors live, how
+a new one is filled with tensors as they are).
 
-Only a ``DynamicCache`` of plain layers can be merged and split
-(``CacheAPI.tensors`` is ``None`` for sliding windows, quantised, static or
-offloaded caches). A model's per-position cache state (``cache_state_key``,
-see ``sart.prm.hf``) is stacked and cut with the same two functions, along
-its positions' dimension.
+Only a ``DynamicCache`` of plain layers can be read into the PRM's KV pool and
+filled from it (``sart.prm.hf_pool``; ``CacheAPI.tensors`` is ``None`` for
+sliding windows, quantised, static or offloaded caches).
 """
 
 from __future__ import annotations
@@ -24,7 +20,7 @@ import transformers
 
 from sart.hf_compat import cache_argument, from_legacy, new_cache
 
-__all__ = ["CacheAPI", "cut_rows", "stack_left_padded"]
+__all__ = ["CacheAPI"]
 
 
 @attrs.frozen
@@ -112,30 +108,3 @@ def _install(layer: Any, keys: Any, values: Any) -> None:
     except TypeError:  # transformers 4.5x: lazy_initialization(key_states)
         layer.lazy_initialization(keys)
     layer.keys, layer.values = keys, values
-
-
-def stack_left_padded(parts: Sequence[Any], lengths: Sequence[int], dim: int) -> Any:
-    """Row ``r`` of the result is the first ``lengths[r]`` entries along ``dim`` of
-    ``parts[r]`` (a batch of one), right-aligned in ``max(lengths)``, zeros on the
-    left. Zeros, not garbage: a masked key gets weight 0, and 0 * NaN is NaN
-    (only the pads are zeroed: zeroing the whole tensor first costs a pass)."""
-    width = max(lengths)
-    shape = list(parts[0].shape)
-    shape[0], shape[dim] = len(parts), width
-    out = parts[0].new_empty(shape)
-    for r, (part, n) in enumerate(zip(parts, lengths)):
-        row = out[r]
-        row.narrow(dim - 1, 0, width - n).zero_()
-        row.narrow(dim - 1, width - n, n).copy_(part[0].narrow(dim - 1, 0, n))
-    return out
-
-
-def cut_rows(merged: Any, held: int, spans: Sequence[tuple[int, int]], dim: int) -> list[Any]:
-    """Row ``r`` of ``merged`` as a batch of one, its ``spans[r] = (past, new)``
-    positions only: from ``held - past`` (after the left pads) to ``held + new``
-    (before the right pads). Copied (``clone`` of a slice is compact): a view
-    would keep the whole batch alive."""
-    return [
-        merged[r : r + 1].narrow(dim, held - past, past + new).clone()
-        for r, (past, new) in enumerate(spans)
-    ]
