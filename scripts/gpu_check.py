@@ -2,6 +2,10 @@
 
     python scripts/gpu_check.py --model /models/Qwen2.5-7B-Instruct \
         [--prm /models/Qwen2.5-Math-PRM-7B] [--tensor-parallel-size 1] [--batch-size 64]
+    python scripts/gpu_check.py --engine hf [--json checks.json]   # transformers only
+
+``--engine hf`` checks the transformers engine and PRM instead, with nothing but
+torch and transformers and no download (``scripts/gpu_check_hf.py`` says what).
 
 Needs vLLM (``pip install 'sart[vllm]'``) and the model on local disk. Runs,
 in one process and one vLLM engine (plus one for ``--prm``):
@@ -215,6 +219,12 @@ def prm_check(path: str, engine_args: dict[str, Any]) -> str:
 
 
 def main() -> int:
+    which = argparse.ArgumentParser(add_help=False)
+    which.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    if which.parse_known_args()[0].engine == "hf":  # transformers only: no vLLM needed
+        from gpu_check_hf import main as check_hf
+
+        return check_hf(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="policy model directory ('demo': tiny)")
     parser.add_argument(
@@ -229,6 +239,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats")
     parser.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     parser.add_argument("--allow-cpu", action="store_true", help="run on vLLM-CPU")
+    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
     args = parser.parse_args()
     if args.allow_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

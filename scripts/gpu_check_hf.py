@@ -1,0 +1,409 @@
+"""``scripts/gpu_check.py --engine hf``: the transformers engine and PRM on one GPU.
+
+Needs only torch and transformers (the machine's own), downloads nothing: the
+testbed's shipped checkpoints, and random-weight models of real shapes built on the
+device. One line per check, as ``gpu_check.py``; ``--json FILE`` writes them with
+their numbers; exit 1 if any failed. Checks:
+
+- ``environment``: torch and transformers versions, the GPU;
+- ``conformance``: ``check_engine`` on ``HFEngine`` over the testbed policy, on the device;
+- ``greedy parity``: the testbed policy's greedy tokens on the device equal the CPU's;
+- ``step cost``: the long testbed's policy decoding 8, 32 and 64 branches: ms per
+  steady step and kernel launches per step (on a CPU: aten operations);
+- ``prm cost``: the long testbed's PRM checking as many branches in one forward,
+  from their caches: kernel launches (aten operations) per check;
+- ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
+  SART, at ``--rate``: P50 and P97 per method;
+- ``7b decode``: a 7B-shape policy (Qwen2.5-7B's: 28 layers, hidden 3,584, GQA 28/4,
+  vocabulary 152,064; random bfloat16 weights) through ``HFEngine`` at batch 1 to 64:
+  ms per step and tokens/s, beside the bound of reading its weights once a step;
+- ``7b prm``: a 7B-shape token-classification PRM through ``QwenMathPRM``, 32
+  branches scored twice (fresh, then 64 tokens more each): PRM tokens/s.
+
+``--quick`` (with ``--allow-cpu``, as CI runs it) shrinks every shape and count (and
+benches the short testbed) so the whole runs in a minute on a CPU: the code paths,
+not the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+QWEN_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=1024,
+)
+BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+"""HBM bytes/s by the GPU's name (datasheet), for the weights-read bound."""
+
+
+class Report:
+    """One line per check, and the JSON of all of them."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, Any]] = []
+
+    @property
+    def failed(self) -> list[str]:
+        return [row["check"] for row in self.rows if not row["ok"]]
+
+    def check(self, name: str, run: Callable[[], tuple[str, dict[str, Any]]]) -> bool:
+        started = time.perf_counter()
+        try:
+            detail, data = run()
+        except Exception as exc:  # a check's failure is reported, the others still run
+            detail, data, ok = f"{type(exc).__name__}: {exc}", {}, False
+        else:
+            ok = True
+        seconds = time.perf_counter() - started
+        print(f"{'PASS' if ok else 'FAIL'}  {name:<14} {detail} [{seconds:.1f} s]", flush=True)
+        self.rows.append(
+            {"check": name, "ok": ok, "detail": detail, "seconds": seconds, "data": data}
+        )
+        return ok
+
+
+def synchronize(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def environment(device: Any) -> tuple[str, dict[str, Any]]:
+    import torch
+    import transformers
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    data = {"torch": torch.__version__, "transformers": transformers.__version__, "device": name}
+    return f"torch {torch.__version__}, transformers {transformers.__version__}, {name}", data
+
+
+def conformance(device: Any) -> tuple[str, dict[str, Any]]:
+    from sart.engines.conformance import check_engine
+    from sart.engines.hf import HFEngine
+    from sart.testbed import SHORT
+
+    check_engine(
+        lambda: HFEngine.from_pretrained(str(SHORT.policy_path), device=str(device)),
+        prompts=("p1 3 p2 5 ", "p1 7 p2 1 p3 4 "),
+        max_tokens=16,
+    )
+    return "check_engine passed (lifecycle, seeds, abort, until_first_end, forks)", {}
+
+
+def greedy_parity(device: Any) -> tuple[str, dict[str, Any]]:
+    from sart.engines.hf import HFEngine
+    from sart.messages import BranchSpec
+    from sart.testbed import LONG, make_questions
+    from sart.types import SamplingSettings
+
+    question = make_questions(0, 1, LONG.difficulties, cycle=LONG.cycle)[0]
+    settings = SamplingSettings(temperature=0.0, max_tokens=128)
+
+    def tokens(where: str) -> list[int]:
+        engine = HFEngine.from_pretrained(str(LONG.policy_path), device=where)
+        engine.prefill("g", question.prompt, settings)
+        engine.start_branches("g", [BranchSpec(0, 0)])
+        out: list[int] = []
+        while engine.stats().live_branches:
+            for delta in engine.step(16).deltas.values():
+                out.extend(delta.token_ids)
+        return out
+
+    cpu, dev = tokens("cpu"), tokens(str(device))
+    if cpu != dev:
+        first = next(i for i, (a, b) in enumerate(zip(cpu, dev)) if a != b)
+        raise AssertionError(f"greedy tokens differ from token {first} on ({len(cpu)} on cpu)")
+    return f"{len(cpu)} greedy tokens identical on {device} and cpu", {"tokens": len(cpu)}
+
+
+def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str, Any]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.engines.hf import HFEngine
+    from sart.messages import BranchSpec
+    from sart.testbed import LONG, make_questions
+    from sart.types import SamplingSettings
+
+    engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
+    settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    out: dict[str, Any] = {}
+    for branches in counts:
+        questions = make_questions(2, max(1, branches // 8), LONG.difficulties, cycle=LONG.cycle)
+        ids = [f"s{branches}-{i}" for i in range(len(questions))]
+        for rid, q in zip(ids, questions):
+            engine.prefill(rid, q.prompt, settings)
+            engine.start_branches(rid, [BranchSpec(j, seed=j) for j in range(branches // len(ids))])
+        engine.step(8)  # past the batch's first build
+        synchronize(device)
+        started = time.perf_counter()
+        engine.step(steps)
+        synchronize(device)
+        ms = 1000 * (time.perf_counter() - started) / steps
+        with profile(activities=activities) as prof:
+            engine.step(4)
+            synchronize(device)
+        events = prof.key_averages()
+        if device.type == "cuda":
+            launches = sum(e.count for e in events if "LaunchKernel" in e.key) / 4
+        else:
+            launches = sum(e.count for e in events if e.key.startswith("aten::")) / 4
+        for rid in ids:
+            engine.release_prefix(rid)
+        out[str(branches)] = {"ms_per_step": ms, "launches_per_step": launches}
+    unit = "kernel launches" if device.type == "cuda" else "aten ops"
+    detail = "; ".join(
+        f"{b} branches {v['ms_per_step']:.2f} ms, {v['launches_per_step']:.0f} {unit}"
+        for b, v in out.items()
+    )
+    return detail + " a step", out
+
+
+def prm_cost(device: Any, counts: list[int]) -> tuple[str, dict[str, Any]]:
+    """The long testbed's PRM checking 8, 32 (and 64) branches in one forward each:
+    kernel launches (on a CPU: aten operations) per check, from the caches."""
+    import random
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.prm.base import ScoreItem
+    from sart.prm.hf import QwenMathPRM
+    from sart.testbed import LONG, make_question, noisy_trace
+    from sart.types import BranchId
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    prm = QwenMathPRM.from_pretrained(
+        str(LONG.prm_path), device=str(device), **LONG.prm_kwargs(), batch_size=max(counts)
+    )
+    rng = random.Random(0)
+    question = make_question(rng, 8)
+    out: dict[str, Any] = {}
+    for rows in counts:
+        texts = [noisy_trace(question, rng).split(" ") * 4 for _ in range(rows)]
+
+        def check(words: int, rows: int = rows, texts: list = texts) -> list[ScoreItem]:
+            return [
+                ScoreItem(
+                    BranchId(f"c{rows}", j), question.prompt, " ".join(t[:words]), words, False
+                )
+                for j, t in enumerate(texts)
+            ]
+
+        prm.score(check(40))  # fresh rows
+        prm.score(check(80))  # from the caches
+        synchronize(device)
+        started = time.perf_counter()
+        with profile(activities=activities) as prof:
+            prm.score(check(120))
+            synchronize(device)
+        ms = 1000 * (time.perf_counter() - started)
+        events = prof.key_averages()
+        if device.type == "cuda":
+            launches = sum(e.count for e in events if "LaunchKernel" in e.key)
+        else:
+            launches = sum(e.count for e in events if e.key.startswith("aten::"))
+        prm.release(f"c{rows}")
+        out[str(rows)] = {"launches_per_check": launches, "ms_profiled": ms}
+    unit = "kernel launches" if device.type == "cuda" else "aten ops"
+    detail = "; ".join(f"{r} rows {v['launches_per_check']:,} {unit}" for r, v in out.items())
+    return detail + " a check", out
+
+
+def bench(device: Any, model: str, requests: int, rate: float) -> tuple[str, dict[str, Any]]:
+    import contextlib
+    import io
+
+    from sart.cli import main
+
+    out = io.StringIO()
+    argv = [
+        "bench", "--engine", "hf", "--device", str(device), "--prm-device", str(device),
+        "--model", model, "--requests", str(requests), "--n", "8",
+        "--rate", str(rate), "--batch-size", "32", "--methods", "vanilla", "sc", "sart",
+        "--json", "--no-plots", "--out", tempfile.mkdtemp(prefix="gpu-check-bench-"),
+    ]  # fmt: skip
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    if code:
+        raise RuntimeError(f"sart bench exited {code}")
+    data = {
+        run["method"]: {
+            "accuracy": run["summary"]["accuracy"],
+            "p50": run["summary"]["e2e"]["p50"],
+            "p97": run["summary"]["e2e"]["p97"],
+        }
+        for run in json.loads(out.getvalue())["runs"]
+    }
+    detail = "; ".join(
+        f"{m} {v['accuracy']:.0%} P50 {v['p50']:.2f} s P97 {v['p97']:.2f} s"
+        for m, v in data.items()
+    )
+    return f"{model}, {requests} requests at {rate:g}/s, N = 8: {detail}", data
+
+
+def shaped_model(shape: dict[str, int], device: Any, classify: bool = False) -> Any:
+    """A random-weight Qwen2-shape model built on ``device`` (bfloat16 there)."""
+    import torch
+    import transformers
+
+    config = transformers.Qwen2Config(**shape, max_position_embeddings=4096, num_labels=2)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    loader = (
+        transformers.AutoModelForTokenClassification
+        if classify
+        else transformers.AutoModelForCausalLM
+    )
+    with torch.device(device):
+        model = loader.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def weight_bytes(model: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_7b(
+    device: Any, shape: dict[str, int], batches: list[int], steps: int
+) -> tuple[str, dict[str, Any]]:
+    import torch
+
+    from sart.demo_models import build_tokenizer
+    from sart.engines.hf import HFEngine
+    from sart.messages import BranchSpec
+    from sart.types import SamplingSettings
+
+    model = shaped_model(shape, device)
+    engine = HFEngine(model, build_tokenizer())
+    engine.split_cost = None
+    settings = SamplingSettings(temperature=1.0, max_tokens=steps + 32, ignore_eos=True)
+    prompt = list(range(5, 5 + 128))  # token ids: the tokenizer is not the shape's
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    bandwidth = next((b for key, b in BANDWIDTH.items() if key in name), None)
+    bound = None if bandwidth is None else 1000 * weight_bytes(model) / bandwidth
+    out: dict[str, Any] = {"weights_gb": weight_bytes(model) / 1e9, "bound_ms": bound}
+    for batch in batches:
+        rid = f"d{batch}"
+        engine.prefill(rid, prompt, settings)
+        engine.start_branches(rid, [BranchSpec(j, seed=j) for j in range(batch)])
+        engine.step(8)
+        synchronize(device)
+        started = time.perf_counter()
+        engine.step(steps)
+        synchronize(device)
+        ms = 1000 * (time.perf_counter() - started) / steps
+        engine.release_prefix(rid)
+        out[str(batch)] = {"ms_per_step": ms, "tokens_per_s": 1000 * batch / ms}
+    detail = "; ".join(
+        f"batch {b} {v['ms_per_step']:.1f} ms ({v['tokens_per_s']:,.0f} tok/s)"
+        for b, v in out.items()
+        if isinstance(v, dict)
+    )
+    if bound is not None:
+        detail += f"; weights-read bound {bound:.1f} ms a step"
+    return detail, out
+
+
+def prm_7b(device: Any, shape: dict[str, int], branches: int) -> tuple[str, dict[str, Any]]:
+    from sart.demo_models import STEP_SEPARATOR, build_tokenizer
+    from sart.prm.base import ScoreItem
+    from sart.prm.hf import QwenMathPRM
+    from sart.types import BranchId
+
+    model = shaped_model(shape, device, classify=True)
+    prm = QwenMathPRM(
+        model, build_tokenizer(), system_prompt=None, step_separator=STEP_SEPARATOR,
+        batch_size=branches, max_length=4096,
+    )  # fmt: skip
+    steps = [f"step {i}: {i} + {i + 1} = {2 * i + 1}." for i in range(400)]
+
+    def items(count: int) -> list[ScoreItem]:
+        return [
+            ScoreItem(BranchId("p", j), "add", "\n\n".join(steps[j % 7 : j % 7 + count]), 0, False)
+            for j in range(branches)
+        ]
+
+    rates = []
+    for count in (24, 32):  # fresh, then each branch ~64 tokens longer from its cache
+        before = prm.tokens_processed
+        synchronize(device)
+        started = time.perf_counter()
+        rewards = prm.score(items(count))
+        synchronize(device)
+        rates.append((prm.tokens_processed - before) / (time.perf_counter() - started))
+        if not all(0.0 <= r <= 1.0 for r in rewards):
+            raise AssertionError(f"rewards outside [0, 1]: {rewards[:4]}")
+    data = {"fresh_tokens_per_s": rates[0], "cached_tokens_per_s": rates[1]}
+    return (
+        f"{branches} branches: {rates[0]:,.0f} PRM tokens/s fresh, {rates[1]:,.0f} from caches",
+        data,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine", choices=["hf"], default="hf")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU (no GPU)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes and counts (CI)")
+    parser.add_argument("--rate", type=float, default=2.0, help="bench: requests per second")
+    parser.add_argument("--requests", type=int, default=40, help="bench: requests")
+    parser.add_argument("--json", type=Path, default=None, help="write the checks here")
+    args = parser.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print("FAIL  environment    torch sees no GPU (--allow-cpu runs on the CPU)")
+        return 1
+    device = torch.device(args.device if torch.cuda.is_available() else "cpu")
+    quick = args.quick
+    report = Report()
+    report.check("environment", lambda: environment(device))
+    report.check("conformance", lambda: conformance(device))
+    report.check("greedy parity", lambda: greedy_parity(device))
+    counts, steps = ([8, 32], 8) if quick else ([8, 32, 64], 64)
+    report.check("step cost", lambda: step_cost(device, counts, steps))
+    report.check("prm cost", lambda: prm_cost(device, counts))
+    requests = 8 if quick else args.requests
+    bed = "testbed" if quick else "testbed-long"
+    report.check("bench", lambda: bench(device, bed, requests, 8.0 if quick else args.rate))
+    shape = TINY if quick else QWEN_7B
+    batches = [1, 8] if quick else [1, 8, 32, 64]
+    report.check("7b decode", lambda: decode_7b(device, shape, batches, 8 if quick else 32))
+    report.check("7b prm", lambda: prm_7b(device, shape, 4 if quick else 32))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report.rows, indent=1))
+    failed = report.failed
+    print(
+        "gpu_check: all checks passed" if not failed else f"gpu_check: FAILED {', '.join(failed)}",
+        flush=True,
+    )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
