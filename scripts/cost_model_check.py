@@ -7,11 +7,15 @@
 Builds a random-weight model of the preset's shape with transformers (Qwen2.5-14B
 for ``h200-14b`` and ``h100-14b``: 48 layers, hidden 5120, 40 heads, 8 KV heads
 of dim 128, intermediate 13824, vocabulary 152064; no download), and times
-batched decode steps on a static KV cache at every batch size ``B`` and
-context length: one token per sequence per step, at position ``context``
-(the cache's earlier positions are zeros, not a real prompt: a decode step
-costs the same whatever they hold). It prints, per (B, context), the median
-measured step time, the preset's predicted time
+decode steps at every batch size ``B`` and context length: through sart's
+transformers engine (the default, ``--through engine``: ``B`` branches of one
+request whose prompt is ``context`` token ids, one token per branch per step
+in the engine's own batch, sampling included: what ``sart bench --engine hf``
+runs, so measured and predicted compare like with like), or (``--through
+static``) the bare model on a static KV cache, one token per sequence per
+step at position ``context`` (the cache's earlier positions are zeros, not a
+real prompt: a decode step costs the same whatever they hold). It prints, per
+(B, context), the median measured step time, the preset's predicted time
 (``CostModel.decode_time([context] * B, [1] * B)``), their ratio, and the
 bandwidth efficiency the measurement implies (bytes a step must read —
 weights plus B x context KV — over the measured time and the accelerator's
@@ -20,8 +24,8 @@ in the GPU's memory next to the weights are skipped and said so. ``--out``
 writes the rows as JSON.
 
 Which way transformers biases the check: it is slower than vLLM per step
-(a Python loop per layer, no paged attention, and a static cache whose whole
-buffer the attention reads), so a measured time at or below the prediction
+(a Python loop per layer, no paged attention or CUDA graphs; a static cache's
+attention reads its whole buffer), so a measured time at or below the prediction
 means vLLM would beat the preset (the model is conservative there), and a
 measured time above it does not by itself show the preset too fast.
 
@@ -94,6 +98,38 @@ def time_steps(
     return times
 
 
+def time_engine_steps(
+    model: Any, batch: int, context: int, steps: int, warmup: int, device: str
+) -> list[float]:
+    """Seconds of each of ``steps`` decode steps (after ``warmup``) of sart's
+    transformers engine: ``batch`` branches of one request whose prompt is
+    ``context`` tokens, in the engine's own batch (the step's keys and values
+    written in place: ``sart.engines.hf_kv``), sampling included."""
+    from sart.demo_models import build_tokenizer
+    from sart.engines.hf import HFEngine
+    from sart.messages import BranchSpec
+    from sart.types import SamplingSettings
+
+    engine = HFEngine(model, build_tokenizer())  # ids beyond its vocabulary decode to ""
+    engine.split_cost = None  # one batch: every row is as long
+    engine.context_len = None  # the check picks contexts past the shape's positions
+    vocab = model.config.vocab_size
+    prompt = [5 + i % (vocab - 5) for i in range(context)]
+    settings = SamplingSettings(temperature=1.0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    engine.prefill("check", prompt, settings)
+    engine.start_branches("check", [BranchSpec(j, seed=j) for j in range(batch)])
+    times = []
+    for i in range(warmup + steps):
+        _sync(device)
+        start = time.perf_counter()
+        engine.step(1)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    engine.release_prefix("check")
+    return times
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -116,6 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument(
+        "--through",
+        choices=["engine", "static"],
+        default="engine",
+        help="time sart's transformers engine (default), or the bare model on a static cache",
+    )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
 
@@ -126,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     preset = cost_model(args.preset)
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     shape = TINY_SHAPE if args.tiny else QWEN_14B_SHAPE
-    print(f"torch {torch.__version__}, device {args.device}, preset {preset.name}", flush=True)
+    print(
+        f"torch {torch.__version__}, device {args.device}, preset {preset.name}, "
+        f"through {'sart' if args.through == 'engine' else 'a static cache'}",
+        flush=True,
+    )
     if args.device.startswith("cuda"):
         print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
     built = time.perf_counter()
@@ -145,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
             if not fits(preset, batch, context, free):
                 print(f"{batch:>4} {context:>8}  skipped: its KV does not fit next to the weights")
                 continue
-            times = time_steps(model, batch, context, args.steps, args.warmup, args.device)
+            timer = time_engine_steps if args.through == "engine" else time_steps
+            times = timer(model, batch, context, args.steps, args.warmup, args.device)
             measured = statistics.median(times)
             predicted = preset.decode_time([context] * batch, [1] * batch)
             step_bytes = preset.weight_bytes + batch * context * preset.kv_bytes_per_token

@@ -19,11 +19,13 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cost_model_check.py"
 
 
-def test_it_times_every_combination_and_writes_the_rows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("through", ["engine", "static"])
+def test_it_times_every_combination_and_writes_the_rows(tmp_path: Path, through: str) -> None:
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--batch", "1", "3",
-         "--context", "8", "32", "--steps", "2", "--warmup", "1", "--out", str(out)],
+         "--context", "8", "32", "--steps", "2", "--warmup", "1", "--out", str(out),
+         "--through", through],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
