@@ -241,7 +241,7 @@ class HFEngine:
             new.append((spec, branch))
         resumed = [branch for spec, branch in new if spec.resume]
         self._ledger.start(request_id, new)
-        self._batches.clear()
+        self._changed()
         for branch in resumed:
             self._recompute(branch)
 
@@ -257,12 +257,12 @@ class HFEngine:
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self._ledger.abort(branch_ids)  # dropping the branches drops their tensors
-        self._batches.clear()  # and the step batch's copy of them
+        self._changed()  # and the step batch's copy of them
 
     def pause(self, branch_ids: Sequence[BranchId]) -> None:
         """Drop these branches' KV, keeping their tokens, text and sampler state: resumed,
         a branch goes on exactly as it would have (its KV is recomputed in one forward)."""
-        self._batches.clear()
+        self._changed()
         self._ledger.pause(
             list(branch_ids),
             keep=lambda b: _Branch(b.prefix, None, b.logits, b.tokens, b.text, b.seed, b.detok),
@@ -270,7 +270,7 @@ class HFEngine:
 
     def release_prefix(self, request_id: str) -> None:
         self._ledger.release(request_id)  # with any branch of it still live
-        self._batches.clear()
+        self._changed()
 
     def stats(self) -> EngineStats:
         return EngineStats(
@@ -285,6 +285,12 @@ class HFEngine:
     def usage(self, request_id: str) -> tuple[int, int]:
         """``(live branches, KV tokens)`` held by one request (0, 0 if it holds nothing)."""
         return self._ledger.usage(request_id, _own)
+
+    def _changed(self) -> None:
+        """The live branches changed: the step batch and last step's logits are stale
+        (a branch can change under the same id: a request id reused, a resume)."""
+        self._batches.clear()
+        self._next = None
 
     # ------------------------------------------------------------ decoding
 
