@@ -554,6 +554,26 @@ def test_caches_that_cannot_be_merged_are_scored_one_by_one(
     assert prm.forward_calls == reference.forward_calls - len(checks[0]) + 1
 
 
+def test_a_cache_unreadable_in_mid_call_scores_the_rest_from_scratch(
+    qwen_parts: tuple[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sart.prm.hf import CacheAPI
+
+    texts = qwen_texts(4)
+    first, second = (
+        [item("".join(t[: 60 * k]), "r", j) for j, t in enumerate(texts)] for k in (1, 2)
+    )
+    reference = qwen(qwen_parts, incremental=False)
+    prm = qwen(qwen_parts, batch_size=2)
+    prm.step_rewards(first)  # every branch in the pool
+    monkeypatch.setattr(CacheAPI, "tensors", staticmethod(lambda cache: None))
+    # The first chunk's forward returns a cache the pool cannot read: the pool stops,
+    # and the second chunk's rows, whose past was in it, are scored from scratch.
+    for a, b in zip(prm.step_rewards(second), reference.step_rewards(second)):
+        assert close(a, b, 1e-4)
+    assert prm._pool.in_use == 0
+
+
 class _NoPositionIds(torch.nn.Module):
     """A model whose ``forward`` takes no ``position_ids``."""
 

@@ -173,6 +173,8 @@ class IncrementalRows:
     def _run_chunk(self, chunk: Sequence[Row]) -> None:
         if not self._pooled:
             for row in chunk:
+                if row.slot is not None:  # the pool stopped during this call: start over
+                    row.start, row.slot = (0 if row.cache is None else row.start), None
                 self._run_one(row)
         elif self._merge_pasts or len({row.start for row in chunk}) == 1:
             self._run_pooled(chunk)
@@ -267,5 +269,5 @@ class IncrementalRows:
             self._drop(entry)
 
     def _drop(self, entry: BranchCache | Row) -> None:
-        if entry.slot is not None:
+        if entry.slot is not None and self._pooled:  # (a stopped pool holds nothing)
             self._pool.release(entry.slot)
