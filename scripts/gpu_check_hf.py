@@ -89,6 +89,22 @@ def synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def profiled(device: Any, run: Callable[[], object]) -> int:
+    """Kernel launches (on a CPU: aten operations) while ``run`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        run()
+        synchronize(device)
+    events = prof.key_averages()
+    if device.type == "cuda":
+        return sum(e.count for e in events if "LaunchKernel" in e.key)
+    return sum(e.count for e in events if e.key.startswith("aten::"))
+
+
 def environment(device: Any) -> tuple[str, dict[str, Any]]:
     import torch
     import transformers
@@ -138,8 +154,6 @@ def greedy_parity(device: Any) -> tuple[str, dict[str, Any]]:
 
 
 def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str, Any]]:
-    from torch.profiler import ProfilerActivity, profile
-
     from sart.engines.hf import HFEngine
     from sart.messages import BranchSpec
     from sart.testbed import LONG, make_questions
@@ -147,9 +161,6 @@ def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str
 
     engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
     settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     out: dict[str, Any] = {}
     for branches in counts:
         questions = make_questions(2, max(1, branches // 8), LONG.difficulties, cycle=LONG.cycle)
@@ -163,14 +174,7 @@ def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str
         engine.step(steps)
         synchronize(device)
         ms = 1000 * (time.perf_counter() - started) / steps
-        with profile(activities=activities) as prof:
-            engine.step(4)
-            synchronize(device)
-        events = prof.key_averages()
-        if device.type == "cuda":
-            launches = sum(e.count for e in events if "LaunchKernel" in e.key) / 4
-        else:
-            launches = sum(e.count for e in events if e.key.startswith("aten::")) / 4
+        launches = profiled(device, lambda: engine.step(4)) / 4
         for rid in ids:
             engine.release_prefix(rid)
         out[str(branches)] = {"ms_per_step": ms, "launches_per_step": launches}
@@ -187,16 +191,11 @@ def prm_cost(device: Any, counts: list[int]) -> tuple[str, dict[str, Any]]:
     kernel launches (on a CPU: aten operations) per check, from the caches."""
     import random
 
-    from torch.profiler import ProfilerActivity, profile
-
     from sart.prm.base import ScoreItem
     from sart.prm.hf import QwenMathPRM
     from sart.testbed import LONG, make_question, noisy_trace
     from sart.types import BranchId
 
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
     prm = QwenMathPRM.from_pretrained(
         str(LONG.prm_path), device=str(device), **LONG.prm_kwargs(), batch_size=max(counts)
     )
@@ -218,19 +217,17 @@ def prm_cost(device: Any, counts: list[int]) -> tuple[str, dict[str, Any]]:
         prm.score(check(80))  # from the caches
         synchronize(device)
         started = time.perf_counter()
-        with profile(activities=activities) as prof:
-            prm.score(check(120))
-            synchronize(device)
+        prm.score(check(120))
+        synchronize(device)
         ms = 1000 * (time.perf_counter() - started)
-        events = prof.key_averages()
-        if device.type == "cuda":
-            launches = sum(e.count for e in events if "LaunchKernel" in e.key)
-        else:
-            launches = sum(e.count for e in events if e.key.startswith("aten::"))
+        launches = profiled(device, lambda: prm.score(check(160)))
         prm.release(f"c{rows}")
-        out[str(rows)] = {"launches_per_check": launches, "ms_profiled": ms}
+        out[str(rows)] = {"launches_per_check": launches, "ms_per_check": ms}
     unit = "kernel launches" if device.type == "cuda" else "aten ops"
-    detail = "; ".join(f"{r} rows {v['launches_per_check']:,} {unit}" for r, v in out.items())
+    detail = "; ".join(
+        f"{r} rows {v['ms_per_check']:.1f} ms, {v['launches_per_check']:,} {unit}"
+        for r, v in out.items()
+    )
     return detail + " a check", out
 
 

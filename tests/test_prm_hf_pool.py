@@ -65,3 +65,13 @@ def test_growing_keeps_every_slot_and_released_slots_are_reused() -> None:
     assert pool.allocate() == slots[1]
     pool.clear()
     assert pool.capacity == (0, 0) and pool.allocate() == 0
+
+
+def test_longer_branches_grow_positions_not_slots() -> None:
+    pool = KVPool()
+    slots = [pool.allocate() for _ in range(4)]
+    pool.store(*merged([[1.0]] * 4), slots, [0] * 4, [1] * 4)
+    for length in (10, 30, 90):  # the same four branches, longer each check
+        rows = [[float(i) for i in range(length)]] * 4
+        pool.store(*merged(rows), slots, [0] * 4, [length] * 4)
+        assert pool.capacity[0] == 4 and pool.capacity[1] >= length

@@ -125,7 +125,12 @@ class KVPool:
         have_slots, have_positions = self.capacity
         if self._layers and slots <= have_slots and positions <= have_positions:
             return
-        size = (max(slots, 2 * have_slots), max(positions, 2 * have_positions))
+        # Each dimension doubles only when it must grow (a longer branch is no reason
+        # for more slots).
+        size = (
+            have_slots if slots <= have_slots else max(slots, 2 * have_slots),
+            have_positions if positions <= have_positions else max(positions, 2 * have_positions),
+        )
 
         def grown(
             old: torch.Tensor | None, like: torch.Tensor, tail: tuple[int, ...]
