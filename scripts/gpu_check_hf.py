@@ -9,7 +9,8 @@ their numbers; exit 1 if any failed. Checks:
 - ``conformance``: ``check_engine`` on ``HFEngine`` over the testbed policy, on the device;
 - ``greedy parity``: the testbed policy's greedy tokens on the device equal the CPU's;
 - ``step cost``: the long testbed's policy decoding 8, 32 and 64 branches: ms per
-  steady step and kernel launches per step (on a CPU: aten operations);
+  steady step and kernel launches per step (on a CPU: aten operations), and those
+  of a step that rebuilds the batch (a branch ended);
 - ``prm cost``: the long testbed's PRM checking as many branches in one forward,
   from their caches: kernel launches (aten operations) per check;
 - ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
@@ -157,7 +158,7 @@ def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str
     from sart.engines.hf import HFEngine
     from sart.messages import BranchSpec
     from sart.testbed import LONG, make_questions
-    from sart.types import SamplingSettings
+    from sart.types import BranchId, SamplingSettings
 
     engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
     settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
@@ -175,12 +176,20 @@ def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str
         synchronize(device)
         ms = 1000 * (time.perf_counter() - started) / steps
         launches = profiled(device, lambda: engine.step(4)) / 4
+        # A branch ends: the next step rebuilds the batch of the others.
+        engine.abort([BranchId(ids[0], 0)])
+        rebuild = profiled(device, lambda: engine.step(1))
         for rid in ids:
             engine.release_prefix(rid)
-        out[str(branches)] = {"ms_per_step": ms, "launches_per_step": launches}
+        out[str(branches)] = {
+            "ms_per_step": ms,
+            "launches_per_step": launches,
+            "launches_per_rebuild_step": rebuild,
+        }
     unit = "kernel launches" if device.type == "cuda" else "aten ops"
     detail = "; ".join(
-        f"{b} branches {v['ms_per_step']:.2f} ms, {v['launches_per_step']:.0f} {unit}"
+        f"{b} branches {v['ms_per_step']:.2f} ms, {v['launches_per_step']:.0f} {unit} "
+        f"({v['launches_per_rebuild_step']:.0f} rebuilding)"
         for b, v in out.items()
     )
     return detail + " a step", out

@@ -11,6 +11,7 @@ too).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,11 +23,10 @@ pytest.importorskip("transformers")
 
 from sart.engines.hf import HFEngine  # noqa: E402
 from sart.engines.hf_kv import (  # noqa: E402
-    OwnKV,
+    Span,
     StepBatch,
     StepBatches,
     batch,
-    empty,
     groups,
     split_cost,
 )
@@ -36,137 +36,81 @@ from sart.types import BranchId, SamplingSettings  # noqa: E402
 HEADS, DIM, LAYERS = 2, 3, 2
 
 
-def _token(value: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One position's KV for every layer: keys ``value + layer``, values ``-(value + layer)``."""
-    return [
-        (
-            torch.full((1, HEADS, 1, DIM), value + layer),
-            torch.full((1, HEADS, 1, DIM), -(value + layer)),
-        )
-        for layer in range(LAYERS)
-    ]
-
-
-def _values(own: OwnKV, layer: int = 0) -> list[float]:
-    keys, values = own.layer(layer)
-    assert torch.equal(values, -keys)
-    return keys[0, 0, :, 0].tolist()
-
-
-def test_appends_past_the_capacity_keep_every_position() -> None:
-    own = empty(_token(0), limit=1000)
-    for t in range(1, 40):  # past the first buffer (16) and a doubling (32)
-        own.append(_token(t))
-    assert own.count == 40 and own.capacity >= 40
-    assert _values(own) == [float(t) for t in range(40)]
-    assert _values(own, layer=1) == [float(t + 1) for t in range(40)]
-
-
-def test_a_buffer_never_grows_past_the_limit() -> None:
-    own = empty(_token(0), limit=20)
-    for t in range(1, 17):
-        own.append(_token(t))
-    assert own.count == 17 and own.capacity == 20  # doubling 16 would give 32
-
-
-def test_a_fork_reads_its_parents_positions_and_writes_its_own() -> None:
-    parent = empty(_token(0), limit=100)
-    for t in range(1, 5):
-        parent.append(_token(t))
-    child = parent.fork()
-    assert child.pairs is parent.pairs  # borrowed: nothing copied at the fork
-    parent.append(_token(100))  # past what the child reads
-    child.append(_token(200))  # copies before writing
-    assert child.pairs is not parent.pairs
-    assert _values(parent) == [0.0, 1.0, 2.0, 3.0, 4.0, 100.0]
-    assert _values(child) == [0.0, 1.0, 2.0, 3.0, 4.0, 200.0]
-
-
-def _step_batch(rows: int, columns: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A step batch whose position ``c`` of row ``r`` holds ``100 r + c`` (layer 0)."""
-    grid = (100 * torch.arange(rows)[:, None] + torch.arange(columns)[None, :]).float()
-    keys = grid[:, None, :, None].expand(rows, HEADS, columns, DIM)
+def _tensor(rows: list[list[float]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """KV of ``rows`` (each a row's positions) for every layer: keys ``value + layer``,
+    values their negation."""
+    grid = torch.tensor(rows)
+    keys = grid[:, None, :, None].expand(len(rows), HEADS, grid.shape[1], DIM)
     return [(keys + layer, -(keys + layer)) for layer in range(LAYERS)]
 
 
-def test_positions_held_in_a_step_batch_are_copied_only_when_read() -> None:
-    step = _step_batch(rows=3, columns=40)
-    own = empty(_token(0), limit=100)
-    before = [k.clone() for k, _ in own.pairs]
-    for column in range(5, 30):  # 25 decode steps in row 1: nothing written meanwhile
-        own.hold(step, row=1, column=column)
-    assert own.count == 26 and own.stored == 1
-    assert all(torch.equal(k, b) for (k, _), b in zip(own.pairs, before))
-    assert _values(own) == [0.0, *[100.0 + c for c in range(5, 30)]]  # read: copied
-    assert _values(own, layer=1) == [1.0, *[101.0 + c for c in range(5, 30)]]
-    assert own.stored == 26
+def _row(pairs: list, row: int, width: int, layer: int = 0) -> list[float]:
+    keys, values = pairs[layer]
+    assert torch.equal(values[row, :, :width], -keys[row, :, :width])
+    return (keys[row, 0, :width, 0] - layer).tolist()
 
 
-def test_a_position_in_another_batch_or_row_copies_those_held_before() -> None:
-    first, second = _step_batch(rows=2, columns=10), _step_batch(rows=2, columns=10)
-    own = OwnKV.in_batch(first, row=0, column=3, limit=50)
-    own.hold(first, row=0, column=4)
-    own.hold(second, row=1, column=7)  # a rebuilt batch: the held two are copied first
-    assert own.stored == 2 and own.count == 3
-    own.hold(second, row=1, column=9)  # not next to column 7: 7 is copied first
-    assert _values(own) == [3.0, 4.0, 107.0, 109.0]
-
-
-def test_a_fork_of_a_branch_with_held_positions_reads_them_all() -> None:
-    step = _step_batch(rows=1, columns=10)
-    parent = empty(_token(0), limit=100)
-    for column in (1, 2, 3):
-        parent.hold(step, row=0, column=column)
-    child = parent.fork()  # copies what the parent holds, then borrows its buffers
-    assert child.pairs is parent.pairs and child.count == 4
-    parent.hold(step, row=0, column=4)
-    child.append(_token(200))
-    assert _values(parent) == [0.0, 1.0, 2.0, 3.0, 4.0]
-    assert _values(child) == [0.0, 1.0, 2.0, 3.0, 200.0]
-
-
-def test_own_kv_of_a_forwards_cache_keeps_its_last_positions() -> None:
-    pairs = [(torch.arange(7.0).repeat(1, HEADS, 1)[..., None].expand(1, HEADS, 7, DIM),) * 2]
-    pairs = [(k, -k) for k, _ in pairs]  # 7 positions: 3 of the prompt, 4 generated
-    own = OwnKV.of(pairs, 4, limit=50)
-    assert _values(own) == [3.0, 4.0, 5.0, 6.0]
-    assert own.pairs[0][0].data_ptr() != pairs[0][0].data_ptr()  # not a view of the prompt
-
-
-def _prompt(values: list[float]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [
-        (
-            torch.tensor(values).view(1, 1, -1, 1).expand(1, HEADS, -1, DIM).clone(),
-            -torch.tensor(values).view(1, 1, -1, 1).expand(1, HEADS, -1, DIM).clone(),
-        )
-        for _ in range(LAYERS)
+def test_a_batch_right_aligns_each_span_from_every_tensor_they_are_in() -> None:
+    prompt = _tensor([[1.0, 2.0]])  # a new request's prompt: two branches start from it
+    step = _tensor([[5.0, 6.0, 7.0, 8.0, 0.0], [0.0, 3.0, 4.0, 9.0, 0.0]])  # a last batch
+    spans = [
+        Span(step, 1, 1, 4),  # a row of the last batch, one column in
+        Span(prompt, 0, 0, 2),
+        Span(step, 0, 0, 4),
+        Span(prompt, 0, 0, 2),
     ]
+    pairs = batch(spans, width=4, spare=2)
+    assert pairs[0][0].shape == (4, HEADS, 4 + 1 + 2, DIM)
+    # Pads (masked) repeat the row's first position: finite, never garbage.
+    assert [_row(pairs, r, 4) for r in range(4)] == [
+        [3.0, 3.0, 4.0, 9.0],
+        [1.0, 1.0, 1.0, 2.0],
+        [5.0, 6.0, 7.0, 8.0],
+        [1.0, 1.0, 1.0, 2.0],
+    ]
+    assert _row(pairs, 2, 4, layer=1) == [5.0, 6.0, 7.0, 8.0]
 
 
-def test_a_batch_left_pads_with_zeros_then_the_prompt_then_the_branch() -> None:
-    own = empty(_token(7), limit=10)
-    rows = [(_prompt([1.0, 2.0]), own), (_prompt([3.0, 4.0, 5.0, 6.0]), None)]
-    (keys, values), _ = batch(rows, width=4, spare=2)
-    assert keys.shape == (2, HEADS, 4 + 1 + 2, DIM)
-    assert keys[0, 0, :4, 0].tolist() == [0.0, 1.0, 2.0, 7.0]
-    assert keys[1, 0, :4, 0].tolist() == [3.0, 4.0, 5.0, 6.0]
-    assert torch.equal(values[:, :, :4], -keys[:, :, :4])
+def test_a_batchs_work_does_not_grow_with_its_rows() -> None:
+    # One read and one write per layer and tensor for each tensor the spans are in.
+    from torch.profiler import ProfilerActivity, profile
+
+    def ops(rows: int) -> int:
+        step = _tensor([[float(c) for c in range(40)] for _ in range(rows)])
+        spans = [Span(step, r, r % 7, 30 + r % 9) for r in range(rows)]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            batch(spans, width=40, spare=4)
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    assert ops(32) == ops(4)
+
+
+def test_a_span_reads_its_row_and_columns_and_a_copy_is_the_same_positions() -> None:
+    step = _tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    span = Span(step, 1, 1, 3)
+    keys, values = span.layer(0)
+    assert keys.shape == (1, HEADS, 2, DIM) and keys[0, 0, :, 0].tolist() == [5.0, 6.0]
+    assert torch.equal(values, -keys)
+    fork = span.copy()
+    fork.end += 1  # grows apart
+    assert (span.length, fork.length) == (2, 3) and fork.pairs is span.pairs
 
 
 def test_the_step_batch_is_reused_only_for_the_same_rows_one_longer() -> None:
     kept = StepBatch()
-    rows = [(_prompt([1.0, 2.0]), None)]
-    first = kept.get(("a",), rows, width=2)
+    prompt = _tensor([[1.0, 2.0]])
+    first = kept.get(("a",), [Span(prompt, 0, 0, 2)], width=2)
     assert first[0][0].shape[2] == 3  # two positions and the free one
     first[0][0][:, :, -1:] = 9.0  # what the forward writes
-    rows = [(_prompt([1.0, 2.0]), empty(_token(9), limit=10))]
-    again = kept.get(("a",), rows, width=3)
+    grown = [Span(kept.pairs, 0, 0, 3)]
+    again = kept.get(("a",), grown, width=3)
     assert again[0][0].data_ptr() == first[0][0].data_ptr()  # the same storage
     assert again[0][0][0, 0, :3, 0].tolist() == [1.0, 2.0, 9.0]
-    other = kept.get(("b",), rows, width=4)  # other rows: rebuilt
+    other = kept.get(("b",), grown, width=4)  # other rows: rebuilt
     assert other[0][0].data_ptr() != first[0][0].data_ptr()
+    assert other[0][0][0, 0, :4, 0].tolist() == [1.0, 1.0, 2.0, 9.0]
     kept.clear()
-    assert kept.get(("b",), rows, width=5)[0][0].data_ptr() != other[0][0].data_ptr()
+    assert kept.get(("b",), grown, width=5)[0][0].data_ptr() != other[0][0].data_ptr()
 
 
 def _padded(lengths: list[int], split: list[list[int]], cost: int) -> int:
@@ -340,19 +284,26 @@ def test_a_decode_steps_tensor_operations_do_not_grow_with_the_branches() -> Non
     engine.split_cost = None  # one batch whatever the lengths (as on an accelerator)
     settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
 
-    def ops(branches: int) -> float:
+    def counted(run: Callable[[], object]) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    def ops(branches: int) -> tuple[float, int]:
         questions = make_questions(1, branches // 8, LONG.difficulties, cycle=LONG.cycle)
         ids = [f"{branches}-{i}" for i in range(len(questions))]
         for rid, q in zip(ids, questions):
             engine.prefill(rid, q.prompt, settings)
             engine.start_branches(rid, [BranchSpec(i, seed=i) for i in range(8)])
         engine.step(3)  # past the first steps, which build the batch
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            engine.step(4)
+        steady = counted(lambda: engine.step(4)) / 4
+        engine.abort([BranchId(ids[0], 0)])  # the next step rebuilds the batch
+        rebuild = counted(lambda: engine.step(1))
         for rid in ids:
             engine.release_prefix(rid)
-        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::")) / 4
+        return steady, rebuild
 
-    few, many = ops(8), ops(32)
+    (few, few_rebuild), (many, many_rebuild) = ops(8), ops(32)
     assert many <= 1200, many
     assert (many - few) / 24 <= 3, (few, many)
+    assert (many_rebuild - few_rebuild) / 24 <= 3, (few_rebuild, many_rebuild)

@@ -1,22 +1,20 @@
 """``HFEngine``: the transformers reference engine (CPU or CUDA), with real prefix-KV sharing.
 
 What is shared and what is copied: a request's prompt is prefilled once and
-its KV cache (one tensor pair per layer) is held by the request; every
-branch holds only the KV of the tokens it generated itself, in buffers that
-grow by doubling (``sart.engines.hf_kv``), and attends to the prefix tensors,
-which are never copied or written. A fork (``BranchSpec(parent=j)``) borrows
-its parent's generated-token buffers as they are at the fork (the parent only
-writes past what the fork reads) and copies them at its own first token.
-
+its KV cache (one tensor pair per layer) is held by the request, never written.
 Decoding is batched across the live branches of *all* requests, whatever
-their prompt and generated lengths: each step the branches' caches are
-left-padded into one batch with an attention mask, and explicit position
-ids keep RoPE positions right. The batch is kept between steps while the same
-branches go on, and each step's new keys and values are written into it in
-place, so KV is copied only when the live branches change (one copy of the
-live KV then; ``sart.engines.hf_kv``), and a branch's own buffers take its new
-positions only then too: a steady step does no tensor work per branch (the next
-step's logits are the last step's rows as they are). Padding costs attention over the
+their prompt and generated lengths: each step the branches' KV is left-padded
+into one batch with an attention mask, and explicit position ids keep RoPE
+positions right. The batch is kept between steps while the same branches go
+on, and each step's new keys and values are written into it in place; it is
+also where each branch's KV stays (a ``Span`` of it, ``sart.engines.hf_kv``), so
+no branch keeps a copy of its own. When the live branches change, the next
+batch is read from the last one (and from a new request's prompt, a fork's
+parent's row, a resumed branch's recomputed cache) in one indexed read and
+write per layer: neither a steady step nor a rebuild does tensor work per
+branch (the next step's logits are the last step's rows as they are). A fork
+(``BranchSpec(parent=j)``) starts from its parent's positions and gets a row of
+its own at the next step. Padding costs attention over the
 longest branch, so on a CPU branches of very different lengths are split into
 batches by length when that saves more than a forward costs (``split_cost``).
 This engine is the readable reference that CI runs on tiny models, not a fast
@@ -51,7 +49,7 @@ reasoning models expect).
 
 Needs the ``[hf]`` extra: torch and transformers (4.46+ and 5.x).
 
-Pausing (``pause``, for more urgent requests) drops a branch's own KV and keeps
+Pausing (``pause``, for more urgent requests) drops a branch's KV and keeps
 its tokens, text and sampler state; its resume (``BranchSpec(resume=True)``)
 recomputes that KV in one forward from the prompt's, and the branch goes on
 exactly as it would have.
@@ -79,7 +77,7 @@ from sart.engines.base import (
     StepOutput,
 )
 from sart.engines.detok import Detok
-from sart.engines.hf_kv import KV, InPlaceCache, OwnKV, StepBatch, StepBatches, empty
+from sart.engines.hf_kv import KV, InPlaceCache, Span, StepBatch, StepBatches
 from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
@@ -99,12 +97,12 @@ _START = Detok()
 
 
 class _Branch:
-    __slots__ = ("_logits", "_row", "detok", "kv", "prefix", "seed", "text", "tokens")
+    __slots__ = ("_logits", "_row", "detok", "prefix", "seed", "span", "text", "tokens")
 
     def __init__(
         self,
         prefix: Prefix[_PromptKV],
-        kv: OwnKV | None,
+        span: Span | None,
         logits: torch.Tensor,
         tokens: list[int],
         text: str,
@@ -112,7 +110,7 @@ class _Branch:
         detok: Detok = _START,
     ) -> None:
         self.prefix = prefix
-        self.kv = kv  # the branch's own generated-token KV; None before any
+        self.span = span  # where its KV is (sart.engines.hf_kv); None while paused
         self._logits = logits  # its next-token logits (``logits``), or a step's
         self._row: int | None = None  # ... row of them
         self.tokens = tokens
@@ -136,7 +134,7 @@ class _Branch:
     @property
     def own(self) -> int:
         """Tokens in this branch's own KV (generated and already forwarded)."""
-        return self.kv.count if self.kv is not None else 0
+        return self.span.length - self.prefix.tokens if self.span is not None else 0
 
     @property
     def length(self) -> int:
@@ -229,15 +227,17 @@ class HFEngine:
             if spec.resume:  # its tokens, text and sampler state; its KV recomputed below
                 new.append((spec, self._ledger.paused[BranchId(request_id, spec.index)]))
                 continue
-            if spec.parent is None:
-                branch = _Branch(prefix, None, prefix.data.logits, [], "", spec.seed)
-            else:  # borrows the parent's KV buffers, copied at the fork's first write
+            if spec.parent is None:  # its KV: the prompt's
+                span = Span(prefix.data.kv, 0, 0, prefix.tokens)
+                branch = _Branch(prefix, span, prefix.data.logits, [], "", spec.seed)
+            else:  # its KV: the parent's positions, copied into its own row at next step
                 parent = self._ledger.branches[BranchId(request_id, spec.parent)]
-                tokens = list(parent.tokens)
-                kv = parent.kv.fork() if parent.kv is not None else None
+                assert parent.span is not None  # a live branch's KV is somewhere
+                span = parent.span.copy()
                 branch = _Branch(
-                    prefix, kv, parent.logits, tokens, parent.text, spec.seed, parent.detok
-                )
+                    prefix, span, parent.logits, list(parent.tokens), parent.text, spec.seed,
+                    parent.detok,
+                )  # fmt: skip
             new.append((spec, branch))
         resumed = [branch for spec, branch in new if spec.resume]
         self._ledger.start(request_id, new)
@@ -391,11 +391,9 @@ class HFEngine:
         """Forward one batch of rows; the next-token logits, a row per branch."""
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
-        full = kept.get(
-            tuple(bid for bid, _, _ in going),
-            [(b.prefix.data.kv, b.kv) for _, b, _ in going],
-            width,
-        )
+        spans = [b.span for _, b, _ in going]
+        assert all(span is not None for span in spans)  # live branches have their KV
+        full = kept.get(tuple(bid for bid, _, _ in going), spans, width)  # type: ignore[arg-type]
         config = self.model.config
         cache = InPlaceCache.build(full, config) if self.in_place else None
         if cache is None:  # the forward will not write the free column: no reuse
@@ -415,24 +413,12 @@ class HFEngine:
                 position_ids=positions,
             )
         # The step's keys and values: written into the batch's free position, or (with
-        # transformers' own cache) the last of the cache the forward returns.
-        if cache is None:
-            done = hf_compat.pairs_of(hf_compat.out_cache(out))
-            new = [(k[:, :, -1:], v[:, :, -1:]) for k, v in done]
+        # transformers' own cache) the last of the cache the forward returns. Either
+        # tensor now holds every row's KV: a branch's span is its row there.
+        held = kept.pairs if cache is not None else hf_compat.pairs_of(hf_compat.out_cache(out))
         last = out.logits[:, -1].float()  # one op; each branch reads its row from it
         for row, (_, branch, _) in enumerate(going):
-            if cache is not None:  # the new position stays in the batch until read
-                if branch.kv is None:
-                    limit = branch.prefix.sampling.max_tokens
-                    branch.kv = OwnKV.in_batch(kept.pairs, row, width, limit)
-                else:
-                    branch.kv.hold(kept.pairs, row, width)
-            else:
-                mine = [(k[row : row + 1], v[row : row + 1]) for k, v in new]
-                if branch.kv is None:
-                    branch.kv = empty(mine, branch.prefix.sampling.max_tokens)
-                else:
-                    branch.kv.append(mine)
+            branch.span = Span(held, row, width - lengths[row], width + 1)
             branch.logits_in(last, row)
         return last
 
@@ -451,8 +437,7 @@ class HFEngine:
         cache = hf_compat.dynamic_cache(pairs, self.model.config)
         with torch.inference_mode():
             out = self._forward(ids, cache=cache, attention_mask=mask, position_ids=positions)
-        limit = branch.prefix.sampling.max_tokens
-        branch.kv = OwnKV.of(hf_compat.pairs_of(hf_compat.out_cache(out)), count, limit)
+        branch.span = Span(hf_compat.pairs_of(hf_compat.out_cache(out)), 0, 0, prompt + count)
         branch.logits = out.logits[0, -1].float()
 
     # ------------------------------------------------------------- helpers

@@ -1,31 +1,29 @@
-"""The transformers engine's KV storage: a branch's own KV and the batch a decode step reads.
+"""The transformers engine's KV storage: where a branch's KV is, and the batch a step reads.
 
-A branch's own KV (the tokens it generated and forwarded) lives in per-layer
-buffers with room to grow: a token is one write into the next free position,
-and a full buffer doubles (up to the branch's token cap), so a branch of ``L``
-tokens costs ``O(L)`` copies in all, not the ``O(L^2)`` of concatenating a new
-tensor each step (on the long testbed, this and transformers' cache's
-concatenations took 46% of a decode step's time). A fork borrows its parent's
-buffers: the parent only ever writes past the positions the fork reads, and
-the fork copies what it reads before its own first write (copy on write).
-A decode step writes a branch's new position only into the step batch (below);
-the branch's buffers take it when they are read (the batch rebuilt, a fork), all
-the positions held since in one copy per layer. So a decode step does no tensor
-work per branch: on a GPU each operation is a kernel launch (on the long testbed a
-steady step issues the same ~1,080 operations at 8 branches and at 32, where
-copying each branch's position issued 42 more per branch).
+A branch's KV (its prompt's and the tokens it generated) is a ``Span``: a row of
+a tensor per layer and the columns it holds there. A new branch's span is its
+prompt's KV (held by the request, never written); after a decode step it is the
+branch's row of the step batch the model read, whose last column the step filled;
+a fork starts with its parent's span (the parent only ever writes past it); a
+resumed branch's is the cache of the forward that recomputed it. No branch keeps
+a copy of its own: a step batch is the storage.
 
-``batch`` left-pads the prompt's and the branches' own KV into the one batch a
-decode step attends to, writing each part straight into place (one copy), with
-a last column left free for the step's new token; ``InPlaceCache`` hands that
-batch to the model as transformers' ``DynamicCache``, whose update writes the
+``batch`` builds a step's left-padded batch from the rows' spans with one indexed
+read and one indexed write per layer and tensor for each tensor the spans are in
+(the last batch, a new request's prompt, a recomputed branch), whatever the number
+of rows: on a GPU every operation is a kernel launch, and copying each row's KV
+into place (three copies per row and layer) made each rebuild cost thousands. A
+pad column repeats one of its row's positions (masked, and never NaN: 0 * NaN is
+NaN). A last column is left free for the step's new token; ``InPlaceCache`` hands
+that batch to the model as transformers' ``DynamicCache``, whose update writes the
 new token into that column instead of concatenating (which copies the whole
 batch, and on construction copies it once more). ``StepBatch`` keeps a step's
-batch for the next one while the same branches go on: each row then has grown
-by exactly the token written into the free column, so the next batch is this
-one plus a new free column, taken from spare room reserved at the last rebuild
-(no copy at all). Only a change in the live branches (one ends, starts, is
-aborted or paused) rebuilds it.
+batch for the next one while the same branches go on: each row then has grown by
+exactly the token written into the free column, so the next batch is this one
+plus a new free column, taken from spare room reserved at the last rebuild (no
+copy at all, and no tensor work per branch: the long testbed's steady step issues
+the same ~1,080 operations at 8 branches and at 32). Only a change in the live
+branches (one ends, starts, is aborted or paused) rebuilds it.
 
 Padding costs attention over the longest row: a batch of 31 branches of 300
 tokens and one of 2,048 attends to 32 x 2,048 positions. ``groups`` splits the
@@ -49,156 +47,63 @@ from sart.hf_compat import LEGACY
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
-_FIRST = 16
-"""A new buffer's positions, at least."""
 
+class Span:
+    """Where a branch's KV is: per layer ``pairs[layer]`` (keys, values) of shape
+    ``[rows, heads, columns, head_dim]``, its row ``row``, columns ``start`` to
+    ``end`` (its prompt's first position to its last)."""
 
-class OwnKV:
-    """A branch's own KV: per layer a ``(key, value)`` buffer of shape
-    ``[1, heads, capacity, head_dim]`` whose first ``stored`` positions hold it, and
-    the positions after them, up to ``count``, still in the step batch a decode step
-    wrote them into (``hold``): they are copied into the buffers only when the KV is
-    read (``flush``: a batch rebuilt, a fork), all of them in one copy per layer, so
-    a decode step copies nothing per branch."""
+    __slots__ = ("end", "pairs", "row", "start")
 
-    __slots__ = ("_held", "borrowed", "count", "limit", "pairs", "stored")
-
-    def __init__(self, pairs: KV, count: int, limit: int, borrowed: bool = False) -> None:
-        self.pairs = pairs
-        self.count = count
-        self.stored = count
-        self.limit = limit  # the branch's token cap: a grown buffer never holds more
-        self.borrowed = borrowed  # another branch's buffers: copy before writing
-        self._held: tuple[KV, int, int] | None = None  # (batch, row, first column)
-
-    @classmethod
-    def of(cls, pairs: KV, count: int, limit: int) -> OwnKV:
-        """The last ``count`` positions of ``pairs`` (a forward's output cache), copied
-        into buffers of their own (the forward's tensors also hold the prompt)."""
-        own = cls(pairs, count, limit, borrowed=True)
-        keep = [(k[:, :, -count:], v[:, :, -count:]) for k, v in pairs]
-        own._grow(keep, like=keep)
-        return own
-
-    @classmethod
-    def in_batch(cls, batch: KV, row: int, column: int, limit: int) -> OwnKV:
-        """Own KV of one position, held in ``batch`` (a branch's first forwarded token)."""
-        own = cls([], 0, limit)
-        own.hold(batch, row, column)
-        return own
+    def __init__(self, pairs: KV, row: int, start: int, end: int) -> None:
+        self.pairs, self.row, self.start, self.end = pairs, row, start, end
 
     @property
-    def capacity(self) -> int:
-        return self.pairs[0][0].shape[2] if self.pairs else 0
+    def length(self) -> int:
+        return self.end - self.start
 
-    def fork(self) -> OwnKV:
-        """The KV a fork starts from: these buffers, borrowed."""
-        self.flush()
-        return OwnKV(self.pairs, self.count, self.limit, borrowed=True)
+    def copy(self) -> Span:
+        """The same positions (a fork's, which then grows apart from its parent's)."""
+        return Span(self.pairs, self.row, self.start, self.end)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``index``'s keys and values, ``[1, heads, count, head_dim]`` views."""
-        self.flush()
+        """Layer ``index``'s keys and values, ``[1, heads, length, head_dim]`` views."""
         keys, values = self.pairs[index]
-        return keys[:, :, : self.count], values[:, :, : self.count]
-
-    def hold(self, batch: KV, row: int, column: int) -> None:
-        """Add the position a decode step wrote into ``batch`` (a step batch's tensors,
-        per layer ``[rows, heads, columns, head_dim]``) at ``row``, ``column``. Positions
-        held in one batch row, one after the other, are copied together later."""
-        held = self._held
-        if held is not None:
-            first_batch, first_row, first = held
-            if not (
-                first_batch is batch
-                and first_row == row
-                and first + self.count - self.stored == column
-            ):
-                self.flush()
-                held = None
-        if held is None:
-            self._held = (batch, row, column)
-        self.count += 1
-
-    def flush(self) -> None:
-        """Copy the positions held in a step batch into the buffers (one copy per layer
-        and tensor), growing or un-borrowing them first."""
-        if self._held is None:
-            return
-        batch, row, column = self._held
-        self._held = None
-        if self.borrowed or self.count > self.capacity:
-            kept = [(k[:, :, : self.stored], v[:, :, : self.stored]) for k, v in self.pairs]
-            self._grow(kept, like=batch)
-        n = self.count - self.stored
-        for (keys, values), (k, v) in zip(self.pairs, batch):
-            keys[0, :, self.stored : self.count] = k[row, :, column : column + n]
-            values[0, :, self.stored : self.count] = v[row, :, column : column + n]
-        self.stored = self.count
-
-    def append(self, new: KV) -> None:
-        """Add one position (``new``: per layer ``[1, heads, 1, head_dim]``) now."""
-        self.flush()
-        if self.borrowed or self.count == self.capacity:
-            kept = [(k[:, :, : self.count], v[:, :, : self.count]) for k, v in self.pairs]
-            self._grow(kept, like=new)
-        at = self.count
-        for (keys, values), (k, v) in zip(self.pairs, new):
-            keys[:, :, at : at + 1] = k
-            values[:, :, at : at + 1] = v
-        self.count = self.stored = at + 1
-
-    def _grow(self, keep: KV, like: KV) -> None:
-        # Doubling keeps appends amortised O(1); the limit keeps a branch near its
-        # cap from holding twice what it can use. ``like`` (per layer) gives the
-        # shapes: there may be nothing to keep yet.
-        capacity = max(self.count + 1, min(max(_FIRST, 2 * self.count), self.limit))
-        grown: KV = []
-        for layer, (lk, lv) in enumerate(like):
-            keys = lk.new_empty((1, lk.shape[1], capacity, lk.shape[3]))
-            values = lv.new_empty((1, lv.shape[1], capacity, lv.shape[3]))
-            if keep:
-                k, v = keep[layer]
-                keys[:, :, : k.shape[2]] = k
-                values[:, :, : v.shape[2]] = v
-            grown.append((keys, values))
-        self.pairs, self.borrowed = grown, False
+        rows, cols = slice(self.row, self.row + 1), slice(self.start, self.end)
+        return keys[rows, :, cols], values[rows, :, cols]
 
 
-def empty(new: KV, limit: int) -> OwnKV:
-    """Own KV holding only ``new`` (a branch's first forwarded token)."""
-    own = OwnKV([], 0, limit)
-    own.append(new)
-    return own
-
-
-def batch(rows: Sequence[tuple[KV, OwnKV | None]], width: int, spare: int = 0) -> KV:
-    """The left-padded batch of ``rows`` (each a prompt's KV and a branch's own KV) at
-    ``width`` positions, one free one after them and ``spare`` more: per layer
-    ``[rows, heads, width + 1 + spare, head_dim]``, zeros in the padding (masked, but a
-    masked position must not hold a NaN: 0 * NaN is NaN)."""
-    pairs: KV = []
+def batch(spans: Sequence[Span], width: int, spare: int = 0) -> KV:
+    """The left-padded batch of ``spans`` at ``width`` positions, one free one after
+    them and ``spare`` more: per layer ``[rows, heads, width + 1 + spare, head_dim]``,
+    row ``r`` holding ``spans[r]`` right-aligned in its first ``width`` columns (a pad
+    repeats the row's first position). One read and one write per layer and tensor
+    for each tensor the spans are in."""
+    sources: dict[int, tuple[KV, list[int], list[int], list[list[int]]]] = {}
+    for row, span in enumerate(spans):
+        _, dest, src, cols = sources.setdefault(id(span.pairs), (span.pairs, [], [], []))
+        dest.append(row)
+        src.append(span.row)
+        cols.append([span.start] * (width - span.length) + list(range(span.start, span.end)))
     columns = width + 1 + spare
-    for layer in range(len(rows[0][0])):
-        k0, v0 = rows[0][0][layer]
-        keys = k0.new_empty((len(rows), k0.shape[1], columns, k0.shape[3]))
-        values = v0.new_empty((len(rows), v0.shape[1], columns, v0.shape[3]))
-        for row, (prompt, own) in enumerate(rows):
-            pk, pv = prompt[layer]
-            mine = own.count if own is not None else 0
-            pad = width - pk.shape[2] - mine
-            if pad:
-                keys[row, :, :pad] = 0
-                values[row, :, :pad] = 0
-            at = pad + pk.shape[2]
-            keys[row, :, pad:at] = pk[0]
-            values[row, :, pad:at] = pv[0]
-            if own is not None and mine:
-                ok, ov = own.layer(layer)
-                keys[row, :, at:width] = ok[0]
-                values[row, :, at:width] = ov[0]
-        pairs.append((keys, values))
-    return pairs
+    first = spans[0].pairs
+    device = first[0][0].device
+    out: KV = [
+        (
+            k.new_empty((len(spans), k.shape[1], columns, k.shape[3])),
+            v.new_empty((len(spans), v.shape[1], columns, v.shape[3])),
+        )
+        for k, v in first
+    ]
+    for pairs, dest, src, cols in sources.values():
+        at = torch.tensor(dest, device=device)
+        rows = torch.tensor(src, device=device)[:, None]
+        index = torch.tensor(cols, dtype=torch.long, device=device)
+        for (keys, values), (k, v) in zip(out, pairs):
+            # [rows, width, heads, head_dim] read, written as [rows, heads, width, ...].
+            keys[at, :, :width] = k[rows, :, index].transpose(1, 2)
+            values[at, :, :width] = v[rows, :, index].transpose(1, 2)
+    return out
 
 
 class StepBatch:
@@ -225,15 +130,13 @@ class StepBatch:
         position written into column ``c`` of ``get``'s views is at ``c`` here too."""
         return self._pairs
 
-    def get(
-        self, keys: tuple[object, ...], rows: Sequence[tuple[KV, OwnKV | None]], width: int
-    ) -> KV:
-        """The batch of ``rows`` (named ``keys``) at ``width`` positions plus a free one:
-        last step's plus a column when the rows are the same and one longer, else a
-        new one."""
+    def get(self, keys: tuple[object, ...], spans: Sequence[Span], width: int) -> KV:
+        """The batch of ``spans`` (named ``keys``) at ``width`` positions plus a free
+        one: last step's plus a column when the rows are the same and one longer, else
+        a new one."""
         room = self._pairs[0][0].shape[2] if self._pairs else 0
         if not (keys == self._rows and width == self._width + 1 and width < room):
-            self._pairs = batch(rows, width, self.SPARE)
+            self._pairs = batch(spans, width, self.SPARE)
             self._rows = keys
         self._width = width
         return [(k[:, :, : width + 1], v[:, :, : width + 1]) for k, v in self._pairs]
@@ -368,11 +271,10 @@ def split_cost(config: Any, device: torch.device, dtype: torch.dtype) -> int | N
 __all__ = [
     "KV",
     "InPlaceCache",
-    "OwnKV",
+    "Span",
     "StepBatch",
     "StepBatches",
     "batch",
-    "empty",
     "groups",
     "split_cost",
 ]
