@@ -69,13 +69,14 @@ class KVPool:
         """The merged past of rows ``slots``: row ``r``'s first ``past[r]`` positions
         right-aligned in ``max(past)`` columns (every ``past[r] >= 1``)."""
         width = max(past)
-        columns = [[0] * (width - n) + list(range(n)) for n in past]
-        rows = torch.tensor([[s] for s in slots], dtype=torch.long, device=device)
-        cols = torch.tensor(columns, dtype=torch.long, device=device)
+        index = _Index(
+            [[s] for s in slots], [[0] * (width - n) + list(range(n)) for n in past], device
+        )
         layers = [
-            (k[rows, cols].transpose(1, 2), v[rows, cols].transpose(1, 2)) for k, v in self._layers
+            (k[index.on(k)].transpose(1, 2), v[index.on(v)].transpose(1, 2))
+            for k, v in self._layers
         ]
-        state = {name: t[rows, cols] for name, t in self._state.items()}
+        state = {name: t[index.on(t)] for name, t in self._state.items()}
         return layers, state
 
     def store(
@@ -103,19 +104,13 @@ class KVPool:
             return
         self._reserve(layers, state, max(slots) + 1, max(dst_cols) + 1)
         device = layers[0][0].device
-        at = (
-            torch.tensor(dst_slots, dtype=torch.long, device=device),
-            torch.tensor(dst_cols, dtype=torch.long, device=device),
-        )
-        source = (
-            torch.tensor(src_rows, dtype=torch.long, device=device),
-            torch.tensor(src_cols, dtype=torch.long, device=device),
-        )
+        at = _Index(dst_slots, dst_cols, device)
+        source = _Index(src_rows, src_cols, device)
         for (keys, values), (k, v) in zip(self._layers, layers):
-            keys[at] = k.transpose(1, 2)[source]
-            values[at] = v.transpose(1, 2)[source]
+            keys[at.on(keys)] = k.transpose(1, 2)[source.on(k)]
+            values[at.on(values)] = v.transpose(1, 2)[source.on(v)]
         for name, t in self._state.items():
-            t[at] = state[name][source]
+            t[at.on(t)] = state[name][source.on(t)]
 
     def _reserve(
         self, layers: Layers, state: dict[str, torch.Tensor], slots: int, positions: int
@@ -153,6 +148,29 @@ class KVPool:
         self._state = {
             name: grown(self._state.get(name), t, tuple(t.shape[2:])) for name, t in state.items()
         }
+
+
+class _Index:
+    """A (rows, columns) index, uploaded once per device it is used on (a model spread
+    over several devices keeps each layer's tensors where the layer is)."""
+
+    def __init__(self, rows: list, cols: list, device: torch.device) -> None:
+        self._lists = (rows, cols)
+        self._by_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.on_device(device)
+
+    def on_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._by_device:
+            rows, cols = self._lists
+            self._by_device[device] = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(cols, dtype=torch.long, device=device),
+            )
+        return self._by_device[device]
+
+    def on(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index where ``tensor`` is."""
+        return self.on_device(tensor.device)
 
 
 __all__ = ["KVPool", "Layers"]
