@@ -85,15 +85,14 @@ def test_a_batchs_work_does_not_grow_with_its_rows() -> None:
     assert ops(32) == ops(4)
 
 
-def test_a_span_reads_its_row_and_columns_and_a_copy_is_the_same_positions() -> None:
-    step = _tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+def test_a_forks_span_is_its_parents_positions_and_grows_apart() -> None:
+    step = _tensor([[1.0, 2.0, 3.0, 0.0], [4.0, 5.0, 6.0, 7.0]])
     span = Span(step, 1, 1, 3)
-    keys, values = span.layer(0)
-    assert keys.shape == (1, HEADS, 2, DIM) and keys[0, 0, :, 0].tolist() == [5.0, 6.0]
-    assert torch.equal(values, -keys)
     fork = span.copy()
-    fork.end += 1  # grows apart
+    fork.end += 1  # the fork's next position, written after its parent's
     assert (span.length, fork.length) == (2, 3) and fork.pairs is span.pairs
+    pairs = batch([span, fork], width=3)
+    assert [_row(pairs, 0, 3), _row(pairs, 1, 3)] == [[5.0, 5.0, 6.0], [5.0, 6.0, 7.0]]
 
 
 def test_the_step_batch_is_reused_only_for_the_same_rows_one_longer() -> None:

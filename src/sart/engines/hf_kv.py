@@ -66,12 +66,6 @@ class Span:
         """The same positions (a fork's, which then grows apart from its parent's)."""
         return Span(self.pairs, self.row, self.start, self.end)
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``index``'s keys and values, ``[1, heads, length, head_dim]`` views."""
-        keys, values = self.pairs[index]
-        rows, cols = slice(self.row, self.row + 1), slice(self.start, self.end)
-        return keys[rows, :, cols], values[rows, :, cols]
-
 
 def batch(spans: Sequence[Span], width: int, spare: int = 0) -> KV:
     """The left-padded batch of ``spans`` at ``width`` positions, one free one after
