@@ -76,70 +76,11 @@ from sart.engines.base import (
     StepDeltas,
     StepOutput,
 )
-from sart.engines.detok import Detok
-from sart.engines.hf_kv import KV, InPlaceCache, Span, StepBatch, StepBatches
-from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
+from sart.engines.hf_branch import Branch, PromptKV
+from sart.engines.hf_kv import InPlaceCache, Span, StepBatch, StepBatches
+from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
-
-
-@attrs.frozen(eq=False)
-class _PromptKV:
-    """A prefix's data: the prompt's KV (never written), the next-token logits after it,
-    and its ids (``repetition_penalty`` reads them)."""
-
-    kv: KV
-    logits: torch.Tensor
-    ids: tuple[int, ...] = ()
-
-
-_START = Detok()
-
-
-class _Branch:
-    __slots__ = ("_logits", "_row", "detok", "prefix", "seed", "span", "text", "tokens")
-
-    def __init__(
-        self,
-        prefix: Prefix[_PromptKV],
-        span: Span | None,
-        logits: torch.Tensor,
-        tokens: list[int],
-        text: str,
-        seed: int,
-        detok: Detok = _START,
-    ) -> None:
-        self.prefix = prefix
-        self.span = span  # where its KV is (sart.engines.hf_kv); None while paused
-        self._logits = logits  # its next-token logits (``logits``), or a step's
-        self._row: int | None = None  # ... row of them
-        self.tokens = tokens
-        self.text = text  # reported so far
-        self.seed = seed  # its draws: sart.engines.hf_sampling.uniforms(seed, draw)
-        self.detok = detok  # where decoding its tokens to text stands
-
-    @property
-    def logits(self) -> torch.Tensor:
-        """Its next-token logits (a row of a step's, taken only when read)."""
-        return self._logits if self._row is None else self._logits[self._row]
-
-    @logits.setter
-    def logits(self, logits: torch.Tensor) -> None:
-        self._logits, self._row = logits, None
-
-    def logits_in(self, step: torch.Tensor, row: int) -> None:
-        """Its next-token logits are ``step``'s row ``row`` (no tensor op per branch)."""
-        self._logits, self._row = step, row
-
-    @property
-    def own(self) -> int:
-        """Tokens in this branch's own KV (generated and already forwarded)."""
-        return self.span.length - self.prefix.tokens if self.span is not None else 0
-
-    @property
-    def length(self) -> int:
-        """Tokens in this branch's KV (prefix + its own)."""
-        return self.prefix.tokens + self.own
 
 
 class HFEngine:
@@ -162,7 +103,7 @@ class HFEngine:
             eos = tokenizer.eos_token_id
         self.eos_ids: frozenset[int] = frozenset(eos if isinstance(eos, list) else [eos])
         self._cache_arg = hf_compat.cache_argument(model)
-        self._ledger: PrefixLedger[_PromptKV, _Branch] = PrefixLedger()
+        self._ledger: PrefixLedger[PromptKV, Branch] = PrefixLedger()
         limit = getattr(model.config, "max_position_embeddings", None)
         self.context_len: int | None = limit if isinstance(limit, int) else None
         """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
@@ -214,7 +155,7 @@ class HFEngine:
             )
         with torch.inference_mode():
             out = self._forward(torch.tensor([ids], device=self.device))
-        kv = _PromptKV(
+        kv = PromptKV(
             hf_compat.pairs_of(hf_compat.out_cache(out)), out.logits[0, -1].float(), tuple(ids)
         )
         self._ledger.prefill(request_id, len(ids), sampling, kv)
@@ -222,19 +163,19 @@ class HFEngine:
 
     def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
         prefix = self._ledger.check_start(request_id, branches)
-        new: list[tuple[BranchSpec, _Branch]] = []
+        new: list[tuple[BranchSpec, Branch]] = []
         for spec in branches:
             if spec.resume:  # its tokens, text and sampler state; its KV recomputed below
                 new.append((spec, self._ledger.paused[BranchId(request_id, spec.index)]))
                 continue
             if spec.parent is None:  # its KV: the prompt's
                 span = Span(prefix.data.kv, 0, 0, prefix.tokens)
-                branch = _Branch(prefix, span, prefix.data.logits, [], "", spec.seed)
+                branch = Branch(prefix, span, prefix.data.logits, [], "", spec.seed)
             else:  # its KV: the parent's positions, copied into its own row at next step
                 parent = self._ledger.branches[BranchId(request_id, spec.parent)]
                 assert parent.span is not None  # a live branch's KV is somewhere
                 span = parent.span.copy()
-                branch = _Branch(
+                branch = Branch(
                     prefix, span, parent.logits, list(parent.tokens), parent.text, spec.seed,
                     parent.detok,
                 )  # fmt: skip
@@ -265,7 +206,7 @@ class HFEngine:
         self._changed()
         self._ledger.pause(
             list(branch_ids),
-            keep=lambda b: _Branch(b.prefix, None, b.logits, b.tokens, b.text, b.seed, b.detok),
+            keep=lambda b: Branch(b.prefix, None, b.logits, b.tokens, b.text, b.seed, b.detok),
         )
 
     def release_prefix(self, request_id: str) -> None:
@@ -311,7 +252,7 @@ class HFEngine:
         chosen = hf_sampling.sample(logits, rows, self.eos_ids)
         asking, values = hf_sampling.logprobs(logits, rows, chosen)
         tokens, logprobs = hf_sampling.read_back(chosen, asking, values, rows)
-        going: list[tuple[BranchId, _Branch, int]] = []
+        going: list[tuple[BranchId, Branch, int]] = []
         ended = False
         for (bid, branch), token, lp in zip(live, tokens, logprobs):
             branch.tokens.append(token)
@@ -330,7 +271,7 @@ class HFEngine:
             self._forward_batch(going)
         return ended
 
-    def _advance_text(self, branch: _Branch, token: int) -> tuple[FinishReason | None, str]:
+    def _advance_text(self, branch: Branch, token: int) -> tuple[FinishReason | None, str]:
         """Whether ``token`` ends the branch, and the text it adds. ``branch.text`` is
         the text reported so far: while the branch runs, as vLLM's detokenizer does, the
         tail that may be the start of a stop string, and a partial character (``\ufffd``,
@@ -370,13 +311,13 @@ class HFEngine:
         return None, self._report(branch, text[: max(upto, len(branch.text))])
 
     @staticmethod
-    def _report(branch: _Branch, text: str) -> str:
+    def _report(branch: Branch, text: str) -> str:
         """Report ``text`` (which extends what was reported): the new part."""
         delta = text[len(branch.text) :]
         branch.text = text
         return delta
 
-    def _forward_batch(self, going: list[tuple[BranchId, _Branch, int]]) -> None:
+    def _forward_batch(self, going: list[tuple[BranchId, Branch, int]]) -> None:
         keys = tuple(bid for bid, _, _ in going)
         lengths = [b.length for _, b, _ in going]
         groups = self._batches.split(keys, lengths, self.split_cost)
@@ -386,7 +327,7 @@ class HFEngine:
             self._next = (keys, last)
 
     def _forward_rows(
-        self, kept: StepBatch, going: list[tuple[BranchId, _Branch, int]]
+        self, kept: StepBatch, going: list[tuple[BranchId, Branch, int]]
     ) -> torch.Tensor:
         """Forward one batch of rows; the next-token logits, a row per branch."""
         lengths = [b.length for _, b, _ in going]
@@ -422,7 +363,7 @@ class HFEngine:
             branch.logits_in(last, row)
         return last
 
-    def _recompute(self, branch: _Branch) -> None:
+    def _recompute(self, branch: Branch) -> None:
         """A resumed branch's KV over its tokens, in one forward from the prompt's KV
         (copied: the prefix's tensors are never written)."""
         if not branch.tokens:
@@ -453,5 +394,5 @@ class HFEngine:
         return out
 
 
-def _own(branch: _Branch) -> int:
+def _own(branch: Branch) -> int:
     return branch.own
