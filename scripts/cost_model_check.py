@@ -63,13 +63,22 @@ TINY_SHAPE = {
 }
 
 
-def build_model(shape: dict[str, int], device: str, dtype: Any) -> Any:
+def build_model(shape: dict[str, int], device: Any, dtype: Any, classify: bool = False) -> Any:
+    """A random-weight Qwen2 model of ``shape``, built on ``device`` (no copy from the
+    CPU); ``classify``: a two-label token-classification head, as a PRM's."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForTokenClassification,
+        Qwen2Config,
+    )
 
-    config = Qwen2Config(**shape, max_position_embeddings=32768, tie_word_embeddings=False)
+    config = Qwen2Config(
+        **shape, max_position_embeddings=32768, tie_word_embeddings=False, num_labels=2
+    )
+    loader = AutoModelForTokenClassification if classify else AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = loader.from_config(config, dtype=dtype)
     return model.eval()
 
 

@@ -53,8 +53,6 @@ TINY = dict(
     num_key_value_heads=1,
     vocab_size=1024,
 )
-BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
-"""HBM bytes/s by the GPU's name (datasheet), for the weights-read bound."""
 
 
 class Report:
@@ -273,20 +271,12 @@ def bench(device: Any, model: str, requests: int, rate: float) -> tuple[str, dic
 
 
 def shaped_model(shape: dict[str, int], device: Any, classify: bool = False) -> Any:
-    """A random-weight Qwen2-shape model built on ``device`` (bfloat16 there)."""
+    """A random-weight Qwen2-shape model built on ``device`` (bfloat16 on a GPU)."""
     import torch
-    import transformers
+    from cost_model_check import build_model
 
-    config = transformers.Qwen2Config(**shape, max_position_embeddings=4096, num_labels=2)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    loader = (
-        transformers.AutoModelForTokenClassification
-        if classify
-        else transformers.AutoModelForCausalLM
-    )
-    with torch.device(device):
-        model = loader.from_config(config, dtype=dtype)
-    return model.eval()
+    return build_model(shape, device, dtype, classify=classify)
 
 
 def weight_bytes(model: Any) -> int:
@@ -308,8 +298,12 @@ def decode_7b(
     engine.split_cost = None
     settings = SamplingSettings(temperature=1.0, max_tokens=steps + 32, ignore_eos=True)
     prompt = list(range(5, 5 + 128))  # token ids: the tokenizer is not the shape's
+    from sart.engines.costs import H100, H200
+
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    bandwidth = next((b for key, b in BANDWIDTH.items() if key in name), None)
+    # The simulator's datasheet bandwidths, found by the GPU's name ("H100", "H200").
+    known = (H100, H200)
+    bandwidth = next((a.bandwidth for a in known if a.name.split("-")[0] in name), None)
     bound = None if bandwidth is None else 1000 * weight_bytes(model) / bandwidth
     out: dict[str, Any] = {"weights_gb": weight_bytes(model) / 1e9, "bound_ms": bound}
     for batch in batches:
