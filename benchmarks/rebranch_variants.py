@@ -114,6 +114,19 @@ _reshare("rb-reshare", sart.WeightedVote())
 _reshare("rb-reshare-best", sart.BestReward())
 _reshare("rb-reshare-m4", sart.WeightedVote(), m_of=4)
 _reshare("rb-reshare-t05", sart.WeightedVote(), temperature=0.5)
+
+
+def _rows_off(
+    n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
+) -> sart.Policy:
+    """``sart-rebranch`` before compute counted as room (``row_budget=None``)."""
+    policy = sart.sart_rebranch(n, m=m, alpha=alpha, beta=beta, interval=interval, row_budget=None)
+    return attrs.evolve(policy, name=f"rb-rows-off(n={n})")
+
+
+register_method(
+    "rb-rows-off", _rows_off, label="rb-rows-off", short_label="rb-rows-off", options=OPTIONS
+)
 for _busy in sart.policies.reward_balance.BUSY:
     _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 

@@ -187,7 +187,7 @@ def refilling(n: int, m: int, interval: int) -> sart.Policy:
 def test_recipes_and_methods() -> None:
     policy = sart.sart_rebranch(8)
     assert policy.stop == sart.FirstM(4) and policy.select == sart.WeightedVote()
-    assert policy.prune == sart.Reshare(sart.TwoPhasePrune(0.5, 4), temperature=0.2)
+    assert policy.prune == sart.Reshare(sart.TwoPhasePrune(0.5, 4), temperature=0.2, row_budget=1.0)
     assert policy.forks and not policy.rescores
     assert refilling(8, 4, 400).rescores and refilling(8, 4, 400).forks
     assert not sart.sart(8).forks and not sart.sart(8).rescores
@@ -408,3 +408,32 @@ def test_sart_rebranch_falls_back_to_sart_at_saturation() -> None:
     # Alone, the same request re-shares: branch 1 pruned, branch 0 forked.
     alone, _ = run_one(policy, scripts)
     assert len(alone.branches) == 3 and alone.branches[2].parent == 0
+
+
+def costed(running: int, fixed: float | None, per_row: float | None) -> Load:
+    return attrs.evolve(load(), running_branches=running, step_fixed=fixed, step_per_row=per_row)
+
+
+def test_rows_cost_is_the_rows_share_of_a_step_fixed_cost() -> None:
+    assert costed(8, 0.002, 0.00025).rows_cost(8) == pytest.approx(1.0)
+    assert costed(8, None, None).rows_cost(8) is None
+    assert costed(8, 0.0, 0.001).rows_cost(8) == float("inf")
+    assert costed(8, 0.0, 0.0).rows_cost(8) == 0.0
+
+
+def test_reshare_forks_only_while_rows_are_within_the_row_budget() -> None:
+    rule = sart.Reshare(sart.TwoPhasePrune(0.5, 1), temperature=0.2, row_budget=1.0)
+    view = request(branch(0, 0.9), branch(1, 0.45), branch(2, 0.3), branch(3, 0.8))
+    cheap = attrs.evolve(view, load=costed(4, 0.002, 0.0004))  # rows add 0.8 of a step
+    dear = attrs.evolve(view, load=costed(4, 0.002, 0.0006))  # rows add 1.2 of a step
+    unfitted = attrs.evolve(view, load=costed(4, None, None))
+    for idle in (cheap, unfitted):
+        assert sorted(rule.choose(idle)) == [1, 2] and rule.fork(idle) == {0: 1, 3: 1}
+    # Dear rows: TwoPhasePrune's own prunes stand and nothing is forked.
+    assert list(rule.choose(dear)) == [2] and rule.fork(dear) == {}
+    assert attrs.evolve(rule, row_budget=None).fork(dear) == {0: 1, 3: 1}
+    # Others waiting and rows dear: no re-sharing of the slots kept either.
+    busy_dear = attrs.evolve(view, load=attrs.evolve(costed(4, 0.002, 0.0006), waiting_requests=1))
+    assert list(rule.choose(busy_dear)) == [2] and rule.fork(busy_dear) == {}
+    with pytest.raises(sart.ConfigError, match="row_budget=-1 must be >= 0 or None"):
+        sart.Reshare(sart.NoPrune(), row_budget=-1)

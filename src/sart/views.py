@@ -38,6 +38,11 @@ class Load:
     """KV-cache tokens held, as the engine last reported (``None``: not reported)."""
     kv_capacity: int | None = None
     """KV-cache tokens the engine can hold, if it says."""
+    step_fixed: float | None = None
+    """Seconds a decode step costs whatever its rows, as fitted from the steps run so
+    far (``sart.scheduler.step_cost``; ``None`` until the batch's size has varied)."""
+    step_per_row: float | None = None
+    """Seconds each running branch adds to a decode step, by the same fit."""
 
     @property
     def free_slots(self) -> int:
@@ -50,6 +55,16 @@ class Load:
         if self.kv_tokens is None or not self.kv_capacity:
             return None
         return self.kv_tokens / self.kv_capacity
+
+    def rows_cost(self, rows: int) -> float | None:
+        """What ``rows`` running branches add to a decode step, as a share of its
+        fixed cost (``None``: not fitted yet; ``inf`` when a step is all rows)."""
+        if self.step_fixed is None or self.step_per_row is None:
+            return None
+        added = self.step_per_row * rows
+        if self.step_fixed <= 0:
+            return float("inf") if added > 0 else 0.0
+        return added / self.step_fixed
 
 
 RATE_WINDOW = 32

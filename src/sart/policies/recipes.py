@@ -147,6 +147,7 @@ def sart_rebranch(
     beta: int | None = None,
     interval: int = 400,
     temperature: float = 0.2,
+    row_budget: float | None = 1.0,
 ) -> Policy:
     """SART that prunes *and* re-branches: ``n`` branches, stop once ``m`` complete
     (``n/2``), and at every check, while the server has room, Rebase's re-sharing of
@@ -154,7 +155,10 @@ def sart_rebranch(
     the best forked into the slots they free); under load, the request shrinks as
     SART's two-phase pruning (``alpha``, ``beta``) would shrink it, and the slots it
     keeps are re-shared the same way (``sart.policies.reward_balance.Reshare``).
-    The answer is the reward-weighted vote.
+    The answer is the reward-weighted vote. Room includes compute: while the running
+    branches add more than ``row_budget`` times a decode step's fixed cost (as the
+    scheduler measures it: a CPU, not a GPU serving a large model), it prunes as
+    SART and forks nothing (``None``: rows are free).
 
     The defaults were chosen on the long testbed's developer seed (``--seed 1``, 60
     requests, N = 8, vLLM-CPU at 0.25 requests/s) among seat-refilling variants
@@ -165,7 +169,7 @@ def sart_rebranch(
     base = sart(n, m, alpha, beta, interval)
     return attrs.evolve(
         base,
-        prune=Reshare(base.prune, temperature=temperature),
+        prune=Reshare(base.prune, temperature=temperature, row_budget=row_budget),
         select=WeightedVote(),
         name=f"sart-rebranch(n={n},m={m})",
     )

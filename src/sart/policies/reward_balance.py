@@ -103,6 +103,11 @@ def _check_share(_inst: object, attr: attrs.Attribute, value: float) -> None:
     config_check(ok, attr.name, value, "in (0, 1]")
 
 
+def _check_optional_budget(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
+    ok = value is None or (isinstance(value, (int, float)) and value >= 0)
+    config_check(ok, attr.name, value, ">= 0 or None")
+
+
 BUSY = ("reshare", "replace", "prune")
 """What ``Reshare`` does while other work waits: re-share the slots it keeps at every
 check, only at checks where ``inner`` prunes, or never (prune only)."""
@@ -131,6 +136,13 @@ class Reshare(PruneRule):
     ``inner`` prunes; with ``busy="prune"``, and whenever the KV cache is full,
     ``inner``'s prunes stand and nothing is forked. The threshold is ``inner``'s
     throughout.
+
+    Compute is room too: with a ``row_budget``, while the batch's running branches
+    add more than ``row_budget`` times a decode step's fixed cost (the scheduler's
+    fit of step time against rows, ``Load.rows_cost``), a fork slows every step of
+    every request, so ``inner``'s prunes stand and nothing is forked, as when the
+    KV cache is full. On a GPU serving a large model a row adds a few percent of a
+    step and the budget seldom binds; on a CPU each row adds its own compute.
     """
 
     inner: PruneRule
@@ -139,6 +151,9 @@ class Reshare(PruneRule):
     """Idle only while the KV cache is below this share of its capacity."""
     busy: str = attrs.field(default="reshare", validator=_check_busy)
     """Under load: ``"reshare"`` the slots ``inner`` keeps, or ``"prune"`` only."""
+    row_budget: float | None = attrs.field(default=None, validator=_check_optional_budget)
+    """Idle only while the running branches add at most this share to a decode
+    step's fixed cost (``Load.rows_cost``; ``None``: rows are taken as free)."""
 
     def validate(self, n: int) -> None:
         self.inner.validate(n)
@@ -159,7 +174,17 @@ class Reshare(PruneRule):
 
     def idle(self, request: RequestView) -> bool:
         """Whether the server has room for forks (see the class docstring)."""
-        return request.others_waiting == 0 and not self.kv_full(request)
+        if request.others_waiting > 0 or self.kv_full(request):
+            return False
+        return self.rows_cheap(request)
+
+    def rows_cheap(self, request: RequestView) -> bool:
+        """Whether the batch's rows cost at most ``row_budget`` of a step's fixed cost
+        (true when there is no budget or no fit yet)."""
+        if self.row_budget is None or request.load is None:
+            return True
+        cost = request.load.rows_cost(request.load.running_branches)
+        return cost is None or cost <= self.row_budget
 
     def shares(self, request: RequestView) -> tuple[list[int], dict[int, int]]:
         """This check's prunes and the slots each running branch keeps (forks: share
@@ -174,7 +199,7 @@ class Reshare(PruneRule):
                 else request.n - 1
             )
             chosen = list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
-            if self.busy == "prune" or self.kv_full(request):
+            if self.busy == "prune" or self.kv_full(request) or not self.rows_cheap(request):
                 return chosen, {}
             if self.busy == "replace" and not chosen:
                 return chosen, {}

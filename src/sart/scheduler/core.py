@@ -9,7 +9,6 @@ applies the engine's answers. It performs no I/O.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -44,12 +43,13 @@ from sart.scheduler.hooks import (
     checked_limits,
     choose_running,
 )
+from sart.scheduler.load_meter import LoadMeter
 from sart.scheduler.requests import RequestTable
 from sart.scheduler.slots import Slots
 from sart.scheduler.waiting import WaitQueue
 from sart.state import BranchState, RequestMeta, RequestState
 from sart.types import Admission, BranchId, BranchStatus, FinishReason, RequestStatus
-from sart.views import RATE_WINDOW, Load
+from sart.views import Load
 
 
 class Scheduler:
@@ -72,8 +72,7 @@ class Scheduler:
         self._next_id = 1
         self._inflight: dict[int, Command] = {}  # emitted, not answered, by id
         self._pauses = 0  # branches paused for more urgent work, over the run
-        self._arrivals: deque[float] = deque(maxlen=RATE_WINDOW)  # for Load.arrival_rate
-        self._kv: tuple[int | None, int | None] = (None, None)
+        self._meter = LoadMeter()
         self._requests.load_of = self.load
 
     # ------------------------------------------------------------------ intake
@@ -86,28 +85,23 @@ class Scheduler:
         self._pending[request.id] = state
         self._waiting.add_request(state)
         self._cancels.watch(state)
-        self._arrivals.append(request.arrival)
+        self._meter.arrived(request.arrival)
 
     def observe(self, kv_tokens: int | None, kv_capacity: int | None = None) -> None:
         """The engine's KV-cache use, as it last reported it (``EngineStats``): what
         ``Load`` shows policies. Drivers call it as they sample the engine."""
-        self._kv = (kv_tokens, kv_capacity)
+        self._meter.observe(kv_tokens, kv_capacity)
 
     def load(self, req: RequestState, now: float) -> Load:
         """The server's load as ``req``'s policy sees it now."""
-        arrivals = self._arrivals
-        span = max(arrivals) - min(arrivals) if len(arrivals) >= 2 else 0.0
-        return Load(
+        return self._meter.view(
             waiting_requests=self._waiting.queued_requests,
             waiting_branches=self._waiting.queued_branches,
             running_branches=len(self._slots.running),
             budget=self.config.batch_size,
             active_requests=len(self._active),
-            arrival_rate=(len(arrivals) - 1) / span if span > 0 else None,
             waited=max(0.0, now - req.request.arrival),
             prm_waiting=self._checks.waiting,
-            kv_tokens=self._kv[0],
-            kv_capacity=self._kv[1],
         )
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -203,6 +197,8 @@ class Scheduler:
             self._inflight[cmd.id] = cmd
             if isinstance(cmd, Score):
                 self._checks.sent(cmd.id)
+            elif isinstance(cmd, Decode):
+                self._meter.steps.started(now, len(self._slots.running))
             emitted.append(cmd)
         return emitted
 
@@ -312,6 +308,8 @@ class Scheduler:
             elif isinstance(cmd, StartBranches):
                 self._on_start(cmd, event, now)
             elif isinstance(cmd, Decode):
+                if isinstance(event, Decoded):
+                    self._meter.steps.finished(now, event.output.steps)
                 self._on_decode(event, now)
             elif isinstance(cmd, Score):
                 self._on_score(cmd, event, now)
