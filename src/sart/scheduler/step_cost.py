@@ -16,6 +16,11 @@ FORGET = 0.995
 """Each new observation's weight over the previous one's: about the last 200
 decode calls count."""
 
+MIN_STEP = 5e-4
+"""Mean seconds per step below which nothing is fitted: a model's decode step takes
+a millisecond or more, so a faster one is the clock timing sart's own Python (the
+fake engine's), whose noise must not steer a policy."""
+
 MIN_SPREAD = 1.0
 """The rows' weighted variance below which the slope is not fitted (a batch whose
 size never moved says nothing about a row's cost)."""
@@ -48,11 +53,14 @@ class StepCost:
 
     def fit(self) -> tuple[float, float] | None:
         """``(fixed, per_row)`` seconds of a step, or ``None`` before the rows have
-        varied enough to tell them apart. ``per_row`` is never negative."""
+        varied enough to tell them apart, or while steps take under ``MIN_STEP``.
+        ``per_row`` is never negative."""
         w, x, y, xx, xy = self._sums
         if w <= 0:
             return None
         mean_x, mean_y = x / w, y / w
+        if mean_y < MIN_STEP:
+            return None
         spread = xx / w - mean_x * mean_x
         if spread < MIN_SPREAD:
             return None
