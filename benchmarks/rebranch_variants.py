@@ -12,6 +12,11 @@ is ``sart bench``'s:
 (or ``--plugin rebranch_variants`` with ``benchmarks`` on ``PYTHONPATH``).
 docs/testbed.md gives the numbers and the choice. Not imported by sart itself.
 
+``rb-rows-off``, ``rb-rows0.5`` and ``rb-rows2`` are ``sart-rebranch`` with its
+``row_budget`` off, 0.5 and 2 (1 by default); ``--cost-model cpu-testbed`` prices the
+simulator's steps as the long testbed's on transformers on this project's CPU,
+where a row costs its own compute (``CPU_STEP``).
+
 ``--seeds K`` (first) serves the same benchmark with ``--seed 0`` to ``K - 1`` and
 prints each method's means over the seeds beside the first method's (accuracy,
 P97, tokens per request, and the P97 ratio's mean and largest), for the simulator,
@@ -28,7 +33,27 @@ from __future__ import annotations
 import attrs
 
 import sart
+from sart.engines.costs import PRESETS, CostModel
 from sart.methods import OPTIONS, register_method
+
+CPU_STEP = (2.4e-3, 0.33e-3)
+"""The long testbed's decode step on transformers on this project's 2-core machine,
+fixed seconds and seconds a row, as the scheduler fits it (``benchmarks/step_cost.py``)."""
+
+# ``--cost-model cpu-testbed``: the simulator with steps priced as that CPU's (no
+# roofline: a row costs its own compute; no KV limit; the PRM unpriced).
+PRESETS.setdefault(
+    "cpu-testbed",
+    CostModel(
+        name="cpu-testbed",
+        weight_bytes=0,
+        kv_bytes_per_token=0,
+        bandwidth=1.0,
+        flops=2.0 / CPU_STEP[1],
+        params=1.0,
+        step_overhead=CPU_STEP[0],
+    ),
+)
 
 
 def _variant(name: str, label: str, **changes: object) -> None:
@@ -116,17 +141,24 @@ _reshare("rb-reshare-m4", sart.WeightedVote(), m_of=4)
 _reshare("rb-reshare-t05", sart.WeightedVote(), temperature=0.5)
 
 
-def _rows_off(
-    n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
-) -> sart.Policy:
-    """``sart-rebranch`` before compute counted as room (``row_budget=None``)."""
-    policy = sart.sart_rebranch(n, m=m, alpha=alpha, beta=beta, interval=interval, row_budget=None)
-    return attrs.evolve(policy, name=f"rb-rows-off(n={n})")
+def _rows(name: str, row_budget: float | None) -> None:
+    """``sart-rebranch`` with another ``row_budget`` (``None``: as it was before
+    compute counted as room)."""
+
+    def build(
+        n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
+    ) -> sart.Policy:
+        policy = sart.sart_rebranch(
+            n, m=m, alpha=alpha, beta=beta, interval=interval, row_budget=row_budget
+        )
+        return attrs.evolve(policy, name=f"{name}(n={n})")
+
+    register_method(name, build, label=name, short_label=name, options=OPTIONS)
 
 
-register_method(
-    "rb-rows-off", _rows_off, label="rb-rows-off", short_label="rb-rows-off", options=OPTIONS
-)
+_rows("rb-rows-off", None)
+_rows("rb-rows0.5", 0.5)
+_rows("rb-rows2", 2.0)
 for _busy in sart.policies.reward_balance.BUSY:
     _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 

@@ -37,11 +37,10 @@ import os
 import statistics
 import sys
 import tempfile
-import time
-import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from check_report import Report
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -50,29 +49,6 @@ PROMPTS = (
     "Question: a train leaves at 3 pm and travels 120 km at 60 km/h. When does it "
     "arrive? Explain each step, then give the answer.",
 )
-
-
-class Report:
-    """Prints one line per check and remembers whether any failed."""
-
-    def __init__(self) -> None:
-        self.failed: list[str] = []
-
-    def check(self, name: str, run: Callable[[], str]) -> Any:
-        started = time.perf_counter()
-        try:
-            detail = run()
-        except Exception as exc:  # a check's failure is reported, the others still run
-            self.failed.append(name)
-            where = traceback.extract_tb(exc.__traceback__)[-1]
-            print(
-                f"FAIL  {name:<18} {type(exc).__name__}: {exc} "
-                f"({Path(where.filename).name}:{where.lineno})",
-                flush=True,
-            )
-            return None
-        print(f"PASS  {name:<18} {detail} [{time.perf_counter() - started:.1f} s]", flush=True)
-        return detail
 
 
 def environment(allow_cpu: bool) -> str:
@@ -240,6 +216,7 @@ def main() -> int:
     parser.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     parser.add_argument("--allow-cpu", action="store_true", help="run on vLLM-CPU")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument("--json", type=Path, default=None, help="write the checks here")
     args = parser.parse_args()
     if args.allow_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -291,13 +268,7 @@ def main() -> int:
         if args.gpu_memory_utilization is None and not args.allow_cpu:
             prm_args["gpu_memory_utilization"] = 0.4
         report.check("prm", lambda: prm_check(prm_path, prm_args))
-    print(
-        "gpu_check: all checks passed"
-        if not report.failed
-        else f"gpu_check: FAILED {', '.join(report.failed)}",
-        flush=True,
-    )
-    return 1 if report.failed else 0
+    return report.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from check_report import Report
+
 QWEN_7B = dict(
     hidden_size=3584,
     intermediate_size=18944,
@@ -53,32 +55,6 @@ TINY = dict(
     num_key_value_heads=1,
     vocab_size=1024,
 )
-
-
-class Report:
-    """One line per check, and the JSON of all of them."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-
-    @property
-    def failed(self) -> list[str]:
-        return [row["check"] for row in self.rows if not row["ok"]]
-
-    def check(self, name: str, run: Callable[[], tuple[str, dict[str, Any]]]) -> bool:
-        started = time.perf_counter()
-        try:
-            detail, data = run()
-        except Exception as exc:  # a check's failure is reported, the others still run
-            detail, data, ok = f"{type(exc).__name__}: {exc}", {}, False
-        else:
-            ok = True
-        seconds = time.perf_counter() - started
-        print(f"{'PASS' if ok else 'FAIL'}  {name:<14} {detail} [{seconds:.1f} s]", flush=True)
-        self.rows.append(
-            {"check": name, "ok": ok, "detail": detail, "seconds": seconds, "data": data}
-        )
-        return ok
 
 
 def synchronize(device: Any) -> None:
@@ -381,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
     quick = args.quick
-    report = Report()
+    report = Report(width=14)
     report.check("environment", lambda: environment(device))
     report.check("conformance", lambda: conformance(device))
     report.check("greedy parity", lambda: greedy_parity(device))
@@ -395,14 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [1, 8] if quick else [1, 8, 32, 64]
     report.check("7b decode", lambda: decode_7b(device, shape, batches, 8 if quick else 32))
     report.check("7b prm", lambda: prm_7b(device, shape, 4 if quick else 32))
-    if args.json is not None:
-        args.json.write_text(json.dumps(report.rows, indent=1))
-    failed = report.failed
-    print(
-        "gpu_check: all checks passed" if not failed else f"gpu_check: FAILED {', '.join(failed)}",
-        flush=True,
-    )
-    return 1 if failed else 0
+    return report.finish(args.json)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,7 @@ def rebranch_rules(draw: st.DrawFn) -> sart.Rebranch:
         stop_after=draw(st.none() | st.integers(1, 3)),
         token_budget=draw(st.none() | st.integers(1, 200)),
         when_idle=draw(st.booleans()),
+        row_budget=draw(st.none() | st.sampled_from((0.5, 2.0))),
     )
 
 
@@ -150,7 +151,11 @@ def forking_policies(draw: st.DrawFn, interval: int) -> sart.Policy:
         return sart.rebase(n, draw(st.sampled_from((0.05, 0.2, 1.0))), interval)
     if kind == "reshare":
         inner = sart.TwoPhasePrune(draw(rewards), draw(st.integers(0, n - 1)))
-        prune = sart.Reshare(inner, draw(st.sampled_from((0.05, 0.2, 1.0))))
+        prune = sart.Reshare(
+            inner,
+            draw(st.sampled_from((0.05, 0.2, 1.0))),
+            row_budget=draw(st.sampled_from((None, 1.0))),
+        )
         stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
         return sart.Policy(n=n, stop=stop, prune=prune, interval=interval)
     if kind == "particle":
@@ -158,7 +163,8 @@ def forking_policies(draw: st.DrawFn, interval: int) -> sart.Policy:
     if kind == "sart_rebranch":
         beta = draw(st.integers(0, n - 1))
         temperature = draw(st.sampled_from((0.05, 0.2, 1.0)))
-        return sart.sart_rebranch(n, m, draw(rewards), beta, interval, temperature)
+        budget = draw(st.sampled_from((None, 0.5, 1.0, 4.0)))
+        return sart.sart_rebranch(n, m, draw(rewards), beta, interval, temperature, budget)
     rule = draw(rebranch_rules())
     stop = draw(st.sampled_from([sart.AllDone(), sart.FirstM(m)]))
     prune = draw(st.sampled_from([sart.NoPrune(), sart.TwoPhasePrune(0.5, n // 2)]))

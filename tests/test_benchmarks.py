@@ -98,6 +98,20 @@ CASES = [
         ),
     ),
     Case(
+        "rebranch_variants.py",
+        "--seeds 2 --requests 12 --n 4 --rate 2 --cost-model cpu-testbed "
+        "--methods sart rb-rows-off --out /tmp/sart-bench-rebranch-cpu",
+        (rf"^\s+2 rb-rows-off\s+{NUMBER}\s+[+-]{NUMBER}(\s+{NUMBER}){{4}}",),
+    ),
+    Case(
+        "step_cost.py",
+        "--requests 12 --n 4 --rate 2 --methods sart-rebranch --out /tmp/sart-bench-step-cost",
+        (
+            r"^\d+ load views, [1-9]\d* with a fit$",
+            rf"^\s+last\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}\s+(\d+|any)$",
+        ),
+    ),
+    Case(
         "scheduler_overhead.py",
         "--batch-sizes 8 16 --intervals 16 --median-length 100",
         (

@@ -13,6 +13,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import sart
+from sart.engines.costs import CostModel
+from sart.engines.sim import SimEngine
 from sart.policies.rebranch import largest_remainder, parent_weights, systematic, top_first
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM, ScriptTable
 from sart.types import BranchStatus, Phase
@@ -315,9 +317,30 @@ def forking_workloads(draw: st.DrawFn) -> tuple[list[sart.Request], dict, int]:
     return requests, scripts, draw(st.integers(1, MAX_BATCH))
 
 
-def run_forking(requests: list[sart.Request], scripts: dict, batch: int, scoring: sart.Scoring):
+CPU_LIKE = CostModel(
+    name="cpu-like",
+    weight_bytes=0,
+    kv_bytes_per_token=0,
+    bandwidth=1.0,
+    flops=2.0 / 1e-3,
+    params=1.0,
+    step_overhead=2e-3,
+)
+"""Steps of 2 ms + 1 ms a row: a row budget binds (on the fake engine it never does)."""
+
+
+def run_forking(
+    requests: list[sart.Request],
+    scripts: dict,
+    batch: int,
+    scoring: sart.Scoring,
+    cost: CostModel | None = None,
+):
     table = ScriptTable(scripts)
-    engine = FakeEngine(table, max_branches=batch)
+    if cost is None:
+        engine = FakeEngine(table, max_branches=batch)
+    else:  # a virtual clock: the scheduler's step-cost fit is deterministic
+        engine = SimEngine(table, cost=cost, max_branches=batch)
     widths = {r.id: r.policy.n for r in requests}
     peaks: Counter[str] = Counter()
 
@@ -340,10 +363,16 @@ def run_forking(requests: list[sart.Request], scripts: dict, batch: int, scoring
 
 
 @settings(max_examples=examples(300))
-@given(work=forking_workloads(), scoring=st.sampled_from(sart.Scoring))
-def test_forking_runs_keep_every_invariant(work, scoring: sart.Scoring) -> None:
+@given(
+    work=forking_workloads(),
+    scoring=st.sampled_from(sart.Scoring),
+    cost=st.sampled_from([None, CPU_LIKE]),
+)
+def test_forking_runs_keep_every_invariant(work, scoring: sart.Scoring, cost) -> None:
     requests, scripts, batch = work
-    results, engine, peaks, widths = run_forking(requests, scripts, batch, scoring)
+    if cost is not None:
+        event("rows priced")
+    results, engine, peaks, widths = run_forking(requests, scripts, batch, scoring, cost)
     # Every request ends exactly once, completed (no fault is injected), leaving nothing.
     assert [r.request_id for r in results] == [r.id for r in requests]
     assert all(r.ok for r in results), [r.reason for r in results]
@@ -365,7 +394,7 @@ def test_forking_runs_keep_every_invariant(work, scoring: sart.Scoring) -> None:
         if any(b.status is S.STOPPED for b in result.branches) and isinstance(stop, sart.FirstM):
             # Stopped early: m branches (forks among them) had completed, not merely started.
             assert result.num_completed >= stop.m
-    again = run_forking(requests, scripts, batch, scoring)
+    again = run_forking(requests, scripts, batch, scoring, cost)
     assert again[0] == results and again[1].log == engine.log
 
 

@@ -20,8 +20,9 @@ confidence reward source -- and decides:
 - **under what load**: with ``when_idle`` (the default), only while no other work
   waits for a batch slot, the KV cache is below ``kv_limit`` of its capacity and,
   with a ``row_budget``, the running branches add at most that share to a decode
-  step's fixed cost (the ``Load`` that ``sart-adaptive`` reads). At saturation it forks nothing: the
-  policy is its plain self again, and freed slots go to waiting requests.
+  step's fixed cost (the ``Load`` that ``sart-adaptive`` reads). At saturation it
+  forks nothing: the policy is its plain self again, and freed slots go to waiting
+  requests.
 
 The scheduler caps the forks at the batch slots free now and never lets a request
 hold more than ``n`` live branches. Pure: it reads a ``RequestView`` and returns
