@@ -19,7 +19,14 @@ from sart.policies.rebranch import largest_remainder, parent_weights, systematic
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM, ScriptTable
 from sart.types import BranchStatus, Phase
 from sart.views import BranchView, Limits, Load, RequestView
-from strategies import MAX_BATCH, branch_scripts, examples, forking_policies, intervals
+from strategies import (
+    CPU_LIKE,
+    MAX_BATCH,
+    branch_scripts,
+    examples,
+    forking_policies,
+    intervals,
+)
 
 S = BranchStatus
 
@@ -315,18 +322,6 @@ def forking_workloads(draw: st.DrawFn) -> tuple[list[sart.Request], dict, int]:
         sampling = sart.SamplingSettings(max_tokens=max_tokens)
         requests.append(sart.Request(rid, "p", policy, sampling, float(arrival)))
     return requests, scripts, draw(st.integers(1, MAX_BATCH))
-
-
-CPU_LIKE = CostModel(
-    name="cpu-like",
-    weight_bytes=0,
-    kv_bytes_per_token=0,
-    bandwidth=1.0,
-    flops=2.0 / 1e-3,
-    params=1.0,
-    step_overhead=2e-3,
-)
-"""Steps of 2 ms + 1 ms a row: a row budget binds (on the fake engine it never does)."""
 
 
 def run_forking(

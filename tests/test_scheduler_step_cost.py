@@ -8,11 +8,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import sart
-from sart.engines.costs import CostModel
 from sart.engines.sim import SimEngine
 from sart.policies.base import AdmitRule
 from sart.scheduler.step_cost import StepCost
 from sart.testing import BranchScript
+from strategies import CPU_LIKE
 
 
 def observe(cost: StepCost, rows: int, per_step: float, steps: int = 4, at: float = 0.0) -> float:
@@ -77,15 +77,6 @@ def test_it_follows_an_engine_that_slows_down() -> None:
 def test_policies_see_the_engine_s_cost_in_their_load() -> None:
     # The simulator prices a step at 2 ms + 1 ms a row on its virtual clock; request
     # "a" decodes with 8, 7, ..., 1 rows, and "b", admitted after it, sees the fit.
-    per_row = CostModel(
-        name="rows",
-        weight_bytes=0,
-        kv_bytes_per_token=0,
-        bandwidth=1e30,
-        flops=2.0 / 1e-3,
-        params=1.0,
-        step_overhead=2e-3,
-    )
     seen: list[sart.Load] = []
 
     @attrs.frozen
@@ -98,7 +89,7 @@ def test_policies_see_the_engine_s_cost_in_their_load() -> None:
         "a": [BranchScript(length=10 * (i + 1)) for i in range(8)],
         "b": [BranchScript(length=10)],
     }
-    engine = SimEngine(scripts, cost=per_row)
+    engine = SimEngine(scripts, cost=CPU_LIKE)
     policy = sart.self_consistency(8, interval=4)
     later = attrs.evolve(policy, n=1, admit=Watch())
     sart.run(
