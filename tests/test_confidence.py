@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -150,7 +151,15 @@ def test_config_errors_name_the_field() -> None:
 
 def view(branches: list[tuple[BranchStatus, float | None, int | None]]) -> RequestView:
     views = tuple(
-        BranchView(index=i, status=s, num_tokens=10, reward=r, text="", end_step=e)
+        BranchView(
+            index=i,
+            status=s,
+            num_tokens=10,
+            reward=r,
+            text="",
+            end_step=e,
+            scored_at=None if r is None else 10,  # scored at its current length
+        )
         for i, (s, r, e) in enumerate(branches)
     )
     return RequestView(
@@ -190,6 +199,12 @@ def test_warmup_threshold_prunes_below_the_warmup_percentile() -> None:
     )
     assert rule.threshold(request) == pytest.approx(0.7)
     assert list(rule.choose(request)) == [4, 3]  # lowest first
+    # Overlapped checks: a warm-up branch's reward is of a prefix until its final
+    # score comes (scored at 6 of its 10 tokens): no threshold, nothing pruned yet.
+    early = attrs.evolve(request.branches[1], scored_at=6)
+    first, _, *rest = request.branches
+    provisional = attrs.evolve(request, branches=(first, early, *rest))
+    assert rule.threshold(provisional) is None and list(rule.choose(provisional)) == []
 
 
 def test_warmup_must_leave_branches_to_prune() -> None:

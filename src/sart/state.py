@@ -98,6 +98,7 @@ class BranchState:
             end_step=self.end_step,
             parent=self.parent,
             inherited=self.inherited,
+            scored_at=self.reward_history[-1][0] if self.reward_history else None,
         )
 
     def outcome(self, answer: str | None) -> BranchOutcome:

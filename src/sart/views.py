@@ -108,6 +108,10 @@ class BranchView:
     """A fork's parent branch (``None``: started from the prompt)."""
     inherited: int = 0
     """Of ``num_tokens``, those a fork took over from its parent."""
+    scored_at: int | None = None
+    """Its tokens when ``reward`` was taken (``None``: not scored itself). A completed
+    branch's reward is final once this is ``num_tokens``: with overlapped checks
+    its final reward comes a check after it completes."""
 
     @property
     def is_running(self) -> bool:

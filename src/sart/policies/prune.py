@@ -106,10 +106,14 @@ class WarmupThreshold(PruneRule):
         config_check(self.warmup < n, "warmup", self.warmup, f"< n={n}")
 
     def threshold(self, request: RequestView) -> float | None:
-        """The warm-up threshold, once ``warmup`` branches have completed (else ``None``)."""
+        """The warm-up threshold, once ``warmup`` branches have completed and have their
+        final rewards (else ``None``: with overlapped checks a completed branch's last
+        reward may be of a prefix until the next check scores the whole of it)."""
         done = sorted(request.completed, key=completion_order)[: self.warmup]
+        if len(done) < self.warmup or any(b.scored_at != b.num_tokens for b in done):
+            return None
         rewards = [b.reward for b in done if b.reward is not None and not math.isnan(b.reward)]
-        if len(done) < self.warmup or not rewards:
+        if not rewards:
             return None
         return percentile(rewards, 100.0 - self.keep)
 
