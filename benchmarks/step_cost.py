@@ -47,7 +47,7 @@ def report(seen: list[Load], budget: float = 1.0) -> str:
     for when, i in picks.items():
         view = fitted[i]
         fixed, per_row = view.step_fixed or 0.0, view.step_per_row or 0.0
-        share = per_row / fixed if fixed > 0 else float("inf")
+        share = view.rows_cost(1) or 0.0
         rows = f"{budget / share:.0f}" if share > 0 else "any"
         lines.append(f"{when:>6} {1e3 * fixed:9.2f} {1e3 * per_row:8.3f} {share:10.3f} {rows:>12}")
     return "\n".join(lines)

@@ -173,11 +173,6 @@ class Reshare(PruneRule):
         is below ``kv_limit``, the rows are within ``row_budget``."""
         if request.others_waiting > 0 or self.kv_full(request):
             return False
-        return self.rows_cheap(request)
-
-    def rows_cheap(self, request: RequestView) -> bool:
-        """Whether the batch's rows cost at most ``row_budget`` of a step's fixed cost
-        (true when there is no budget or no fit yet)."""
         return request.load is None or request.load.rows_within(self.row_budget)
 
     def shares(self, request: RequestView) -> tuple[list[int], dict[int, int]]:
