@@ -13,9 +13,10 @@ is ``sart bench``'s:
 docs/testbed.md gives the numbers and the choice. Not imported by sart itself.
 
 ``rb-rows-off``, ``rb-rows0.5`` and ``rb-rows2`` are ``sart-rebranch`` with its
-``row_budget`` off, 0.5 and 2 (1 by default); ``--cost-model cpu-testbed`` prices the
-simulator's steps as the long testbed's on transformers on this project's CPU,
-where a row costs its own compute (``CPU_STEP``).
+``row_budget`` off, 0.5 and 2 (1 by default); ``rb-agree-off`` and ``rb-agree3`` with
+its ``agree`` off (stop only at M) and 3 (2 by default). ``--cost-model cpu-testbed``
+prices the simulator's steps as the long testbed's on transformers on this project's
+CPU, where a row costs its own compute (``CPU_STEP``).
 
 ``--seeds K`` (first) serves the same benchmark with ``--seed 0`` to ``K - 1`` and
 prints each method's means over the seeds beside the first method's (accuracy,
@@ -141,24 +142,25 @@ _reshare("rb-reshare-m4", sart.WeightedVote(), m_of=4)
 _reshare("rb-reshare-t05", sart.WeightedVote(), temperature=0.5)
 
 
-def _rows(name: str, row_budget: float | None) -> None:
-    """``sart-rebranch`` with another ``row_budget`` (``None``: as it was before
-    compute counted as room)."""
+def _rebranch_with(name: str, **options: float | int | None) -> None:
+    """``sart-rebranch`` with other ``options`` (``row_budget``, ``agree``)."""
 
     def build(
         n: int, interval: int, m: int | None = None, alpha: float = 0.5, beta: int | None = None
     ) -> sart.Policy:
-        policy = sart.sart_rebranch(
-            n, m=m, alpha=alpha, beta=beta, interval=interval, row_budget=row_budget
-        )
+        policy = sart.sart_rebranch(n, m=m, alpha=alpha, beta=beta, interval=interval, **options)
         return attrs.evolve(policy, name=f"{name}(n={n})")
 
     register_method(name, build, label=name, short_label=name, options=OPTIONS)
 
 
-_rows("rb-rows-off", None)
-_rows("rb-rows0.5", 0.5)
-_rows("rb-rows2", 2.0)
+# ``row_budget=None``: as it was before compute counted as room.
+_rebranch_with("rb-rows-off", row_budget=None)
+_rebranch_with("rb-rows0.5", row_budget=0.5)
+_rebranch_with("rb-rows2", row_budget=2.0)
+# ``agree=None``: stop only at M, as it did before ``sart.Agreement``.
+_rebranch_with("rb-agree-off", agree=None)
+_rebranch_with("rb-agree3", agree=3)
 for _busy in sart.policies.reward_balance.BUSY:
     _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 

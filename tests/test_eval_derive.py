@@ -23,6 +23,7 @@ from sart.eval.problems_file import SCHEMA, ProblemRecord, ProblemsFile
 from sart.policies.equivalence import ExactMatch
 from sart.policies.recipes import self_consistency
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
+from sart.policies.stop import Agreement
 
 needs_math_verify = pytest.mark.skipif(
     find_spec("math_verify") is None, reason="math-verify is not installed (sart[eval])"
@@ -127,6 +128,10 @@ def test_method_policy_sets_the_votes_equivalence_and_leaves_the_rest() -> None:
     assert isinstance(rebase.select, WeightedVote) and isinstance(rebase.select.equivalence, Loose)
     sart = method_policy("sart", 4, 8, equivalence=Loose())
     assert isinstance(sart.select, BestReward)
+    # An agreement stop groups answers as the votes do.
+    rebranch = method_policy("sart-rebranch", 8, 8, equivalence=Loose())
+    assert isinstance(rebranch.stop, Agreement) and isinstance(rebranch.stop.equivalence, Loose)
+    assert isinstance(rebranch.select.equivalence, Loose)
     # Without options it is the bench's recipe, unchanged.
     assert method_policy("sc", 4, 8) == self_consistency(4, interval=8)
 

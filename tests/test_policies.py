@@ -78,6 +78,43 @@ def test_first_m_and_all_done() -> None:
     assert not sart.AllDone().should_stop(view)
 
 
+def answered(index: int, answer: str, status: BranchStatus = S.FINISHED) -> BranchView:
+    return BranchView(
+        index=index,
+        status=status,
+        num_tokens=10,
+        reward=0.5,
+        text="",
+        end_step=index,
+        answer=answer,
+    )
+
+
+def test_agreement_stops_once_k_finished_branches_agree_or_m_completed() -> None:
+    rule = sart.Agreement(4)
+    assert rule.needs_answers and not sart.FirstM(4).needs_answers
+    split = [answered(0, "1"), answered(1, "2"), branch(2), branch(3)]
+    assert not rule.should_stop(request(split, Limits(None, 2)))
+    agreed = [*split[:2], answered(2, "2"), branch(3)]
+    assert rule.should_stop(request(agreed, Limits(None, 2)))
+    assert not sart.Agreement(4, k=3).should_stop(request(agreed, Limits(None, 2)))
+    # A branch cut at max_tokens wrote no conclusion, and an empty answer is none.
+    cut = [answered(0, "2"), answered(1, "2", S.TRUNCATED), answered(2, ""), answered(3, "")]
+    assert not rule.should_stop(request([*cut[:3], branch(3)], Limits(None, 2)))
+    # m completed finish it whatever they say.
+    assert rule.should_stop(request(cut, Limits(None, 2)))
+
+
+def test_agreement_groups_answers_by_its_equivalence() -> None:
+    class Numeric(sart.Equivalence):
+        def key(self, answer: str) -> float:
+            return float(answer)
+
+    pair = [answered(0, "0.5"), answered(1, ".50"), branch(2), branch(3)]
+    assert not sart.Agreement(4).should_stop(request(pair, Limits(None, 2)))
+    assert sart.Agreement(4, equivalence=Numeric()).should_stop(request(pair, Limits(None, 2)))
+
+
 def test_best_reward_breaks_ties_by_completion_then_index() -> None:
     cands = [
         branch(0, S.FINISHED, 0.8, end_step=9),
@@ -148,6 +185,10 @@ def test_which_policies_need_a_prm() -> None:
         (lambda: sart.sart(8, alpha=-0.1), "alpha=-0.1 must be in [0, 1]"),
         (lambda: sart.sart(8, interval=0), "interval=0 must be >= 1"),
         (lambda: sart.self_consistency(0), "n=0 must be >= 1"),
+        (lambda: sart.Policy(n=4, stop=sart.Agreement(5)), "m=5 must be <= n=4"),
+        (lambda: sart.Agreement(2, k=3).validate(4), "k=3 must be <= m=2"),
+        (lambda: sart.Agreement(2, k=1), "k=1 must be >= 2"),
+        (lambda: sart.Agreement(2, equivalence=str), "must be an Equivalence"),
         (lambda: sart.Policy(n=2, stop="first"), "stop='first' must be a StopRule"),
         (lambda: sart.Policy(n=2, prune=None), "prune=None must be a PruneRule"),
         (lambda: sart.Policy(n=2, select=max), "must be a Selector"),

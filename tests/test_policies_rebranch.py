@@ -205,7 +205,10 @@ def refilling(n: int, m: int, interval: int) -> sart.Policy:
 
 def test_recipes_and_methods() -> None:
     policy = sart.sart_rebranch(8)
-    assert policy.stop == sart.FirstM(4) and policy.select == sart.WeightedVote()
+    assert policy.stop == sart.Agreement(4, k=2) and policy.select == sart.WeightedVote()
+    assert sart.sart_rebranch(8, agree=None).stop == sart.FirstM(4)
+    assert sart.sart_rebranch(8, agree=3).stop == sart.Agreement(4, k=3)
+    assert sart.sart_rebranch(4).stop == sart.FirstM(2)  # k = m: the same stop
     assert policy.prune == sart.Reshare(sart.TwoPhasePrune(0.5, 4), temperature=0.2, row_budget=1.0)
     assert policy.forks and not policy.rescores
     assert refilling(8, 4, 400).rescores and refilling(8, 4, 400).forks

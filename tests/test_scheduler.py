@@ -6,6 +6,7 @@ expected number below can be worked out on paper; the comments do so.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 import sart
@@ -499,3 +500,58 @@ def test_a_branch_cut_at_max_tokens_answers_only_when_none_finished() -> None:
     # Every completed branch still reports what was extracted from it.
     assert a.branches[0].answer is not None
     assert b.chosen == 0 and b.branches[0].status is sart.BranchStatus.TRUNCATED
+
+
+def test_agreement_stops_at_the_first_check_where_two_finished_branches_agree() -> None:
+    # Answers A (10 steps), B (20), A (30), B (40), C (400); m = 4, k = 2.
+    # At the check after step 20 the two finished say A and B; after step 30, A twice:
+    # the request stops there, where FirstM(4) would wait for step 40.
+    answers = ["A", "B", "A", "B", "C"]
+    lengths = [10, 20, 30, 40, 400]
+    script = {"q": [BranchScript(length=n, answer=a) for n, a in zip(lengths, answers)]}
+    policy = sart.Policy(n=5, stop=sart.Agreement(4), select=sart.MajorityVote(), interval=10)
+    (result,) = sart.run([sart.Request("q", "p", policy)], FakeEngine(script))
+    assert statuses(result) == [S.FINISHED] * 3 + [S.STOPPED] * 2
+    assert result.timings.end_to_end == 30.0 and result.answer == "A"
+    (waited,) = sart.run(
+        [sart.Request("q", "p", attrs.evolve(policy, stop=sart.FirstM(4)))], FakeEngine(script)
+    )
+    assert waited.timings.end_to_end == 40.0
+
+
+def test_agreement_reads_answers_by_the_policys_extract_once_per_branch() -> None:
+    # "A" and "B" agree once the policy's extract says they are one answer; extract
+    # runs once per completed branch, stop checks and selection together.
+    script = {
+        "q": [BranchScript(length=n, answer=a) for n, a in [(10, "A"), (20, "B"), (400, "C")]]
+    }
+    calls: list[str] = []
+
+    def same(text: str) -> str:
+        calls.append(text)
+        return "same"
+
+    policy = sart.Policy(
+        n=3, stop=sart.Agreement(3), select=sart.MajorityVote(), interval=5, extract=same
+    )
+    (result,) = sart.run([sart.Request("q", "p", policy)], FakeEngine(script))
+    assert statuses(result) == [S.FINISHED, S.FINISHED, S.STOPPED]
+    assert result.timings.end_to_end == 20.0 and len(calls) == 2
+
+
+def test_an_extract_that_raises_in_a_stop_check_fails_only_its_request() -> None:
+    script = {
+        rid: [BranchScript(length=10, answer="1"), BranchScript(length=50, answer="1")]
+        for rid in ("bad", "good")
+    }
+
+    def broken(text: str) -> str:
+        raise ValueError("no answer here")
+
+    good = sart.Policy(n=2, stop=sart.Agreement(2), select=sart.MajorityVote(), interval=10)
+    bad = attrs.evolve(good, extract=broken)
+    engine = FakeEngine(script)
+    results = sart.run([sart.Request("bad", "p", bad), sart.Request("good", "p", good)], engine)
+    assert [r.ok for r in results] == [False, True]
+    assert "no answer here" in (results[0].reason or "")
+    assert not engine.live_branches and not engine.prefixes

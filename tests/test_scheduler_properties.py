@@ -238,11 +238,18 @@ def check_completed(workload: Workload, request: sart.Request, result: RequestRe
 
 
 def check_stop_rule(request: sart.Request, result: RequestResult) -> None:
-    """A request stops once ``m`` branches complete, or when no branch is left."""
+    """A request stops once ``m`` branches complete (or ``k`` finished ones agree), or
+    when no branch is left."""
     policy = request.policy
     left = policy.n - result.num_pruned  # branches that could complete
     if isinstance(policy.stop, sart.FirstM):
         assert result.num_completed >= min(policy.stop.m, left)
+    elif isinstance(policy.stop, sart.Agreement):
+        finished = Counter(
+            b.answer for b in result.branches if b.status is BranchStatus.FINISHED and b.answer
+        )
+        agreed = max(finished.values(), default=0) >= policy.stop.k
+        assert agreed or result.num_completed >= min(policy.stop.m, left)
     else:
         assert result.num_completed == left
         assert not any(b.status is BranchStatus.STOPPED for b in result.branches)

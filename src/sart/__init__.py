@@ -26,6 +26,7 @@ from sart.errors import (
 from sart.messages import BranchDelta, BranchSpec, ScoreItem, StepOutput, TokenLogprobs
 from sart.policies import (
     AdmitRule,
+    Agreement,
     AllDone,
     BestReward,
     BranchByLoad,
@@ -94,6 +95,7 @@ __all__ = [
     "PRM",
     "Admission",
     "AdmitRule",
+    "Agreement",
     "AllDone",
     "AsyncDriver",
     "AsyncEngine",

@@ -112,6 +112,10 @@ class BranchView:
     """Its tokens when ``reward`` was taken (``None``: not scored itself). A completed
     branch's reward is final once this is ``num_tokens``: with overlapped checks
     its final reward comes a check after it completes."""
+    answer: str | None = None
+    """A completed branch's answer (the policy's ``extract`` of its text), in the views
+    a stop rule that reads answers gets (``StopRule.needs_answers``); ``None``
+    elsewhere and while the branch runs."""
 
     @property
     def is_running(self) -> bool:

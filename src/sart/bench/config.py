@@ -9,7 +9,7 @@ does, on its own accelerator of the policy's kind, with overlapped scoring.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TypeVar
 
 import attrs
 
@@ -24,6 +24,8 @@ from sart.registry import step_engines
 from sart.scheduler.config import to_scoring
 from sart.types import Admission, Scoring
 
+T = TypeVar("T")
+
 
 def method_policy(
     method: str,
@@ -35,15 +37,26 @@ def method_policy(
 ) -> Policy:
     """The registered ``method``'s policy (``sart.methods``) for ``n`` branches
     checked every ``interval`` tokens, its votes (``MajorityVote``, ``WeightedVote``)
-    grouping answers under ``equivalence`` and its answers read from a branch's text
-    by ``extract``; ``None`` keeps the recipe's (exact strings; ``extract_answer``)."""
+    and agreement stop (``Agreement``) grouping answers under ``equivalence`` and its
+    answers read from a branch's text by ``extract``; ``None`` keeps the recipe's
+    (exact strings; ``extract_answer``)."""
     policy = get_method(method).policy(n, interval)
-    select: Any = policy.select  # a Selector; the voting ones are attrs classes
-    if equivalence is not None and "equivalence" in attrs.fields_dict(type(select)):
-        policy = attrs.evolve(policy, select=attrs.evolve(select, equivalence=equivalence))
+    if equivalence is not None:
+        policy = attrs.evolve(
+            policy,
+            select=_with_equivalence(policy.select, equivalence),
+            stop=_with_equivalence(policy.stop, equivalence),
+        )
     if extract is not None:
         policy = attrs.evolve(policy, extract=extract)
     return policy
+
+
+def _with_equivalence(part: T, equivalence: Equivalence) -> T:
+    """``part`` grouping answers under ``equivalence``, if it groups answers."""
+    if attrs.has(type(part)) and "equivalence" in attrs.fields_dict(type(part)):
+        return attrs.evolve(part, equivalence=equivalence)
+    return part
 
 
 def method_scoring(method: str, config: BenchConfig) -> Scoring:

@@ -39,10 +39,11 @@ from sart.policies.recipes import (
 )
 from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
-from sart.policies.stop import AllDone, FirstM
+from sart.policies.stop import Agreement, AllDone, FirstM
 
 __all__ = [
     "AdmitRule",
+    "Agreement",
     "AllDone",
     "BestReward",
     "BranchByLoad",

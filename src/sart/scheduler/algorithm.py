@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import attrs
+
 from sart.results import RequestResult
 from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running
 from sart.state import BranchState, RequestState
@@ -140,7 +142,32 @@ def should_finish(req: RequestState, view: RequestView | None) -> bool:
         return True
     # Stop rules are consulted only once a branch has completed, so a finished
     # request always has an answer.
-    return bool(req.num_completed) and bool(call(req.policy.stop.should_stop, view or req.view()))
+    if not req.num_completed:
+        return False
+    rule = req.policy.stop
+    view = view or req.view()
+    if rule.needs_answers:
+        view = with_answers(req, view)
+    return bool(call(rule.should_stop, view))
+
+
+def answer(req: RequestState, branch: BranchState) -> str:
+    """A completed branch's answer by the policy's ``extract``, extracted once."""
+    if branch.answer is None:
+        value = call(req.policy.extract, branch.text)
+        if not isinstance(value, str):
+            raise PolicyFailure(f"extract returned {value!r}; answers must be str")
+        branch.answer = value
+    return branch.answer
+
+
+def with_answers(req: RequestState, view: RequestView) -> RequestView:
+    """``view`` with its completed branches' answers (for a stop rule that reads them)."""
+    branches = tuple(
+        attrs.evolve(b, answer=answer(req, req.branches[b.index])) if b.is_completed else b
+        for b in view.branches
+    )
+    return attrs.evolve(view, branches=branches)
 
 
 def choose_answer(req: RequestState) -> tuple[BranchState, dict[int, str]]:
@@ -154,10 +181,7 @@ def choose_answer(req: RequestState) -> tuple[BranchState, dict[int, str]]:
     if not completed:
         raise PolicyFailure("no branch completed")
     policy = req.policy
-    answers = [call(policy.extract, b.text) for b in completed]
-    if not all(isinstance(a, str) for a in answers):
-        raise PolicyFailure(f"extract returned {answers!r}; answers must be str")
-    answer_of = {b.index: a for b, a in zip(completed, answers)}
+    answer_of = {b.index: answer(req, b) for b in completed}
     candidates = [b for b in completed if b.status is BranchStatus.FINISHED] or completed
     answers = [answer_of[b.index] for b in candidates]
     if len(candidates) == 1:
