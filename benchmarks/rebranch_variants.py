@@ -34,7 +34,7 @@ from __future__ import annotations
 import attrs
 
 import sart
-from sart.engines.costs import PRESETS, CostModel
+from sart.engines.costs import PRESETS, compute_bound
 from sart.methods import OPTIONS, register_method
 
 CPU_STEP = (2.4e-3, 0.33e-3)
@@ -43,18 +43,7 @@ fixed seconds and seconds a row, as the scheduler fits it (``benchmarks/step_cos
 
 # ``--cost-model cpu-testbed``: the simulator with steps priced as that CPU's (no
 # roofline: a row costs its own compute; no KV limit; the PRM unpriced).
-PRESETS.setdefault(
-    "cpu-testbed",
-    CostModel(
-        name="cpu-testbed",
-        weight_bytes=0,
-        kv_bytes_per_token=0,
-        bandwidth=1.0,
-        flops=2.0 / CPU_STEP[1],
-        params=1.0,
-        step_overhead=CPU_STEP[0],
-    ),
-)
+PRESETS.setdefault("cpu-testbed", compute_bound("cpu-testbed", *CPU_STEP))
 
 
 def _variant(name: str, label: str, **changes: object) -> None:

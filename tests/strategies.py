@@ -24,7 +24,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 
 import sart
-from sart.engines.costs import CostModel
+from sart.engines.costs import compute_bound
 from sart.testing import BranchScript, FakeEngine, ScriptedPRM
 
 ANSWERS = ("42", "41", "7")
@@ -337,13 +337,5 @@ def workloads(draw: st.DrawFn, max_requests: int = 6) -> Workload:
     )
 
 
-CPU_LIKE = CostModel(
-    name="cpu-like",
-    weight_bytes=0,
-    kv_bytes_per_token=0,
-    bandwidth=1.0,
-    flops=2.0 / 1e-3,
-    params=1.0,
-    step_overhead=2e-3,
-)
+CPU_LIKE = compute_bound("cpu-like", fixed=2e-3, per_row=1e-3)
 """Steps of 2 ms + 1 ms a row: a row budget binds (on the fake engine it never does)."""

@@ -28,6 +28,7 @@ from sart.engines.costs import (
     QWEN_14B,
     STEPS,
     CostModel,
+    compute_bound,
     cost_model,
     serving,
 )
@@ -106,6 +107,27 @@ def test_one_branch_one_step_by_hand() -> None:
     assert memory > compute
     assert cost.decode_time([ctx], [1]) == pytest.approx(1e-3 + memory, rel=1e-12)
     assert cost.decode_time([ctx], [1]) == pytest.approx(0.012859, rel=1e-4)
+
+
+@given(
+    fixed=st.floats(0, 0.1),
+    per_row=st.floats(1e-6, 0.01),
+    contexts=st.lists(st.integers(0, 30_000), min_size=1, max_size=64),
+)
+def test_compute_bound_prices_a_step_as_fixed_plus_per_row(
+    fixed: float, per_row: float, contexts: list[int]
+) -> None:
+    cost = compute_bound("cpu", fixed, per_row)
+    rows = len(contexts)
+    assert cost.decode_time(contexts, [1] * rows) == pytest.approx(fixed + per_row * rows)
+    assert cost.kv_capacity_tokens is None
+
+
+def test_compute_bound_names_a_bad_field() -> None:
+    with pytest.raises(ConfigError, match="per_row=0 must be > 0"):
+        compute_bound("cpu", 1e-3, 0)
+    with pytest.raises(ConfigError, match="fixed=-1 must be >= 0"):
+        compute_bound("cpu", -1, 1e-3)
 
 
 @pytest.mark.parametrize("name", REAL_PRESETS)

@@ -174,6 +174,25 @@ def serving(
     )
 
 
+def compute_bound(name: str, fixed: float, per_row: float) -> CostModel:
+    """A decode step of ``fixed`` seconds plus ``per_row`` seconds a running branch: an
+    engine where each row costs its own compute (a CPU; no weights' read to share, no
+    KV limit), as the scheduler's step-cost fit describes one
+    (``sart.scheduler.step_cost``)."""
+    config_check(fixed >= 0, "fixed", fixed, ">= 0")
+    config_check(per_row > 0, "per_row", per_row, "> 0")
+    return CostModel(
+        name=name,
+        weight_bytes=0,
+        kv_bytes_per_token=0,
+        bandwidth=1.0,
+        # A row's compute is 2 * params / flops seconds: params 1 makes it per_row.
+        flops=2.0 / per_row,
+        params=1.0,
+        step_overhead=fixed,
+    )
+
+
 STEPS = CostModel(
     name="steps",
     weight_bytes=0,
