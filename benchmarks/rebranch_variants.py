@@ -12,9 +12,9 @@ is ``sart bench``'s:
 (or ``--plugin rebranch_variants`` with ``benchmarks`` on ``PYTHONPATH``).
 docs/testbed.md gives the numbers and the choice. Not imported by sart itself.
 
-``rb-rows-off``, ``rb-rows0.5`` and ``rb-rows2`` are ``sart-rebranch`` with its
-``row_budget`` off, 0.5 and 2 (1 by default); ``rb-agree-off`` and ``rb-agree3`` with
-its ``agree`` off (stop only at M) and 3 (2 by default). ``--cost-model cpu-testbed``
+``rb-agree-off`` and ``rb-agree3`` are ``sart-rebranch`` with its ``agree`` off (stop
+only at M) and 3 (2 by default); ``rb-rows-off``, ``rb-rows0.5`` and ``rb-rows2`` are
+``rb-agree-off`` with its ``row_budget`` off, 0.5 and 2 (1 by default). ``--cost-model cpu-testbed``
 prices the simulator's steps as the long testbed's on transformers on this project's
 CPU, where a row costs its own compute (``CPU_STEP``).
 
@@ -23,10 +23,10 @@ prints each method's means over the seeds beside the first method's (accuracy,
 P97, tokens per request, and the P97 ratio's mean and largest), for the simulator,
 where one seed's 200 requests move accuracy by several points:
 
-    python benchmarks/rebranch_variants.py --seeds 5 \
+    python benchmarks/rebranch_variants.py --seeds 10 \
       --workload benchmarks/runs/testbed-long-vllm/trace.jsonl.gz --batch-size 32 \
       --requests 200 --n 8 --rate 0.25 0.5 0.75 \
-      --methods sart sart-rebranch rb-busy-replace rb-busy-prune
+      --methods sart rb-agree-off sart-rebranch rb-agree3
 """
 
 from __future__ import annotations
@@ -143,13 +143,14 @@ def _rebranch_with(name: str, **options: float | int | None) -> None:
     register_method(name, build, label=name, short_label=name, options=OPTIONS)
 
 
-# ``row_budget=None``: as it was before compute counted as room.
-_rebranch_with("rb-rows-off", row_budget=None)
-_rebranch_with("rb-rows0.5", row_budget=0.5)
-_rebranch_with("rb-rows2", row_budget=2.0)
-# ``agree=None``: stop only at M, as it did before ``sart.Agreement``.
+# ``agree=None``: stop only at M, as ``sart-rebranch`` did before ``sart.Agreement``.
 _rebranch_with("rb-agree-off", agree=None)
 _rebranch_with("rb-agree3", agree=3)
+# The row budget's variants, measured before the agreement stop (``row_budget=None``:
+# as it was before compute counted as room); ``rb-agree-off`` is their row budget 1.
+_rebranch_with("rb-rows-off", row_budget=None, agree=None)
+_rebranch_with("rb-rows0.5", row_budget=0.5, agree=None)
+_rebranch_with("rb-rows2", row_budget=2.0, agree=None)
 for _busy in sart.policies.reward_balance.BUSY:
     _reshare(f"rb-busy-{_busy}", sart.WeightedVote(), busy=_busy)
 

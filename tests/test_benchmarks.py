@@ -100,8 +100,11 @@ CASES = [
     Case(
         "rebranch_variants.py",
         "--seeds 2 --requests 12 --n 4 --rate 2 --cost-model cpu-testbed "
-        "--methods sart rb-rows-off --out /tmp/sart-bench-rebranch-cpu",
-        (rf"^\s+2 rb-rows-off\s+{NUMBER}\s+[+-]{NUMBER}(\s+{NUMBER}){{4}}",),
+        "--methods sart rb-rows-off rb-agree-off --out /tmp/sart-bench-rebranch-cpu",
+        tuple(
+            rf"^\s+2 {method}\s+{NUMBER}\s+[+-]{NUMBER}(\s+{NUMBER}){{4}}"
+            for method in ("rb-rows-off", "rb-agree-off")
+        ),
     ),
     Case(
         "step_cost.py",

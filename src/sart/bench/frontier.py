@@ -69,8 +69,9 @@ def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], p
     markers = {n: "os^Dvp*h"[i % 8] for i, n in enumerate(sorted({r.n for r in records}))}
     plain = plt.FuncFormatter(lambda v, _p: f"{v:g}")
     # On a log axis over less than a decade only minor ticks fall inside: label the
-    # 2s and 5s among them, in plain numbers.
-    minor = plt.FuncFormatter(lambda v, _p: f"{v:g}" if f"{v:g}"[0] in "25" else "")
+    # 2s and 5s among them, in plain numbers, or all of them over less than half a
+    # decade (5.6 to 9.7 s has no 2 or 5 in it).
+    some = plt.FuncFormatter(lambda v, _p: f"{v:g}" if f"{v:g}"[0] in "25" else "")
     for col, rate in enumerate(rates):
         here = [r for r in records if r.rate == rate]
         title = "trace" if rate is None else f"{rate:g} req/s"
@@ -108,8 +109,9 @@ def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], p
                 ylabel="accuracy (%)",
                 xscale="log",
             )
+            low, high = ax.get_xlim()
             ax.xaxis.set_major_formatter(plain)
-            ax.xaxis.set_minor_formatter(minor)
+            ax.xaxis.set_minor_formatter(plain if high < 3 * low else some)
     handles = [
         plt.Line2D([], [], color=colors[m], marker="o", linestyle="none", label=get_method(m).label)
         for m in methods
