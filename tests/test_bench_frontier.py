@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from sart.bench.frontier import dominated_by, dominates, frontier, tokens
+from types import SimpleNamespace
+
+from sart.bench.frontier import dominated_by, dominates, frontier, label, plot_frontier, tokens
+from sart.bench.plots import pyplot
 from sart.bench.runner import RunRecord
 from sart.metrics import Distribution, RunSummary
 
@@ -43,3 +46,13 @@ def test_runs_at_another_rate_never_dominate() -> None:
     slow = record("sart", 8, 0.80, 50.0, 3000, rate=1.0)
     idle = record("rebase", 8, 0.95, 15.0, 9000, rate=0.25)
     assert dominated_by(slow, [slow, idle]) == []
+
+
+def test_labels_name_registered_methods_and_a_plugins_variant_alike(tmp_path) -> None:
+    assert label(record("sart-rebranch", 8, 0.9, 10.0, 3000)) == "SART-rebranch 8"
+    assert label(record("vanilla", 1, 0.5, 1.0, 300)) == "Vanilla"
+    # A variant a --plugin served is no longer registered when the figure is drawn.
+    assert label(record("rb-agree-off", 8, 0.9, 10.0, 3000)) == "rb-agree-off 8"
+    runs = [record("rb-agree-off", 8, 0.87, 24.9, 3762), record("sart", 8, 0.8, 18.3, 3521)]
+    path = plot_frontier(pyplot(), SimpleNamespace(cost="s"), runs, tmp_path / "f.png")
+    assert path.stat().st_size > 0

@@ -9,7 +9,7 @@ does, on its own accelerator of the policy's kind, with overlapped scoring.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 
@@ -54,8 +54,9 @@ def method_policy(
 
 def _with_equivalence(part: T, equivalence: Equivalence) -> T:
     """``part`` grouping answers under ``equivalence``, if it groups answers."""
-    if attrs.has(type(part)) and "equivalence" in attrs.fields_dict(type(part)):
-        return attrs.evolve(part, equivalence=equivalence)
+    grouping: Any = part  # a stop rule or selector; the grouping ones are attrs classes
+    if attrs.has(type(grouping)) and "equivalence" in attrs.fields_dict(type(grouping)):
+        return attrs.evolve(grouping, equivalence=equivalence)
     return part
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import BenchConfig, RunRecord
-from sart.methods import get_method
+from sart.methods import get_method, method_names
 
 Cost = Callable[[RunRecord], float]
 
@@ -53,8 +53,16 @@ def frontier(records: Sequence[RunRecord], cost: Cost = p97) -> list[RunRecord]:
 
 
 def label(record: RunRecord) -> str:
+    """``record``'s method and N as the figure names it; a method no longer registered
+    (a variant a plugin served) by its name."""
+    if record.method not in method_names():
+        return f"{record.method} {record.n}"
     method = get_method(record.method)
     return method.short_label if not method.branches else f"{method.short_label} {record.n}"
+
+
+def _legend(name: str) -> str:
+    return get_method(name).label if name in method_names() else name
 
 
 def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], path: Path) -> Path:
@@ -64,7 +72,11 @@ def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], p
     rates = list(dict.fromkeys(r.rate for r in records))
     fig, axes = plt.subplots(2, len(rates), figsize=(6.2 * len(rates), 9.5), squeeze=False)
     unit = "decode steps" if config.cost == "steps" else "s"
-    methods = list(dict.fromkeys(r.method for r in records))
+    # In the registry's order, so that every figure colours a method alike.
+    known = {name: i for i, name in enumerate(method_names())}
+    methods = sorted(
+        dict.fromkeys(r.method for r in records), key=lambda m: known.get(m, len(known))
+    )
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
     markers = {n: "os^Dvp*h"[i % 8] for i, n in enumerate(sorted({r.n for r in records}))}
     plain = plt.FuncFormatter(lambda v, _p: f"{v:g}")
@@ -113,7 +125,7 @@ def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], p
             ax.xaxis.set_major_formatter(plain)
             ax.xaxis.set_minor_formatter(plain if high < 3 * low else some)
     handles = [
-        plt.Line2D([], [], color=colors[m], marker="o", linestyle="none", label=get_method(m).label)
+        plt.Line2D([], [], color=colors[m], marker="o", linestyle="none", label=_legend(m))
         for m in methods
     ]
     handles += [
