@@ -33,7 +33,7 @@ class Agreement(StopRule):
     branches that finished (EOS or a stop string) count toward agreement: one cut at
     ``max_tokens`` wrote no conclusion. Answers are the policy's ``extract`` of each
     branch and count together when ``equivalence`` says they are the same (default:
-    equal strings). ``k = m`` is ``FirstM(m)`` restricted to unanimous stops.
+    equal strings). With ``k = m`` it stops exactly when ``FirstM(m)`` does.
     """
 
     m: int = attrs.field(validator=int_at_least(1))
