@@ -17,9 +17,16 @@ def branch(
     reward: float | None = None,
     end_step: int | None = None,
     text: str = "",
+    answer: str | None = None,
 ) -> BranchView:
     return BranchView(
-        index=index, status=status, num_tokens=10, reward=reward, text=text, end_step=end_step
+        index=index,
+        status=status,
+        num_tokens=10,
+        reward=reward,
+        text=text,
+        end_step=end_step,
+        answer=answer,
     )
 
 
@@ -79,15 +86,8 @@ def test_first_m_and_all_done() -> None:
 
 
 def answered(index: int, answer: str, status: BranchStatus = S.FINISHED) -> BranchView:
-    return BranchView(
-        index=index,
-        status=status,
-        num_tokens=10,
-        reward=0.5,
-        text="",
-        end_step=index,
-        answer=answer,
-    )
+    """A completed branch as a stop rule that reads answers sees it."""
+    return branch(index, status, end_step=index, answer=answer)
 
 
 def test_agreement_stops_once_k_finished_branches_agree_or_m_completed() -> None:

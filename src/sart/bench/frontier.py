@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import BenchConfig, RunRecord
-from sart.methods import get_method, method_names
+from sart.methods import Method, get_method, method_names
 
 Cost = Callable[[RunRecord], float]
 
@@ -55,14 +55,20 @@ def frontier(records: Sequence[RunRecord], cost: Cost = p97) -> list[RunRecord]:
 def label(record: RunRecord) -> str:
     """``record``'s method and N as the figure names it; a method no longer registered
     (a variant a plugin served) by its name."""
-    if record.method not in method_names():
+    method = _registered(record.method)
+    if method is None:
         return f"{record.method} {record.n}"
-    method = get_method(record.method)
     return method.short_label if not method.branches else f"{method.short_label} {record.n}"
 
 
+def _registered(name: str) -> Method | None:
+    """The method registered as ``name`` (``None``: a plugin's, not loaded here)."""
+    return get_method(name) if name in method_names() else None
+
+
 def _legend(name: str) -> str:
-    return get_method(name).label if name in method_names() else name
+    method = _registered(name)
+    return name if method is None else method.label
 
 
 def plot_frontier(plt: Any, config: BenchConfig, records: Sequence[RunRecord], path: Path) -> Path:
