@@ -10,7 +10,7 @@ from sart.confidence.signals import (
     TailConfidence,
     TokenConfidence,
 )
-from sart.policies.adaptive import BranchByLoad, ShedUnderLoad, fair_share
+from sart.policies.adaptive import BranchByLoad, ShedUnderLoad
 from sart.policies.base import (
     AdmitRule,
     PauseRule,
@@ -76,7 +76,6 @@ __all__ = [
     "WarmupThreshold",
     "WeightedVote",
     "deepconf_online",
-    "fair_share",
     "particle_filter",
     "rebase",
     "sart",
