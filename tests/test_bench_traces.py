@@ -8,11 +8,19 @@ thousands of lines.
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from sart.bench.traces import DEFAULT_PROMPT_TOKENS, Trace, TraceRequest, replay_requests
+from sart.bench.traces import (
+    DEFAULT_PROMPT_TOKENS,
+    Trace,
+    TraceRequest,
+    TraceScript,
+    replay_requests,
+)
 from sart.bench.workloads import workload
 from sart.engines.scripts import BranchScript
 from sart.errors import ConfigError
@@ -640,15 +648,72 @@ def test_a_fork_writes_its_own_remainder_from_the_same_share_of_another_branch()
     assert sevens == {1000, 1500}, "a continuation is drawn, not its parent's copied"
 
 
-def test_a_forks_rewards_are_its_parents_up_to_the_fork_then_its_own() -> None:
-    for child in fork_children(position=500, count=50):
-        assert child.rewards[:5] == (0.9,) * 5  # the parent's, on the shared prefix
-        source = {"7": None, "8": 0.2, "9": 0.3}[child.answer]
-        if source is not None:
-            assert set(child.rewards[5:]) == {source}
-            assert child.final_reward == {"8": 0.1, "9": 0.2}[child.answer]
-        # One reward per T = 100 tokens, to the child's own end.
-        assert len(child.rewards) == pytest.approx(child.length / 100, abs=1)
+def test_a_forks_rewards_are_its_parents_up_to_the_fork_then_move_as_its_sources() -> None:
+    """The PRM rates a child's prefix as its parent's; after the fork, where reward
+    gaps persist, the child's reward moves by what its source's moved from the same
+    share of its way (the source's changes, not its levels), within [0, 1]."""
+    request = TraceRequest(
+        "q",
+        0.0,
+        "7",
+        (
+            branch(400, "7", 0.6, 0.7, 0.8, 0.8, final=0.85),  # the mother
+            branch(400, "3", 0.5, 0.4, 0.2, 0.1, final=0.05),  # slips: its reward falls
+            branch(400, "7", 0.1, 0.2, 0.9, 1.0, final=0.9),  # climbs past 1 once shifted
+        ),
+        interval=100,
+    )
+    script = TraceScript(Trace.of([request]), persistence=1.0)
+    children = [script.fork(BranchId("q", 3 + i), BranchId("q", 0), 200) for i in range(200)]
+    # Forked halfway: the mother's reward there is 0.7; a source's is its second, and
+    # its rewards from the third on are shifted by the difference.
+    expected = {
+        (0.6, 0.7, 0.8, 0.8): 0.85,  # the mother's own future: no shift
+        (0.6, 0.7, 0.5, 0.4): 0.35,  # the slip's, shifted up by 0.3
+        (0.6, 0.7, 1.0, 1.0): 1.0,  # the climber's, shifted by 0.5 and clamped
+    }
+    seen = {tuple(round(r, 6) for r in c.rewards): c.final_reward for c in children}
+    assert seen.keys() == expected.keys(), "each source drawn, each shifted"
+    for rewards, final in seen.items():
+        assert final == pytest.approx(expected[rewards])
+    # Before the first check both sides are at the neutral 0.5: no shift.
+    early = script.fork(BranchId("q", 999), BranchId("q", 0), 50)
+    assert early.rewards in {b.rewards for b in request.branches}
+    # Where gaps do not persist at all, the child takes its source's levels.
+    levels = TraceScript(Trace.of([request]), persistence=0.0)
+    for i in range(50):
+        child = levels.fork(BranchId("q", 3 + i), BranchId("q", 0), 200)
+        assert any(
+            child.rewards[2:] == b.rewards[2:] and child.final_reward == b.final_reward
+            for b in request.branches
+        )
+
+
+def test_reward_persistence_reads_how_far_a_gap_carries_to_the_next_check() -> None:
+    from sart.bench.traces import reward_persistence
+
+    rng = random.Random(0)
+
+    def request(i: int, rewards: Callable[[int], tuple[float, ...]]) -> TraceRequest:
+        return TraceRequest(
+            f"q{i}", 0.0, "7", tuple(branch(600, "7", *rewards(k)) for k in range(4))
+        )
+
+    # A gap that stays (a branch's own level) carries in full; per-check noise does not.
+    lasting = [request(i, lambda k: (0.2 * k + 0.1,) * 6) for i in range(20)]
+    fleeting = [request(i, lambda k: tuple(rng.random() for _ in range(6))) for i in range(200)]
+    assert reward_persistence(Trace.of(lasting)) == pytest.approx(1.0)
+    assert abs(reward_persistence(Trace.of(fleeting))) < 0.05
+    # Levels with variance 0.0125 under noise of 0.0075: about 0.0125 / 0.02 carries.
+    both = [
+        request(i, lambda k: tuple(0.1 * k + 0.3 * rng.random() for _ in range(6)))
+        for i in range(200)
+    ]
+    assert 0.55 < reward_persistence(Trace.of(both)) < 0.7
+    # No branch scored twice: nothing to read.
+    assert reward_persistence(Trace.of([request(0, lambda k: (0.5,))])) == 0.0
+    # The script reads it from its trace unless told.
+    assert TraceScript(Trace.of(lasting)).persistence == pytest.approx(1.0)
 
 
 def test_forks_are_deterministic_and_looked_up_after() -> None:
@@ -706,3 +771,19 @@ def test_a_forks_correctness_follows_its_parents_reward_at_the_fork() -> None:
     # The former draw ignores the reward: a wrong parent's children are right as
     # often as a fresh branch is, less the share kept (60 / 200).
     assert 0.2 < right_share(1, None) < 0.5
+
+
+def test_generated_presets_fork_at_their_sources_levels_and_recordings_read_theirs(
+    tmp_path: Path,
+) -> None:
+    from sart.bench.traces import reward_persistence
+
+    generated = workload("gaokao").generate(20, 1.0, 4, 400)
+    assert generated.persistence == 0.0 and generated.script().persistence == 0.0
+    # Written out and read back, it is a recording like any other: read from its rewards.
+    generated.dump(tmp_path / "t.jsonl")
+    loaded = Trace.load(tmp_path / "t.jsonl")
+    assert loaded.persistence is None
+    assert loaded.script().persistence == reward_persistence(loaded) > 0.3
+    with pytest.raises(ConfigError, match=r"persistence=1.5 must be in \[0, 1\]"):
+        Trace.of(loaded.requests, persistence=1.5)

@@ -118,7 +118,9 @@ class WorkloadModel:
             arrival += arrivals.expovariate(rate)
             stream = f"{self.name}/{seed}/{rate}/{i}"
             requests.append(self._request(stream, f"r{i}", arrival, n, interval))
-        return Trace.of(requests)
+        # A child takes its source's rewards as they are: they are draws around that
+        # branch's latent quality, not ratings of the prefix it shares with its parent.
+        return Trace.of(requests, persistence=0.0)
 
     def _request(
         self, stream: str, rid: str, arrival: float, n: int, interval: int
