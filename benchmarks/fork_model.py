@@ -37,7 +37,9 @@ BUCKETS = (0.0, 0.5, 0.6, 0.7, 0.8, 1.01)
 
 
 def samples(paths: list[Path], gold: dict[str, str]) -> np.ndarray:
-    """``[reward at fork, share, parent right (-1: unknown), child right]`` per fork."""
+    """``[reward at fork, share, parent right (-1: unknown), child right, step]`` per
+    fork, ``step`` being the child's first reward after the fork less the parent's at
+    it (NaN where the child was not scored after it)."""
     rows = []
     for path in paths:
         opener = gzip.open if path.suffix == ".gz" else open
@@ -55,8 +57,10 @@ def samples(paths: list[Path], gold: dict[str, str]) -> np.ndarray:
                             continue
                         share = min(1.0, b["inherited"] / parent["num_tokens"])
                         ended = -1.0 if parent["answer"] is None else parent["answer"] == right
-                        rows.append((seen[-1], share, ended, b["answer"] == right))
-    return np.array(rows, dtype=float).reshape(-1, 4)
+                        after = [r for t, r in b["reward_history"] if t > b["inherited"]]
+                        step = after[0] - seen[-1] if after else float("nan")
+                        rows.append((seen[-1], share, ended, b["answer"] == right, step))
+    return np.array(rows, dtype=float).reshape(-1, 5)
 
 
 def logistic(x: np.ndarray, y: np.ndarray, ridge: float = 1e-3) -> tuple[np.ndarray, float]:
@@ -88,7 +92,7 @@ def main() -> None:
     data = samples(paths, gold)
     if not len(data):
         raise SystemExit("no forks with a scored parent in these runs")
-    reward, share, ended, right = data.T
+    reward, share, ended, right, step = data.T
     one = np.ones_like(reward)
     (intercept, slope), ll = logistic(np.stack([one, reward], axis=1), right)
     _, ll_share = logistic(np.stack([one, reward, share], axis=1), right)
@@ -107,6 +111,15 @@ def main() -> None:
         f"where the parent ended ({int(known.sum())} forks): reward {ll_known:.1f}, "
         f"reward + parent right {ll_ended:.1f}"
     )
+    # What the simulator's forks assume (sart.bench.traces.TraceScript): the PRM rates a
+    # child's prefix as its parent's, so the child's reward moves on from the parent's.
+    steps = step[~np.isnan(step)]
+    if len(steps):
+        low, mid, high = np.percentile(steps, [10, 50, 90])
+        print(
+            f"a child's first reward after its fork less its parent's there ({len(steps)} "
+            f"forks): median {mid:+.3f}, 10th-90th percentile {low:+.3f} to {high:+.3f}"
+        )
     print(f"{'reward':>11} {'forks':>6} {'right %':>8} {'fitted %':>9}")
     fitted = 1 / (1 + np.exp(-(intercept + slope * reward)))
     for low, high in itertools.pairwise(BUCKETS):
