@@ -33,7 +33,6 @@ import gzip
 import json
 import math
 import random
-import statistics
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
@@ -242,12 +241,13 @@ class TraceScript:
     it they are that branch's, shifted by ``persistence`` times the gap between
     ``p``'s reward there and that branch's at share ``f`` (within [0, 1]): how far
     a branch's reward above or below its request's carries from one check to the
-    next (``reward_persistence``, read from the trace). On the long testbed's
-    recorded trace it is 0.94: a real PRM rates a fork's prefix as its parent's,
-    and its reward moves on from there (measured on vLLM-CPU: a child's first
-    reward is within 0.02 of its parent's at the median); the generated presets'
-    per-check noise is partly transient (gaokao 0.58, gpqa 0.51), and a parent
-    chosen for a lucky check does not pass the luck on in full. The
+    next (``reward_persistence``, read from the trace, unless the trace says:
+    ``Trace.persistence``). On the long testbed's recorded trace it is 0.94: a real
+    PRM rates a fork's prefix as its parent's, and its reward moves on from there
+    (on vLLM-CPU a child's first reward after its fork is its parent's +0.014 at
+    the median; ``benchmarks/fork_model.py`` prints it). The generated presets say
+    0: their rewards are draws around each branch's own latent quality, not ratings
+    of a prefix, so a child takes its source's as they are. The
     draw is seeded by the child's id and position, so a replay is deterministic.
 
     With ``fork_model=None`` the child keeps ``p``'s answer with probability ``f``
@@ -332,9 +332,13 @@ def reward_persistence(trace: Trace) -> float:
             mean_later = sum(r[j + 1] for r in scored) / len(scored)
             now += [r[j] - mean_now for r in scored]
             later += [r[j + 1] - mean_later for r in scored]
-    if len(now) < 2 or statistics.pvariance(now) == 0 or statistics.pvariance(later) == 0:
+    # Gaps are centred per check, so their means are 0 but for rounding.
+    sxx = sum(x * x for x in now)
+    syy = sum(y * y for y in later)
+    if min(sxx, syy) <= 1e-12 * max(1, len(now)):  # no gaps to speak of (rms < 1e-6)
         return 0.0
-    return min(1.0, max(0.0, statistics.correlation(now, later)))
+    sxy = sum(x * y for x, y in zip(now, later, strict=True))
+    return min(1.0, max(0.0, sxy / math.sqrt(sxx * syy)))
 
 
 def _continue(
