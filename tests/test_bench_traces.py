@@ -679,6 +679,10 @@ def test_a_forks_rewards_are_its_parents_up_to_the_fork_then_move_as_its_sources
     # Before the first check both sides are at the neutral 0.5: no shift.
     early = script.fork(BranchId("q", 999), BranchId("q", 0), 50)
     assert early.rewards in {b.rewards for b in request.branches}
+    # One reward per T = 100 tokens, to the child's own end, whatever its length.
+    for child in fork_children(position=500, count=50):
+        assert child.rewards[:5] == (0.9,) * 5  # the parent's, on the shared prefix
+        assert len(child.rewards) == pytest.approx(child.length / 100, abs=1)
     # Where gaps do not persist at all, the child takes its source's levels.
     levels = TraceScript(Trace.of([request]), persistence=0.0)
     for i in range(50):

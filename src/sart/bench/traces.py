@@ -320,7 +320,8 @@ def reward_persistence(trace: Trace) -> float:
     """How much of a branch's reward gap to its request's other branches carries to
     its next check: the correlation, over every branch and check of ``trace``, of the
     gap (its reward less the mean of the request's branches scored there) with the
-    gap at the next check; within [0, 1], and 0 where the trace has no two checks."""
+    gap at the next check; within [0, 1], and 0 where there is no gap to read (no
+    branch scored twice beside another, or every branch alike)."""
     now: list[float] = []
     later: list[float] = []
     for request in trace.requests:
