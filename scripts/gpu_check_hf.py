@@ -8,22 +8,29 @@ their numbers; exit 1 if any failed. Checks:
 - ``environment``: torch and transformers versions, the GPU;
 - ``conformance``: ``check_engine`` on ``HFEngine`` over the testbed policy, on the device;
 - ``greedy parity``: the testbed policy's greedy tokens on the device equal the CPU's;
+- ``graph parity``: the long testbed's policy decoding over CUDA graphs
+  (``cuda_graphs=True``, ``sart.engines.hf_graphs``) makes the default path's tokens,
+  through a rebuild (a branch aborted) and past a column bucket;
 - ``step cost``: the long testbed's policy decoding 8, 32 and 64 branches: ms per
   steady step and kernel launches per step (on a CPU: aten operations), and those
-  of a step that rebuilds the batch (a branch ended);
+  of a step that rebuilds the batch (a branch ended); ``graph steps``: the same
+  over CUDA graphs (graphs captured on the way counted apart);
 - ``prm cost``: the long testbed's PRM checking as many branches in one forward,
   from their caches: kernel launches (aten operations) per check;
 - ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
   SART, at ``--rate``: P50 and P97 per method;
+  ``bench graphs``: the same with ``--cuda-graphs`` (on a GPU only);
 - ``7b decode``: a 7B-shape policy (Qwen2.5-7B's: 28 layers, hidden 3,584, GQA 28/4,
   vocabulary 152,064; random bfloat16 weights) through ``HFEngine`` at batch 1 to 64:
   ms per step and tokens/s, beside the bound of reading its weights once a step;
+  ``7b graphs``: the same over CUDA graphs;
 - ``7b prm``: a 7B-shape token-classification PRM through ``QwenMathPRM``, 32
   branches scored twice (fresh, then 64 tokens more each): PRM tokens/s.
 
 ``--quick`` (with ``--allow-cpu``, as CI runs it) shrinks every shape and count (and
 benches the short testbed) so the whole runs in a minute on a CPU: the code paths,
-not the numbers.
+not the numbers. On a CPU the graph checks run the graphs' forward without capturing
+it (``StaticDecode(capture=False)``): the code path, not the capture.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ def synchronize(device: Any) -> None:
 
 
 def profiled(device: Any, run: Callable[[], object]) -> int:
-    """Kernel launches (on a CPU: aten operations) while ``run`` runs."""
+    """Kernel and graph launches (on a CPU: aten operations) while ``run`` runs."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -75,9 +82,20 @@ def profiled(device: Any, run: Callable[[], object]) -> int:
         run()
         synchronize(device)
     events = prof.key_averages()
-    if device.type == "cuda":
-        return sum(e.count for e in events if "LaunchKernel" in e.key)
+    if device.type == "cuda":  # a CUDA graph's replay is one launch
+        return sum(e.count for e in events if "LaunchKernel" in e.key or "GraphLaunch" in e.key)
     return sum(e.count for e in events if e.key.startswith("aten::"))
+
+
+def graphed(engine: Any, device: Any, column_bucket: int | None = None) -> Any:
+    """``engine`` decoding over CUDA graphs (``cuda_graphs=True``'s path); on a CPU the
+    same forward, not captured."""
+    from sart.engines.hf_graphs import COLUMN_BUCKET, StaticDecode
+
+    engine.static = StaticDecode(
+        engine.model, capture=device.type == "cuda", column_bucket=column_bucket or COLUMN_BUCKET
+    )
+    return engine
 
 
 def environment(device: Any) -> tuple[str, dict[str, Any]]:
@@ -128,13 +146,58 @@ def greedy_parity(device: Any) -> tuple[str, dict[str, Any]]:
     return f"{len(cpu)} greedy tokens identical on {device} and cpu", {"tokens": len(cpu)}
 
 
-def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str, Any]]:
+def graph_parity(device: Any, steps: int, column_bucket: int) -> tuple[str, dict[str, Any]]:
+    from sart.engines.hf import HFEngine
+    from sart.messages import BranchSpec
+    from sart.testbed import LONG, make_questions
+    from sart.types import BranchId, SamplingSettings
+
+    questions = make_questions(3, 2, LONG.difficulties, cycle=LONG.cycle)
+    settings = SamplingSettings(temperature=1.0, max_tokens=steps, ignore_eos=True)
+
+    def tokens(graphs: bool) -> tuple[dict[BranchId, list[int]], int]:
+        engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
+        if graphs:
+            graphed(engine, device, column_bucket)
+        for r, q in enumerate(questions):
+            engine.prefill(f"q{r}", q.prompt, settings)
+            engine.start_branches(f"q{r}", [BranchSpec(j, seed=10 * r + j) for j in range(3)])
+        out: dict[BranchId, list[int]] = {}
+
+        def run(count: int) -> None:
+            for bid, delta in engine.step(count).deltas.items():
+                out.setdefault(bid, []).extend(delta.token_ids)
+
+        run(steps // 3)
+        engine.abort([BranchId("q0", 1)])  # the next step rebuilds the rows
+        run(steps)
+        captures = engine.static.captures if engine.static is not None else 0
+        return out, captures
+
+    (plain, _), (fast, captures) = tokens(False), tokens(True)
+    for bid in plain:
+        if fast[bid] != plain[bid]:
+            first = next(i for i, (a, b) in enumerate(zip(plain[bid], fast[bid])) if a != b)
+            raise AssertionError(f"{bid}: tokens over graphs differ from token {first} on")
+    count = sum(map(len, plain.values()))
+    return (
+        f"{count} sampled tokens of {len(plain)} branches identical ({captures} graphs captured)",
+        {"tokens": count, "captures": captures},
+    )
+
+
+def step_cost(
+    device: Any, counts: list[int], steps: int, graphs: bool = False
+) -> tuple[str, dict[str, Any]]:
     from sart.engines.hf import HFEngine
     from sart.messages import BranchSpec
     from sart.testbed import LONG, make_questions
     from sart.types import BranchId, SamplingSettings
 
     engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
+    if graphs:
+        engine.split_cost = None
+        graphed(engine, device)
     settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
     out: dict[str, Any] = {}
     for branches in counts:
@@ -143,7 +206,7 @@ def step_cost(device: Any, counts: list[int], steps: int) -> tuple[str, dict[str
         for rid, q in zip(ids, questions):
             engine.prefill(rid, q.prompt, settings)
             engine.start_branches(rid, [BranchSpec(j, seed=j) for j in range(branches // len(ids))])
-        engine.step(8)  # past the batch's first build
+        engine.step(8)  # past the batch's first build (and its graph's capture)
         synchronize(device)
         started = time.perf_counter()
         engine.step(steps)
@@ -214,7 +277,9 @@ def prm_cost(device: Any, counts: list[int]) -> tuple[str, dict[str, Any]]:
     return detail + " a check", out
 
 
-def bench(device: Any, model: str, requests: int, rate: float) -> tuple[str, dict[str, Any]]:
+def bench(
+    device: Any, model: str, requests: int, rate: float, graphs: bool = False
+) -> tuple[str, dict[str, Any]]:
     import contextlib
     import io
 
@@ -226,6 +291,7 @@ def bench(device: Any, model: str, requests: int, rate: float) -> tuple[str, dic
         "--model", model, "--requests", str(requests), "--n", "8",
         "--rate", str(rate), "--batch-size", "32", "--methods", "vanilla", "sc", "sart",
         "--json", "--no-plots", "--out", tempfile.mkdtemp(prefix="gpu-check-bench-"),
+        *(["--cuda-graphs"] if graphs else []),
     ]  # fmt: skip
     with contextlib.redirect_stdout(out):
         code = main(argv)
@@ -260,7 +326,7 @@ def weight_bytes(model: Any) -> int:
 
 
 def decode_7b(
-    device: Any, shape: dict[str, int], batches: list[int], steps: int
+    device: Any, shape: dict[str, int], batches: list[int], steps: int, graphs: bool = False
 ) -> tuple[str, dict[str, Any]]:
     import torch
 
@@ -272,6 +338,8 @@ def decode_7b(
     model = shaped_model(shape, device)
     engine = HFEngine(model, build_tokenizer())
     engine.split_cost = None
+    if graphs:
+        graphed(engine, device)
     settings = SamplingSettings(temperature=1.0, max_tokens=steps + 32, ignore_eos=True)
     prompt = list(range(5, 5 + 128))  # token ids: the tokenizer is not the shape's
     from sart.engines.costs import H100, H200
@@ -361,15 +429,23 @@ def main(argv: list[str] | None = None) -> int:
     report.check("environment", lambda: environment(device))
     report.check("conformance", lambda: conformance(device))
     report.check("greedy parity", lambda: greedy_parity(device))
+    # Past a column bucket: 256 columns on a GPU; 16 in the quick run.
+    report.check("graph parity", lambda: graph_parity(device, *((24, 16) if quick else (300, 256))))
     counts, steps = ([8, 32], 8) if quick else ([8, 32, 64], 64)
     report.check("step cost", lambda: step_cost(device, counts, steps))
+    report.check("graph steps", lambda: step_cost(device, counts, steps, graphs=True))
     report.check("prm cost", lambda: prm_cost(device, counts))
     requests = 8 if quick else args.requests
     bed = "testbed" if quick else "testbed-long"
-    report.check("bench", lambda: bench(device, bed, requests, 8.0 if quick else args.rate))
+    rate = 8.0 if quick else args.rate
+    report.check("bench", lambda: bench(device, bed, requests, rate))
+    if device.type == "cuda":  # --cuda-graphs needs one
+        report.check("bench graphs", lambda: bench(device, bed, requests, rate, graphs=True))
     shape = TINY if quick else QWEN_7B
     batches = [1, 8] if quick else [1, 8, 32, 64]
-    report.check("7b decode", lambda: decode_7b(device, shape, batches, 8 if quick else 32))
+    step7 = 8 if quick else 32
+    report.check("7b decode", lambda: decode_7b(device, shape, batches, step7))
+    report.check("7b graphs", lambda: decode_7b(device, shape, batches, step7, graphs=True))
     report.check("7b prm", lambda: prm_7b(device, shape, 4 if quick else 32))
     return report.finish(args.json)
 

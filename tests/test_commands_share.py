@@ -221,6 +221,8 @@ def _every_command(tmp_path: Path, *flags: str) -> dict[str, list[str]]:
     ("flags", "message"),
     [
         (["--engine", "vllm", "--device", "cuda:0"], "--device has no effect with --engine vllm"),
+        (["--engine", "vllm", "--cuda-graphs"], "--cuda-graphs has no effect with --engine vllm"),
+        (["--engine", "hf", "--cuda-graphs"], "--device 'cpu' must be a CUDA device"),
         (["--engine", "hf", "--sglang-arg", "tp_size=2"], "--sglang-arg has no effect with"),
         (["--engine", "hf", "--vllm-arg", "dtype=half"], "--vllm-arg has no effect with"),
         (

@@ -27,6 +27,7 @@ from sart.engines.hf_kv import (  # noqa: E402
     StepBatch,
     StepBatches,
     batch,
+    fill,
     groups,
     split_cost,
 )
@@ -93,6 +94,16 @@ def test_a_forks_span_is_its_parents_positions_and_grows_apart() -> None:
     assert (span.length, fork.length) == (2, 3) and fork.pairs is span.pairs
     pairs = batch([span, fork], width=3)
     assert [_row(pairs, 0, 3), _row(pairs, 1, 3)] == [[5.0, 5.0, 6.0], [5.0, 6.0, 7.0]]
+
+
+def test_a_batch_rebuilt_in_the_tensor_its_spans_are_in_reads_before_it_writes() -> None:
+    # The CUDA-graph path keeps one buffer (hf_graphs) and rebuilds rows in it: row 0
+    # is written from a prompt while row 1 must still read what row 0 held.
+    prompt = _tensor([[1.0, 2.0]])
+    step = [(k.clone(), v.clone()) for k, v in _tensor([[5.0, 6.0, 7.0, 8.0, 0.0], [0.0] * 5])]
+    fill(step, [Span(prompt, 0, 0, 2), Span(step, 0, 0, 4)], width=4)
+    assert [_row(step, 0, 4), _row(step, 1, 4)] == [[1.0, 1.0, 1.0, 2.0], [5.0, 6.0, 7.0, 8.0]]
+    assert _row(step, 1, 4, layer=1) == [5.0, 6.0, 7.0, 8.0]
 
 
 def test_the_step_batch_is_reused_only_for_the_same_rows_one_longer() -> None:
@@ -194,14 +205,21 @@ def model_and_tokenizer(demo_models: dict[str, Path]) -> tuple[object, object]:
 
 
 def _serve(
-    model: object, tokenizer: object, in_place: bool, cost: int | None = None
+    model: object,
+    tokenizer: object,
+    in_place: bool,
+    cost: int | None = None,
+    setup: Callable[[HFEngine], None] | None = None,
 ) -> dict[BranchId, tuple]:
     """A mix that changes the live branches often: prompts of different lengths, a
     fork, an abort, a pause and resume, a request arriving mid-way. Returns each
-    branch's tokens and log-probabilities (and, under ``FORWARDS``, the forwards)."""
+    branch's tokens and log-probabilities (and, under ``FORWARDS``, the forwards).
+    ``setup`` changes the engine before it serves (``test_engines_hf_graphs.py``)."""
     engine = HFEngine(model, tokenizer)
     engine.in_place = in_place
     engine.split_cost = cost
+    if setup is not None:
+        setup(engine)
     forward = engine._forward
     forwards = [0]
 

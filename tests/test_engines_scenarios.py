@@ -1,6 +1,7 @@
 """The scenarios every real engine adapter must pass, run against each of them.
 
-The adapters: ``HFEngine`` on the demo policy; ``VLLMEngine`` and
+The adapters: ``HFEngine`` on the demo policy (also decoding over its own buffers,
+as under CUDA graphs); ``VLLMEngine`` and
 ``VLLMAsyncEngine`` on vLLM (where it is installed, one engine of each per
 session); ``OpenAIEngine`` against a real ``vllm serve`` (also where vLLM is);
 ``SGLangEngine`` on its stand-in (``sglang_standin``) and on a real
@@ -136,6 +137,19 @@ class HF(Adapter):
 
     def encode(self, text: str) -> list[int]:
         return list(self.base.tokenizer(text)["input_ids"])
+
+
+class HFStatic(HF):
+    """``HFEngine`` decoding over its own buffers, as ``cuda_graphs=True`` does on a
+    GPU (here without the capture: ``sart.engines.hf_graphs``). Small column buckets:
+    the scenarios cross them and grow the buffers."""
+
+    def _fresh(self) -> Any:
+        from sart.engines.hf_graphs import StaticDecode
+
+        engine = super()._fresh()
+        engine.static = StaticDecode(engine.model, capture=False, column_bucket=8)
+        return engine
 
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         import torch
@@ -447,7 +461,16 @@ class OpenAIOnSGLang(OpenAI):
 
 @pytest.fixture(
     scope="module",
-    params=["hf", "vllm", "vllm-async", "openai", "sglang-stand-in", "sglang", "openai-sglang"],
+    params=[
+        "hf",
+        "hf-static",
+        "vllm",
+        "vllm-async",
+        "openai",
+        "sglang-stand-in",
+        "sglang",
+        "openai-sglang",
+    ],
 )
 def adapter(request: pytest.FixtureRequest) -> Iterator[Adapter]:
     name = request.param
@@ -460,6 +483,8 @@ def adapter(request: pytest.FixtureRequest) -> Iterator[Adapter]:
     demo_models = request.getfixturevalue("demo_models")
     if name == "hf":
         yield HF(demo_models)
+    elif name == "hf-static":
+        yield HFStatic(demo_models)
     elif name == "vllm":
         yield VLLM(request.getfixturevalue("vllm_engine"), demo_models)
     elif name == "vllm-async":

@@ -21,10 +21,13 @@ CHECKS = (
     "environment",
     "conformance",
     "greedy parity",
+    "graph parity",
     "step cost",
+    "graph steps",
     "prm cost",
     "bench",
     "7b decode",
+    "7b graphs",
     "7b prm",
 )
 
@@ -38,10 +41,13 @@ def test_every_check_passes_and_lands_in_the_json(tmp_path: Path) -> None:
     assert [line[6:20].strip() for line in lines] == list(CHECKS)
     rows = json.loads(out.read_text())
     assert [row["check"] for row in rows] == list(CHECKS) and all(row["ok"] for row in rows)
-    steps = rows[3]["data"]
-    assert set(steps) == {"8", "32"} and all(v["launches_per_step"] > 0 for v in steps.values())
-    assert set(rows[4]["data"]) == {"8", "32"}
-    assert set(rows[5]["data"]) == {"vanilla", "sc", "sart"}
+    assert rows[3]["data"]["tokens"] > 0  # graph parity (on a CPU: not captured)
+    for steps in (rows[4]["data"], rows[5]["data"]):  # without and with graphs
+        assert set(steps) == {"8", "32"}
+        assert all(v["launches_per_step"] > 0 for v in steps.values())
+    assert set(rows[6]["data"]) == {"8", "32"}
+    assert set(rows[7]["data"]) == {"vanilla", "sc", "sart"}
+    assert {"1", "8"} <= set(rows[9]["data"])  # 7b graphs
 
 
 def test_without_a_gpu_it_fails_unless_told_to_use_the_cpu() -> None:

@@ -186,10 +186,12 @@ def test_testbed_long_stands_for_the_long_testbeds_files_and_calibration(
 
 def test_engines_are_sized_to_the_branch_budget_with_their_own_arguments() -> None:
     build_engine(LoadSpec("hf", "m", device="cuda:0", trust_remote_code=True, chat=True))
+    build_engine(LoadSpec("hf", "m", device="cuda", cuda_graphs=True))
     spec = LoadSpec("vllm", "m", vllm_args={"dtype": "half", "max_num_seqs": 64}, batch_size=32)
     build_engine(spec)
     assert StandIn.built == [
         ("from_pretrained", "m", {"device": "cuda:0", "trust_remote_code": True, "chat": True}),
+        ("from_pretrained", "m", {"device": "cuda", "cuda_graphs": True}),
         ("from_engine_args", "m", {"max_num_seqs": 64, "dtype": "half"}),
         ("check_batch_size", "", {"batch_size": 32}),
     ]

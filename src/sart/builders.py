@@ -30,7 +30,8 @@ def _options(spec: LoadSpec) -> dict[str, Any]:
 def hf_engine(spec: LoadSpec) -> Any:
     """``HFEngine`` on ``spec.device`` (cpu by default)."""
     cls = load_engine(spec.engine)
-    return cls.from_pretrained(spec.model, device=spec.device or "cpu", **_options(spec))
+    options = _options(spec) | ({"cuda_graphs": True} if spec.cuda_graphs else {})
+    return cls.from_pretrained(spec.model, device=spec.device or "cpu", **options)
 
 
 def vllm_engine(spec: LoadSpec) -> Any:

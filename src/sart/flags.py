@@ -33,6 +33,7 @@ FLAGS = {
     "prm": "--prm",
     "prm_kind": "--prm-kind",
     "device": "--device",
+    "cuda_graphs": "--cuda-graphs",
     "prm_device": "--prm-device",
     "prm_in_process": "--prm-in-process",
     "prm_urls": "--prm-url",

@@ -29,6 +29,7 @@ REMOTE_PRM = "remote"
 
 ENGINE_READS: dict[str, tuple[str, ...]] = {
     "device": ("hf",),
+    "cuda_graphs": ("hf",),
     "vllm_args": ("vllm", "vllm-async"),
     "sglang_args": ("sglang",),
     "chat": ("hf", "vllm", "vllm-async", "sglang"),
@@ -102,6 +103,9 @@ class LoadSpec:
     """Keyword arguments of the PRM's constructor (the testbed's calibration)."""
     device: str | None = None
     """``hf``: the policy's torch device (``None``: cpu)."""
+    cuda_graphs: bool = False
+    """``hf`` on a CUDA device: decode steps replayed as CUDA graphs
+    (``HFEngine(cuda_graphs=True)``)."""
     prm_device: str | None = None
     """Transformers PRMs: their torch device (``None``: ``device``, else cpu)."""
     prm_in_process: bool = False
@@ -152,6 +156,10 @@ class LoadSpec:
         defaults = {f.name: f.default for f in attrs.fields(LoadSpec)}
         for name, readers in ENGINE_READS.items():
             _refuse_unread(self, name, defaults[name], readers, "engine", self.engine)
+        if self.cuda_graphs:  # refused before a model is loaded, not after
+            where = str(self.device or "cpu")
+            rule = "a CUDA device (cuda_graphs is on)"
+            config_check(where.startswith("cuda"), "device", where, rule)
         if self.prm is None:
             unread = ("prm_kind", "prm_device", "prm_in_process", "prm_replicas", "prm_urls")
             for name in (*unread, "prm_api_key"):

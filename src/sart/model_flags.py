@@ -1,8 +1,8 @@
 """The flags that say what to load, and the ``LoadSpec`` they make.
 
 ``add_model_flags`` adds the PRM's and the engine's options (``--prm``, ``--prm-kind``,
-``--device``, ``--prm-device``, ``--prm-in-process``, ``--prm-replicas``, ``--prm-url``,
-``--prm-api-key``, ``--trust-remote-code``, ``--vllm-arg``, ``--sglang-arg``) to
+``--device``, ``--cuda-graphs``, ``--prm-device``, ``--prm-in-process``, ``--prm-replicas``,
+``--prm-url``, ``--prm-api-key``, ``--trust-remote-code``, ``--vllm-arg``, ``--sglang-arg``) to
 ``sart bench``, ``sart eval`` and ``sart serve`` alike; ``load_spec`` turns them, with
 ``--engine`` and ``--model``, into a ``sart.launch.LoadSpec``, which refuses a flag the
 engine (or PRM) would ignore, in the flag's own words.
@@ -34,6 +34,7 @@ MODEL_DESTS = (
     "prm",
     "prm_kind",
     "device",
+    "cuda_graphs",
     "prm_device",
     "prm_in_process",
     "prm_replicas",
@@ -65,6 +66,13 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         "PRM servers (remote: what --prm-url implies)",
     )
     p.add_argument("--device", default=None, help="hf: the policy's torch device (default cpu)")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="hf on a CUDA --device: decode over buffers sart owns, each batch-size bucket's "
+        "forward captured once as a CUDA graph and replayed (off by default until measured "
+        "faster: docs/how-to/gpu.md)",
+    )
     p.add_argument(
         "--prm-device",
         default=None,
@@ -207,6 +215,7 @@ def _spec(
         prm_kind=prm_kind,
         prm_options=prm_options,
         device=args.device,
+        cuda_graphs=args.cuda_graphs,
         prm_device=args.prm_device,
         prm_in_process=args.prm_in_process,
         prm_replicas=1 if args.prm_replicas is None else args.prm_replicas,

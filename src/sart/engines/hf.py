@@ -62,14 +62,14 @@ from typing import Any
 
 import attrs
 
-from sart.errors import needs_extra
+from sart.errors import ConfigError, needs_extra
 
 with needs_extra("the transformers engine", "hf"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sart import hf_compat
-from sart.engines import hf_kv, hf_sampling
+from sart.engines import hf_graphs, hf_kv, hf_sampling
 from sart.engines.base import (
     BranchSpec,
     EngineStats,
@@ -92,7 +92,9 @@ class HFEngine:
     sampler = hf_sampling.SAMPLER
     """How it draws tokens (a benchmark records it: runs of two samplers differ)."""
 
-    def __init__(self, model: Any, tokenizer: Any, *, chat: bool = False) -> None:
+    def __init__(
+        self, model: Any, tokenizer: Any, *, chat: bool = False, cuda_graphs: bool = False
+    ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.chat = chat
@@ -121,6 +123,21 @@ class HFEngine:
         one batch; the default is estimated from the model, None on accelerators)."""
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
+        self.static: hf_graphs.StaticDecode | None = None
+        """Decode steps over buffers the engine owns (``sart.engines.hf_graphs``), as
+        ``cuda_graphs=True`` sets up: each bucket's forward captured as a CUDA graph.
+        Off by default until measured faster on a GPU (``scripts/gpu_check.py``)."""
+        if cuda_graphs:
+            if weight.device.type != "cuda":
+                raise ConfigError(
+                    f"cuda_graphs=True needs a CUDA device; the model is on {weight.device}"
+                )
+            if not hf_graphs.supported(model):
+                raise ConfigError(
+                    "cuda_graphs=True needs plain dynamic cache layers; this model's are not "
+                    "(sliding-window attention): leave it off"
+                )
+            self.static = hf_graphs.StaticDecode(model, capture=True)
 
     @classmethod
     def from_pretrained(
@@ -131,6 +148,7 @@ class HFEngine:
         dtype: Any = "auto",
         chat: bool = False,
         trust_remote_code: bool = False,
+        cuda_graphs: bool = False,
         **model_kwargs: Any,
     ) -> HFEngine:
         """Load a causal LM and its tokenizer from a local path or the hub
@@ -139,7 +157,7 @@ class HFEngine:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, **model_kwargs
         )
-        return cls(model.to(device), tokenizer, chat=chat)
+        return cls(model.to(device), tokenizer, chat=chat, cuda_graphs=cuda_graphs)
 
     # ------------------------------------------------------------- contract
 
@@ -230,7 +248,7 @@ class HFEngine:
     def _changed(self) -> None:
         """The live branches changed: the step batch and last step's logits are stale
         (a branch can change under the same id: a request id reused, a resume)."""
-        self._batches.clear()
+        self._stale()
         self._next = None
 
     # ------------------------------------------------------------ decoding
@@ -263,7 +281,7 @@ class HFEngine:
             if finish is not None:
                 deltas.end(bid, finish, step)
                 self._ledger.end(bid)
-                self._batches.clear()
+                self._stale()
                 ended = True
             else:
                 going.append((bid, branch, token))
@@ -317,8 +335,17 @@ class HFEngine:
         branch.text = text
         return delta
 
+    def _stale(self) -> None:
+        """The kept batches no longer hold the live branches' rows."""
+        self._batches.clear()
+        if self.static is not None:
+            self.static.clear()
+
     def _forward_batch(self, going: list[tuple[BranchId, Branch, int]]) -> None:
         keys = tuple(bid for bid, _, _ in going)
+        if self.static is not None:  # one batch over the engine's own buffers
+            self._next = (keys, self._forward_static(keys, going))
+            return
         lengths = [b.length for _, b, _ in going]
         groups = self._batches.split(keys, lengths, self.split_cost)
         for kept, rows in groups:
@@ -360,6 +387,24 @@ class HFEngine:
         last = out.logits[:, -1].float()  # one op; each branch reads its row from it
         for row, (_, branch, _) in enumerate(going):
             branch.span = Span(held, row, width - lengths[row], width + 1)
+            branch.logits_in(last, row)
+        return last
+
+    def _forward_static(
+        self, keys: tuple[BranchId, ...], going: list[tuple[BranchId, Branch, int]]
+    ) -> torch.Tensor:
+        """``_forward_rows`` over ``static``'s buffers (one batch, padded to its bucket)."""
+        import time
+
+        assert self.static is not None
+        lengths = [b.length for _, b, _ in going]
+        width = max(lengths)
+        started = time.perf_counter()
+        spans = [b.span for _, b, _ in going]
+        last = self.static.step(keys, spans, lengths, [t for _, _, t in going])  # type: ignore[arg-type]
+        self.forward_seconds += time.perf_counter() - started
+        for row, (_, branch, _) in enumerate(going):
+            branch.span = Span(self.static.kv, row, width - lengths[row], width + 1)
             branch.logits_in(last, row)
         return last
 

@@ -73,31 +73,48 @@ def batch(spans: Sequence[Span], width: int, spare: int = 0) -> KV:
     row ``r`` holding ``spans[r]`` right-aligned in its first ``width`` columns (a pad
     repeats the row's first position). One read and one write per layer and tensor
     for each tensor the spans are in."""
+    columns = width + 1 + spare
+    out: KV = [
+        (
+            k.new_empty((len(spans), k.shape[1], columns, k.shape[3])),
+            v.new_empty((len(spans), v.shape[1], columns, v.shape[3])),
+        )
+        for k, v in spans[0].pairs
+    ]
+    fill(out, spans, width)
+    return out
+
+
+def fill(out: KV, spans: Sequence[Span], width: int) -> None:
+    """Write ``spans`` into rows ``0 .. len(spans) - 1`` of ``out`` as ``batch`` lays
+    them out (right-aligned in columns ``0 .. width - 1``). ``out`` may be a tensor the
+    spans are in (a kept batch rebuilt in place, ``sart.engines.hf_graphs``): each
+    layer's rows are all read before any is written."""
     sources: dict[int, tuple[KV, list[int], list[int], list[list[int]]]] = {}
     for row, span in enumerate(spans):
         _, dest, src, cols = sources.setdefault(id(span.pairs), (span.pairs, [], [], []))
         dest.append(row)
         src.append(span.row)
         cols.append([span.start] * (width - span.length) + list(range(span.start, span.end)))
-    columns = width + 1 + spare
-    first = spans[0].pairs
-    device = first[0][0].device
-    out: KV = [
+    device = out[0][0].device
+    indices = [
         (
-            k.new_empty((len(spans), k.shape[1], columns, k.shape[3])),
-            v.new_empty((len(spans), v.shape[1], columns, v.shape[3])),
+            pairs,
+            torch.tensor(dest, device=device),
+            torch.tensor(src, device=device)[:, None],
+            torch.tensor(cols, dtype=torch.long, device=device),
         )
-        for k, v in first
+        for pairs, dest, src, cols in sources.values()
     ]
-    for pairs, dest, src, cols in sources.values():
-        at = torch.tensor(dest, device=device)
-        rows = torch.tensor(src, device=device)[:, None]
-        index = torch.tensor(cols, dtype=torch.long, device=device)
-        for (keys, values), (k, v) in zip(out, pairs):
-            # [rows, width, heads, head_dim] read, written as [rows, heads, width, ...].
-            keys[at, :, :width] = k[rows, :, index].transpose(1, 2)
-            values[at, :, :width] = v[rows, :, index].transpose(1, 2)
-    return out
+    for layer, (keys, values) in enumerate(out):
+        # [rows, width, heads, head_dim] read, written as [rows, heads, width, ...].
+        read = [
+            (at, pairs[layer][0][rows, :, index], pairs[layer][1][rows, :, index])
+            for pairs, at, rows, index in indices
+        ]
+        for at, k, v in read:
+            keys[at, :, :width] = k.transpose(1, 2)
+            values[at, :, :width] = v.transpose(1, 2)
 
 
 class StepBatch:
@@ -269,6 +286,7 @@ __all__ = [
     "StepBatch",
     "StepBatches",
     "batch",
+    "fill",
     "groups",
     "split_cost",
 ]

@@ -1,0 +1,139 @@
+"""Decode steps over the engine's own buffers (``sart.engines.hf_graphs``).
+
+What a CUDA graph replays, run here without the capture (no GPU in CI): the same
+tokens and log-probabilities as the engine's default path on a mix of requests,
+forks, aborts, pauses and resumes, through rebuilds in place, padded rows, column
+buckets crossed and buffers that grow. The capture itself runs only on a GPU
+(``scripts/gpu_check.py --engine hf``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from sart.engines.hf import HFEngine  # noqa: E402
+from sart.engines.hf_graphs import StaticDecode, row_bucket, supported  # noqa: E402
+from sart.errors import ConfigError  # noqa: E402
+from sart.messages import BranchSpec  # noqa: E402
+from sart.types import BranchId, SamplingSettings  # noqa: E402
+from test_engines_hf_kv import FORWARDS, _same_branches, _serve  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(demo_models: dict[str, Path]) -> tuple[object, object]:
+    loaded = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+    return loaded.model, loaded.tokenizer
+
+
+def test_rows_are_padded_to_the_next_power_of_two() -> None:
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+
+
+@pytest.mark.parametrize("column_bucket", [8, 256])
+def test_static_buffers_give_the_default_paths_tokens(
+    model_and_tokenizer: tuple[object, object], column_bucket: int
+) -> None:
+    # 8 columns a bucket: the batch crosses buckets every few steps and its buffers
+    # grow several times; 256: one bucket, padded rows (5 branches in 8 rows).
+    made: list[StaticDecode] = []
+
+    def static(engine: HFEngine) -> None:
+        engine.static = StaticDecode(engine.model, capture=False, column_bucket=column_bucket)
+        made.append(engine.static)
+
+    fast = _serve(*model_and_tokenizer, in_place=True, setup=static)
+    reference = _serve(*model_and_tokenizer, in_place=True)
+    assert fast[FORWARDS][0] == 4  # three prefills and a resume: no step went by _forward
+    _same_branches(fast, reference)
+    assert len(fast[BranchId("a", 3)][0]) > 6 and len(fast[BranchId("a", 1)][0]) == 40
+    columns = made[0].kv[0][0].shape[2]
+    assert columns >= 40 and (columns % column_bucket == 0)
+
+
+def test_static_buffers_keep_the_batch_between_steps(
+    model_and_tokenizer: tuple[object, object],
+) -> None:
+    # A steady step writes one column; only a change in the live branches rebuilds.
+    engine = HFEngine(*model_and_tokenizer)
+    static = engine.static = StaticDecode(engine.model, capture=False, column_bucket=64)
+    fills = [0]
+    import sart.engines.hf_graphs as module
+
+    real = module.fill
+
+    def counted(*args: object, **kwargs: object) -> None:
+        fills[0] += 1
+        real(*args, **kwargs)  # type: ignore[arg-type]
+
+    module.fill = counted  # type: ignore[assignment]
+    try:
+        settings = SamplingSettings(temperature=1.0, max_tokens=30, ignore_eos=True)
+        engine.prefill("a", "Step 1: add 3 and 4.", settings)
+        engine.start_branches("a", [BranchSpec(index=i, seed=i) for i in range(3)])
+        engine.step(10)
+        assert fills[0] == 1
+        engine.abort([BranchId("a", 2)])
+        engine.step(5)
+        assert fills[0] == 2
+        assert static.kv[0][0].shape[0] == 4  # three rows, padded to four; never shrunk
+    finally:
+        module.fill = real
+    engine.release_prefix("a")
+
+
+def test_cuda_graphs_need_a_cuda_device(model_and_tokenizer: tuple[object, object]) -> None:
+    with pytest.raises(ConfigError, match=r"cuda_graphs=True needs a CUDA device.*cpu"):
+        HFEngine(*model_and_tokenizer, cuda_graphs=True)
+
+
+def test_sliding_window_models_are_not_supported() -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def model(**extra: object) -> object:
+        config = AutoConfig.for_model(
+            "qwen2", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, vocab_size=64, **extra,
+        )  # fmt: skip
+        return AutoModelForCausalLM.from_config(config)
+
+    assert supported(model())
+    sliding = model(use_sliding_window=True, sliding_window=8, max_window_layers=0)
+    assert not supported(sliding)
+
+
+def test_a_graphed_steps_work_outside_its_graph_does_not_grow_with_the_branches() -> None:
+    # What a CUDA graph leaves to launch one by one: sampling, the inputs' upload, the
+    # logits' copy. Counted on a CPU as aten operations: the step's minus the forward's
+    # (what the graph captures), at 8 and 32 branches of the long testbed.
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.testbed import LONG, make_questions
+
+    def counted(run: object) -> int:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()  # type: ignore[operator]
+        return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
+
+    def outside(branches: int) -> float:
+        engine = HFEngine.from_pretrained(str(LONG.policy_path))
+        static = engine.static = StaticDecode(engine.model, capture=False)
+        settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
+        questions = make_questions(1, branches // 8, LONG.difficulties, cycle=LONG.cycle)
+        for i, q in enumerate(questions):
+            engine.prefill(f"r{i}", q.prompt, settings)
+            engine.start_branches(f"r{i}", [BranchSpec(j, seed=j) for j in range(8)])
+        engine.step(3)
+        step = counted(lambda: engine.step(4)) / 4
+        bucket = (static.kv[0][0].shape[0], static.column_bucket)
+        with torch.inference_mode():
+            graph = counted(lambda: static._forward(*bucket, static._cache(*bucket)))
+        assert graph > 5 * (step - graph)  # most of a step is in the graph
+        return step - graph
+
+    few, many = outside(8), outside(32)
+    assert few == many and many <= 150, (few, many)
