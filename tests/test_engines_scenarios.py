@@ -138,19 +138,6 @@ class HF(Adapter):
     def encode(self, text: str) -> list[int]:
         return list(self.base.tokenizer(text)["input_ids"])
 
-
-class HFStatic(HF):
-    """``HFEngine`` decoding over its own buffers, as ``cuda_graphs=True`` does on a
-    GPU (here without the capture: ``sart.engines.hf_graphs``). Small column buckets:
-    the scenarios cross them and grow the buffers."""
-
-    def _fresh(self) -> Any:
-        from sart.engines.hf_graphs import StaticDecode
-
-        engine = super()._fresh()
-        engine.static = StaticDecode(engine.model, capture=False, column_bucket=8)
-        return engine
-
     def greedy(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         import torch
 
@@ -165,6 +152,19 @@ class HFStatic(HF):
         if eos in expected:  # generate pads after EOS; the branch stops at it
             expected = expected[: expected.index(eos) + 1]
         return expected
+
+
+class HFStatic(HF):
+    """``HFEngine`` decoding over its own buffers, as ``cuda_graphs=True`` does on a
+    GPU (here without the capture: ``sart.engines.hf_graphs``). Small column buckets:
+    the scenarios cross them and grow the buffers."""
+
+    def _fresh(self) -> Any:
+        from sart.engines.hf_graphs import StaticDecode
+
+        engine = super()._fresh()
+        engine.static = StaticDecode(engine.model, capture=False, column_bucket=8)
+        return engine
 
 
 def greedy_params(max_tokens: int) -> Any:
