@@ -15,12 +15,17 @@ modes run side by side on one model, same seeds:
 - ``transformers cache``: one batch rebuilt every step and handed to
   transformers' ``DynamicCache``, which copies it (``HFEngine.in_place = False``,
   as for a model with sliding-window layers).
+- ``own buffers``: one batch in buffers the engine owns, padded to buckets of
+  rows and columns, the forward replayed as a CUDA graph on a GPU
+  (``--cuda-graphs``, ``sart.engines.hf_graphs``); on a CPU the same forward, not
+  captured.
 
 All must give the same tokens; the script says so.
 
     OMP_NUM_THREADS=1 python benchmarks/hf_decode.py                 # 4 x 8 branches, 1,000 steps
     OMP_NUM_THREADS=1 python benchmarks/hf_decode.py --stagger 300   # arriving 300 steps apart
     OMP_NUM_THREADS=1 python benchmarks/hf_decode.py --steps 20      # seconds: a smoke run
+    python benchmarks/hf_decode.py --device cuda                     # on a GPU
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import time
 import torch
 
 from sart.engines.hf import HFEngine
+from sart.engines.hf_graphs import StaticDecode
 from sart.messages import BranchSpec
 from sart.testbed import LONG, make_questions
 from sart.types import SamplingSettings
@@ -39,6 +45,7 @@ MODES = (
     ("split by length", True, "default"),
     ("one batch", True, None),
     ("transformers cache", False, None),
+    ("own buffers", True, "static"),
 )
 
 
@@ -80,6 +87,8 @@ def decode(engine: HFEngine, args: argparse.Namespace) -> tuple:
     for r in range(args.requests):
         if f"r{r}" in engine.prefixes:  # not those that never arrived
             engine.release_prefix(f"r{r}")
+    if engine.static is not None:  # a step's forward goes by the buffers, not _forward
+        forwards[0] += done
     return seconds, engine.forward_seconds, forwards[0], done, tokens
 
 
@@ -92,11 +101,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=LONG.max_tokens)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument(
+        "--device", default="cpu", help="torch device (own buffers: graphs on cuda)"
+    )
+    parser.add_argument(
         "--split-cost", type=int, default=None, help="in place of the engine's estimate"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = HFEngine.from_pretrained(str(LONG.policy_path))
+    engine = HFEngine.from_pretrained(str(LONG.policy_path), device=args.device)
     default_cost = engine.split_cost if args.split_cost is None else args.split_cost
     warm = argparse.Namespace(**{**vars(args), "steps": min(args.steps, 20), "stagger": 0})
     decode(engine, warm)  # the first forwards allocate: not the first mode's cost
@@ -111,8 +123,10 @@ def main() -> None:
     runs = {}
     for mode, in_place, cost in MODES:
         engine.in_place = in_place
-        engine.split_cost = default_cost if cost == "default" else cost
-        seconds, forward, forwards, steps, tokens = decode(engine, args)
+        engine.split_cost = default_cost if cost == "default" else None
+        if cost == "static":
+            engine.static = StaticDecode(engine.model, capture=engine.device.type == "cuda")
+        seconds, forward, forwards, steps, tokens = decode(engine, args)  # a read back a step
         count = sum(len(t) for t in tokens.values())
         runs[mode] = (seconds, tokens)
         print(

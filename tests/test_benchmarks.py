@@ -168,8 +168,9 @@ CASES = [
             rf"^\s+split by length\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
             rf"^\s+one batch\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
             rf"^\s+transformers cache\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
+            rf"^\s+own buffers\s+12\s+{NUMBER}\s+{NUMBER}\s+{NUMBER}%\s+{NUMBER}$",
             rf"^same tokens: yes; split by length is faster by {NUMBER}x one batch's, "
-            rf"{NUMBER}x transformers cache's$",
+            rf"{NUMBER}x transformers cache's, {NUMBER}x own buffers's$",
         ),
         needs=("torch", "transformers"),
     ),
