@@ -171,6 +171,8 @@ def graph_parity(device: Any, steps: int, column_bucket: int) -> tuple[str, dict
         run(steps // 3)
         engine.abort([BranchId("q0", 1)])  # the next step rebuilds the rows
         run(steps)
+        if graphs and engine.static is None:  # a capture failed: it decoded on without
+            raise AssertionError(f"no CUDA graphs: {engine.graphs_failed}")
         captures = engine.static.captures if engine.static is not None else 0
         return out, captures
 

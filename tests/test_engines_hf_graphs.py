@@ -137,3 +137,22 @@ def test_a_graphed_steps_work_outside_its_graph_does_not_grow_with_the_branches(
 
     few, many = outside(8), outside(32)
     assert few == many and many <= 150, (few, many)
+
+
+def test_a_capture_that_fails_leaves_the_engine_decoding_without_graphs(
+    model_and_tokenizer: tuple[object, object],
+) -> None:
+    # Here the capture fails for want of CUDA; on a GPU a model that reads a tensor
+    # back mid-forward would. The run goes on without graphs, from the same KV.
+    engines: list[HFEngine] = []
+
+    def failing(engine: HFEngine) -> None:
+        engine.static = StaticDecode(engine.model, capture=True)
+        engines.append(engine)
+
+    with pytest.warns(RuntimeWarning, match="CUDA graph failed.*decoding without CUDA graphs"):
+        fast = _serve(*model_and_tokenizer, in_place=True, setup=failing)
+    reference = _serve(*model_and_tokenizer, in_place=True)
+    _same_branches(fast, reference)
+    assert engines[0].static is None
+    assert "capturing the decode forward at 8 rows x 256 columns" in str(engines[0].graphs_failed)

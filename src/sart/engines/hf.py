@@ -57,12 +57,13 @@ exactly as it would have.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from sart.errors import ConfigError, needs_extra
+from sart.errors import needs_extra
 
 with needs_extra("the transformers engine", "hf"):
     import torch
@@ -123,21 +124,12 @@ class HFEngine:
         one batch; the default is estimated from the model, None on accelerators)."""
         self.forward_seconds = 0.0
         """Time spent inside the model's forward (for overhead measurements)."""
-        self.static: hf_graphs.StaticDecode | None = None
+        self.static = hf_graphs.graphed(model) if cuda_graphs else None
         """Decode steps over buffers the engine owns (``sart.engines.hf_graphs``), as
         ``cuda_graphs=True`` sets up: each bucket's forward captured as a CUDA graph.
         Off by default until measured faster on a GPU (``scripts/gpu_check.py``)."""
-        if cuda_graphs:
-            if weight.device.type != "cuda":
-                raise ConfigError(
-                    f"cuda_graphs=True needs a CUDA device; the model is on {weight.device}"
-                )
-            if not hf_graphs.supported(model):
-                raise ConfigError(
-                    "cuda_graphs=True needs plain dynamic cache layers; this model's are not "
-                    "(sliding-window attention): leave it off"
-                )
-            self.static = hf_graphs.StaticDecode(model, capture=True)
+        self.graphs_failed: str | None = None
+        """Why ``static`` was turned off mid-run (a capture failed), if it was."""
 
     @classmethod
     def from_pretrained(
@@ -344,8 +336,12 @@ class HFEngine:
     def _forward_batch(self, going: list[tuple[BranchId, Branch, int]]) -> None:
         keys = tuple(bid for bid, _, _ in going)
         if self.static is not None:  # one batch over the engine's own buffers
-            self._next = (keys, self._forward_static(keys, going))
-            return
+            try:
+                self._next = (keys, self._forward_static(keys, going))
+                return
+            except hf_graphs.CaptureFailed as exc:  # the spans are intact: read from there
+                warnings.warn(f"{exc}; decoding without CUDA graphs", RuntimeWarning, stacklevel=2)
+                self.graphs_failed, self.static = str(exc), None
         lengths = [b.length for _, b, _ in going]
         groups = self._batches.split(keys, lengths, self.split_cost)
         for kept, rows in groups:

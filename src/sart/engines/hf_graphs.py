@@ -41,9 +41,16 @@ import torch
 
 from sart import hf_compat
 from sart.engines.hf_kv import KV, InPlaceCache, Span, fill
+from sart.errors import ConfigError
 
 COLUMN_BUCKET = 256
 """Columns are bucketed by this many: a graph serves that many steps of a growing batch."""
+
+
+class CaptureFailed(RuntimeError):
+    """A bucket's forward could not be captured as a CUDA graph (the model did
+    something a capture forbids, such as reading a tensor back to the host). The
+    buffers are as they were: the engine decodes on without graphs."""
 
 
 def row_bucket(rows: int) -> int:
@@ -81,6 +88,20 @@ def supported(model: Any) -> bool:
     layers = int(getattr(config, "num_hidden_layers", 1))
     empty = weight.new_zeros((1, 1, 1, 1))
     return InPlaceCache.build([(empty, empty)] * layers, config) is not None
+
+
+def graphed(model: Any) -> StaticDecode:
+    """``HFEngine(cuda_graphs=True)``'s decoder for ``model``, or a ``ConfigError``
+    saying why it cannot have one."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        raise ConfigError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
+    if not supported(model):
+        raise ConfigError(
+            "cuda_graphs=True needs plain dynamic cache layers; this model's are not "
+            "(sliding-window attention): leave it off"
+        )
+    return StaticDecode(model, capture=True)
 
 
 class StaticDecode:
@@ -197,21 +218,31 @@ class StaticDecode:
         writes the same column from the same inputs), so the warm-up runs are harmless."""
         kept = self._graphs.get((rows, columns))
         if kept is None:
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            cache = self._cache(rows, columns)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._forward(rows, columns, cache)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self._forward(rows, columns, cache)
-            kept = self._graphs[(rows, columns)] = (graph, cache)  # kept with its views
+            try:
+                kept = self._capture(rows, columns)
+            except Exception as exc:  # whatever the capture met: the caller decodes on
+                raise CaptureFailed(
+                    f"capturing the decode forward at {rows} rows x {columns} columns as a "
+                    f"CUDA graph failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            self._graphs[(rows, columns)] = kept
             self.captures += 1
         return kept[0]
 
+    def _capture(self, rows: int, columns: int) -> tuple[Any, _ColumnWrite]:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        cache = self._cache(rows, columns)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(rows, columns, cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(rows, columns, cache)
+        return graph, cache  # the cache's views kept with the graph that reads them
 
-__all__ = ["COLUMN_BUCKET", "StaticDecode", "row_bucket", "supported"]
+
+__all__ = ["COLUMN_BUCKET", "CaptureFailed", "StaticDecode", "graphed", "row_bucket", "supported"]
