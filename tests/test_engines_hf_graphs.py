@@ -156,3 +156,29 @@ def test_a_capture_that_fails_leaves_the_engine_decoding_without_graphs(
     _same_branches(fast, reference)
     assert engines[0].static is None
     assert "capturing the decode forward at 8 rows x 256 columns" in str(engines[0].graphs_failed)
+
+
+def test_the_forward_a_graph_captures_reads_nothing_back_to_the_host() -> None:
+    # A capture fails on a read back (.item(), a truth test of a tensor, nonzero) or
+    # an upload of host data (torch.tensor): on a CPU they show as these operations.
+    # transformers' own mask building tests a 2D mask with .all(): the 4D mask built
+    # in the graph skips it.
+    from torch.profiler import ProfilerActivity, profile
+
+    from sart.testbed import LONG, make_questions
+
+    engine = HFEngine.from_pretrained(str(LONG.policy_path))
+    static = engine.static = StaticDecode(engine.model, capture=False)
+    settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
+    question = make_questions(1, 1, LONG.difficulties, cycle=LONG.cycle)[0]
+    engine.prefill("r", question.prompt, settings)
+    engine.start_branches("r", [BranchSpec(j, seed=j) for j in range(3)])
+    engine.step(3)
+    bucket = (static.kv[0][0].shape[0], static.column_bucket)
+    with torch.inference_mode():
+        cache = static._cache(*bucket)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            static._forward(*bucket, cache)
+    ops = {e.key for e in prof.key_averages()}
+    host = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero"}
+    assert "aten::index_copy_" in ops and not ops & (host | {"aten::lift_fresh"}), ops & host
