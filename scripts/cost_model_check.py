@@ -14,7 +14,9 @@ in the engine's own batch, sampling included: what ``sart bench --engine hf``
 runs, so measured and predicted compare like with like), or (``--through
 static``) the bare model on a static KV cache, one token per sequence per
 step at position ``context`` (the cache's earlier positions are zeros, not a
-real prompt: a decode step costs the same whatever they hold). It prints, per
+real prompt: a decode step costs the same whatever they hold), or (``--through
+graphs``) the engine with its decode steps replayed as CUDA graphs
+(``cuda_graphs=True``; on a CPU the same forward, not captured). It prints, per
 (B, context), the median measured step time, the preset's predicted time
 (``CostModel.decode_time([context] * B, [1] * B)``), their ratio, and the
 bandwidth efficiency the measurement implies (bytes a step must read —
@@ -108,8 +110,9 @@ def time_steps(
 
 
 def time_engine_steps(
-    model: Any, batch: int, context: int, steps: int, warmup: int, device: str
-) -> list[float]:
+    model: Any, batch: int, context: int, steps: int, warmup: int, device: str,
+    graphs: bool = False,
+) -> list[float]:  # fmt: skip
     """Seconds of each of ``steps`` decode steps (after ``warmup``) of sart's
     transformers engine: ``batch`` branches of one request whose prompt is
     ``context`` tokens, in the engine's own batch (the step's keys and values
@@ -122,6 +125,10 @@ def time_engine_steps(
     engine = HFEngine(model, build_tokenizer())  # ids beyond its vocabulary decode to ""
     engine.split_cost = None  # one batch: every row is as long
     engine.context_len = None  # the check picks contexts past the shape's positions
+    if graphs:  # the first step of each bucket captures it: in the warm-up
+        from sart.engines.hf_graphs import StaticDecode
+
+        engine.static = StaticDecode(model, capture=device.startswith("cuda"))
     vocab = model.config.vocab_size
     prompt = [5 + i % (vocab - 5) for i in range(context)]
     settings = SamplingSettings(temperature=1.0, max_tokens=warmup + steps + 2, ignore_eos=True)
@@ -146,6 +153,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+THROUGH = {"engine": "sart", "graphs": "sart over CUDA graphs", "static": "a static cache"}
+
+
 def fits(preset: Any, batch: int, context: int, free_bytes: float | None) -> bool:
     if free_bytes is None:
         return True
@@ -163,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model (smoke test)")
     parser.add_argument(
         "--through",
-        choices=["engine", "static"],
+        choices=["engine", "graphs", "static"],
         default="engine",
-        help="time sart's transformers engine (default), or the bare model on a static cache",
+        help="time sart's transformers engine (default), the engine over CUDA graphs, or the "
+        "bare model on a static cache",
     )
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args(argv)
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = TINY_SHAPE if args.tiny else QWEN_14B_SHAPE
     print(
         f"torch {torch.__version__}, device {args.device}, preset {preset.name}, "
-        f"through {'sart' if args.through == 'engine' else 'a static cache'}",
+        f"through {THROUGH[args.through]}",
         flush=True,
     )
     if args.device.startswith("cuda"):
@@ -200,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
             if not fits(preset, batch, context, free):
                 print(f"{batch:>4} {context:>8}  skipped: its KV does not fit next to the weights")
                 continue
-            timer = time_engine_steps if args.through == "engine" else time_steps
-            times = timer(model, batch, context, args.steps, args.warmup, args.device)
+            if args.through == "static":
+                times = time_steps(model, batch, context, args.steps, args.warmup, args.device)
+            else:
+                times = time_engine_steps(
+                    model, batch, context, args.steps, args.warmup, args.device,
+                    graphs=args.through == "graphs",
+                )  # fmt: skip
             measured = statistics.median(times)
             predicted = preset.decode_time([context] * batch, [1] * batch)
             step_bytes = preset.weight_bytes + batch * context * preset.kv_bytes_per_token

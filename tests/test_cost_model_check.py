@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "cost_model_check.py"
 
 
-@pytest.mark.parametrize("through", ["engine", "static"])
+@pytest.mark.parametrize("through", ["engine", "graphs", "static"])
 def test_it_times_every_combination_and_writes_the_rows(tmp_path: Path, through: str) -> None:
     out = tmp_path / "rows.json"
     done = subprocess.run(
