@@ -12,6 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strategies import examples
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -182,3 +186,88 @@ def test_the_forward_a_graph_captures_reads_nothing_back_to_the_host() -> None:
     ops = {e.key for e in prof.key_averages()}
     host = {"aten::item", "aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero"}
     assert "aten::index_copy_" in ops and not ops & (host | {"aten::lift_fresh"}), ops & host
+
+
+# A schedule of engine calls, drawn: two engines, the default path and the graphs'
+# buffers (rebuilt in place, small column buckets), must report the same deltas.
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("start"), st.integers(1, 3)),
+        st.tuples(st.just("fork"), st.integers(0, 50)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+        st.tuples(st.just("pause"), st.integers(0, 50)),
+        st.tuples(st.just("resume"), st.integers(0, 50)),
+        st.tuples(st.just("step"), st.integers(1, 6)),
+    ),
+    min_size=3,
+    max_size=14,
+)
+_PROMPTS = ("Step 1: add 3 and 4.", "Q: 12 + 7 - 3 =", "Step 2: check it", "1 2 3 4 5 6 7 8 9")
+
+
+@given(ops=_OPS)
+@settings(max_examples=examples(40), deadline=None)
+def test_any_schedule_gives_the_default_paths_deltas(
+    model_and_tokenizer: tuple[object, object], ops: list[tuple[str, int]]
+) -> None:
+    plain = HFEngine(*model_and_tokenizer)
+    fast = HFEngine(*model_and_tokenizer)
+    fast.static = StaticDecode(fast.model, capture=False, column_bucket=8)
+    settings_ = SamplingSettings(temperature=1.0, max_tokens=24, logprobs=1)
+    requests: dict[str, int] = {}  # request -> branches started
+    paused: list[BranchId] = []
+
+    def live() -> list[BranchId]:
+        return sorted(plain._ledger.branches)
+
+    def both(call: str, *args: object) -> None:
+        for engine in (plain, fast):
+            getattr(engine, call)(*args)
+
+    for op, arg in ops:
+        if op == "start":
+            rid = f"r{len(requests)}"
+            both("prefill", rid, _PROMPTS[len(requests) % len(_PROMPTS)], settings_)
+            both(
+                "start_branches",
+                rid,
+                [BranchSpec(i, seed=7 * len(requests) + i) for i in range(arg)],
+            )
+            requests[rid] = arg
+        elif op == "fork" and live():
+            parent = live()[arg % len(live())]
+            index = requests[parent.request_id]
+            requests[parent.request_id] += 1
+            both(
+                "start_branches",
+                parent.request_id,
+                [BranchSpec(index, seed=99 + index, parent=parent.index)],
+            )
+        elif op in ("abort", "pause") and live():
+            target = live()[arg % len(live())]
+            both(op, [target])
+            if op == "pause":
+                paused.append(target)
+        elif op == "resume" and paused:
+            target = paused.pop(arg % len(paused))
+            if target.request_id in plain.prefixes:
+                both(
+                    "start_branches",
+                    target.request_id,
+                    [BranchSpec(target.index, seed=0, resume=True)],
+                )
+        elif op == "step":
+            a, b = plain.step(arg), fast.step(arg)
+            assert a.steps == b.steps
+            assert a.deltas.keys() == b.deltas.keys()
+            for bid, delta in a.deltas.items():
+                other = b.deltas[bid]
+                assert (delta.token_ids, delta.text, delta.finish, delta.end_offset) == (
+                    other.token_ids, other.text, other.finish, other.end_offset,
+                ), bid  # fmt: skip
+                assert [lp.logprob for lp in delta.logprobs] == pytest.approx(
+                    [lp.logprob for lp in other.logprobs], abs=1e-4
+                )
+    for rid in requests:
+        both("release_prefix", rid)
+    assert plain.stats() == fast.stats()

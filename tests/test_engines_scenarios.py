@@ -669,6 +669,26 @@ def test_a_paused_branch_resumes_with_its_tokens(adapter: Adapter) -> None:
     adapter.backend_runs(0)
 
 
+def test_a_branch_paused_before_its_first_token_resumes_from_the_prompt(
+    adapter: Adapter,
+) -> None:
+    # A scheduler may pause a branch it has just started (a more urgent request
+    # arrived): it holds no KV of its own, and resumed it starts from the prompt's.
+    adapter.require(GREEDY_FORKS)
+    e = adapter.fresh()
+    if not supports_pause(e):
+        pytest.skip(f"{type(e).__name__} does not pause branches")
+    e.prefill("a", PROMPTS[0], sart.SamplingSettings(temperature=0.0, max_tokens=10))
+    e.start_branches("a", [BranchSpec(0, 0)])
+    e.pause([BranchId("a", 0)])
+    assert e.stats().live_branches == 0
+    e.start_branches("a", [BranchSpec(0, 0, resume=True)])
+    ids = run_to_end(e)[BranchId("a", 0)]
+    e.release_prefix("a")
+    assert ids == adapter.greedy(adapter.encode(PROMPTS[0]), 10)
+    adapter.backend_runs(0)
+
+
 def test_a_branch_never_paused_cannot_resume(adapter: Adapter) -> None:
     e = adapter.fresh()
     if not supports_pause(e):

@@ -407,7 +407,8 @@ class HFEngine:
     def _recompute(self, branch: Branch) -> None:
         """A resumed branch's KV over its tokens, in one forward from the prompt's KV
         (copied: the prefix's tensors are never written)."""
-        if not branch.tokens:
+        if not branch.tokens:  # paused before its first token: the prompt's KV is its own
+            branch.span = Span(branch.prefix.data.kv, 0, 0, branch.prefix.tokens)
             branch.logits = branch.prefix.data.logits
             return
         prompt = branch.prefix.tokens
