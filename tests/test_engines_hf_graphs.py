@@ -188,8 +188,8 @@ def test_the_forward_a_graph_captures_reads_nothing_back_to_the_host() -> None:
     assert "aten::index_copy_" in ops and not ops & (host | {"aten::lift_fresh"}), ops & host
 
 
-# A schedule of engine calls, drawn: two engines, the default path and the graphs'
-# buffers (rebuilt in place, small column buckets), must report the same deltas.
+# A schedule of engine calls, drawn: the default path, the graphs' buffers (rebuilt in
+# place, small column buckets) and transformers' own cache must report the same deltas.
 _OPS = st.lists(
     st.one_of(
         st.tuples(st.just("start"), st.integers(1, 3)),
@@ -206,13 +206,16 @@ _PROMPTS = ("Step 1: add 3 and 4.", "Q: 12 + 7 - 3 =", "Step 2: check it", "1 2 
 
 
 @given(ops=_OPS)
-@settings(max_examples=examples(40), deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 def test_any_schedule_gives_the_default_paths_deltas(
     model_and_tokenizer: tuple[object, object], ops: list[tuple[str, int]]
 ) -> None:
     plain = HFEngine(*model_and_tokenizer)
     fast = HFEngine(*model_and_tokenizer)
     fast.static = StaticDecode(fast.model, capture=False, column_bucket=8)
+    copied = HFEngine(*model_and_tokenizer)  # transformers' own cache, rebuilt every step
+    copied.in_place = False
+    others = (fast, copied)
     settings_ = SamplingSettings(temperature=1.0, max_tokens=24, logprobs=1)
     requests: dict[str, int] = {}  # request -> branches started
     paused: list[BranchId] = []
@@ -221,7 +224,7 @@ def test_any_schedule_gives_the_default_paths_deltas(
         return sorted(plain._ledger.branches)
 
     def both(call: str, *args: object) -> None:
-        for engine in (plain, fast):
+        for engine in (plain, *others):
             getattr(engine, call)(*args)
 
     for op, arg in ops:
@@ -257,17 +260,18 @@ def test_any_schedule_gives_the_default_paths_deltas(
                     [BranchSpec(target.index, seed=0, resume=True)],
                 )
         elif op == "step":
-            a, b = plain.step(arg), fast.step(arg)
-            assert a.steps == b.steps
-            assert a.deltas.keys() == b.deltas.keys()
-            for bid, delta in a.deltas.items():
-                other = b.deltas[bid]
-                assert (delta.token_ids, delta.text, delta.finish, delta.end_offset) == (
-                    other.token_ids, other.text, other.finish, other.end_offset,
-                ), bid  # fmt: skip
-                assert [lp.logprob for lp in delta.logprobs] == pytest.approx(
-                    [lp.logprob for lp in other.logprobs], abs=1e-4
-                )
+            a = plain.step(arg)
+            for b in (engine.step(arg) for engine in others):
+                assert a.steps == b.steps
+                assert a.deltas.keys() == b.deltas.keys()
+                for bid, delta in a.deltas.items():
+                    other = b.deltas[bid]
+                    assert (delta.token_ids, delta.text, delta.finish, delta.end_offset) == (
+                        other.token_ids, other.text, other.finish, other.end_offset,
+                    ), bid  # fmt: skip
+                    assert [lp.logprob for lp in delta.logprobs] == pytest.approx(
+                        [lp.logprob for lp in other.logprobs], abs=1e-4
+                    )
     for rid in requests:
         both("release_prefix", rid)
-    assert plain.stats() == fast.stats()
+    assert plain.stats() == fast.stats() == copied.stats()
