@@ -275,3 +275,51 @@ def test_any_schedule_gives_the_default_paths_deltas(
     for rid in requests:
         both("release_prefix", rid)
     assert plain.stats() == fast.stats() == copied.stats()
+
+
+class _FailingLater(StaticDecode):
+    """Captures "succeed" (the forward replayed without a graph) until ``fail_after``
+    of them, then fail: a failure after rows were moved in the buffers."""
+
+    fail_after = 1
+
+    def _capture(self, rows: int, columns: int) -> tuple[object, object]:
+        if self.captures >= self.fail_after:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        cache = self._cache(rows, columns)
+
+        class Replay:
+            @staticmethod
+            def replay() -> None:
+                self._forward(rows, columns, cache)
+
+        return Replay(), cache
+
+
+def test_a_capture_failing_after_a_rebuild_in_place_decodes_on_from_the_moved_rows(
+    model_and_tokenizer: tuple[object, object],
+) -> None:
+    # Three branches in four rows; one aborted, the other two move up a row and the
+    # batch takes a bucket of two rows, whose capture fails: the spans must follow
+    # the rows, or the default path reads one branch's KV for another's.
+    settings = SamplingSettings(temperature=1.0, max_tokens=20, ignore_eos=True)
+
+    def run(engine: HFEngine) -> dict[BranchId, list[int]]:
+        engine.prefill("a", "Step 1: add 3 and 4.", settings)
+        engine.start_branches("a", [BranchSpec(i, seed=i) for i in range(3)])
+        out: dict[BranchId, list[int]] = {}
+        for call in ("step", "abort", "step"):
+            if call == "abort":
+                engine.abort([BranchId("a", 0)])
+                continue
+            for bid, delta in engine.step(8).deltas.items():
+                out.setdefault(bid, []).extend(delta.token_ids)
+        engine.release_prefix("a")
+        return out
+
+    failing = HFEngine(*model_and_tokenizer)
+    failing.static = _FailingLater(failing.model, capture=True, column_bucket=256)
+    with pytest.warns(RuntimeWarning, match="at 2 rows x 256 columns"):
+        got = run(failing)
+    assert failing.static is None
+    assert got == run(HFEngine(*model_and_tokenizer))

@@ -339,9 +339,14 @@ class HFEngine:
             try:
                 self._next = (keys, self._forward_static(keys, going))
                 return
-            except hf_graphs.CaptureFailed as exc:  # the spans are intact: read from there
+            except hf_graphs.CaptureFailed as exc:
                 warnings.warn(f"{exc}; decoding without CUDA graphs", RuntimeWarning, stacklevel=2)
-                self.graphs_failed, self.static = str(exc), None
+                static, self.static, self.graphs_failed = self.static, None, str(exc)
+                # The rows were laid out in the buffers before the capture (maybe over
+                # where the spans pointed): the default path reads them from there.
+                width = max(b.length for _, b, _ in going)
+                for row, (_, branch, _) in enumerate(going):
+                    branch.span = Span(static.kv, row, width - branch.length, width)
         lengths = [b.length for _, b, _ in going]
         groups = self._batches.split(keys, lengths, self.split_cost)
         for kept, rows in groups:

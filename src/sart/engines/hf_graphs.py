@@ -50,7 +50,9 @@ COLUMN_BUCKET = 256
 class CaptureFailed(RuntimeError):
     """A bucket's forward could not be captured as a CUDA graph (the model did
     something a capture forbids, such as reading a tensor back to the host). The
-    buffers are as they were: the engine decodes on without graphs."""
+    step's rows are laid out in ``kv`` (row ``r`` the ``r``-th span, right-aligned
+    before the step's column), its token not forwarded: the engine decodes on
+    without graphs from there."""
 
 
 def row_bucket(rows: int) -> int:
