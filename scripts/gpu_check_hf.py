@@ -14,7 +14,7 @@ their numbers; exit 1 if any failed. Checks:
 - ``step cost``: the long testbed's policy decoding 8, 32 and 64 branches: ms per
   steady step and kernel launches per step (on a CPU: aten operations), and those
   of a step that rebuilds the batch (a branch ended); ``graph steps``: the same
-  over CUDA graphs (graphs captured on the way counted apart);
+  over CUDA graphs (each bucket captured in the untimed first steps);
 - ``prm cost``: the long testbed's PRM checking as many branches in one forward,
   from their caches: kernel launches (aten operations) per check;
 - ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
