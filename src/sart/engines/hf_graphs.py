@@ -66,20 +66,9 @@ class _ColumnWrite(InPlaceCache):
 
     _column: torch.Tensor | None = None
 
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        *args: Any,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._full is None or self._column is None:  # while being built
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        keys, values = self._full[layer_idx]
-        keys.index_copy_(2, self._column, key_states)
-        values.index_copy_(2, self._column, value_states)
-        return keys, values
+    def _write(self, into: torch.Tensor, states: torch.Tensor) -> None:
+        assert self._column is not None  # set as soon as the cache is built (``_cache``)
+        into.index_copy_(2, self._column, states)
 
 
 def supported(model: Any) -> bool:

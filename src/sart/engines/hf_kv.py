@@ -193,9 +193,13 @@ class InPlaceCache(DynamicCache):
         if self._full is None or key_states.shape[2] != 1:  # while being built
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
         keys, values = self._full[layer_idx]
-        keys[:, :, -1:] = key_states
-        values[:, :, -1:] = value_states
+        self._write(keys, key_states)
+        self._write(values, value_states)
         return keys, values
+
+    def _write(self, into: torch.Tensor, states: torch.Tensor) -> None:
+        """Write a one-token forward's keys or values into the batch's free column."""
+        into[:, :, -1:] = states
 
 
 def groups(lengths: Sequence[int], cost: int | None) -> list[list[int]]:
