@@ -125,7 +125,7 @@ def main() -> None:
         engine.in_place = in_place
         engine.split_cost = default_cost if cost == "default" else None
         if cost == "static":
-            engine.static = StaticDecode(engine.model, capture=engine.device.type == "cuda")
+            engine.static = StaticDecode(engine.model)  # captured on a GPU only
         seconds, forward, forwards, steps, tokens = decode(engine, args)  # a read back a step
         count = sum(len(t) for t in tokens.values())
         runs[mode] = (seconds, tokens)

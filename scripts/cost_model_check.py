@@ -128,7 +128,7 @@ def time_engine_steps(
     if graphs:  # the first step of each bucket captures it: in the warm-up
         from sart.engines.hf_graphs import StaticDecode
 
-        engine.static = StaticDecode(model, capture=device.startswith("cuda"))
+        engine.static = StaticDecode(model)  # captured on a GPU only
     vocab = model.config.vocab_size
     prompt = [5 + i % (vocab - 5) for i in range(context)]
     settings = SamplingSettings(temperature=1.0, max_tokens=warmup + steps + 2, ignore_eos=True)

@@ -87,14 +87,12 @@ def profiled(device: Any, run: Callable[[], object]) -> int:
     return sum(e.count for e in events if e.key.startswith("aten::"))
 
 
-def graphed(engine: Any, device: Any, column_bucket: int | None = None) -> Any:
+def graphed(engine: Any, column_bucket: int | None = None) -> Any:
     """``engine`` decoding over CUDA graphs (``cuda_graphs=True``'s path); on a CPU the
     same forward, not captured."""
     from sart.engines.hf_graphs import COLUMN_BUCKET, StaticDecode
 
-    engine.static = StaticDecode(
-        engine.model, capture=device.type == "cuda", column_bucket=column_bucket or COLUMN_BUCKET
-    )
+    engine.static = StaticDecode(engine.model, column_bucket=column_bucket or COLUMN_BUCKET)
     return engine
 
 
@@ -158,7 +156,7 @@ def graph_parity(device: Any, steps: int, column_bucket: int) -> tuple[str, dict
     def tokens(graphs: bool) -> tuple[dict[BranchId, list[int]], int]:
         engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
         if graphs:
-            graphed(engine, device, column_bucket)
+            graphed(engine, column_bucket)
         for r, q in enumerate(questions):
             engine.prefill(f"q{r}", q.prompt, settings)
             engine.start_branches(f"q{r}", [BranchSpec(j, seed=10 * r + j) for j in range(3)])
@@ -199,7 +197,7 @@ def step_cost(
     engine = HFEngine.from_pretrained(str(LONG.policy_path), device=str(device))
     if graphs:
         engine.split_cost = None
-        graphed(engine, device)
+        graphed(engine)
     settings = SamplingSettings(temperature=1.0, max_tokens=2048, ignore_eos=True)
     out: dict[str, Any] = {}
     for branches in counts:
@@ -341,7 +339,7 @@ def decode_7b(
     engine = HFEngine(model, build_tokenizer())
     engine.split_cost = None
     if graphs:
-        graphed(engine, device)
+        graphed(engine)
     settings = SamplingSettings(temperature=1.0, max_tokens=steps + 32, ignore_eos=True)
     prompt = list(range(5, 5 + 128))  # token ids: the tokenizer is not the shape's
     from sart.engines.costs import H100, H200

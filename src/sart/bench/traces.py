@@ -339,7 +339,7 @@ def reward_persistence(trace: Trace) -> float:
     if min(sxx, syy) <= 1e-12 * max(1, len(now)):  # no gaps to speak of (rms < 1e-6)
         return 0.0
     sxy = sum(x * y for x, y in zip(now, later, strict=True))
-    return min(1.0, max(0.0, sxy / math.sqrt(sxx * syy)))
+    return _clamp(sxy / math.sqrt(sxx * syy))
 
 
 def _continue(

@@ -57,6 +57,7 @@ exactly as it would have.
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -82,6 +83,9 @@ from sart.engines.hf_kv import InPlaceCache, Span, StepBatch, StepBatches
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.engines.prompts import prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
+
+Going = list[tuple[BranchId, Branch, int]]
+"""The branches a step forwards: each one's id, itself and the token it sampled."""
 
 
 class HFEngine:
@@ -262,7 +266,7 @@ class HFEngine:
         chosen = hf_sampling.sample(logits, rows, self.eos_ids)
         asking, values = hf_sampling.logprobs(logits, rows, chosen)
         tokens, logprobs = hf_sampling.read_back(chosen, asking, values, rows)
-        going: list[tuple[BranchId, Branch, int]] = []
+        going: Going = []
         ended = False
         for (bid, branch), token, lp in zip(live, tokens, logprobs):
             branch.tokens.append(token)
@@ -333,7 +337,7 @@ class HFEngine:
         if self.static is not None:
             self.static.clear()
 
-    def _forward_batch(self, going: list[tuple[BranchId, Branch, int]]) -> None:
+    def _forward_batch(self, going: Going) -> None:
         keys = tuple(bid for bid, _, _ in going)
         if self.static is not None:  # one batch over the engine's own buffers
             try:
@@ -344,9 +348,7 @@ class HFEngine:
                 static, self.static, self.graphs_failed = self.static, None, str(exc)
                 # The rows were laid out in the buffers before the capture (maybe over
                 # where the spans pointed): the default path reads them from there.
-                width = max(b.length for _, b, _ in going)
-                for row, (_, branch, _) in enumerate(going):
-                    branch.span = Span(static.kv, row, width - branch.length, width)
+                _hold(going, static.kv, max(b.length for _, b, _ in going), None)
         lengths = [b.length for _, b, _ in going]
         groups = self._batches.split(keys, lengths, self.split_cost)
         for kept, rows in groups:
@@ -354,9 +356,7 @@ class HFEngine:
         if len(groups) == 1:  # the rows in ``going``'s order: next step's logits as they are
             self._next = (keys, last)
 
-    def _forward_rows(
-        self, kept: StepBatch, going: list[tuple[BranchId, Branch, int]]
-    ) -> torch.Tensor:
+    def _forward_rows(self, kept: StepBatch, going: Going) -> torch.Tensor:
         """Forward one batch of rows; the next-token logits, a row per branch."""
         lengths = [b.length for _, b, _ in going]
         width = max(lengths)
@@ -386,27 +386,18 @@ class HFEngine:
         # tensor now holds every row's KV: a branch's span is its row there.
         held = kept.pairs if cache is not None else hf_compat.pairs_of(hf_compat.out_cache(out))
         last = out.logits[:, -1].float()  # one op; each branch reads its row from it
-        for row, (_, branch, _) in enumerate(going):
-            branch.span = Span(held, row, width - lengths[row], width + 1)
-            branch.logits_in(last, row)
+        _hold(going, held, width, last)
         return last
 
-    def _forward_static(
-        self, keys: tuple[BranchId, ...], going: list[tuple[BranchId, Branch, int]]
-    ) -> torch.Tensor:
+    def _forward_static(self, keys: tuple[BranchId, ...], going: Going) -> torch.Tensor:
         """``_forward_rows`` over ``static``'s buffers (one batch, padded to its bucket)."""
-        import time
-
         assert self.static is not None
         lengths = [b.length for _, b, _ in going]
-        width = max(lengths)
         started = time.perf_counter()
         spans = [b.span for _, b, _ in going]
         last = self.static.step(keys, spans, lengths, [t for _, _, t in going])  # type: ignore[arg-type]
         self.forward_seconds += time.perf_counter() - started
-        for row, (_, branch, _) in enumerate(going):
-            branch.span = Span(self.static.kv, row, width - lengths[row], width + 1)
-            branch.logits_in(last, row)
+        _hold(going, self.static.kv, max(lengths), last)
         return last
 
     def _recompute(self, branch: Branch) -> None:
@@ -431,14 +422,23 @@ class HFEngine:
     # ------------------------------------------------------------- helpers
 
     def _forward(self, ids: torch.Tensor, cache: Any = None, **kwargs: Any) -> Any:
-        import time
-
         started = time.perf_counter()
         if cache is not None:
             kwargs[self._cache_arg] = cache
         out = self.model(input_ids=ids, use_cache=True, **kwargs)
         self.forward_seconds += time.perf_counter() - started
         return out
+
+
+def _hold(going: Going, pairs: hf_kv.KV, width: int, last: torch.Tensor | None) -> None:
+    """Each branch of ``going`` is now row ``r`` of ``pairs``, right-aligned before column
+    ``width`` (the longest row's length); with ``last`` (the step's forward wrote its
+    token at ``width``), one position longer, its next-token logits ``last``'s row ``r``."""
+    for row, (_, branch, _) in enumerate(going):
+        start = width - branch.length  # read before its span moves
+        branch.span = Span(pairs, row, start, width + (last is not None))
+        if last is not None:
+            branch.logits_in(last, row)
 
 
 def _own(branch: Branch) -> int:

@@ -92,19 +92,23 @@ def graphed(model: Any) -> StaticDecode:
             "cuda_graphs=True needs plain dynamic cache layers; this model's are not "
             "(sliding-window attention): leave it off"
         )
-    return StaticDecode(model, capture=True)
+    return StaticDecode(model)
 
 
 class StaticDecode:
     """Decode steps over the engine's own buffers, each bucket's forward captured as
     a CUDA graph (``capture=True``) or run as is (see the module docstring)."""
 
-    def __init__(self, model: Any, *, capture: bool, column_bucket: int = COLUMN_BUCKET) -> None:
+    def __init__(
+        self, model: Any, *, capture: bool | None = None, column_bucket: int = COLUMN_BUCKET
+    ) -> None:
         weight = next(model.parameters())
         self.model = model
         self.device = weight.device
         self.dtype = weight.dtype
-        self.capture = capture
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        """Whether each bucket's forward is captured as a graph (``None``: where the
+        model is on a CUDA device; elsewhere the same forward runs as is)."""
         self.column_bucket = column_bucket
         self.kv: KV = []
         """The KV buffers, one (keys, values) per layer: every live branch's span is here."""
