@@ -41,11 +41,11 @@ from sart.messages import BranchSpec
 from sart.testbed import LONG, make_questions
 from sart.types import SamplingSettings
 
-MODES = (
-    ("split by length", True, "default"),
-    ("one batch", True, None),
-    ("transformers cache", False, None),
-    ("own buffers", True, "static"),
+MODES = (  # name, in place, split by length, over the engine's own buffers
+    ("split by length", True, True, False),
+    ("one batch", True, False, False),
+    ("transformers cache", False, False, False),
+    ("own buffers", True, False, True),
 )
 
 
@@ -121,12 +121,11 @@ def main() -> None:
         f"{'mode':>20} {'steps':>6} {'ms/step':>8} {'tokens/s':>9} {'forward':>8} {'fwd/step':>8}"
     )
     runs = {}
-    for mode, in_place, cost in MODES:
+    for mode, in_place, split, static in MODES:
         engine.in_place = in_place
-        engine.split_cost = default_cost if cost == "default" else None
-        if cost == "static":
-            engine.static = StaticDecode(engine.model)  # captured on a GPU only
-        seconds, forward, forwards, steps, tokens = decode(engine, args)  # a read back a step
+        engine.split_cost = default_cost if split else None
+        engine.static = StaticDecode(engine.model) if static else None  # graphs on a GPU
+        seconds, forward, forwards, steps, tokens = decode(engine, args)
         count = sum(len(t) for t in tokens.values())
         runs[mode] = (seconds, tokens)
         print(
@@ -134,7 +133,7 @@ def main() -> None:
             f"{count / seconds:>9,.0f} {100 * forward / seconds:>7.0f}% "
             f"{forwards / max(steps, 1):>8.2f}"
         )
-    first, *others = (mode for mode, _, _ in MODES)
+    first, *others = (mode for mode, *_ in MODES)
     same = all(runs[mode][1] == runs[first][1] for mode in others)
     ratios = ", ".join(f"{runs[mode][0] / runs[first][0]:.2f}x {mode}'s" for mode in others)
     print(f"same tokens: {'yes' if same else 'NO'}; {first} is faster by {ratios}")
