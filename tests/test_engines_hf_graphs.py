@@ -59,6 +59,60 @@ def test_static_buffers_give_the_default_paths_tokens(
     assert columns >= 40 and (columns % column_bucket == 0)
 
 
+def _position_bytes(model: object) -> int:
+    """Bytes of KV one row takes per column in the buffers (float32 model)."""
+    config = model.config  # type: ignore[attr-defined]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 4
+
+
+def test_steps_over_the_memory_budget_decode_by_the_default_path(
+    model_and_tokenizer: tuple[object, object],
+) -> None:
+    # Buffers may hold 4 rows x 32 columns: the mix's wider and longer steps go by
+    # the default path from wherever the spans are, and back to the buffers when the
+    # batch fits again (its rows rebuilt from the step batches): the same tokens.
+    made: list[StaticDecode] = []
+    budget = 4 * 32 * _position_bytes(model_and_tokenizer[0])
+
+    def static(engine: HFEngine) -> None:
+        engine.static = StaticDecode(engine.model, capture=False, column_bucket=8, max_bytes=budget)
+        made.append(engine.static)
+
+    fast = _serve(*model_and_tokenizer, in_place=True, setup=static)
+    reference = _serve(*model_and_tokenizer, in_place=True)
+    over = made[0].over_budget
+    # Some steps by each path: beyond the 3 prefills and a resume, one forward by the
+    # default path per step over budget, and fewer of those than the steps in all.
+    assert 0 < fast[FORWARDS][0] - 4 == over < reference[FORWARDS][0] - 4
+    assert sum(k.nbytes + v.nbytes for k, v in made[0].kv) <= budget
+    _same_branches(fast, reference)
+
+
+def test_the_budget_is_lowered_to_what_ran_out_of_memory(
+    model_and_tokenizer: tuple[object, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = HFEngine(*model_and_tokenizer)
+    static = engine.static = StaticDecode(engine.model, capture=False, column_bucket=8)
+    settings = SamplingSettings(temperature=1.0, max_tokens=30, ignore_eos=True)
+    engine.prefill("a", "Step 1: add 3 and 4.", settings)
+    engine.start_branches("a", [BranchSpec(i, seed=i) for i in range(3)])
+    engine.step(2)
+    assert static.over_budget == 0 and static.max_bytes is None
+    real = torch.Tensor.new_zeros
+
+    def out_of_memory(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+
+    monkeypatch.setattr(torch.Tensor, "new_zeros", out_of_memory)
+    deltas = engine.step(20).deltas  # crosses the 8-column buckets: the buffers grow
+    monkeypatch.setattr(torch.Tensor, "new_zeros", real)
+    assert static.over_budget >= 1 and static.max_bytes is not None
+    assert static.max_bytes < 4 * 24 * _position_bytes(engine.model)
+    assert all(len(delta.token_ids) == 20 for delta in deltas.values())
+    engine.release_prefix("a")
+
+
 def test_static_buffers_keep_the_batch_between_steps(
     model_and_tokenizer: tuple[object, object],
 ) -> None:
@@ -215,7 +269,10 @@ def test_any_schedule_gives_the_default_paths_deltas(
     fast.static = StaticDecode(fast.model, capture=False, column_bucket=8)
     copied = HFEngine(*model_and_tokenizer)  # transformers' own cache, rebuilt every step
     copied.in_place = False
-    others = (fast, copied)
+    tight = HFEngine(*model_and_tokenizer)  # buffers of 4 x 24 at most: both paths in turn
+    budget = 4 * 24 * _position_bytes(tight.model)
+    tight.static = StaticDecode(tight.model, capture=False, column_bucket=8, max_bytes=budget)
+    others = (fast, copied, tight)
     settings_ = SamplingSettings(temperature=1.0, max_tokens=24, logprobs=1)
     requests: dict[str, int] = {}  # request -> branches started
     paused: list[BranchId] = []
@@ -274,7 +331,7 @@ def test_any_schedule_gives_the_default_paths_deltas(
                     )
     for rid in requests:
         both("release_prefix", rid)
-    assert plain.stats() == fast.stats() == copied.stats()
+    assert plain.stats() == fast.stats() == copied.stats() == tight.stats()
 
 
 class _FailingLater(StaticDecode):

@@ -342,7 +342,10 @@ class HFEngine:
         if self.static is not None:  # one batch over the engine's own buffers
             try:
                 self._next = (keys, self._forward_static(keys, going))
+                self._batches.clear()  # the spans left any step batch: its memory back
                 return
+            except hf_graphs.OverBudget:  # this step by the default path, from the spans
+                self.static.clear()  # as they are; the next one over the buffers rebuilds
             except hf_graphs.CaptureFailed as exc:
                 warnings.warn(f"{exc}; decoding without CUDA graphs", RuntimeWarning, stacklevel=2)
                 static, self.static, self.graphs_failed = self.static, None, str(exc)

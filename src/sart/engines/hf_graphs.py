@@ -27,7 +27,12 @@ the logits out.
 
 Buffers grow (rows to the bucket needed, columns to at least twice what they
 were), and growing drops the graphs captured over the old ones: they are captured
-again as buckets are used. ``capture=False`` runs the same forward without a graph
+again as buckets are used. They grow only within a memory budget (``max_bytes``; by
+default half the device memory not otherwise in use when they grow): a step whose
+bucket needs more raises ``OverBudget`` before touching anything, and the engine
+decodes that step by its default path (step batches as large as the rows need, not
+rounded up to a bucket), so a long or wide batch runs slower instead of running out
+of memory. ``capture=False`` runs the same forward without a graph
 (on a CPU, and in tests: every step of the graph path but the capture). The
 captured graphs share one memory pool, as vLLM's do.
 """
@@ -53,6 +58,17 @@ class CaptureFailed(RuntimeError):
     step's rows are laid out in ``kv`` (row ``r`` the ``r``-th span, right-aligned
     before the step's column), its token not forwarded: the engine decodes on
     without graphs from there."""
+
+
+class OverBudget(RuntimeError):
+    """A step's bucket needs KV buffers over the memory budget (``max_bytes``). Raised
+    before anything changed: the spans are where they were, and the caller decodes
+    the step without the buffers."""
+
+
+MEMORY_FRACTION = 0.5
+"""The share of the device memory not otherwise in use (free, or this decoder's
+buffers) that growing buffers may take when no ``max_bytes`` is given."""
 
 
 def row_bucket(rows: int) -> int:
@@ -100,7 +116,12 @@ class StaticDecode:
     a CUDA graph (``capture=True``) or run as is (see the module docstring)."""
 
     def __init__(
-        self, model: Any, *, capture: bool | None = None, column_bucket: int = COLUMN_BUCKET
+        self,
+        model: Any,
+        *,
+        capture: bool | None = None,
+        column_bucket: int = COLUMN_BUCKET,
+        max_bytes: int | None = None,
     ) -> None:
         weight = next(model.parameters())
         self.model = model
@@ -110,6 +131,12 @@ class StaticDecode:
         """Whether each bucket's forward is captured as a graph (``None``: where the
         model is on a CUDA device; elsewhere the same forward runs as is)."""
         self.column_bucket = column_bucket
+        self.max_bytes = max_bytes
+        """The most the KV buffers may take (``None``: on a CUDA device,
+        ``MEMORY_FRACTION`` of the memory not otherwise in use when they grow; elsewhere
+        no limit). Lowered to what failed if an allocation runs out of memory."""
+        self.over_budget = 0
+        """Steps that needed buffers over the budget (the engine decoded them without)."""
         self.kv: KV = []
         """The KV buffers, one (keys, values) per layer: every live branch's span is here."""
         self._inputs = torch.zeros((0, 3), dtype=torch.long, device=self.device)
@@ -160,15 +187,31 @@ class StaticDecode:
         if rows <= have[0] and columns <= have[1]:
             return
         rows = max(rows, have[0])
-        columns = have[1] if columns <= have[1] else max(columns, 2 * have[1])
         first = spans[0].pairs
-        kv = [
-            (
-                k.new_zeros((rows, k.shape[1], columns, k.shape[3])),
-                v.new_zeros((rows, v.shape[1], columns, v.shape[3])),
+        # Growing columns at least doubles them (few regrowths over a long branch),
+        # unless only the columns the step needs fit in the budget.
+        wanted = [have[1]] if columns <= have[1] else [columns, max(columns, 2 * have[1])]
+        budget = self._budget()
+        fits = [c for c in wanted if budget is None or _bytes(first, rows, c) <= budget]
+        if not fits:
+            self.over_budget += 1
+            raise OverBudget(
+                f"{rows} rows x {wanted[0]} columns of KV take {_bytes(first, rows, wanted[0])} "
+                f"bytes, over the buffers' budget of {budget}"
             )
-            for k, v in first
-        ]
+        columns = fits[-1]
+        try:
+            kv = [
+                (
+                    k.new_zeros((rows, k.shape[1], columns, k.shape[3])),
+                    v.new_zeros((rows, v.shape[1], columns, v.shape[3])),
+                )
+                for k, v in first
+            ]
+        except torch.OutOfMemoryError as exc:  # the budget was too generous: lowered
+            self.max_bytes = _bytes(first, rows, columns) - 1
+            self.over_budget += 1
+            raise OverBudget(f"{rows} rows x {columns} columns of KV: {exc}") from exc
         if self.kv:  # live branches' spans are in the old buffers: carried over by the
             self._rows = ()  # rebuild this step does (``fill`` into the new ones)
         self.kv = kv
@@ -177,6 +220,15 @@ class StaticDecode:
         self._logits = torch.zeros((rows, vocab), device=self.device)
         self._columns = torch.arange(columns, device=self.device)
         self._graphs.clear()
+
+    def _budget(self) -> int | None:
+        """What the buffers may take now (see ``max_bytes``)."""
+        if self.max_bytes is not None or self.device.type != "cuda":
+            return self.max_bytes
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        held = sum(k.nbytes + v.nbytes for k, v in self.kv)
+        return int(MEMORY_FRACTION * (free + cached + held))
 
     def _cache(self, rows: int, columns: int) -> _ColumnWrite:
         """The cache the forward of bucket (``rows``, ``columns``) reads: views of the
@@ -240,4 +292,22 @@ class StaticDecode:
         return graph, cache  # the cache's views kept with the graph that reads them
 
 
-__all__ = ["COLUMN_BUCKET", "CaptureFailed", "StaticDecode", "graphed", "row_bucket", "supported"]
+def _bytes(pairs: KV, rows: int, columns: int) -> int:
+    """The bytes of KV buffers shaped like ``pairs``' layers at ``rows`` x ``columns``."""
+    per_position = sum(
+        (k.shape[1] * k.shape[3]) * k.element_size() + (v.shape[1] * v.shape[3]) * v.element_size()
+        for k, v in pairs
+    )
+    return rows * columns * per_position
+
+
+__all__ = [
+    "COLUMN_BUCKET",
+    "MEMORY_FRACTION",
+    "CaptureFailed",
+    "OverBudget",
+    "StaticDecode",
+    "graphed",
+    "row_bucket",
+    "supported",
+]
