@@ -112,11 +112,12 @@ def time_steps(
 def time_engine_steps(
     model: Any, batch: int, context: int, steps: int, warmup: int, device: str,
     graphs: bool = False,
-) -> list[float]:  # fmt: skip
+) -> tuple[list[float], int]:  # fmt: skip
     """Seconds of each of ``steps`` decode steps (after ``warmup``) of sart's
     transformers engine: ``batch`` branches of one request whose prompt is
     ``context`` tokens, in the engine's own batch (the step's keys and values
-    written in place: ``sart.engines.hf_kv``), sampling included."""
+    written in place: ``sart.engines.hf_kv``), sampling included; and how many
+    steps ran without graphs (``graphs``: their bucket over the buffers' budget)."""
     from sart.demo_models import build_tokenizer
     from sart.engines.hf import HFEngine
     from sart.messages import BranchSpec
@@ -143,7 +144,7 @@ def time_engine_steps(
         if i >= warmup:
             times.append(time.perf_counter() - start)
     engine.release_prefix("check")
-    return times
+    return times, engine.static.over_budget if engine.static is not None else 0
 
 
 def _sync(device: str) -> None:
@@ -211,10 +212,11 @@ def main(argv: list[str] | None = None) -> int:
             if not fits(preset, batch, context, free):
                 print(f"{batch:>4} {context:>8}  skipped: its KV does not fit next to the weights")
                 continue
+            over = 0
             if args.through == "static":
                 times = time_steps(model, batch, context, args.steps, args.warmup, args.device)
             else:
-                times = time_engine_steps(
+                times, over = time_engine_steps(
                     model, batch, context, args.steps, args.warmup, args.device,
                     graphs=args.through == "graphs",
                 )  # fmt: skip
@@ -225,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
             efficiency = step_bytes / spent / peak_bandwidth if peak_bandwidth else None
             rows.append(
                 {"batch": batch, "context": context, "measured_s": measured,
-                 "predicted_s": predicted, "implied_bandwidth_efficiency": efficiency}
+                 "predicted_s": predicted, "implied_bandwidth_efficiency": efficiency,
+                 "steps_without_graphs": over}
             )  # fmt: skip
             eff = "-" if efficiency is None else f"{efficiency:.2f}"
+            # Over the buffers' memory budget, graphs' steps run by the default path.
+            note = f"  ({over} steps without graphs: over budget)" if over else ""
             print(f"{batch:>4} {context:>8} {1e3 * measured:>12.2f} {1e3 * predicted:>13.2f} "
-                  f"{measured / predicted:>6.2f} {eff:>15}", flush=True)  # fmt: skip
+                  f"{measured / predicted:>6.2f} {eff:>15}{note}", flush=True)  # fmt: skip
             if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
     if args.out:

@@ -229,7 +229,14 @@ def step_cost(
         f"({v['launches_per_rebuild_step']:.0f} rebuilding)"
         for b, v in out.items()
     )
-    return detail + " a step", out
+    return detail + " a step" + over_budget(engine), out
+
+
+def over_budget(engine: Any) -> str:
+    """What a graphs row must say if some of its steps ran without the buffers (their
+    bucket was over the memory budget: ``StaticDecode.over_budget``)."""
+    steps = engine.static.over_budget if engine.static is not None else 0
+    return f" ({steps} steps over the buffers' memory budget ran without graphs)" * (steps > 0)
 
 
 def prm_cost(device: Any, counts: list[int]) -> tuple[str, dict[str, Any]]:
@@ -369,7 +376,7 @@ def decode_7b(
     )
     if bound is not None:
         detail += f"; weights-read bound {bound:.1f} ms a step"
-    return detail, out
+    return detail + over_budget(engine), out
 
 
 def prm_7b(device: Any, shape: dict[str, int], branches: int) -> tuple[str, dict[str, Any]]:

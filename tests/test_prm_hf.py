@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import sart  # noqa: E402
+from sart import hf_compat  # noqa: E402
 from sart.demo_models import build_tokenizer  # noqa: E402
 from sart.errors import ConfigError, PRMError  # noqa: E402
 from sart.prm.aggregate import NO_STEPS_REWARD, split_steps  # noqa: E402
@@ -584,8 +585,13 @@ class _NoPositionIds(torch.nn.Module):
     def forward(
         self, input_ids: Any, attention_mask: Any = None, cache: Any = None, use_cache: Any = None
     ) -> Any:
+        # Passed on under the name the inner model takes (``past_key_values`` before
+        # transformers 5.2x): the wrapper itself takes ``cache``.
         return self.inner(
-            input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=use_cache
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            use_cache=use_cache,
+            **{hf_compat.cache_argument(self.inner): cache},
         )
 
 
