@@ -31,7 +31,10 @@ def test_a_linear_engine_is_fitted_exactly(fixed: float, per_row: float, rows: l
     for r in rows:
         now = observe(cost, r, fixed + per_row * r, at=now)
     mean = sum(rows) / len(rows)
-    if sum((r - mean) ** 2 for r in rows) / len(rows) < 1.0:
+    # The fit's spread weighs older steps less (FORGET): over 40 steps at least 0.82
+    # of the plain variance here, so 1.25 keeps it over MIN_SPREAD (at exactly 1.0
+    # the weighted spread fell just under it: rows [12, 12, 14, 14]).
+    if sum((r - mean) ** 2 for r in rows) / len(rows) < 1.25:
         return  # too little spread: covered below
     got = cost.fit()
     assert got is not None
