@@ -8,7 +8,8 @@
 #
 # 1. scripts/gpu_check.py --engine hf   (every check: parity, graphs, step cost, bench, 7B)
 # 2. benchmarks/hf_decode.py --device cuda   (the decode modes side by side, own buffers too)
-# 3. scripts/cost_model_check.py --preset h200-14b, through the engine and over CUDA graphs
+# 3. scripts/cost_model_check.py, the GPU's 14B preset (h100-14b on an H100, else
+#    h200-14b), through the engine and over CUDA graphs
 #
 # Each step's output is in OUT_DIR (a .log each, JSON where the tool writes it) and
 # OUT_DIR/summary.txt has one line per step with its exit status; the script exits 1
@@ -36,9 +37,11 @@ if [ "$quick" = "--quick" ]; then
 else
     check=()
     decode=(--device cuda --steps 300)
-    # 8k context skipped: 64 branches of it do not fit an H100 beside 14B's weights, and
-    # batch 1 (the done-when's target) is in every row anyway.
-    costs=(--preset h200-14b --batch 1 8 32 64 --context 1024 4096)
+    # The preset of the GPU at hand (an H100's is h100-14b), else h200-14b. 8k context
+    # skipped: 64 branches of it do not fit an H100 beside 14B's weights, and batch 1
+    # (the done-when's target) is in every row anyway.
+    preset=$("$python" -c "import torch; print('h100-14b' if 'H100' in torch.cuda.get_device_name() else 'h200-14b')" 2>/dev/null || echo h200-14b)
+    costs=(--preset "$preset" --batch 1 8 32 64 --context 1024 4096)
 fi
 : >"$out/summary.txt"
 
