@@ -18,9 +18,12 @@ from typing import Any
 class Report:
     """Prints one line per check; keeps every check's row for ``write_json``."""
 
-    def __init__(self, width: int = 18) -> None:
+    def __init__(self, width: int = 18, json_path: Path | None = None) -> None:
         self.rows: list[dict[str, Any]] = []
         self._width = width
+        self._json_path = json_path
+        """Where the rows are written after every check (a run stopped by a time
+        limit keeps the checks it finished)."""
 
     @property
     def failed(self) -> list[str]:
@@ -47,15 +50,19 @@ class Report:
         self.rows.append(
             {"check": name, "ok": ok, "detail": detail, "seconds": seconds, "data": data}
         )
+        self._write(self._json_path)
         return detail if ok else None
 
     def finish(self, json_path: Path | None = None) -> int:
         """The closing line (and ``json_path`` written): exit status 1 if any failed."""
-        if json_path is not None:
-            json_path.write_text(json.dumps(self.rows, indent=1))
+        self._write(json_path)
         failed = self.failed
         print(
             f"gpu_check: FAILED {', '.join(failed)}" if failed else "gpu_check: all checks passed",
             flush=True,
         )
         return 1 if failed else 0
+
+    def _write(self, path: Path | None) -> None:
+        if path is not None:
+            path.write_text(json.dumps(self.rows, indent=1))

@@ -220,7 +220,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.allow_cpu:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    report = Report()
+    report = Report(json_path=args.json)
     if report.check("environment", lambda: environment(args.allow_cpu)) is None:
         return 1
     model, prm_path = args.model, args.prm
@@ -268,7 +268,7 @@ def main() -> int:
         if args.gpu_memory_utilization is None and not args.allow_cpu:
             prm_args["gpu_memory_utilization"] = 0.4
         report.check("prm", lambda: prm_check(prm_path, prm_args))
-    return report.finish(args.json)
+    return report.finish()
 
 
 if __name__ == "__main__":

@@ -17,15 +17,19 @@ their numbers; exit 1 if any failed. Checks:
   over CUDA graphs (each bucket captured in the untimed first steps);
 - ``prm cost``: the long testbed's PRM checking as many branches in one forward,
   from their caches: kernel launches (aten operations) per check;
-- ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
-  SART, at ``--rate``: P50 and P97 per method;
-  ``bench graphs``: the same with ``--cuda-graphs`` (on a GPU only);
 - ``7b decode``: a 7B-shape policy (Qwen2.5-7B's: 28 layers, hidden 3,584, GQA 28/4,
   vocabulary 152,064; random bfloat16 weights) through ``HFEngine`` at batch 1 to 64:
   ms per step and tokens/s, beside the bound of reading its weights once a step;
   ``7b graphs``: the same over CUDA graphs;
 - ``7b prm``: a 7B-shape token-classification PRM through ``QwenMathPRM``, 32
-  branches scored twice (fresh, then 64 tokens more each): PRM tokens/s.
+  branches scored twice (fresh, then 64 tokens more each): PRM tokens/s;
+- ``bench``: ``sart bench --engine hf`` on the long testbed, N = 8, Vanilla, SC and
+  SART, at ``--rate``: P50 and P97 per method;
+  ``bench graphs``: the same with ``--cuda-graphs`` (on a GPU only).
+
+``--json`` is rewritten after every check, so a run stopped at a time limit keeps
+the checks it finished (the benches run last: their time on a GPU is the least
+known).
 
 ``--quick`` (with ``--allow-cpu``, as CI runs it) shrinks every shape and count (and
 benches the short testbed) so the whole runs in a minute on a CPU: the code paths,
@@ -432,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     device = torch.device(args.device if torch.cuda.is_available() else "cpu")
     quick = args.quick
-    report = Report(width=14)
+    report = Report(width=14, json_path=args.json)
     report.check("environment", lambda: environment(device))
     report.check("conformance", lambda: conformance(device))
     report.check("greedy parity", lambda: greedy_parity(device))
@@ -442,19 +446,21 @@ def main(argv: list[str] | None = None) -> int:
     report.check("step cost", lambda: step_cost(device, counts, steps))
     report.check("graph steps", lambda: step_cost(device, counts, steps, graphs=True))
     report.check("prm cost", lambda: prm_cost(device, counts))
-    requests = 8 if quick else args.requests
-    bed = "testbed" if quick else "testbed-long"
-    rate = 8.0 if quick else args.rate
-    report.check("bench", lambda: bench(device, bed, requests, rate))
-    if device.type == "cuda":  # --cuda-graphs needs one
-        report.check("bench graphs", lambda: bench(device, bed, requests, rate, graphs=True))
     shape = TINY if quick else QWEN_7B
     batches = [1, 8] if quick else [1, 8, 32, 64]
     step7 = 8 if quick else 32
     report.check("7b decode", lambda: decode_7b(device, shape, batches, step7))
     report.check("7b graphs", lambda: decode_7b(device, shape, batches, step7, graphs=True))
     report.check("7b prm", lambda: prm_7b(device, shape, 4 if quick else 32))
-    return report.finish(args.json)
+    # The benches last: the longest checks, whose time on a given GPU is the least
+    # known (a run stopped at its time limit keeps every row before, in --json).
+    requests = 8 if quick else args.requests
+    bed = "testbed" if quick else "testbed-long"
+    rate = 8.0 if quick else args.rate
+    report.check("bench", lambda: bench(device, bed, requests, rate))
+    if device.type == "cuda":  # --cuda-graphs needs one
+        report.check("bench graphs", lambda: bench(device, bed, requests, rate, graphs=True))
+    return report.finish()
 
 
 if __name__ == "__main__":

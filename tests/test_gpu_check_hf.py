@@ -30,10 +30,10 @@ CHECKS = (
     "step cost",
     "graph steps",
     "prm cost",
-    "bench",
     "7b decode",
     "7b graphs",
     "7b prm",
+    "bench",
 )
 
 
@@ -63,8 +63,8 @@ def test_every_check_passes_and_lands_in_the_json(session: Path) -> None:
         assert set(steps) == {"8", "32"}
         assert all(v["launches_per_step"] > 0 for v in steps.values())
     assert set(rows[6]["data"]) == {"8", "32"}
-    assert set(rows[7]["data"]) == {"vanilla", "sc", "sart"}
-    assert {"1", "8"} <= set(rows[9]["data"])  # 7b graphs
+    assert {"1", "8"} <= set(rows[8]["data"])  # 7b graphs
+    assert set(rows[10]["data"]) == {"vanilla", "sc", "sart"}
 
 
 def test_the_session_runs_every_step_and_keeps_its_output(session: Path) -> None:
@@ -100,3 +100,25 @@ def test_without_a_gpu_it_fails_unless_told_to_use_the_cpu() -> None:
         [sys.executable, str(SCRIPT), "--engine", "hf"], capture_output=True, text=True
     )
     assert done.returncode == 1 and "torch sees no GPU" in done.stdout
+
+
+def test_the_json_keeps_every_finished_check_as_it_goes(tmp_path: Path) -> None:
+    # A GPU run stopped at its time limit must keep the checks it finished.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from check_report import Report
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    out = tmp_path / "checks.json"
+    report = Report(json_path=out)
+    report.check("first", lambda: ("fine", {"x": 1}))
+    assert [row["check"] for row in json.loads(out.read_text())] == ["first"]
+
+    def broken() -> str:
+        raise RuntimeError("planted")
+
+    report.check("second", broken)
+    rows = json.loads(out.read_text())
+    assert [(row["check"], row["ok"]) for row in rows] == [("first", True), ("second", False)]
+    assert "RuntimeError: planted" in rows[1]["detail"]
+    assert report.finish() == 1
