@@ -85,15 +85,15 @@ def test_a_free_prm_reproduces_the_numbers_from_before_prm_pricing(
 ) -> None:
     # Pinned from the commit before the PRM was priced (its default: a free ScriptedPRM),
     # on gaokao as it was then; Rebase's re-pinned when forks began to sample their
-    # own continuations (TraceScript.fork), and again when their draw followed the fitted
-    # ForkModel.
+    # own continuations (TraceScript.fork); the fitted ForkModel moved them, and the
+    # generated presets' leaving it (Trace.fork_model=None) moved them back.
     monkeypatch.setitem(workloads.WORKLOADS, "gaokao", RECORDED_GAOKAO)
     config = attrs.evolve(SMALL, methods=("sart", "rebase"), prm_cost="free", scoring=scoring)
     sart_run, rebase_run = run_bench(config)
     assert sart_run.summary.e2e.p97 == 182.28820529989483
     assert sart_run.summary.tokens_per_request == 8977.533333333333
-    assert rebase_run.summary.e2e.p97 == 315.314761295211
-    assert rebase_run.summary.makespan == 322.851590295211
+    assert rebase_run.summary.e2e.p97 == 385.7872334046033
+    assert rebase_run.summary.makespan == 393.3240624046033
     assert (sart_run.prm_busy, sart_run.prm_wait, sart_run.prm_tokens) == (0.0, 0.0, None)
 
 

@@ -792,3 +792,23 @@ def test_generated_presets_fork_at_their_sources_levels_and_recordings_read_thei
     assert loaded.script().persistence == reward_persistence(loaded) > 0.3
     with pytest.raises(ConfigError, match=r"persistence=1.5 must be in \[0, 1\]"):
         Trace.of(loaded.requests, persistence=1.5)
+
+
+def test_generated_presets_fork_by_their_requests_answers_not_the_fitted_model() -> None:
+    # A hard request: every recorded branch wrong, yet rated well. The model fitted to
+    # a real PRM's forks reads the parent's reward alone and makes right children of
+    # it; a generated preset's rewards are not on that PRM's scale, so its forks keep
+    # to the answers its request has (none right here).
+    hard = TraceRequest(
+        "h", 0.0, "7", tuple(branch(1000, a, *(0.85,) * 10) for a in "8989"), interval=100
+    )
+
+    def right(trace: Trace) -> int:
+        script = trace.script()
+        children = [script.fork(BranchId("h", 4 + i), BranchId("h", 0), 500) for i in range(200)]
+        return sum(c.answer == "7" for c in children)
+
+    assert right(Trace.of([hard])) > 100  # fitted: P(right) about 0.94 at reward 0.85
+    assert right(Trace.of([hard], fork_model=None)) == 0
+    generated = workload("gaokao").generate(3, rate=1.0, n=4, interval=400)
+    assert generated.fork_model is None and generated.persistence == 0.0

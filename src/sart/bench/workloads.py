@@ -120,7 +120,9 @@ class WorkloadModel:
             requests.append(self._request(stream, f"r{i}", arrival, n, interval))
         # A child takes its source's rewards as they are: they are draws around that
         # branch's latent quality, not ratings of the prefix it shares with its parent.
-        return Trace.of(requests, persistence=0.0)
+        # Whether it is right follows its request's answers, not the fork model fitted
+        # to a real PRM's rewards (``Trace.fork_model``).
+        return Trace.of(requests, persistence=0.0, fork_model=None)
 
     def _request(
         self, stream: str, rid: str, arrival: float, n: int, interval: int
