@@ -87,6 +87,8 @@ class ScoreRunner:
         self._open = open_requests  # the driver's: results not delivered yet
         # A virtual clock is one that can be advanced: scores are priced, not timed.
         self.virtual = callable(getattr(clock, "advance", None))
+        # Checked once: a runtime Protocol's isinstance walks its members every call.
+        self._priced: PricedPRM | None = prm if isinstance(prm, PricedPRM) else None
         self.pending: list[PendingScore] = []  # in flight, in the order started
         self.prm_busy = 0.0
         self.prm_wait = 0.0
@@ -107,10 +109,10 @@ class ScoreRunner:
         log-probabilities) costs no model call."""
         source_of = self.rewards.source_of
         priced = [i for i in command.items if source_of(i.branch.request_id) is self.prm]
-        cost = self.prm.cost(priced) if isinstance(self.prm, PricedPRM) and priced else 0.0
+        cost = self._priced.cost(priced) if self._priced is not None and priced else 0.0
         scored = self.rewards.score(command.items)
         now = self.clock.now()
-        shared = isinstance(self.prm, PricedPRM) and self.prm.shares_engine and bool(priced)
+        shared = self._priced is not None and self._priced.shares_engine and bool(priced)
         if self.scoring is Scoring.BLOCKING or shared:
             self.clock.advance(cost)  # type: ignore[attr-defined]
             self.stalled(cost)

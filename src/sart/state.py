@@ -176,7 +176,8 @@ class RequestState:
     def running(self) -> int:
         """Branches running now: derived from their statuses, which only the batch's
         ``Slots`` moves in and out of ``RUNNING`` (never kept as a count of its own)."""
-        return sum(b.status is BranchStatus.RUNNING for b in self.branches)
+        # A list's count: the scheduler asks for it of every request at every step.
+        return [b.status for b in self.branches].count(BranchStatus.RUNNING)
 
     @property
     def live(self) -> int:

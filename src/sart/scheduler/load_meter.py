@@ -15,13 +15,19 @@ class LoadMeter:
 
     def __init__(self) -> None:
         self._arrivals: deque[float] = deque(maxlen=RATE_WINDOW)  # for arrival_rate
+        self._rate: float | None = None
         self._kv: tuple[int | None, int | None] = (None, None)
         self.steps = StepCost()
         """Decode timings: ``started`` when a ``Decode`` is emitted, ``finished``
         when it is answered."""
 
     def arrived(self, at: float) -> None:
-        self._arrivals.append(at)
+        # The rate is computed here, not in ``view``: a view is taken for every
+        # request's check, arrivals are far fewer.
+        arrivals = self._arrivals
+        arrivals.append(at)
+        span = max(arrivals) - min(arrivals) if len(arrivals) >= 2 else 0.0
+        self._rate = (len(arrivals) - 1) / span if span > 0 else None
 
     def observe(self, kv_tokens: int | None, kv_capacity: int | None) -> None:
         self._kv = (kv_tokens, kv_capacity)
@@ -38,8 +44,6 @@ class LoadMeter:
         prm_waiting: int,
     ) -> Load:
         """``Load`` from the scheduler's counts and these measurements."""
-        arrivals = self._arrivals
-        span = max(arrivals) - min(arrivals) if len(arrivals) >= 2 else 0.0
         fixed, per_row = self.steps.fit() or (None, None)
         return Load(
             waiting_requests=waiting_requests,
@@ -47,7 +51,7 @@ class LoadMeter:
             running_branches=running_branches,
             budget=budget,
             active_requests=active_requests,
-            arrival_rate=(len(arrivals) - 1) / span if span > 0 else None,
+            arrival_rate=self._rate,
             waited=waited,
             prm_waiting=prm_waiting,
             kv_tokens=self._kv[0],

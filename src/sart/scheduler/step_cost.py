@@ -33,6 +33,8 @@ class StepCost:
         self._forget = forget
         self._sums = [0.0] * 5  # weight, rows, seconds, rows^2, rows x seconds
         self._started: tuple[float, int] | None = None
+        self._fit: tuple[float, float] | None = None
+        self._fitted = True  # ``_fit`` is the fit of ``_sums`` (read far more than fed)
 
     def started(self, now: float, rows: int) -> None:
         """A ``Decode`` of ``rows`` running branches was emitted at ``now``."""
@@ -50,11 +52,17 @@ class StepCost:
         decay = self._forget
         w, x, y, xx, xy = (s * decay for s in self._sums)
         self._sums = [w + 1.0, x + rows, y + seconds, xx + rows * rows, xy + rows * seconds]
+        self._fitted = False
 
     def fit(self) -> tuple[float, float] | None:
         """``(fixed, per_row)`` seconds of a step, or ``None`` before the rows have
         varied enough to tell them apart, or while steps take under ``MIN_STEP``.
         ``per_row`` is never negative."""
+        if not self._fitted:
+            self._fit, self._fitted = self._solve(), True
+        return self._fit
+
+    def _solve(self) -> tuple[float, float] | None:
         w, x, y, xx, xy = self._sums
         if w <= 0:
             return None
