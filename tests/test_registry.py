@@ -36,5 +36,5 @@ def test_missing_dependency_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(sart.MissingDependencyError, match="needs the module"):
         sart.load_prm("ghost")
     monkeypatch.setattr(registry, "_EXTRAS", {"vllm_is_not_installed_here": "vllm"})
-    with pytest.raises(ImportError, match=r"pip install 'sart\[vllm\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[vllm\]'"):
         sart.load_prm("ghost")

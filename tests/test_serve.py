@@ -564,7 +564,7 @@ def test_sart_serve_on_sglang_without_sglang_says_what_to_install(
     with pytest.raises(SystemExit) as info:
         main(["serve", "--engine", "sglang", "--model", "m"])
     assert info.value.code == 2
-    assert "pip install 'sart[sglang]'" in capsys.readouterr().err
+    assert "pip install -e '.[sglang]'" in capsys.readouterr().err
 
 
 def test_an_async_engine_behind_a_bridge_is_served(serve) -> None:

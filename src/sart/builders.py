@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.cpu_layout import vllm_layout
-from sart.errors import ConfigError
+from sart.errors import ConfigError, install_hint
 from sart.load_spec import LoadSpec
 from sart.registry import load_engine, load_prm
 
@@ -64,8 +64,7 @@ def gateway_engine(spec: LoadSpec) -> Any:
             from transformers import AutoTokenizer
         except ImportError as exc:
             raise ConfigError(
-                f"tokenizer={source!r}: loading it needs transformers (pip install "
-                f"'sart[hf]'): {exc}"
+                f"tokenizer={source!r}: loading it needs transformers ({install_hint('hf')}): {exc}"
             ) from None
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
     return load_engine(spec.engine)(

@@ -70,9 +70,10 @@ EXTRAS = {
 
 
 def install_hint(*extras: str) -> str:
-    """The command that installs an extra (alternatives joined by "or"):
-    ``pip install 'sart[hf]'``."""
-    return "pip install " + " or ".join(f"'sart[{extra}]'" for extra in extras)
+    """The command that installs an extra from a checkout of sart (alternatives joined
+    by "or"): ``pip install -e '.[hf]' in a checkout of sart``."""
+    commands = " or ".join(f"pip install -e '.[{extra}]'" for extra in extras)
+    return f"{commands} in a checkout of sart"
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.run_log import RunKey, RunLog, resumable_runs, run_key
-from sart.errors import ConfigError, MissingDependencyError
+from sart.errors import ConfigError, MissingDependencyError, install_hint
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
@@ -54,7 +54,7 @@ def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     except ImportError as exc:
         raise MissingDependencyError(
-            f"{command} needs rich and matplotlib; install them with: pip install 'sart[bench]'"
+            f"{command} needs rich and matplotlib; install them with: {install_hint('bench')}"
         ) from exc
     console = Console(stderr=to_stderr, width=None if Console().is_terminal else 132)
     progress = Progress(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import RunRecord
-from sart.errors import ConfigError, MissingDependencyError
+from sart.errors import ConfigError, MissingDependencyError, install_hint
 
 RUN_LOG = "runs.jsonl"
 SCHEMA = "sart.bench.runs/1"
@@ -41,7 +41,7 @@ def _converter() -> Any:
         import cattrs
     except ImportError as exc:
         raise MissingDependencyError(
-            "sart bench needs cattrs to log its runs; install it with: pip install 'sart[bench]'"
+            "sart bench needs cattrs to log its runs; install it with: " + install_hint("bench")
         ) from exc
     return cattrs.Converter()
 

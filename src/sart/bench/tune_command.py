@@ -24,7 +24,7 @@ from sart.bench.tune import (
     result_json,
     tune,
 )
-from sart.errors import ConfigError, MissingDependencyError
+from sart.errors import ConfigError, MissingDependencyError, install_hint
 from sart.flags import add_cost_model_flag
 
 
@@ -99,7 +99,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         from rich.console import Console
     except ImportError as exc:
         raise MissingDependencyError(
-            "sart tune needs rich and matplotlib: pip install 'sart[bench]'"
+            "sart tune needs rich and matplotlib: " + install_hint("bench")
         ) from exc
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

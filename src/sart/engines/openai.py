@@ -64,8 +64,9 @@ or a prune decided meanwhile waits for the next chunk: keep the default 1 for
 methods that check running branches, and raise it for vanilla or self-consistency
 traffic (``docs/how-to/gateway.md`` has the measurements).
 
-Needs ``httpx`` (``pip install 'sart[remote]'``). Call ``await engine.aclose()``
-(or ``engine.close()`` outside a running loop) to close its HTTP client.
+Needs ``httpx`` (``pip install -e '.[remote]'`` in a checkout of sart). Call
+``await engine.aclose()`` (or ``engine.close()`` outside a running loop) to close its
+HTTP client.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     from sart.errors import MissingDependencyError
 
     raise MissingDependencyError(
-        "the OpenAI engine needs httpx: pip install 'sart[remote]' "
+        "the OpenAI engine needs httpx: pip install -e '.[remote]' in a checkout of sart "
         f"(importing it failed with: {exc})"
     ) from exc
 

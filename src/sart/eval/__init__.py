@@ -17,7 +17,7 @@
   simulator and the drivers, so they are not imported here.
 
 Importing ``sart.eval`` imports neither math-verify, sympy nor ``datasets``:
-they load on first use (``pip install 'sart[eval]'``).
+they load on first use (``pip install -e '.[eval]'``).
 """
 
 from sart.eval.datasets import (

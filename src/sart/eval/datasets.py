@@ -32,7 +32,7 @@ answer is the correct option's letter.
 
 A malformed row raises ``ConfigError`` naming the file, the line (a CSV
 record's first line) and the field. Hub access is imported lazily: without
-``datasets`` (``pip install 'sart[eval]'``) a hub load raises
+``datasets`` (``pip install -e '.[eval]'``) a hub load raises
 ``MissingDependencyError``; local files need nothing but the standard library.
 """
 

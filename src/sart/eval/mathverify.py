@@ -1,6 +1,6 @@
 """math-verify's ``parse`` and ``verify``, bounded in time and callable from any thread.
 
-math-verify (``pip install 'sart[eval]'``) bounds each parse and each
+math-verify (``pip install -e '.[eval]'``) bounds each parse and each
 comparison with ``signal.alarm``, which works only in the main thread: off it,
 ``parse`` and ``verify`` raise ``ValueError``, and with their timeouts turned
 off (``parsing_timeout=None``, ``timeout_seconds=None``) nothing bounds a

