@@ -67,8 +67,9 @@ class OverBudget(RuntimeError):
 
 
 MEMORY_FRACTION = 0.5
-"""The share of the device memory not otherwise in use (free, or this decoder's
-buffers) that growing buffers may take when no ``max_bytes`` is given."""
+"""The share of the device memory not otherwise in use (free, cached by torch's
+allocator but unused, or held by this decoder's buffers) that growing buffers may
+take when no ``max_bytes`` is given."""
 
 
 def row_bucket(rows: int) -> int:
