@@ -272,8 +272,14 @@ class Scheduler:
             self._pauses += 1
         return paused
 
+    def _running_requests(self) -> list[RequestState]:
+        """Open requests with a branch decoding, in admission order: read from the
+        batch's running branches once (asking each request walks its branches)."""
+        ids = {bid.request_id for bid in self._slots.running}
+        return [req for req in self._active.values() if req.id in ids]
+
     def _decode_command(self) -> Decode:
-        running = [req for req in self._active.values() if req.running]
+        running = self._running_requests()
         steps = self._checks.decode_steps(running)
         return Decode(
             max_steps=max(1, steps), until_first_end=self.config.admission is Admission.TOKEN
@@ -380,9 +386,8 @@ class Scheduler:
         first_step = self._requests.step
         self._requests.step += out.steps
         advanced = out.request_steps  # None: every request advanced out.steps
-        for req in self._active.values():
-            if req.running:
-                req.steps_since_check += out.steps if advanced is None else advanced.get(req.id, 0)
+        for req in self._running_requests():
+            req.steps_since_check += out.steps if advanced is None else advanced.get(req.id, 0)
         retry: list[BranchId] = []
         for bid, delta in out.deltas.items():
             branch = self._slots.running.get(bid)
