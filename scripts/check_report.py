@@ -16,7 +16,8 @@ from typing import Any
 
 
 class Report:
-    """Prints one line per check; keeps every check's row for ``write_json``."""
+    """Prints one line per check; keeps every check's row, written to ``json_path`` (if
+    given) as each check ends."""
 
     def __init__(self, width: int = 18, json_path: Path | None = None) -> None:
         self.rows: list[dict[str, Any]] = []
@@ -50,19 +51,16 @@ class Report:
         self.rows.append(
             {"check": name, "ok": ok, "detail": detail, "seconds": seconds, "data": data}
         )
-        self._write(self._json_path)
+        if self._json_path is not None:
+            self._json_path.write_text(json.dumps(self.rows, indent=1))
         return detail if ok else None
 
-    def finish(self, json_path: Path | None = None) -> int:
-        """The closing line (and ``json_path`` written): exit status 1 if any failed."""
-        self._write(json_path)
+    def finish(self) -> int:
+        """The closing line (the rows are written as each check ends): exit status 1
+        if any failed."""
         failed = self.failed
         print(
             f"gpu_check: FAILED {', '.join(failed)}" if failed else "gpu_check: all checks passed",
             flush=True,
         )
         return 1 if failed else 0
-
-    def _write(self, path: Path | None) -> None:
-        if path is not None:
-            path.write_text(json.dumps(self.rows, indent=1))

@@ -10,6 +10,7 @@ needs no vLLM: the transformers mode is torch and transformers only).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,6 @@ CHECKS = (
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder ``gpu_session.sh --quick`` wrote (it exited 0)."""
-    import os
-
     out = tmp_path_factory.mktemp("gpu-session")
     env = {**os.environ, "PYTHON": sys.executable}
     done = subprocess.run(
@@ -79,8 +78,6 @@ def test_the_session_runs_every_step_and_keeps_its_output(session: Path) -> None
 
 def test_a_failing_step_fails_the_session(tmp_path: Path) -> None:
     # A python that fails every step: each is noted and the session exits 1.
-    import os
-
     env = {**os.environ, "PYTHON": "false"}
     done = subprocess.run(
         ["bash", str(SESSION), str(tmp_path), "--quick"], capture_output=True, text=True, env=env
