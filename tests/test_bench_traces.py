@@ -7,8 +7,10 @@ thousands of lines.
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from sart.bench.traces import (
     DEFAULT_PROMPT_TOKENS,
+    ForkModel,
     Trace,
     TraceRequest,
     TraceScript,
@@ -302,6 +305,80 @@ BAD_LINES = {
         "id is not valid Unicode text",
     ),
 }
+
+
+def test_replay_settings_round_trip_in_a_header_line_and_defaults_write_none(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "t.jsonl.gz"
+    for persistence, model in [
+        (0.0, None),
+        (0.25, ForkModel(intercept=-1.0, slope=2.5)),
+        (None, None),
+        (0.5, ForkModel()),
+    ]:
+        trace = Trace.of(small_trace().requests, persistence=persistence, fork_model=model)
+        trace.dump(path)
+        loaded = Trace.load(path)
+        assert (loaded.persistence, loaded.fork_model) == (persistence, model)
+        assert loaded.requests == trace.requests
+    # A recording from a real PRM keeps the defaults, and its file has no header.
+    small_trace().dump(path)
+    first = json.loads(gzip.open(path, "rt").readline())
+    assert "id" in first and Trace.load(path).fork_model == ForkModel()
+    # A header may leave a setting out; an empty one changes nothing.
+    lines = [json.dumps({"replay": {"persistence": 0.5}}), json.dumps(GOOD_LINE)]
+    loaded = Trace.load(write_lines(tmp_path / "p.jsonl", lines))
+    assert (loaded.persistence, loaded.fork_model) == (0.5, ForkModel())
+    loaded = Trace.load(write_lines(tmp_path / "e.jsonl", ['{"replay": {}}', *lines[1:]]))
+    assert (loaded.persistence, loaded.fork_model) == (None, ForkModel())
+
+
+BAD_HEADERS = {
+    "unknown setting": ({"replay": {"persistance": 0.5}}, "unknown key 'persistance'"),
+    "beside replay": ({"replay": {}, "id": "x"}, "unknown key 'id' (a header line has"),
+    "not an object": ({"replay": [0.5]}, "replay must be a JSON object, not a list"),
+    "persistence out of range": ({"replay": {"persistence": 2}}, "persistence=2 must be in"),
+    "fork model without slope": (
+        {"replay": {"fork_model": {"intercept": 1}}},
+        "fork_model has no 'slope'",
+    ),
+    "fork model not finite": (
+        {"replay": {"fork_model": {"intercept": 1, "slope": 1e300}}},
+        "fork_model.slope=1e+300 must be in [-1000, 1000]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_HEADERS))
+def test_a_bad_header_names_file_and_line(tmp_path: Path, case: str) -> None:
+    header, words = BAD_HEADERS[case]
+    path = write_lines(tmp_path / "t.jsonl", ["", json.dumps(header), json.dumps(GOOD_LINE)])
+    with pytest.raises(ConfigError, match=re.escape(f"{path}:2: ")) as info:
+        Trace.load(path)
+    assert words in str(info.value)
+
+
+def test_a_header_must_be_the_first_line(tmp_path: Path) -> None:
+    header = json.dumps({"replay": {"persistence": 0.0}})
+    after = write_lines(tmp_path / "a.jsonl", [json.dumps(GOOD_LINE), header])
+    with pytest.raises(ConfigError, match=f"{after}:2: a header line after requests"):
+        Trace.load(after)
+    twice = write_lines(tmp_path / "b.jsonl", [header, header, json.dumps(GOOD_LINE)])
+    with pytest.raises(ConfigError, match=f"{twice}:2: a second header line"):
+        Trace.load(twice)
+    alone = write_lines(tmp_path / "c.jsonl", [header])
+    with pytest.raises(ConfigError, match="the trace has no requests"):
+        Trace.load(alone)
+
+
+def test_a_resampled_trace_keeps_its_sources_replay_settings(tmp_path: Path) -> None:
+    from sart.bench.resample import load_resampled
+
+    generated = workload("gaokao").generate(20, 1.0, 4, 400)
+    generated.dump(tmp_path / "g.jsonl")
+    drawn = load_resampled(str(tmp_path / "g.jsonl")).generate(10, 1.0, 4, 400)
+    assert (drawn.persistence, drawn.fork_model) == (0.0, None)
 
 
 @pytest.mark.parametrize("case", sorted(BAD_LINES))
@@ -785,9 +862,11 @@ def test_generated_presets_fork_at_their_sources_levels_and_recordings_read_thei
 
     generated = workload("gaokao").generate(20, 1.0, 4, 400)
     assert generated.persistence == 0.0 and generated.script().persistence == 0.0
-    # Written out and read back, it is a recording like any other: read from its rewards.
+    # Written out and read back, it keeps its setting (the file's header says it);
+    # without a header a trace is a recording like any other: read from its rewards.
     generated.dump(tmp_path / "t.jsonl")
-    loaded = Trace.load(tmp_path / "t.jsonl")
+    assert Trace.load(tmp_path / "t.jsonl").script().persistence == 0.0
+    loaded = Trace.of(generated.requests)
     assert loaded.persistence is None
     assert loaded.script().persistence == reward_persistence(loaded) > 0.3
     with pytest.raises(ConfigError, match=r"persistence=1.5 must be in \[0, 1\]"):

@@ -101,7 +101,9 @@ class ResampledWorkload:
                     interval=interval,
                 )
             )
-        return Trace.of(requests)
+        # The source's replay settings (a generated preset's, from its header) carry over.
+        source = self.source
+        return Trace.of(requests, persistence=source.persistence, fork_model=source.fork_model)
 
 
 def _every(branch: BranchScript, every: int) -> BranchScript:

@@ -42,6 +42,13 @@ REQUEST_KEYS = frozenset(
 BRANCH_KEYS = frozenset(
     {"length", "answer", "rewards", "final_reward", "logprobs", "confidences", "logprob_every"}
 )
+#: The key of a trace's optional first line, its replay settings:
+#: ``{"replay": {"persistence": 0.0, "fork_model": null}}``.
+HEADER_KEY = "replay"
+REPLAY_KEYS = frozenset({"persistence", "fork_model"})
+FORK_MODEL_KEYS = frozenset({"intercept", "slope"})
+#: The largest intercept or slope a fork model may have (a logit far past certainty).
+MAX_FORK_COEFFICIENT = 1e3
 
 
 class TraceLineError(ConfigError):
@@ -79,6 +86,39 @@ def request_fields(line: object, where: str) -> dict[str, Any]:
         # A branch longer than the cap it was generated under is a broken file.
         if longest > cap:
             raise TraceLineError(f"{where}: a branch of {longest} tokens under max_tokens={cap}")
+    return fields
+
+
+def is_header(line: object) -> bool:
+    """Whether a decoded line is a replay header rather than a request."""
+    return isinstance(line, dict) and HEADER_KEY in line
+
+
+def header_fields(line: object, where: str) -> dict[str, Any]:
+    """The checked replay settings of a header line: ``persistence`` (a share in
+    [0, 1], or ``None``: estimate it from the trace) and ``fork_model`` (``None``:
+    the request's own answers, or a dict of ``ForkModel`` fields), each only where
+    the line says; what it leaves out keeps ``Trace``'s default."""
+    keys = frozenset({HEADER_KEY})
+    obj = _object(line, where, "the header line", keys, (HEADER_KEY,), "header line")
+    settings = _object(obj[HEADER_KEY], where, HEADER_KEY, REPLAY_KEYS, (), "replay header")
+    fields: dict[str, Any] = {}
+    if "persistence" in settings:
+        value = settings["persistence"]
+        share = None if value is None else _number(value, where, "persistence", 0.0, 1.0)
+        fields["persistence"] = share
+    if "fork_model" in settings:
+        model = settings["fork_model"]
+        if model is None:
+            fields["fork_model"] = None
+        else:
+            required = ("intercept", "slope")
+            model = _object(model, where, "fork_model", FORK_MODEL_KEYS, required, "fork_model")
+            bound = MAX_FORK_COEFFICIENT
+            fields["fork_model"] = {
+                key: _number(model[key], where, f"fork_model.{key}", -bound, bound)
+                for key in ("intercept", "slope")
+            }
     return fields
 
 
@@ -131,8 +171,15 @@ def _logprob_fields(obj: Mapping[str, Any], length: int, where: str) -> dict[str
 
 
 def _object(
-    value: object, where: str, what: str, keys: frozenset[str], required: tuple[str, ...]
+    value: object,
+    where: str,
+    what: str,
+    keys: frozenset[str],
+    required: tuple[str, ...],
+    noun: str | None = None,
 ) -> Mapping[str, Any]:
+    """``value`` as an object with only ``keys`` and every one of ``required``;
+    ``noun`` names what has those keys in a message (by default a request or a branch)."""
     if not isinstance(value, dict):
         raise TraceLineError(f"{where}: {what} must be a JSON object, not {_kind(value)}")
     unknown = sorted(set(value) - keys)
@@ -140,7 +187,7 @@ def _object(
         # A misspelt optional key would otherwise take its default without a word.
         raise TraceLineError(
             f"{where}: unknown key {', '.join(map(repr, unknown))} "
-            f"(a {'request' if keys is REQUEST_KEYS else 'branch'} has {sorted(keys)})"
+            f"(a {noun or ('request' if keys is REQUEST_KEYS else 'branch')} has {sorted(keys)})"
         )
     for key in required:
         if key not in value:

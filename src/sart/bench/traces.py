@@ -19,6 +19,11 @@ carry per-segment log-probabilities for confidence-based methods:
 mean token confidence) over segments of ``logprob_every`` tokens (default
 16), as ``BranchScript`` has them.
 
+A trace may start with a header line of replay settings, ``{"replay":
+{"persistence": 0.0, "fork_model": null}}`` (``Trace.header``): how a fork's
+child is drawn, which a generated preset sets and a recording from a real PRM
+leaves to the defaults.
+
 Every value is checked when a trace is read (``trace_lines``): a line that
 cannot be replayed is refused with ``file:line`` before anything runs; see
 ``docs/reference/trace-format.md``.
@@ -39,7 +44,14 @@ from typing import BinaryIO
 
 import attrs
 
-from sart.bench.trace_lines import MAX_LINE_BYTES, TraceLineError, request_fields
+from sart.bench.trace_lines import (
+    HEADER_KEY,
+    MAX_LINE_BYTES,
+    TraceLineError,
+    header_fields,
+    is_header,
+    request_fields,
+)
 from sart.engines.scripts import DEFAULT_LOGPROB_EVERY, NEUTRAL_REWARD, BranchScript
 from sart.errors import ConfigError, config_check
 from sart.types import BranchId
@@ -180,20 +192,38 @@ class Trace:
     def gold(self) -> dict[str, str]:
         return {r.id: r.answer for r in self.requests}
 
+    def header(self) -> dict | None:
+        """The trace's replay header line (``{"replay": {...}}``), or ``None`` where
+        its replay settings are the defaults (those of a trace recorded from a real
+        PRM): the settings a generated preset chose travel with the file."""
+        settings: dict = {}
+        if self.persistence is not None:
+            settings["persistence"] = self.persistence
+        if self.fork_model != ForkModel():
+            model = self.fork_model
+            settings["fork_model"] = None if model is None else attrs.asdict(model)
+        return {HEADER_KEY: settings} if settings else None
+
     def dump(self, path: str | Path) -> None:
-        """Write the trace as JSONL; gzip-compressed when ``path`` ends in ``.gz``."""
+        """Write the trace as JSONL, its replay header first where it has one
+        (``header``); gzip-compressed when ``path`` ends in ``.gz``."""
         opener = gzip.open if _gzipped(path) else open
         with opener(path, "wt", encoding="utf-8") as f:
+            header = self.header()
+            if header is not None:
+                f.write(json.dumps(header, separators=(",", ":")) + "\n")
             for r in self.requests:
                 f.write(json.dumps(r.to_json(), separators=(",", ":")) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> Trace:
-        """Read a JSONL trace (gzip-compressed when ``path`` ends in ``.gz``); a line
+        """Read a JSONL trace (gzip-compressed when ``path`` ends in ``.gz``), its
+        replay settings from a header line where it has one (``header``); a line
         that cannot be replayed is refused with ``path:line`` and the reason, before
         anything runs."""
-        requests = []
+        requests: list[TraceRequest] = []
         lines: dict[str, int] = {}
+        settings: dict | None = None
         try:
             f = _open(path)  # closed by the with below; decoded line by line
         except OSError as exc:
@@ -202,9 +232,19 @@ class Trace:
             try:
                 for number, raw in enumerate(_lines(f), 1):
                     where = f"{path}:{number}"
-                    request = _parse(raw, where)
-                    if request is None:
+                    line = _decode(raw, where)
+                    if line is None:
                         continue
+                    if is_header(line):
+                        if requests or settings is not None:
+                            raise TraceLineError(
+                                f"{where}: a second header line; the header is the first line"
+                                if settings is not None
+                                else f"{where}: a header line after requests; it must be first"
+                            )
+                        settings = header_fields(line, where)
+                        continue
+                    request = TraceRequest.from_json(line, where)
                     if request.id in lines:
                         raise TraceLineError(
                             f"{where}: the id {request.id!r} is already line {lines[request.id]}'s"
@@ -213,7 +253,10 @@ class Trace:
                     requests.append(request)
             except (gzip.BadGzipFile, EOFError) as exc:
                 raise ConfigError(f"trace={str(path)!r}: not a whole gzip file ({exc})") from exc
-        return cls.of(requests, where=str(path))
+        settings = settings or {}
+        if settings.get("fork_model") is not None:
+            settings["fork_model"] = ForkModel(**settings["fork_model"])
+        return cls.of(requests, where=str(path), **settings)
 
     @classmethod
     def of(
@@ -419,8 +462,8 @@ def _lines(f: gzip.GzipFile | BinaryIO) -> Iterator[bytes | None]:
         yield raw
 
 
-def _parse(raw: bytes | None, where: str) -> TraceRequest | None:
-    """One line's request, ``None`` for a blank line."""
+def _decode(raw: bytes | None, where: str) -> object:
+    """One line's JSON value, ``None`` for a blank line."""
     if raw is None:
         raise TraceLineError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB")
     try:
@@ -435,7 +478,7 @@ def _parse(raw: bytes | None, where: str) -> TraceRequest | None:
         raise TraceLineError(f"{where}: not JSON ({exc.msg})") from None
     except (ValueError, RecursionError) as exc:  # a 5000-digit number; [[[[...]]]]
         raise TraceLineError(f"{where}: not a trace line ({exc.__class__.__name__})") from None
-    return TraceRequest.from_json(line, where)
+    return line
 
 
 def replay_requests(trace: Trace | Sequence[TraceRequest]) -> list[TraceRequest]:
