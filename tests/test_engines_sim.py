@@ -254,6 +254,8 @@ def test_a_tight_cache_preempts_but_never_overflows_or_changes_tokens(
     assert engine.peak_kv_tokens <= capacity
     if prompt + sum(lengths) <= capacity:
         assert engine.preemptions == 0
+    # A resumed branch prefills what it had generated, never more than was made.
+    assert engine.recomputed_tokens <= engine.preemptions * max(lengths)
     if engine.preemptions:
         # Recomputation and fewer branches per step cost time, never save it.
         assert sum(t for t, _ in calls) > sum(t for t, _ in ample)
@@ -264,6 +266,7 @@ def test_the_newest_branch_is_preempted_and_resumes_when_one_ends() -> None:
     # their fullest, so the newest ones wait and resume as the others end.
     engine, calls = run([20, 20, 5], 10, tight(45), True, 20)
     assert engine.preemptions >= 1
+    assert 0 < engine.recomputed_tokens <= 20 * engine.preemptions
     assert engine.peak_kv_tokens <= 45
     assert sum(d.new_tokens for _, deltas in calls for d in deltas.values()) == 45
 

@@ -198,6 +198,10 @@ def test_server_settings_are_checked() -> None:
         ServeConfig(models=("m",), max_tokens=10, max_tokens_limit=5)
     with pytest.raises(ConfigError, match="models"):
         ServeConfig(models=())
+    # Refused where it is set, under its own name, not when the service starts.
+    with pytest.raises(ConfigError, match="aging=-1 must be None or a finite number > 0"):
+        ServeConfig(models=("m",), aging=-1)
+    assert ServeConfig(models=("m",), aging=None).aging is None
     assert "secret" not in repr(ServeConfig(models=("m",), api_key="secret"))
 
 

@@ -31,6 +31,10 @@ from sart.testbed.train_prm import _fit_head
         ("prm_rollouts", 0),
         ("threads", 0),
         ("max_digits", 65),
+        ("warmup", -5),
+        ("weight_decay", -0.1),
+        ("curriculum_hold", -1),
+        ("curriculum", -3),
     ],
 )
 def test_config_refuses_bad_values_naming_the_field(field: str, value: object) -> None:
@@ -297,6 +301,11 @@ def test_refine_stage_refuses_bad_values_naming_the_field() -> None:
         RefineConfig(steps=0, trace=TraceConfig())
     with pytest.raises(ConfigError, match=r"refine\.lr"):
         RefineConfig(steps=1, trace=TraceConfig(), lr=0.0)
+    with pytest.raises(ConfigError, match=r"refine\.warmup=-1 must be >= 0"):
+        RefineConfig(steps=1, trace=TraceConfig(), warmup=-1)
+    # A probability is a float: the config is written out with the weights.
+    with pytest.raises(ConfigError, match=r"error_carry=0 must be a float in \[0, 1\]"):
+        TraceConfig(error_carry=0)
 
 
 def test_a_refine_stage_from_a_saved_first_stage_gives_the_whole_runs_weights(

@@ -176,7 +176,7 @@ class RequestState:
     def running(self) -> int:
         """Branches running now: derived from their statuses, which only the batch's
         ``Slots`` moves in and out of ``RUNNING`` (never kept as a count of its own)."""
-        # A list's count: the scheduler asks for it of every request at every step.
+        # A list's count, not a generator's sum: every check reads it, twice or more.
         return [b.status for b in self.branches].count(BranchStatus.RUNNING)
 
     @property

@@ -28,7 +28,7 @@ class Load:
     """Admitted requests not finished (this one included once admitted)."""
     arrival_rate: float | None
     """Arrivals per unit of time over the recent ones (the last ``RATE_WINDOW``);
-    ``None`` before two have arrived."""
+    ``None`` before two have arrived, or while those arrived at one instant."""
     waited: float
     """This request's time since its arrival."""
     prm_waiting: int = 0
@@ -40,7 +40,8 @@ class Load:
     """KV-cache tokens the engine can hold, if it says."""
     step_fixed: float | None = None
     """Seconds a decode step costs whatever its rows, as fitted from the steps run so
-    far (``sart.scheduler.step_cost``; ``None`` until the batch's size has varied)."""
+    far (``sart.scheduler.step_cost``; ``None`` until the batch's size has varied, and
+    while steps take under its ``MIN_STEP``)."""
     step_per_row: float | None = None
     """Seconds each running branch adds to a decode step, by the same fit."""
 
@@ -119,10 +120,12 @@ class BranchView:
 
     @property
     def is_running(self) -> bool:
+        """Whether it is decoding now (not waiting, paused or ended)."""
         return self.status is BranchStatus.RUNNING
 
     @property
     def is_completed(self) -> bool:
+        """Whether it ended on its own (an answer or its token cap), not pruned or stopped."""
         return self.status.is_completed
 
 
@@ -161,7 +164,8 @@ class RequestView:
 
     @property
     def running(self) -> tuple[BranchView, ...]:
-        return tuple(b for b in self.branches if b.status is BranchStatus.RUNNING)
+        """Its branches decoding now."""
+        return tuple(b for b in self.branches if b.is_running)
 
     @property
     def others_waiting(self) -> int:

@@ -145,7 +145,7 @@ class Scheduler:
 
     def running_request_ids(self) -> list[str]:
         """Requests with branches decoding now (the ones a stalled decode delays)."""
-        return [req.id for req in self._active.values() if req.running]
+        return [req.id for req in self._running_requests()]
 
     def meta(self, request_id: str) -> RequestMeta:
         """The paper's metadata record of a request that has not finished."""

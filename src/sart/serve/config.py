@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from sart import converters
-from sart.errors import config_check
+from sart.errors import config_check, number_above
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
 from sart.types import Admission, Scoring
@@ -77,7 +77,8 @@ class ServeConfig:
     models: tuple[str, ...] = attrs.field(converter=converters.strs, validator=_check_models)
     """Names the server answers to in ``model`` (the first one is listed first)."""
     method: str = "sart"
-    """The method of requests that name none (``sart.serve.method_names()``)."""
+    """The method of requests that name none (``sart.serve.method_names()``); checked
+    when the app is built (``create_app``): a plugin may register it after this is made."""
     n: int = attrs.field(default=8, validator=_positive_int("n"))
     """Branches of requests that do not say (methods with one branch ignore it)."""
     max_n: int = attrs.field(default=32, validator=_positive_int("max_n"))
@@ -103,7 +104,7 @@ class ServeConfig:
     """When freed batch slots are refilled (see ``sart.Admission``)."""
     max_queue: int = attrs.field(default=1024, validator=_positive_int("max_queue"))
     """The most requests waiting to be scheduled; past it a request gets 429 at once."""
-    aging: float | None = 60.0
+    aging: float | None = attrs.field(default=60.0, validator=number_above(0, optional=True))
     """Seconds of waiting that make a request one ``priority`` level more urgent (see
     ``sart.SchedulerConfig.aging``); ``None``: strict priorities."""
     api_key: str | None = attrs.field(default=None, repr=False, validator=_check_api_key)

@@ -8,7 +8,7 @@ one from ``TRAIN_CONFIGS``. Pure settings and arithmetic (``ModelConfig`` brings
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -17,10 +17,19 @@ from sart.errors import config_check
 from sart.testbed.model import ModelConfig
 from sart.testbed.tasks import MAX_DIGITS, MAX_POSITIONS, MAX_ROUNDS, TraceConfig
 
+Validator = Callable[[object, attrs.Attribute, float], None]
 
-def _positive(name: str):
+
+def _positive(name: str) -> Validator:
     def check(_self: object, _attr: attrs.Attribute, value: float) -> None:
         config_check(value > 0, name, value, "> 0")
+
+    return check
+
+
+def _not_negative(name: str) -> Validator:
+    def check(_self: object, _attr: attrs.Attribute, value: float) -> None:
+        config_check(value >= 0, name, value, ">= 0")
 
     return check
 
@@ -35,7 +44,7 @@ class RefineConfig:
     steps: int = attrs.field(validator=_positive("refine.steps"))
     trace: TraceConfig
     lr: float = attrs.field(default=1e-3, validator=_positive("refine.lr"))
-    warmup: int = 20
+    warmup: int = attrs.field(default=20, validator=_not_negative("refine.warmup"))
 
 
 def _refine_stages(value: RefineConfig | Iterable[RefineConfig] | None) -> tuple[RefineConfig, ...]:
@@ -67,8 +76,8 @@ class TrainConfig:
     policy_steps: int = attrs.field(default=1500, validator=_positive("policy_steps"))
     batch_size: int = attrs.field(default=32, validator=_positive("batch_size"))
     lr: float = attrs.field(default=3e-3, validator=_positive("lr"))
-    warmup: int = 50
-    weight_decay: float = 0.01
+    warmup: int = attrs.field(default=50, validator=_not_negative("warmup"))
+    weight_decay: float = attrs.field(default=0.01, validator=_not_negative("weight_decay"))
     prm_rollouts: int = attrs.field(default=4096, validator=_positive("prm_rollouts"))
     """Policy samples (one per question, mixed difficulty) the PRM learns from."""
     prm_l2: float = attrs.field(default=1e-3, validator=_positive("prm_l2"))
@@ -84,9 +93,9 @@ class TrainConfig:
     """Tokens a PRM-training rollout may generate."""
     prm_max_length: int = attrs.field(default=512, validator=_positive("prm_max_length"))
     """The PRM's input length (``QwenMathPRM(max_length=...)``)."""
-    curriculum_hold: int = 0
+    curriculum_hold: int = attrs.field(default=0, validator=_not_negative("curriculum_hold"))
     """Steps at the start whose batches have at most ``min_digits + 4`` digits."""
-    curriculum: int = 0
+    curriculum: int = attrs.field(default=0, validator=_not_negative("curriculum"))
     """Steps over which, after ``curriculum_hold``, the most digits a batch may have
     grows from ``min_digits + 4`` to ``max_digits`` (both 0: every batch draws from
     the whole range from the start). On long questions a small model learns to

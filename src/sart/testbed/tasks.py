@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -183,9 +183,12 @@ def make_questions(
 # --------------------------------------------------------------------------- noisy traces
 
 
-def _probability(name: str):
+def _probability(name: str) -> Callable[[object, attrs.Attribute, float], None]:
     def check(_self: object, _attr: attrs.Attribute, value: float) -> None:
-        config_check(isinstance(value, float) and 0.0 <= value <= 1.0, name, value, "in [0, 1]")
+        # A float only: the config is written out with the weights, and 0 and 0.0
+        # would write two texts for one setting.
+        ok = isinstance(value, float) and 0.0 <= value <= 1.0
+        config_check(ok, name, value, "a float in [0, 1]")
 
     return check
 
