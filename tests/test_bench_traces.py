@@ -186,6 +186,8 @@ def test_blank_lines_are_skipped(tmp_path: Path) -> None:
 
 BAD_LINES = {
     "bad JSON": ("{not json", "not JSON"),
+    # JSON's null is a line, not a blank one: refused, not skipped.
+    "null": ("null", "the line must be a JSON object, not null"),
     "missing key": ('{"id": "x", "arrival": 0, "answer": "1"}', "branches"),
     "missing branch key": (
         '{"id": "x", "arrival": 0, "answer": "1", "branches": [{"answer": "1"}]}',

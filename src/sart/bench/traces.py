@@ -215,7 +215,7 @@ class Trace:
                 for number, raw in enumerate(_lines(f), 1):
                     where = f"{path}:{number}"
                     line = _decode(raw, where)
-                    if line is None:
+                    if line is _BLANK:
                         continue
                     if is_header(line):
                         if requests or settings is not None:
@@ -291,8 +291,12 @@ def _lines(f: gzip.GzipFile | BinaryIO) -> Iterator[bytes | None]:
         yield raw
 
 
+#: ``_decode``'s value for a blank line (``None`` is a line's JSON ``null``).
+_BLANK = object()
+
+
 def _decode(raw: bytes | None, where: str) -> object:
-    """One line's JSON value, ``None`` for a blank line."""
+    """One line's JSON value, ``_BLANK`` for a blank line."""
     if raw is None:
         raise TraceLineError(f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB")
     try:
@@ -300,7 +304,7 @@ def _decode(raw: bytes | None, where: str) -> object:
     except UnicodeDecodeError as exc:
         raise TraceLineError(f"{where}: not UTF-8 text (byte {exc.start + 1})") from None
     if not text.strip():
-        return None
+        return _BLANK
     try:
         line = json.loads(text)
     except json.JSONDecodeError as exc:
