@@ -319,3 +319,23 @@ def test_an_admission_rule_may_narrow_the_policy() -> None:
         batch_size=8,
     )
     assert result.ok and len(result.branches) == 2
+
+
+@pytest.mark.parametrize(
+    ("submitted", "settled", "beyond"),
+    [
+        (sart.sart(4), sart.sart(2), ""),
+        (sart.rebase(4), sart.sart(2), ""),  # narrower: fewer needs
+        (sart.sart(4), sart.sart_confidence(4), "another reward source"),
+        (sart.self_consistency(4), sart.sart(4), "rewards for its running branches"),
+        (sart.self_consistency(4), sart.sart_without_pruning(4), "rewards for its completed"),
+        (sart.sart(4), sart.rebase(4), "forks"),
+    ],
+)
+def test_what_a_settled_policy_needs_beyond_the_submitted_one(
+    submitted: sart.Policy, settled: sart.Policy, beyond: str
+) -> None:
+    from sart.scheduler.hooks import needs_beyond
+
+    assert needs_beyond(submitted, settled).startswith(beyond)
+    assert bool(needs_beyond(submitted, settled)) == bool(beyond)

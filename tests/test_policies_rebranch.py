@@ -295,6 +295,47 @@ def test_a_rule_that_asks_too_much_fails_its_request_alone() -> None:
     assert not engine.live_branches and not engine.prefixes
 
 
+def _not_running(request: RequestView) -> int:
+    return next(b.index for b in request.branches if not b.is_running)
+
+
+@pytest.mark.parametrize(
+    ("fork", "reason"),
+    [
+        (lambda r: [0], "returned [0], not a mapping of index to children"),
+        (lambda r: None, "returned None, not a mapping"),
+        (lambda r: {7: 1}, "chose 7, not a branch index"),
+        (lambda r: {0: 0, "a": 1}, "chose 'a', not a branch index"),
+        (lambda r: {True: 1}, "chose True, not a branch index"),
+        (lambda r: {_not_running(r): 1}, "which is not running"),
+        (lambda r: {r.running[0].index: -1}, "asked for -1 children of branch"),
+        (lambda r: {r.running[0].index: 0.5}, "asked for 0.5 children of branch"),
+        (lambda r: 1 / 0, "raised ZeroDivisionError"),
+    ],
+)
+def test_a_rule_that_asks_for_what_cannot_be_forked_fails_its_request_alone(
+    fork: object, reason: str
+) -> None:
+    class Wrong(sart.RebranchRule):
+        def fork(self, request: RequestView, room: int) -> Mapping[int, int]:
+            return fork(request)  # type: ignore[operator,no-any-return]
+
+    # n = 2, m = 1, beta = 1: the first check prunes one branch, and its seat is free.
+    scripts = [BranchScript(length=30, rewards=(0.5,))] * 2
+    bad = attrs.evolve(sart.sart(2, m=1, alpha=0.6, beta=1, interval=10), rebranch=Wrong())
+    table = ScriptTable({"bad": scripts, "good": scripts})
+    engine = FakeEngine(table)
+    results = sart.run(
+        [sart.Request("bad", "p", bad), sart.Request("good", "p", sart.sart(2, interval=10))],
+        engine,
+        ScriptedPRM(table, every=10),
+        batch_size=8,
+    )
+    assert not results[0].ok and reason in (results[0].reason or "")
+    assert results[1].ok
+    assert not engine.live_branches and not engine.prefixes
+
+
 def test_particle_filtering_resamples_every_check() -> None:
     scripts = [
         BranchScript(length=40, answer="7", rewards=(0.95, 0.95), final_reward=0.95),

@@ -6,6 +6,8 @@ expected number below can be worked out on paper; the comments do so.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import pytest
 
@@ -291,6 +293,21 @@ def test_prefill_failure_skips_its_start_and_fails_only_that_request() -> None:
     assert sched.statistics().running_branches == 2
 
 
+def test_a_skipped_start_fails_its_request_and_releases_its_prefix() -> None:
+    sched = sart.Scheduler(sart.SchedulerConfig(batch_size=4))
+    sched.submit(sart.Request("a", "p", sart.self_consistency(2)))
+    sched.submit(sart.Request("b", "p", sart.self_consistency(2)))
+    sched.next_commands(0.0)
+    # a's prefill went through, its start was skipped (a driver gave up on the batch).
+    sched.handle([Prefilled(1), Skipped(), Prefilled(1), Started()], 0.0)
+    release, finish = sched.next_commands(0.0)
+    assert release == ReleasePrefix("a")
+    assert isinstance(finish, Finish) and finish.result.status is sart.RequestStatus.FAILED
+    assert "start skipped after an earlier failure" in (finish.result.reason or "")
+    sched.handle([Done(), Done()], 0.0)
+    assert sched.statistics().running_branches == 2  # b's, running on
+
+
 def test_chunked_admission_waits_for_the_chunk_token_admission_does_not() -> None:
     script = {
         "r1": [BranchScript(length=5)],
@@ -432,6 +449,23 @@ def test_bad_prune_choices_fail_even_beyond_the_budget() -> None:
     )
     assert not result.ok
     assert "chose 99, not a branch index" in (result.reason or "")
+
+
+def test_a_selector_that_chooses_no_completed_branch_fails_its_request_alone() -> None:
+    class Ghost(sart.Selector):
+        def choose(self, candidates: Sequence[sart.BranchView], answers: Sequence[str]) -> int:
+            return 99
+
+    script = {r: [BranchScript(length=8, answer="4")] * 2 for r in ("bad", "good")}
+    bad = sart.Policy(n=2, select=Ghost(), interval=8)
+    results = sart.run(
+        [sart.Request("bad", "p", bad), sart.Request("good", "p", sart.Policy(n=2, interval=8))],
+        FakeEngine(script),
+        ScriptedPRM(script, every=8),
+    )
+    assert not results[0].ok
+    assert "selector chose 99, not a completed branch" in (results[0].reason or "")
+    assert results[1].ok and results[1].answer == "4"
 
 
 class AbortFailsOnce(FakeEngine):

@@ -74,6 +74,11 @@ def choose_prunes(req: RequestState) -> tuple[list[BranchState], RequestView]:
     return victims, view
 
 
+def _whole(value: object) -> bool:
+    """An int, not a bool (``True`` would pass as branch 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def fork_children(
     req: RequestState, wanted: object, room: int, rule: str, room_is: str
 ) -> list[BranchState]:
@@ -82,14 +87,16 @@ def fork_children(
     (never of a pruned or finished one), each starting where its parent is."""
     if not isinstance(wanted, Mapping):
         raise PolicyFailure(f"{rule} returned {wanted!r}, not a mapping of index to children")
-    parents: list[tuple[BranchState, int]] = []
-    for index, count in sorted(wanted.items()):
-        if not isinstance(index, int) or not 0 <= index < len(req.branches):
+    items = call(lambda: list(wanted.items()), name=f"the {rule}'s mapping")
+    for index, _ in items:  # every key checked before they are sorted: 0 < "a" raises
+        if not _whole(index) or not 0 <= index < len(req.branches):
             raise PolicyFailure(f"{rule} chose {index!r}, not a branch index")
+    parents: list[tuple[BranchState, int]] = []
+    for index, count in sorted(items):
         parent = req.branches[index]
         if parent.status is not BranchStatus.RUNNING:
             raise PolicyFailure(f"{rule} chose branch {index}, which is not running")
-        if not isinstance(count, int) or count < 0:
+        if not _whole(count) or count < 0:
             raise PolicyFailure(f"{rule} asked for {count!r} children of branch {index}")
         parents.append((parent, count))
     total = sum(count for _, count in parents)
@@ -110,7 +117,7 @@ def prune_forks(req: RequestState, view: RequestView, freed: int) -> list[Branch
     prunes just freed (so a fork never takes a batch slot from another request)."""
     rule = req.policy.prune
     name = f"{type(rule).__name__}.fork"
-    wanted = call(lambda v: dict(rule.fork(v)), view, name=name)
+    wanted = call(rule.fork, view, name=name)  # a mapping, checked in ``fork_children``
     return fork_children(req, wanted, freed, "fork rule", f"pruning freed {freed} slots")
 
 
@@ -127,7 +134,7 @@ def rebranch_forks(req: RequestState, free_slots: int) -> list[BranchState]:
         return []
     rule = req.policy.rebranch
     name = f"{type(rule).__name__}.fork"
-    wanted = call(lambda v: dict(rule.fork(v, room)), req.view(), name=name)
+    wanted = call(rule.fork, req.view(), room, name=name)
     return fork_children(req, wanted, room, "rebranch rule", f"{room} may start now")
 
 
