@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,6 +14,8 @@ import sart
 from sart.cli import main
 from sart.metrics import wilson_interval
 from sart.testing import FakeEngine
+from sart.types import BranchStatus
+from sart.views import BranchView
 
 
 def bench(tmp_path: Path, *extra: str) -> dict:
@@ -345,6 +348,17 @@ UNUSED_FLAGS = {
         ["--engine", "hf", "--model", "testbed", "--trace", "{trace}"],
         "--trace has no effect with --engine hf",
     ),
+    "an equivalence on the simulator": (
+        ["--equivalence", "math-verify"],
+        "--equivalence has no effect with --engine sim (it is for the real engines",
+    ),
+    "an equivalence with a mix": (
+        [
+            *("--engine", "hf", "--model", "testbed"),
+            *("--mix", "a:0.5:sc:2,b:0.5:sc:2", "--equivalence", "exact"),
+        ],
+        "--equivalence has no effect with --mix (its classes vote by exact strings)",
+    ),
     "requests with a prompt file": (
         ["--engine", "hf", "--model", "testbed", "--prompts", "{trace}", "--requests", "3"],
         "--requests has no effect with --prompts",
@@ -364,6 +378,33 @@ def test_flags_a_run_does_not_use_are_refused(
     assert info.value.code == 2
     assert f"sart: error: {message}" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+@pytest.mark.skipif(find_spec("math_verify") is None, reason="math-verify is not installed")
+def test_equivalence_makes_a_real_runs_votes_group_by_meaning_and_is_recorded() -> None:
+    from sart.bench.command import _policies, real_setup
+    from sart.bench.parser import bench_config
+    from sart.cli import _parser
+
+    def setup(*flags: str) -> tuple:
+        argv = ["bench", "--engine", "hf", "--model", "testbed", "--requests", "2", *flags]
+        args = _parser().parse_args(argv)
+        config = bench_config(args)
+        return config, real_setup(args, 8)
+
+    config, exact = setup()
+    assert _policies(config, exact.equivalence) is None
+    assert "equivalence" not in exact.serving()  # runs kept before the flag still resume
+    config, meaning = setup("--equivalence", "math-verify")
+    assert meaning.serving()["equivalence"] == "math-verify"
+    policy_for = _policies(config, meaning.equivalence)
+    assert policy_for is not None
+    votes = policy_for("sc", 4).select
+    assert type(votes.equivalence).__name__ == "MathVerifyEquivalence"  # type: ignore[attr-defined]
+    assert votes.choose(  # three halves outvote two 3s
+        [BranchView(i, BranchStatus.FINISHED, 9, None, "", 9) for i in range(5)],
+        ["\\frac{1}{2}", "3", "0.5", "3", "\\dfrac12"],
+    ) in (0, 2, 4)
 
 
 def test_a_replay_records_no_workload_rates_or_request_count(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
+from importlib.util import find_spec
 
 import pytest
 
@@ -614,3 +615,35 @@ def test_an_urgent_request_is_served_before_waiting_bulk_ones(serve) -> None:
     # through the server's engine wrapper (a bulk request keeps its other branch).
     paused = [call[1] for call in engine.log if call[0] == "pause"]
     assert paused and all(len(p) == 1 for p in paused)
+
+
+# ------------------------------------------------------------------ how votes group answers
+
+HALVES = ("\\frac{1}{2}", "0.5", "3", "3", "\\dfrac12")
+
+
+class HalvesEngine(SlowEngine):
+    """Five branches: three write one half three ways, two write 3."""
+
+    def _script(self, branch: sart.BranchId) -> BranchScript:
+        return BranchScript(length=8 + branch.index, answer=HALVES[branch.index % 5])
+
+
+@pytest.mark.skipif(find_spec("math_verify") is None, reason="math-verify is not installed")
+def test_votes_group_answers_by_meaning_under_math_verify(
+    serve: Callable[..., Served],
+) -> None:
+    from sart.eval import MathVerifyEquivalence
+
+    def answer(served: Served) -> str:
+        reply = served.openai().completions.create(
+            model=MODEL, prompt="half", extra_body={"method": "sc", "n": 5}
+        )
+        return sart.extract_answer(reply.choices[0].text)
+
+    # Exact strings: 3 has two votes, each half one. By meaning the halves have three.
+    assert answer(serve(HalvesEngine())) == "3"
+    served = serve(HalvesEngine(), equivalence=MathVerifyEquivalence())
+    assert answer(served) in HALVES[:2] + HALVES[4:]
+    (model,) = served.openai().models.list().data
+    assert model.sart["equivalence"] == "math-verify"  # type: ignore[attr-defined]

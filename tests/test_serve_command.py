@@ -4,11 +4,14 @@ themselves stood in for."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 import threading
 from typing import Any
 
 import pytest
 
+import sart.errors
 import sart.launch
 import sart.registry
 from sart.cli import _parser
@@ -57,3 +60,23 @@ def test_a_prm_loaded_in_this_process_loads_after_the_engine_on_this_thread(
         ("engine", main),
         ("prm", main),
     ]
+
+
+def test_equivalence_picks_how_the_servers_votes_group_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def config(*flags: str) -> Any:
+        args = _parser().parse_args(["serve", "--model", "testbed", *flags])
+        command.load_spec_of(args)  # resolves args.model, as the command does first
+        return command.serve_config(args, has_prm=True)
+
+    assert config().equivalence is None  # the methods' own: exact strings
+    if importlib.util.find_spec("math_verify") is not None:
+        chosen = config("--equivalence", "math-verify").equivalence
+        assert type(chosen).__name__ == "MathVerifyEquivalence"
+    # Without the eval extra the server refuses at start, naming what to install.
+    monkeypatch.setitem(sys.modules, "math_verify", None)
+    with pytest.raises(sart.errors.MissingDependencyError, match=r"\.\[eval\]"):
+        config("--equivalence", "math-verify")
+    with pytest.raises(SystemExit):
+        config("--equivalence", "sympy")

@@ -177,6 +177,19 @@ def _add_enum_flag(
     p.add_argument(flag, choices=[c.value for c in choices], default=default.value, help=help)
 
 
+def add_equivalence_flag(p: Any, default: str | None = "exact") -> None:
+    """``--equivalence``: how votes and agreement stops group answers (``default``
+    ``None`` where a command must tell whether the flag was given)."""
+    p.add_argument(
+        "--equivalence",
+        choices=["exact", "math-verify"],
+        default=default,
+        help="how votes (sc, rebase, particle) and agreement stops (sart-rebranch) group "
+        "answers: exact strings (default), or math-verify: \\frac12, \\dfrac{1}{2} and "
+        "0.5 are one answer, for math models (needs the eval extra)",
+    )
+
+
 def add_scoring_flag(p: Any) -> None:
     """``--scoring``: whether decoding waits for the PRM's checks (``sart.Scoring``)."""
     from sart.types import Scoring

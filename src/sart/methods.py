@@ -49,10 +49,28 @@ import attrs
 from sart.errors import ConfigError, UnknownComponentError, config_check, enum_converter
 from sart.policies import recipes
 from sart.policies.base import Policy
+from sart.policies.equivalence import Equivalence
 from sart.types import Scoring
 
 OPTIONS = ("m", "alpha", "beta")
 """Policy fields a method may read besides ``n`` and ``interval``."""
+
+
+def grouped_by(policy: Policy, equivalence: Equivalence) -> Policy:
+    """``policy`` with its votes (``MajorityVote``, ``WeightedVote``) and agreement stop
+    (``Agreement``) grouping answers under ``equivalence``; its other parts as they are."""
+    return attrs.evolve(
+        policy,
+        select=_grouping(policy.select, equivalence),
+        stop=_grouping(policy.stop, equivalence),
+    )
+
+
+def _grouping(part: Any, equivalence: Equivalence) -> Any:
+    """``part`` grouping answers under ``equivalence``, if it groups answers."""
+    if attrs.has(type(part)) and "equivalence" in attrs.fields_dict(type(part)):
+        return attrs.evolve(part, equivalence=equivalence)
+    return part
 
 
 class Rewards(enum.Enum):

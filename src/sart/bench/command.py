@@ -22,11 +22,12 @@ from sart.bench.parser import (
     bench_config,
     requests_of,
 )
-from sart.bench.real import PromptItem
+from sart.bench.real import PolicyFactory, PromptItem
 from sart.bench.results_file import ResultsFile, progress_console
 from sart.bench.runner import (
     BenchConfig,
     RunRecord,
+    method_policy,
     plan,
     run_method,
     traces,
@@ -180,20 +181,28 @@ class RealSetup:
     spec: LoadSpec
     items: list[PromptItem]
     sampling: SamplingSettings
+    equivalence: str = "exact"
+    """How votes and agreement stops group answers (``--equivalence``)."""
 
     def serving(self) -> dict[str, Any]:
         """What was served and how it was sampled: accuracies are not comparable across
         runs without it (a top-p cut changes the testbed's accuracy)."""
         s = self.sampling
-        return self.spec.describe() | {
-            "sampling": {
-                "temperature": s.temperature,
-                "top_p": s.top_p,
-                "max_tokens": s.max_tokens,
-            },
-            # Two samplers draw other tokens from the same seeds: --resume keeps them apart.
-            "sampler": getattr(load_engine(self.spec.engine), "sampler", None),
-        }
+        # Said only where not exact: the runs kept before the flag stay resumable.
+        grouping = {} if self.equivalence == "exact" else {"equivalence": self.equivalence}
+        return (
+            grouping
+            | self.spec.describe()
+            | {
+                "sampling": {
+                    "temperature": s.temperature,
+                    "top_p": s.top_p,
+                    "max_tokens": s.max_tokens,
+                },
+                # Two samplers draw other tokens from the same seeds: --resume keeps them apart.
+                "sampler": getattr(load_engine(self.spec.engine), "sampler", None),
+            }
+        )
 
 
 def real_setup(args: argparse.Namespace, batch_size: int = REAL_BATCH_SIZE) -> RealSetup:
@@ -222,7 +231,8 @@ def real_setup(args: argparse.Namespace, batch_size: int = REAL_BATCH_SIZE) -> R
             PromptItem(f"t{i}", q.prompt, q.answer)
             for i, q in enumerate(bed.questions(args.seed, requests_of(args)))
         ]
-    return RealSetup(spec, items, sampling(args, REAL_MAX_TOKENS, REAL_TEMPERATURE))
+    equivalence = getattr(args, "equivalence", None) or "exact"
+    return RealSetup(spec, items, sampling(args, REAL_MAX_TOKENS, REAL_TEMPERATURE), equivalence)
 
 
 def methods_with_prm(
@@ -233,6 +243,17 @@ def methods_with_prm(
     if with_prm and not setup.spec.prm:
         raise ConfigError(f"--engine {engine} needs --prm PATH for methods {with_prm}")
     return with_prm
+
+
+def _policies(config: BenchConfig, equivalence: str) -> PolicyFactory | None:
+    """Each method's policy, its votes grouping answers under ``--equivalence``
+    (``None``: ``run_real``'s default, exact strings)."""
+    if equivalence == "exact":
+        return None
+    from sart.eval.equivalence import named_equivalence  # math-verify's stack: only if asked
+
+    grouping = named_equivalence(equivalence)
+    return lambda method, n: method_policy(method, n, config.interval, equivalence=grouping)
 
 
 def _run_real(
@@ -262,7 +283,14 @@ def _run_real(
             progress.advance(task)
 
         run_real(
-            items, loaded.engine, loaded.prm, config, setup.sampling, on_run=finished, done=done
+            items,
+            loaded.engine,
+            loaded.prm,
+            config,
+            setup.sampling,
+            on_run=finished,
+            policy_for=_policies(config, setup.equivalence),
+            done=done,
         )
         if args.record_trace:
             trace = record_trace(

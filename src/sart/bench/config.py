@@ -9,7 +9,6 @@ does, on its own accelerator of the policy's kind, with overlapped scoring.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
 
 import attrs
 
@@ -17,14 +16,12 @@ from sart.bench.workloads import workload
 from sart.engines.costs import H100, H200, cost_model
 from sart.engines.prm_costs import PRMInput
 from sart.errors import ConfigError, config_check, int_at_least, number_above
-from sart.methods import check_methods, get_method
+from sart.methods import check_methods, get_method, grouped_by
 from sart.policies.base import Policy
 from sart.policies.equivalence import Equivalence
 from sart.registry import step_engines
 from sart.scheduler.config import to_scoring
 from sart.types import Admission, Scoring
-
-T = TypeVar("T")
 
 
 def method_policy(
@@ -42,22 +39,10 @@ def method_policy(
     (exact strings; ``extract_answer``)."""
     policy = get_method(method).policy(n, interval)
     if equivalence is not None:
-        policy = attrs.evolve(
-            policy,
-            select=_with_equivalence(policy.select, equivalence),
-            stop=_with_equivalence(policy.stop, equivalence),
-        )
+        policy = grouped_by(policy, equivalence)
     if extract is not None:
         policy = attrs.evolve(policy, extract=extract)
     return policy
-
-
-def _with_equivalence(part: T, equivalence: Equivalence) -> T:
-    """``part`` grouping answers under ``equivalence``, if it groups answers."""
-    grouping: Any = part  # a stop rule or selector; the grouping ones are attrs classes
-    if attrs.has(type(grouping)) and "equivalence" in attrs.fields_dict(type(grouping)):
-        return attrs.evolve(grouping, equivalence=equivalence)
-    return part
 
 
 def method_scoring(method: str, config: BenchConfig) -> Scoring:

@@ -20,6 +20,7 @@ from sart.errors import ConfigError
 from sart.flags import (
     add_admission_flag,
     add_cost_model_flag,
+    add_equivalence_flag,
     add_methods_flag,
     add_output_flags,
     add_plugin_flag,
@@ -127,6 +128,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--cost-model steps)",
     )
     add_scoring_flag(p)
+    add_equivalence_flag(p, default=None)
     p.add_argument(
         "--record-trace",
         help="hf, vllm, sglang: also record a trace of the prompts to this file (with each "
@@ -312,6 +314,7 @@ REAL_ONLY = (
     "temperature",
     "top_p",
     "record_trace",
+    "equivalence",
 )
 #: Flags of the simulator only, by ``dest``.
 SIM_ONLY = (
@@ -339,6 +342,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "requests": generated or testbed_questions,
         "mix": not trace,
         "slo": args.mix is None,  # the mix's own table compares classes, not an SLO
+        "equivalence": not sim and args.mix is None,
     }
 
 
@@ -354,6 +358,8 @@ def _why_unused(dest: str, args: argparse.Namespace) -> str:
         return "with --prompts (each line of the file is one request)"
     if dest == "slo":
         return "with --mix (its table compares the classes' latencies, FCFS and by priority)"
+    if dest == "equivalence" and args.mix is not None:
+        return "with --mix (its classes vote by exact strings)"
     if args.engine == "sim":
         return "with --engine sim (it is for the real engines, hf, vllm and sglang)"
     return f"with --engine {args.engine} (it is for --engine sim)"

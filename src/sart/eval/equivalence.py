@@ -25,8 +25,9 @@ import re
 
 import attrs
 
-from sart.eval.mathverify import UsesMathVerify, boxed
-from sart.policies.equivalence import Equivalence
+from sart.errors import ConfigError
+from sart.eval.mathverify import UsesMathVerify, boxed, require_math_verify
+from sart.policies.equivalence import Equivalence, ExactMatch
 
 _FRAC = re.compile(r"\\[dt]frac(?![A-Za-z])")
 # \left. and \right. are invisible delimiters: the dot goes with them.
@@ -55,4 +56,21 @@ class MathVerifyEquivalence(UsesMathVerify, Equivalence):
         return self._verifier.verify(boxed(a), boxed(b))
 
 
-__all__ = ["MathVerifyEquivalence", "typographic_key"]
+#: What ``--equivalence`` may name: how ``sart serve`` and ``sart bench`` group answers
+#: in votes and agreement stops.
+EQUIVALENCES = ("exact", "math-verify")
+
+
+def named_equivalence(name: str) -> Equivalence:
+    """The equivalence ``--equivalence NAME`` names: ``exact`` (``ExactMatch``, the
+    policies' own) or ``math-verify`` (``MathVerifyEquivalence``; math-verify is
+    imported now, so a missing ``[eval]`` extra is said at start, not at a vote)."""
+    if name == "exact":
+        return ExactMatch()
+    if name == "math-verify":
+        require_math_verify()
+        return MathVerifyEquivalence()
+    raise ConfigError(f"equivalence={name!r} must be one of {list(EQUIVALENCES)}")
+
+
+__all__ = ["EQUIVALENCES", "MathVerifyEquivalence", "named_equivalence", "typographic_key"]

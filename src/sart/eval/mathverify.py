@@ -61,7 +61,7 @@ def boxed(answer: str) -> str:
     return "\\boxed{" + answer + "}"
 
 
-def _math_verify() -> Any:
+def require_math_verify() -> Any:
     with needs_extra("grading by mathematical equivalence", "eval"):
         import math_verify
     return math_verify
@@ -70,7 +70,7 @@ def _math_verify() -> Any:
 @functools.lru_cache(maxsize=8192)
 def _parsed(text: str, timeout: int) -> tuple[Any, ...]:
     """math-verify's parse of ``text``, cached (parsing costs more than comparing)."""
-    return tuple(_math_verify().parse(text, parsing_timeout=timeout))
+    return tuple(require_math_verify().parse(text, parsing_timeout=timeout))
 
 
 def verify_texts(gold: str, prediction: str, timeout: int) -> bool:
@@ -80,7 +80,7 @@ def verify_texts(gold: str, prediction: str, timeout: int) -> bool:
     if not gold_parsed:
         return False
     return bool(
-        _math_verify().verify(
+        require_math_verify().verify(
             list(gold_parsed), list(_parsed(prediction, timeout)), timeout_seconds=timeout
         )
     )
@@ -88,7 +88,7 @@ def verify_texts(gold: str, prediction: str, timeout: int) -> bool:
 
 def _warm_up() -> None:
     """Worker initializer: pay the imports before the first deadline runs."""
-    _math_verify()
+    require_math_verify()
 
 
 class CallTimedOut(Exception):
@@ -190,7 +190,7 @@ class MathVerify:
         in ``\\boxed{}``: see ``boxed``). A timeout counts as ``False``."""
         if threading.current_thread() is threading.main_thread():
             return verify_texts(gold, prediction, self.timeout)
-        _math_verify()  # a missing extra is reported here, not as a worker's failure
+        require_math_verify()  # a missing extra is reported here, not as a worker's failure
         try:
             return bool(
                 self._worker.call(verify_texts, (gold, prediction, self.timeout), self.deadline)

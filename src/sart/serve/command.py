@@ -33,6 +33,7 @@ from collections.abc import Callable
 from sart.errors import ConfigError
 from sart.flags import (
     add_admission_flag,
+    add_equivalence_flag,
     add_plugin_flag,
     add_scoring_flag,
     check_name,
@@ -51,6 +52,7 @@ from sart.launch import (
 from sart.launch import load as load_models
 from sart.methods import method_names
 from sart.model_flags import add_model_flags, load_spec
+from sart.policies.equivalence import Equivalence
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
 from sart.testbed.specs import LONG, testbed
@@ -184,6 +186,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="top_p of requests that do not say (default 0.95; testbed 1.0)",
     )
+    add_equivalence_flag(g)
 
     g = p.add_argument_group("scheduling")
     g.add_argument(
@@ -273,7 +276,17 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive,
         aging=args.priority_aging or None,
+        equivalence=_equivalence(args.equivalence),
     )
+
+
+def _equivalence(name: str) -> Equivalence | None:
+    """``--equivalence``'s grouping (``None``: the methods' own, exact strings)."""
+    if name == "exact":
+        return None
+    from sart.eval.equivalence import named_equivalence  # math-verify's stack: only if asked
+
+    return named_equivalence(name)
 
 
 def load_spec_of(args: argparse.Namespace) -> LoadSpec:

@@ -16,6 +16,7 @@ import attrs
 
 from sart import converters
 from sart.errors import config_check, number_above
+from sart.policies.equivalence import Equivalence, check_equivalence
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
 from sart.types import Admission, Scoring
@@ -116,6 +117,12 @@ class ServeConfig:
     (``None``: none, as vLLM's server sends none). For proxies that close idle
     connections; vLLM's ``vllm bench serve`` client loses the event after a comment
     that arrives alone (it strips each read, comment terminator included)."""
+    equivalence: Equivalence | None = attrs.field(
+        default=None, validator=attrs.validators.optional(check_equivalence)
+    )
+    """How votes and agreement stops group answers (``None``: each method's own, exact
+    strings); ``sart.eval.MathVerifyEquivalence`` for a math model (``--equivalence
+    math-verify``)."""
 
     def __attrs_post_init__(self) -> None:
         config_check(self.n <= self.max_n, "n", self.n, f"<= max_n={self.max_n}")

@@ -24,8 +24,9 @@ from collections.abc import Callable
 import attrs
 
 from sart.errors import ConfigError, config_check
-from sart.methods import OPTIONS, Method, get_method, method_names, register_method
+from sart.methods import OPTIONS, Method, get_method, grouped_by, method_names, register_method
 from sart.policies.base import Policy, Selector
+from sart.policies.equivalence import Equivalence
 from sart.policies.select import BestReward, MajorityVote, WeightedVote
 from sart.types import Scoring
 
@@ -59,11 +60,13 @@ def build_policy(
     max_n: int,
     interval: int,
     scoring: Scoring | None = None,
+    equivalence: Equivalence | None = None,
 ) -> tuple[str, Policy]:
     """The method's name and the policy ``fields`` ask for, the server's defaults
     (``method``, ``n``, ``interval``) filling what they leave out; ``max_n`` is the
     server's limit on branches, ``scoring`` its scoring (a method that fixes another
-    is refused). Raises ``ConfigError`` naming the field at fault."""
+    is refused), ``equivalence`` how its votes group answers (``None``: the
+    method's own). Raises ``ConfigError`` naming the field at fault."""
     name = fields.method if fields.method is not None else method
     chosen = get_method(name)
     if chosen.branches:
@@ -93,6 +96,8 @@ def build_policy(
             select=SELECTORS[fields.selector](),
             name=f"{policy.name},select={fields.selector}",
         )
+    if equivalence is not None:
+        policy = grouped_by(policy, equivalence)
     return name, policy
 
 

@@ -368,6 +368,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             max_n=config.max_n,
             interval=config.interval,
             scoring=config.scoring,
+            equivalence=config.equivalence,
         )
         sampling = SamplingSettings(
             temperature=config.temperature if request.temperature is None else request.temperature,

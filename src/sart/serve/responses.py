@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from http import HTTPStatus
 from typing import Any
 
+from sart.policies.equivalence import Equivalence, ExactMatch
 from sart.serve.config import ServeConfig
 from sart.serve.service import Outcome
 from sart.types import BranchStatus
@@ -148,6 +149,15 @@ def error_body(message: str, status: int, param: str | None = None) -> dict[str,
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def equivalence_name(equivalence: Equivalence | None) -> str:
+    """How ``/v1/models`` names the server's grouping of answers: ``--equivalence``'s
+    name where it has one, else the class's."""
+    if equivalence is None or isinstance(equivalence, ExactMatch):
+        return "exact"
+    name = type(equivalence).__name__
+    return "math-verify" if name == "MathVerifyEquivalence" else name
+
+
 def models_body(config: ServeConfig, created: int, methods: Sequence[str]) -> dict[str, Any]:
     """``GET /v1/models``, with sart's defaults and limits under ``sart``."""
     limits = {
@@ -158,6 +168,7 @@ def models_body(config: ServeConfig, created: int, methods: Sequence[str]) -> di
         "interval": config.interval,
         "max_tokens": config.max_tokens,
         "max_tokens_limit": config.max_tokens_limit,
+        "equivalence": equivalence_name(config.equivalence),
     }
     return {
         "object": "list",
