@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.run_log import RunKey, RunLog, resumable_runs, run_key
-from sart.errors import ConfigError, MissingDependencyError, install_hint
+from sart.errors import ConfigError, needs_extra
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
@@ -49,13 +49,9 @@ def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
     """A rich console (on stderr when stdout carries JSON) and a transient progress bar
     on it. A pipe or CI log gets a table wide enough not to wrap (rich assumes 80; the
     widest, with failures, SLO and preemption marks, takes about 130)."""
-    try:
+    with needs_extra(command, "bench"):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"{command} needs rich and matplotlib; install them with: {install_hint('bench')}"
-        ) from exc
     console = Console(stderr=to_stderr, width=None if Console().is_terminal else 132)
     progress = Progress(
         "[progress.description]{task.description}",

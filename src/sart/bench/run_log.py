@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.runner import RunRecord
-from sart.errors import ConfigError, MissingDependencyError, install_hint
+from sart.errors import ConfigError, needs_extra
 
 RUN_LOG = "runs.jsonl"
 SCHEMA = "sart.bench.runs/1"
@@ -37,12 +37,8 @@ def run_key(record: RunRecord) -> RunKey:
 
 
 def _converter() -> Any:
-    try:
+    with needs_extra("sart bench's log of its runs", "bench"):
         import cattrs
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "sart bench needs cattrs to log its runs; install it with: " + install_hint("bench")
-        ) from exc
     return cattrs.Converter()
 
 

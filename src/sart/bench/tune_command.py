@@ -24,7 +24,7 @@ from sart.bench.tune import (
     result_json,
     tune,
 )
-from sart.errors import ConfigError, MissingDependencyError, install_hint
+from sart.errors import ConfigError, needs_extra
 from sart.flags import add_cost_model_flag
 
 
@@ -95,12 +95,8 @@ def run_tune_command(args: argparse.Namespace) -> int:
     )
     if args.jobs < 1:
         raise ConfigError(f"--jobs={args.jobs} must be >= 1")
-    try:
+    with needs_extra("sart tune", "bench"):
         from rich.console import Console
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "sart tune needs rich and matplotlib: " + install_hint("bench")
-        ) from exc
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     console = Console(width=None if Console().is_terminal else 120)

@@ -78,15 +78,10 @@ from typing import Any
 
 import attrs
 
-try:
-    import httpx
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    from sart.errors import MissingDependencyError
+from sart.errors import ConfigError, EngineError, config_check, needs_extra
 
-    raise MissingDependencyError(
-        "the OpenAI engine needs httpx: pip install -e '.[remote]' in a checkout of sart "
-        f"(importing it failed with: {exc})"
-    ) from exc
+with needs_extra("the OpenAI engine", "remote"):
+    import httpx
 
 from sart.engines.aiohttp_transport import default_transport
 from sart.engines.base import BranchDelta, EngineStats
@@ -107,7 +102,6 @@ from sart.engines.openai_wire import (
     words,
 )
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
-from sart.errors import ConfigError, EngineError, config_check
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
