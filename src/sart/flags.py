@@ -23,6 +23,7 @@ from sart.launch import (
     TESTBED_MAX_TOKENS,
     sampling_defaults,
 )
+from sart.policies.equivalence import Equivalence
 from sart.testbed.specs import LONG
 from sart.types import SamplingSettings
 
@@ -188,6 +189,16 @@ def add_equivalence_flag(p: Any, default: str | None = "exact") -> None:
         "answers: exact strings (default), or math-verify: \\frac12, \\dfrac{1}{2} and "
         "0.5 are one answer, for math models (needs the eval extra)",
     )
+
+
+def equivalence_of(name: str | None) -> Equivalence | None:
+    """The grouping ``--equivalence NAME`` asks for (``None``: the methods' own, exact
+    strings, also where the flag was not given)."""
+    if name in (None, "exact"):
+        return None
+    from sart.eval.equivalence import named_equivalence  # math-verify's stack: only if asked
+
+    return named_equivalence(name)
 
 
 def add_scoring_flag(p: Any) -> None:

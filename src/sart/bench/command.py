@@ -37,6 +37,7 @@ from sart.bench.workloads import workload
 from sart.errors import ConfigError
 from sart.flags import (
     check_name,
+    equivalence_of,
     import_plugins,
     in_flags,
     sampling,
@@ -231,8 +232,8 @@ def real_setup(args: argparse.Namespace, batch_size: int = REAL_BATCH_SIZE) -> R
             PromptItem(f"t{i}", q.prompt, q.answer)
             for i, q in enumerate(bed.questions(args.seed, requests_of(args)))
         ]
-    equivalence = getattr(args, "equivalence", None) or "exact"
-    return RealSetup(spec, items, sampling(args, REAL_MAX_TOKENS, REAL_TEMPERATURE), equivalence)
+    sampled = sampling(args, REAL_MAX_TOKENS, REAL_TEMPERATURE)
+    return RealSetup(spec, items, sampled, args.equivalence or "exact")
 
 
 def methods_with_prm(
@@ -248,11 +249,9 @@ def methods_with_prm(
 def _policies(config: BenchConfig, equivalence: str) -> PolicyFactory | None:
     """Each method's policy, its votes grouping answers under ``--equivalence``
     (``None``: ``run_real``'s default, exact strings)."""
-    if equivalence == "exact":
+    grouping = equivalence_of(equivalence)
+    if grouping is None:
         return None
-    from sart.eval.equivalence import named_equivalence  # math-verify's stack: only if asked
-
-    grouping = named_equivalence(equivalence)
     return lambda method, n: method_policy(method, n, config.interval, equivalence=grouping)
 
 

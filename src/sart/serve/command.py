@@ -37,6 +37,7 @@ from sart.flags import (
     add_plugin_flag,
     add_scoring_flag,
     check_name,
+    equivalence_of,
     import_plugins,
     in_flags,
 )
@@ -52,7 +53,6 @@ from sart.launch import (
 from sart.launch import load as load_models
 from sart.methods import method_names
 from sart.model_flags import add_model_flags, load_spec
-from sart.policies.equivalence import Equivalence
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
 from sart.testbed.specs import LONG, testbed
@@ -276,17 +276,8 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive,
         aging=args.priority_aging or None,
-        equivalence=_equivalence(args.equivalence),
+        equivalence=equivalence_of(args.equivalence),
     )
-
-
-def _equivalence(name: str) -> Equivalence | None:
-    """``--equivalence``'s grouping (``None``: the methods' own, exact strings)."""
-    if name == "exact":
-        return None
-    from sart.eval.equivalence import named_equivalence  # math-verify's stack: only if asked
-
-    return named_equivalence(name)
 
 
 def load_spec_of(args: argparse.Namespace) -> LoadSpec:
