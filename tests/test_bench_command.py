@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +26,27 @@ def bench(tmp_path: Path, *extra: str) -> dict:
     argv = ["bench", *workload, "--n", "2", "4", "--out", str(out)]
     assert main([*argv, *extra]) == 0
     return json.loads((out / "results.json").read_text())
+
+
+def test_a_piped_table_keeps_each_row_on_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: fitted to 132 columns, the SLO column pushed a preemption mark ("p151")
+    # onto a line of its own and wrapped the title; and with no SC or Vanilla to
+    # compare SART with, a ratio table of dashes was printed.
+    # SC at N = 8 outgrows the KV at 4 req/s: its peak KV cell carries a pK mark.
+    extra = ["--methods", "sc", "sart", "--n", "8", "--requests", "200", "--rate", "4"]
+    bench(tmp_path, *extra, "--slo", "1000")
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    title = next(line for line in lines if "sart bench:" in line)
+    assert title.strip().endswith("SLO %: answered within 1000 s")
+    sc = next(line.split() for line in lines if line.split()[:3] == ["4", "SC", "8"])
+    assert sc[-1].startswith("p") and sc[-1][1:].isdigit(), sc  # the mark, on its row
+    assert not [line for line in lines if re.fullmatch(r"\s*p\d+\s*", line)]
+    assert "SC / SART" in printed
+    bench(tmp_path, "--methods", "sart", "rebase")
+    assert "ratios" not in capsys.readouterr().out
 
 
 def test_bench_writes_table_json_and_plots(
@@ -260,21 +282,27 @@ def test_the_long_testbeds_recorded_trace_is_in_the_real_ranges_and_resamples(
     [
         (["bench", "--n", "0"], "--n [0] must be >= 1"),
         (["bench", "--requests", "0"], "--requests 0 must be >= 1"),
-        (["bench", "--rate", "-1"], "--rate (-1.0,) must be non-empty, each > 0"),
+        (["bench", "--rate", "-1"], "argument --rate: '-1' must be a finite number > 0"),
+        (["bench", "--rate", "2", "nan"], "argument --rate: 'nan' must be a finite number > 0"),
         (["bench", "--trace", "/nonexistent/trace.jsonl"], "No such file"),
+        (  # resampled, it loads as a trace: the error names the flag given
+            ["bench", "--workload", "/nonexistent/trace.jsonl"],
+            "sart: error: --workload '/nonexistent/trace.jsonl': No such file",
+        ),
         (
             ["bench", "--cost-model", "tpu"],
             "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
         ),
         (
-            ["bench", "--model", "tpu"],  # the former spelling, taken with a warning
-            "cost model 'tpu' must be one of ['8xh100-14b-tp8', '8xh100-70b'",
+            ["bench", "--model", "tpu"],  # no preset's former spelling: no warning
+            "--model tpu: sart bench on the simulator (--engine sim, the default) runs no model",
         ),
         (["bench", "--methods", "beam"], "--methods 'beam' must be one of ['deepconf', "),
         (["bench", "--prm-cost", "cheap"], "--prm-cost: invalid choice: 'cheap'"),
         (["bench", "--scoring", "lazy"], "--scoring: invalid choice: 'lazy'"),
-        (["bench", "--slo", "0"], "--slo 0.0 must be None or a finite number > 0"),
-        (["bench", "--slo", "inf"], "--slo inf must be None or a finite number > 0"),
+        (["bench", "--slo", "0"], "argument --slo: '0' must be a finite number > 0"),
+        (["bench", "--slo", "inf"], "argument --slo: 'inf' must be a finite number > 0"),
+        (["trace", "record", "t.jsonl", "--rate", "0"], "--rate: '0' must be a finite number"),
         (
             ["bench", "--prm-device", "cuda:1"],
             "--prm-device has no effect with --engine sim (it is for the real engines",
@@ -302,10 +330,24 @@ def test_the_simulators_former_flags_are_taken_with_a_warning(
     argv += ["--n", "2", "--rate", "4", "--requests", "5", "--no-plots", "--out", str(tmp_path)]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "--model h200-14b with --engine sim is deprecated; use --cost-model h200-14b" in err
+    assert "--model h200-14b is deprecated; use --cost-model h200-14b" in err
     assert "--prm-device shared is deprecated; use --prm-placement shared" in err
     config = json.loads((tmp_path / "results.json").read_text())["config"]
     assert (config["cost"], config["prm_placement"]) == ("h200-14b", "shared")
+
+
+def test_a_real_model_on_the_simulator_says_to_name_an_engine(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not the former spelling's warning: its advice (--cost-model testbed) fails at once.
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--model", "testbed"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "deprecated" not in err
+    assert "--model testbed: sart bench on the simulator (--engine sim, the default)" in err
+    assert "--cost-model, one of ['8xh100-14b-tp8'" in err
+    assert "add --engine hf (or vllm, sglang)" in err
 
 
 # Issue 13, case 7: flags a run does not use were ignored, yet recorded in

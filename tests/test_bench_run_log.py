@@ -112,7 +112,7 @@ def test_resume_refuses_another_benchmarks_runs(
         main([*BENCH, "--methods", "sc", "--interval", "200", "--resume", "--out", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "--resume" in err and "config.interval: 400 then, 200 now" in err
+    assert "--resume" in err and "--interval (config.interval): 400 then, 200 now" in err
     assert len(document(tmp_path)["runs"]) == 1  # nothing overwritten
 
 
@@ -121,7 +121,7 @@ def test_resumable_runs_compare_serving_too(tmp_path: Path) -> None:
     config = document(tmp_path)["config"]
     assert len(resumable_runs(tmp_path, config, None)) == 1
     assert resumable_runs(tmp_path / "empty", config, None) == []  # nothing to resume
-    with pytest.raises(ConfigError, match=re.escape("serving.model: None then, 'm' now")):
+    with pytest.raises(ConfigError, match=re.escape("--model (serving.model): None then, 'm' now")):
         resumable_runs(tmp_path, config, {"model": "m"})
 
 

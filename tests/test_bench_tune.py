@@ -127,7 +127,13 @@ def test_sart_tune_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None
     assert "--jobs 0 must be >= 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tune", "--n", "1"])
-    assert "n=1 must be >= 2" in capsys.readouterr().err
+    assert "sart: error: --n 1 must be >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--slack", "-1"])
+    assert "argument --slack: '-1' must be a number in [0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["tune", "--rate", "0"])
+    assert "argument --rate: '0' must be a finite number > 0" in capsys.readouterr().err
 
 
 def test_candidates_are_values() -> None:
@@ -174,8 +180,11 @@ def test_tune_names_the_hardware_with_cost_model_as_bench_does(
     with pytest.raises(SystemExit):
         main(["tune", "--cost-model", "tpu"])
     assert "cost model 'tpu' must be one of" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # the former spelling: taken, with a warning
-        main(["tune", "--model", "tpu"])
+    with pytest.raises(SystemExit):  # the former spelling of a preset: taken, with a warning
+        main(["tune", "--model", "h200-14b", "--workload", "nope"])
+    assert "--model h200-14b is deprecated; use --cost-model h200-14b" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # any other model: refused, no advice that would fail
+        main(["tune", "--model", "testbed"])
     err = capsys.readouterr().err
-    assert "--model tpu is deprecated; use --cost-model tpu" in err
-    assert "cost model 'tpu' must be one of" in err
+    assert "deprecated" not in err
+    assert "--model testbed: sart tune runs on the simulator; the simulated hardware" in err

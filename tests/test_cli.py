@@ -129,3 +129,16 @@ def test_the_walk_finds_every_commands_counts() -> None:
     assert {("bench", "--requests"), ("serve", "--max-queue"), ("tune", "--jobs")} <= flags
     assert {("trace record", "--n"), ("quickstart", "--requests"), ("eval", "--limit")} <= flags
     assert len(flags) > 40
+
+
+def test_demo_models_hint_joins_paths_given_with_a_slash(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    # Before: `sart demo-models demo/` printed `--model demo//policy`.
+    import sart.demo_models
+
+    monkeypatch.setattr(sart.demo_models, "build_demo_models", lambda *a, **k: {})
+    assert main(["demo-models", f"{tmp_path}/"]) == 0
+    hint = capsys.readouterr().out
+    assert f"--model {tmp_path}/policy --prm {tmp_path}/qwen-prm" in hint
+    assert "//" not in hint

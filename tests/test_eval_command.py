@@ -331,7 +331,7 @@ def test_records_without_logprobs_are_refused_for_the_confidence_methods(
         (["--vllm-arg", "enforce_eager=true"], "--vllm-arg has no effect with --engine hf"),
         (["--sglang-arg", "tp_size=2"], "--sglang-arg has no effect with --engine hf"),
         (["--cost-model", "tpu"], "--cost-model 'tpu' must be one of"),
-        (["--rate", "0"], "--rate [0.0] must each be > 0"),
+        (["--rate", "0"], "argument --rate: '0' must be a finite number > 0"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -347,6 +347,10 @@ def test_a_jsonl_dataset_needs_its_file(tmp_path: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["eval", "--dataset", "jsonl", "--model", "m", "--prm", "p", "--out", str(tmp_path)])
     assert "--dataset jsonl needs --data FILE" in capsys.readouterr().err
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(SystemExit):
+        main(["eval", "--dataset", "jsonl", "--data", missing, "--model", "testbed"])
+    assert f"sart: error: --data {missing!r}: no such file" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- served live, compared

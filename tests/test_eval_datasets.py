@@ -255,6 +255,21 @@ def test_the_hub_rows_go_through_the_same_checks(monkeypatch: pytest.MonkeyPatch
     }
 
 
+def test_the_hub_out_of_reach_points_to_a_local_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: datasets' ConnectionError as a 14-frame traceback, with no word of --data.
+    def unreachable(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+        raise ConnectionError(f"Couldn't reach '{name}' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=unreachable))
+    with pytest.raises(ConfigError) as info:
+        load_dataset("math500")
+    assert str(info.value) == (
+        "dataset 'math500': could not be read from the Hugging Face hub (Couldn't reach "
+        "'HuggingFaceH4/MATH-500' on the Hub (OfflineModeIsEnabled)); give a local copy "
+        "instead (sart eval --data FILE)"
+    )
+
+
 # -------------------------------------------------------------------------- prompts
 
 

@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 import sart
+import sart.builders
 import sart.registry
 from sart import testbed
 from sart.launch import (
@@ -62,6 +63,9 @@ def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(sart.registry._ENGINES, name, StandIn)
     for name in ("qwen", "shepherd", "vllm-qwen"):
         monkeypatch.setitem(sart.registry._PRMS, name, StandIn)
+    # The stand-ins are "placed" on devices this machine may lack (tests/test_devices.py
+    # checks the check).
+    monkeypatch.setattr(sart.builders, "check_device", lambda field, device: None)
 
 
 @pytest.mark.parametrize(
@@ -250,3 +254,66 @@ def test_on_a_cpu_the_policy_and_the_prm_process_split_the_cores(
     assert launch.cpu_layout(LoadSpec("hf", "m", prm="p", device="cuda:0")) == {}
     assert launch.cpu_layout(LoadSpec("hf", "m", prm="p", prm_in_process=True)) == {}
     assert launch.cpu_layout(LoadSpec("hf", "m")) == {}
+
+
+def test_a_typo_beside_a_local_directory_is_refused_with_the_name_it_missed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: `--model demo/polcy` went to the hub, retried for half a minute and
+    # ended in a traceback.
+    from sart.launch import check_path
+
+    (tmp_path / "demo" / "policy").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(sart.ConfigError) as info:
+        check_path("model", "demo/polcy")
+    assert str(info.value) == (
+        "model='demo/polcy': no such file or directory (did you mean 'demo/policy'?)"
+    )
+    with pytest.raises(sart.ConfigError, match=r"^prm='\./demo/prm': no such file or directory$"):
+        check_path("prm", "./demo/prm")  # spelled as a path: nothing is close, still refused
+    check_path("model", "demo/policy")  # there
+    check_path("model", "demo/Qwen2.5-Math-7B")  # nothing close here: may be a hub id
+    check_path("model", "Qwen/Qwen2.5-Math-7B")  # no local Qwen/: a hub id
+
+
+def test_a_model_that_cannot_be_found_or_fetched_is_a_config_error() -> None:
+    from sart.launch import loading
+
+    with pytest.raises(sart.ConfigError) as info, loading("model", "nosuchorg/model"):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+    assert str(info.value) == (
+        "model='nosuchorg/model': not a local path, and it could not be loaded: "
+        "We couldn't connect to 'https://huggingface.co'"
+    )
+    with pytest.raises(ValueError), loading("model", "m"):  # anything else is not hidden
+        raise ValueError("a bug")
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--model", "nosuchorg/policy"], "--model 'nosuchorg/policy': not a local path, and"),
+        # The PRM loads in a process of its own: its error crosses back as one line.
+        (["--model", "testbed", "--prm", "nosuchorg/prm"], "--prm 'nosuchorg/prm': not a local"),
+    ],
+)
+def test_bench_says_in_one_line_that_a_model_is_nowhere(
+    flags: list[str], said: str, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("transformers")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "q0", "prompt": "Step 1: add 2 and 5.", "answer": "7"}\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "sart.cli", "bench", "--engine", "hf", *flags, "--prompts",
+         str(prompts), "--n", "2", "--methods", "sc", "--out", str(tmp_path / "out")],
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"\nsart: error: {said}" in f"\n{done.stderr}", done.stderr
+    assert "Traceback" not in done.stderr

@@ -72,6 +72,17 @@ def test_a_prm_that_cannot_start_says_why() -> None:
         PRMProcess(Broken)
 
 
+def misconfigured() -> ScriptedPRM:
+    raise sart.ConfigError("prm='x/y': no such file or directory")
+
+
+def test_a_bad_setting_in_the_child_is_a_config_error_here() -> None:
+    # The commands print a ConfigError as one line; wrapped in a RuntimeError it was
+    # a traceback.
+    with pytest.raises(sart.ConfigError, match=r"^prm='x/y': no such file or directory$"):
+        PRMProcess(misconfigured)
+
+
 def test_calls_after_close_fail_as_prm_errors() -> None:
     prm = PRMProcess(functools.partial(scripted))
     prm.close()

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from sart.cpu_layout import vllm_layout
+from sart.devices import check_device
 from sart.errors import ConfigError, install_hint
+from sart.launch import loading
 from sart.load_spec import LoadSpec
 from sart.registry import load_engine, load_prm
 
@@ -31,7 +33,9 @@ def hf_engine(spec: LoadSpec) -> Any:
     """``HFEngine`` on ``spec.device`` (cpu by default)."""
     cls = load_engine(spec.engine)
     options = _options(spec) | ({"cuda_graphs": True} if spec.cuda_graphs else {})
-    return cls.from_pretrained(spec.model, device=spec.device or "cpu", **options)
+    check_device("device", spec.device or "cpu")
+    with loading("model", spec.model):
+        return cls.from_pretrained(spec.model, device=spec.device or "cpu", **options)
 
 
 def vllm_engine(spec: LoadSpec) -> Any:
@@ -66,7 +70,10 @@ def gateway_engine(spec: LoadSpec) -> Any:
             raise ConfigError(
                 f"tokenizer={source!r}: loading it needs transformers ({install_hint('hf')}): {exc}"
             ) from None
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=spec.trust_remote_code)
+        with loading("tokenizer", source):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source, trust_remote_code=spec.trust_remote_code
+            )
     return load_engine(spec.engine)(
         list(gateway.upstreams),
         spec.model,
@@ -86,9 +93,12 @@ def transformers_prm(spec: LoadSpec) -> Any:
     """A transformers PRM in this process (``sart.launch.build_prm`` hosts it in a
     process of its own unless ``prm_in_process``: it calls this there)."""
     cls = load_prm(spec.prm_kind)
-    return cls.from_pretrained(
-        spec.prm, device=spec.resolved_prm_device, **_trust(spec), **spec.prm_options
-    )
+    if spec.resolved_prm_device is not None:
+        check_device("prm_device", spec.resolved_prm_device)
+    with loading("prm", str(spec.prm)):
+        return cls.from_pretrained(
+            spec.prm, device=spec.resolved_prm_device, **_trust(spec), **spec.prm_options
+        )
 
 
 def vllm_prm(spec: LoadSpec) -> Any:

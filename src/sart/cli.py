@@ -65,7 +65,7 @@ def _demo_models(args: argparse.Namespace) -> int:
     paths = build_demo_models(args.directory, seed=args.seed)
     for name, path in paths.items():
         print(f"{name:>13}: {path}")
-    d = args.directory
+    d = str(args.directory).rstrip("/")  # demo/ is given as often as demo
     print(
         f"try: sart bench --engine hf --model {d}/policy --prm {d}/qwen-prm "
         f"--prompts {d}/prompts.jsonl --rate 4 --n 2 4"

@@ -8,7 +8,9 @@ things, built here once:
   ``sampling`` (the testbed's calibration under ``--model testbed``);
 - ``add_plugin_flag``: ``--plugin MODULE`` (a module that registers methods,
   engines or PRMs), imported by ``import_plugins`` before anything is checked;
-- ``in_flags``: a ``ConfigError`` about a field, in the words of the flag that set it.
+- ``in_flags``: a ``ConfigError`` about a field, in the words of the flag that set it;
+- argparse types for numbers with a range (``positive_number``, ``fraction``), and
+  ``cost_model_from_model``, the simulator's former ``--model PRESET``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from __future__ import annotations
 import argparse
 import enum
 import importlib
+import math
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from sart.errors import ConfigError
@@ -85,6 +90,26 @@ def in_flags(exc: ConfigError, renames: dict[str, str] | None = None) -> ConfigE
     table = FLAGS | (renames or {})
     field, sep, rest = str(exc).partition("=")
     return ConfigError(f"{table[field]} {rest}") if sep and field in table else exc
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0 (a rate, a latency objective)."""
+    return _number(text, lambda v: v > 0, "a finite number > 0")
+
+
+def fraction(text: str) -> float:
+    """An argparse type: a number in [0, 1] (an accuracy, a slack on one)."""
+    return _number(text, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+def _number(text: str, ok: Callable[[float], bool], rule: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be {rule}")
+    return value
 
 
 def add_sampling_flags(p: Any, scope: str, max_tokens: int, temperature: float) -> None:
@@ -243,6 +268,34 @@ def add_cost_model_flag(p: Any, scope: str, *, default: str | None, shown: str) 
         + ", ".join(sorted(PRESETS))
         + f"; default {shown})",
     )
+
+
+def cost_model_from_model(model: str, command: str) -> str:
+    """``--model PRESET`` on the simulator, the former spelling of ``--cost-model
+    PRESET``: taken for a release with a one-line warning. Any other ``--model``
+    (``testbed``, a path, a hub id) is a model for a real engine, and the warning's
+    advice would fail at once: refused, saying what to give instead."""
+    from sart.engines.costs import PRESETS
+
+    if model not in PRESETS:
+        where = (
+            "sart tune runs on the simulator"
+            if command == "sart tune"
+            else f"{command} on the simulator (--engine sim, the default) runs no model"
+        )
+        raise ConfigError(
+            f"--model {model}: {where}; the simulated hardware and model are --cost-model, "
+            f"one of {sorted(PRESETS)}"
+            + (
+                ""
+                if command == "sart tune"
+                else "; to run the model, add --engine hf (or vllm, sglang)"
+            )
+        )
+    print(
+        f"sart: warning: --model {model} is deprecated; use --cost-model {model}", file=sys.stderr
+    )
+    return model
 
 
 def add_output_flags(p: Any, out: str, printed: str) -> None:

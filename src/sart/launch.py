@@ -19,8 +19,10 @@ Nothing here imports torch or an engine until a build function runs.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import difflib
 import functools
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,13 +113,37 @@ def sampling_defaults(
 
 
 def check_path(field: str, value: str | None) -> None:
-    """A local path that does not exist is refused now (a hub id is left to the loader)."""
-    if (
-        value
-        and value.startswith(("/", "./", "../", "~"))
-        and not Path(value).expanduser().exists()
-    ):
+    """A local path that does not exist is refused now; a hub id is left to the loader.
+
+    A relative name counts as local where its directory exists here and holds a name
+    close to it (``demo/polcy`` beside ``demo/policy``): looked up on the hub, a typo
+    costs half a minute of retries before it fails."""
+    if not value:
+        return
+    path = Path(value).expanduser()
+    if path.exists():
+        return
+    if value.startswith(("/", "./", "../", "~")):
         raise ConfigError(f"{field}={value!r}: no such file or directory")
+    parent = path.parent
+    if str(parent) != "." and parent.is_dir():
+        near = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=1)
+        if near:
+            raise ConfigError(
+                f"{field}={value!r}: no such file or directory "
+                f"(did you mean {str(parent / near[0])!r}?)"
+            )
+
+
+@contextlib.contextmanager
+def loading(field: str, value: str) -> Iterator[None]:
+    """Around a model's load: a failure to find or fetch it (transformers' and the
+    hub's ``OSError``) is a ``ConfigError`` naming the field, not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        where = "" if Path(value).expanduser().exists() else "not a local path, and "
+        raise ConfigError(f"{field}={value!r}: {where}it could not be loaded: {exc}") from exc
 
 
 def build_engine(spec: LoadSpec) -> Any:
@@ -249,6 +275,7 @@ __all__ = [
     "build_prm",
     "check_path",
     "load",
+    "loading",
     "resolve_models",
     "sampling_defaults",
     "shutdown_engine",

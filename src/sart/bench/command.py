@@ -32,7 +32,7 @@ from sart.bench.runner import (
     run_method,
     traces,
 )
-from sart.bench.traces import Trace
+from sart.bench.traces import Trace, is_trace_file
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
 from sart.flags import (
@@ -94,7 +94,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         check_name("--engine", args.engine, ["sim", *step_engines()])
         return _bench(args)
     except ConfigError as exc:
-        raise in_flags(exc) from None
+        # A recorded trace given as --workload (to resample) loads as a trace does.
+        resampled = args.trace is None and is_trace_file(args.workload)
+        raise in_flags(exc, {"trace": "--workload"} if resampled else None) from None
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -26,6 +26,8 @@ from sart.flags import (
     add_plugin_flag,
     add_sampling_flags,
     add_scoring_flag,
+    cost_model_from_model,
+    positive_number,
 )
 from sart.launch import TESTBED_INTERVAL
 from sart.methods import check_methods
@@ -103,7 +105,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--slo",
-        type=float,
+        type=positive_number,
         default=None,
         metavar="SECONDS",
         help="a latency objective: each run also reports the percentage of its requests "
@@ -153,7 +155,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rate",
-        type=float,
+        type=positive_number,
         nargs="+",
         default=None,
         dest="rates",
@@ -208,7 +210,7 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("output", help="JSONL file to write")
     rec.add_argument("--workload", choices=sorted(WORKLOADS), default="gaokao")
     rec.add_argument("--requests", type=int, default=200)
-    rec.add_argument("--rate", type=float, default=1.0)
+    rec.add_argument("--rate", type=positive_number, default=1.0)
     rec.add_argument("--n", type=int, default=8, help="branches recorded per request")
     rec.add_argument("--interval", type=int, default=400, help="T the rewards are recorded at")
     rec.add_argument("--seed", type=int, default=0)
@@ -249,8 +251,7 @@ def _old_spellings(args: argparse.Namespace) -> None:
             )
         return
     if args.model is not None and args.cost_model is None:
-        _deprecated(f"--model {args.model} with --engine sim", f"--cost-model {args.model}")
-        args.cost_model, args.model = args.model, None
+        args.cost_model, args.model = cost_model_from_model(args.model, "sart bench"), None
     if args.prm_device in PRM_PLACEMENTS and args.prm_placement is None:
         _deprecated(f"--prm-device {args.prm_device}", f"--prm-placement {args.prm_device}")
         args.prm_placement, args.prm_device = args.prm_device, None

@@ -179,19 +179,36 @@ def _batch_sizes(records: Sequence[RunRecord]) -> str:
     return "/".join(str(b) for b in dict.fromkeys(r.batch_size for r in records))
 
 
+def _print(console: Any, table: Any) -> None:
+    """``table`` at its own width where the output is a file or a pipe (a log, CI):
+    rich would fit it to a width it guesses and wrap cells (a ``p151`` mark on a line
+    of its own). A terminal's width is known, and kept."""
+    if console.is_terminal:
+        console.print(table)
+        return
+    natural = console.measure(table, options=console.options.update_width(10_000)).maximum
+    width = console.width
+    console.width = max(width, natural)  # print's own width= is capped at the console's
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> None:
     """Print the results table and the P97 ratios with rich."""
     from rich import box
     from rich.table import Table
 
     unit = "steps" if config.engine == "sim" and config.cost == "steps" else "s"
-    table = Table(
-        title=f"sart bench: {_setting(config)}, "
+    title = (
+        f"sart bench: {_setting(config)}, "
         f"B={_batch_sizes(records)}, T={config.interval}; {_prm_setting(config)}; "
         f"E2E latency in {unit}"
-        + ("" if config.slo is None else f"; SLO %: answered within {config.slo:g} {unit}"),
-        box=box.SIMPLE_HEAD,
+        + ("" if config.slo is None else f"; SLO %: answered within {config.slo:g} {unit}")
     )
+    # min_width: a title wider than the columns would wrap (a terminal still caps it).
+    table = Table(title=title, box=box.SIMPLE_HEAD, min_width=len(title))
     # Failed requests are counted apart (and left out of the percentiles); the column
     # appears only when a run had any, so that the usual table stays as it was.
     failures = any(r.summary.failed for r in records)
@@ -242,12 +259,16 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
             _fmt(s.tokens_per_request, 0),
             peak,
         )
-    console.print(table)
-    rows = ratios(records)
+    _print(console, table)
+    # Only where SART has something to be compared with (SC or Vanilla at its rate).
+    rows = [
+        r
+        for r in ratios(records)
+        if any(v is not None for k, v in r.items() if k not in ("rate", "n"))
+    ]
     if rows:
-        ratio_table = Table(
-            title="P97 E2E latency ratios (above 1: SART is faster)", box=box.SIMPLE_HEAD
-        )
+        title = "P97 E2E latency ratios (above 1: SART is faster)"
+        ratio_table = Table(title=title, box=box.SIMPLE_HEAD, min_width=len(title))
         blocking = any("sart_blocking_over_sart" in row for row in rows)
         names = ["rate", "N", "SC / SART", "Vanilla / SART"]
         if blocking:
@@ -267,7 +288,7 @@ def render(config: BenchConfig, records: Sequence[RunRecord], console: Any) -> N
                     _fmt(row.get("sart_blocking_over_sart"), 2),
                 ]
             ratio_table.add_row(*cells)
-        console.print(ratio_table)
+        _print(console, ratio_table)
     if any(r.over_capacity for r in records):
         console.print(
             "[red]![/red] KV above the model's KV capacity at some step (perhaps inside a "

@@ -22,6 +22,7 @@ from typing import Any
 
 from sart.bench.runner import RunRecord
 from sart.errors import ConfigError, needs_extra
+from sart.flags import FLAGS
 
 RUN_LOG = "runs.jsonl"
 SCHEMA = "sart.bench.runs/1"
@@ -82,8 +83,11 @@ class RunLog:
 
 
 def _differences(before: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
+    """What differs, each named by its flag where one sets it (and by its place in
+    results.json, where a reader would look)."""
     return [
-        f"{where}.{key}: {before.get(key)!r} then, {now.get(key)!r} now"
+        f"{FLAGS[key] + ' ' if key in FLAGS else ''}({where}.{key}): "
+        f"{before.get(key)!r} then, {now.get(key)!r} now"
         for key in sorted(set(before) | set(now))
         if key not in SWEPT and before.get(key) != now.get(key)
     ]

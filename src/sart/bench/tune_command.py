@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,13 @@ from sart.bench.tune import (
     tune,
 )
 from sart.errors import ConfigError, needs_extra
-from sart.flags import add_cost_model_flag
+from sart.flags import (
+    add_cost_model_flag,
+    cost_model_from_model,
+    fraction,
+    in_flags,
+    positive_number,
+)
 
 
 def add_tune_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,7 +49,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_cost_model_flag(p, "", default=None, shown="h100-14b")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the former spelling
-    p.add_argument("--rate", type=float, default=4.0, help="arrival rate, req/s (4)")
+    p.add_argument("--rate", type=positive_number, default=4.0, help="arrival rate, req/s (4)")
     p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")
     p.add_argument(
         "--interval",
@@ -60,11 +65,13 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--replicas", type=int, default=1, help="engine replicas (1)")
     p.add_argument(
         "--min-accuracy",
-        type=float,
+        type=fraction,
         default=None,
         help="accuracy a configuration must reach (default: SC's at the same N - --slack)",
     )
-    p.add_argument("--slack", type=float, default=0.01, help="below SC's accuracy allowed (0.01)")
+    p.add_argument(
+        "--slack", type=fraction, default=0.01, help="below SC's accuracy allowed (0.01)"
+    )
     p.add_argument(
         "--jobs",
         type=int,
@@ -77,14 +84,18 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_tune_command(args: argparse.Namespace) -> int:
-    if args.model is not None:  # taken for a release, as sart bench takes it
-        print(
-            f"sart: warning: --model {args.model} is deprecated; use --cost-model {args.model}",
-            file=sys.stderr,
-        )
+    try:
+        return _tune(args)
+    except ConfigError as exc:  # in the words of the flags
+        raise in_flags(exc, {"intervals": "--interval", "min_accuracy": "--min-accuracy"}) from None
+
+
+def _tune(args: argparse.Namespace) -> int:
+    if args.model is not None and args.cost_model is None:
+        args.cost_model = cost_model_from_model(args.model, "sart tune")
     config = BenchConfig(
         workload=args.workload,
-        cost=args.cost_model or args.model or "h100-14b",
+        cost=args.cost_model or "h100-14b",
         methods=("sc", "sart"),
         ns=tuple(args.n),
         rates=(args.rate,),
@@ -94,7 +105,7 @@ def run_tune_command(args: argparse.Namespace) -> int:
         replicas=args.replicas,
     )
     if args.jobs < 1:
-        raise ConfigError(f"--jobs={args.jobs} must be >= 1")
+        raise ConfigError(f"--jobs {args.jobs} must be >= 1")
     with needs_extra("sart tune", "bench"):
         from rich.console import Console
     out = Path(args.out)

@@ -62,7 +62,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         check_name("--engine", args.engine, step_engines())
         return _eval(args)
     except ConfigError as exc:
-        raise in_flags(exc) from None
+        raise in_flags(exc, {"path": "--data"}) from None
 
 
 class _Run:

@@ -149,7 +149,13 @@ def hub_rows(
     what = f"dataset {name!r}" if name else f"hub dataset {dataset_id!r}"
     with needs_extra(f"loading {what} from the Hugging Face hub (or give a local file)", "eval"):
         import datasets
-    rows = datasets.load_dataset(dataset_id, config, split=split)
+    try:
+        rows = datasets.load_dataset(dataset_id, config, split=split)
+    except OSError as exc:  # the hub out of reach (ConnectionError), or no such dataset
+        raise ConfigError(
+            f"{what}: could not be read from the Hugging Face hub ({exc}); give a local "
+            "copy instead (sart eval --data FILE)"
+        ) from None
     for index, row in enumerate(rows):
         yield f"{dataset_id} ({split}) row {index}", dict(row)
 

@@ -134,7 +134,7 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--rate",
-        type=float,
+        type=flags.positive_number,
         nargs="+",
         default=[1.0],
         dest="rates",
@@ -161,9 +161,6 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
 def check_flags(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size {args.batch_size} must be >= 1")
-    bad = [rate for rate in args.rates if not rate > 0]
-    if bad:
-        raise ConfigError(f"--rate {bad} must each be > 0")
     if args.interval is not None and args.interval < 1:
         raise ConfigError(f"--interval {args.interval} must be >= 1")
     if args.cost_model not in PRESETS:

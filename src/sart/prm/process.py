@@ -89,6 +89,8 @@ def _rebuild(described: tuple[str, str, tuple[str, ...] | None]) -> Exception:
     name, message, ids = described
     if ids is not None:
         return PRMError(message, ids)
+    if name == ConfigError.__name__:  # a bad setting (a PRM not found...) is one here too
+        return ConfigError(message)
     return RuntimeError(f"{name} in the PRM process: {message}")
 
 

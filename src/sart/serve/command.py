@@ -365,7 +365,10 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
     # Models load now, so that a wrong path or a missing extra ends the command with
     # its message; vLLM's AsyncLLM binds to the loop that builds it, so it is built
     # when the server starts, on the server's loop.
-    backend = load if args.engine in LOOP_BOUND else load()
+    try:
+        backend = load if args.engine in LOOP_BOUND else load()
+    except ConfigError as exc:  # a model not found, in the words of its flag
+        raise in_flags(exc) from None
     try:
         app = create_app(config, backend)
     except BaseException:
