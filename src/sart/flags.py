@@ -292,10 +292,13 @@ def cost_model_from_model(model: str, command: str) -> str:
                 else "; to run the model, add --engine hf (or vllm, sglang)"
             )
         )
-    print(
-        f"sart: warning: --model {model} is deprecated; use --cost-model {model}", file=sys.stderr
-    )
+    deprecated(f"--model {model}", f"--cost-model {model}")
     return model
+
+
+def deprecated(old: str, new: str) -> None:
+    """A former spelling, taken for a release: one line on stderr saying the new one."""
+    print(f"sart: warning: {old} is deprecated; use {new}", file=sys.stderr)
 
 
 def add_output_flags(p: Any, out: str, printed: str) -> None:

@@ -11,7 +11,6 @@ own|shared`` with the simulator) are taken for a release, with a warning.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from sart.bench.runner import PRM_COSTS, PRM_GPUS, PRM_PLACEMENTS, BenchConfig
 from sart.bench.traces import Trace, is_trace_file
@@ -27,6 +26,7 @@ from sart.flags import (
     add_sampling_flags,
     add_scoring_flag,
     cost_model_from_model,
+    deprecated,
     positive_number,
 )
 from sart.launch import TESTBED_INTERVAL
@@ -236,10 +236,6 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> None:
     stats.set_defaults(func=_trace_stats)
 
 
-def _deprecated(old: str, new: str) -> None:
-    print(f"sart: warning: {old} is deprecated; use {new}", file=sys.stderr)
-
-
 def _old_spellings(args: argparse.Namespace) -> None:
     """The simulator's settings under their former flags (``--model PRESET``,
     ``--prm-device own|shared``): taken for a release, with a one-line warning."""
@@ -253,7 +249,7 @@ def _old_spellings(args: argparse.Namespace) -> None:
     if args.model is not None and args.cost_model is None:
         args.cost_model, args.model = cost_model_from_model(args.model, "sart bench"), None
     if args.prm_device in PRM_PLACEMENTS and args.prm_placement is None:
-        _deprecated(f"--prm-device {args.prm_device}", f"--prm-placement {args.prm_device}")
+        deprecated(f"--prm-device {args.prm_device}", f"--prm-placement {args.prm_device}")
         args.prm_placement, args.prm_device = args.prm_device, None
 
 
