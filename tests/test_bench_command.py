@@ -394,13 +394,6 @@ UNUSED_FLAGS = {
         ["--equivalence", "math-verify"],
         "--equivalence has no effect with --engine sim (it is for the real engines",
     ),
-    "an equivalence with a mix": (
-        [
-            *("--engine", "hf", "--model", "testbed"),
-            *("--mix", "a:0.5:sc:2,b:0.5:sc:2", "--equivalence", "exact"),
-        ],
-        "--equivalence has no effect with --mix (its classes vote by exact strings)",
-    ),
     "requests with a prompt file": (
         ["--engine", "hf", "--model", "testbed", "--prompts", "{trace}", "--requests", "3"],
         "--requests has no effect with --prompts",

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from sart.bench.config import method_policy
 from sart.cli import main
 
 METHODS = ["vanilla", "sc", "rebase", "sart-no-prune", "sart"]
@@ -150,12 +152,26 @@ def test_a_testbed_run_records_a_trace_for_the_simulator(tmp_path: Path) -> None
 
 
 def test_bench_mix_serves_urgent_and_bulk_testbed_requests_with_transformers(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from sart.bench import mix
+
+    groupings = []
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        groupings.append(type(kwargs.get("equivalence")).__name__)
+        return method_policy(*args, **kwargs)
+
+    monkeypatch.setattr(mix, "method_policy", recorded)
     out = tmp_path / "out"
     argv = [a for a in bench_argv("hf", out) if a not in ("--n", "4")]
-    assert main([*argv, "--mix", "interactive:0.3:sart:2,bulk:0.7:sc:4"]) == 0
-    (document,) = json.loads((out / "results.json").read_text())["rates"]
+    mixed = ["--mix", "interactive:0.3:sart:2,bulk:0.7:sc:4", "--equivalence", "math-verify"]
+    assert main([*argv, *mixed]) == 0
+    # Both classes' votes group answers by meaning, in the warm-up and both runs.
+    assert groupings == ["MathVerifyEquivalence"] * 6
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["equivalence"] == "math-verify"
+    (document,) = saved["rates"]
     assert [c["name"] for c in document["classes"]] == ["interactive", "bulk"]
     fcfs, priority = document["runs"]
     assert (fcfs["scheduling"], priority["scheduling"]) == ("fcfs", "priority")

@@ -34,6 +34,7 @@ from sart.results import RequestResult
 if TYPE_CHECKING:
     from sart.bench.real import PromptItem
     from sart.engines.base import Engine
+    from sart.policies.equivalence import Equivalence
     from sart.prm.base import PRM
     from sart.types import SamplingSettings
 
@@ -136,16 +137,20 @@ def run_mix_real(
     rate: float | None,
     *,
     priorities: bool,
+    equivalence: Equivalence | None = None,
 ) -> MixRun:
     """Serve ``items`` as a mixed workload on a real engine (see the module docstring):
     arrivals drawn from ``rate`` and the seed, so the FCFS and the priority run of a
-    rate see the same stream and the same classes."""
+    rate see the same stream and the same classes; the classes' votes group answers
+    under ``equivalence`` (``None``: exact strings)."""
     from sart.bench.real import arrivals, real_driver
     from sart.bench.runner import serve
     from sart.request import Request
 
     of = classes_of([item.id for item in items], classes, config.seed)
-    policies = [method_policy(c.method, c.n, config.interval) for c in classes]
+    policies = [
+        method_policy(c.method, c.n, config.interval, equivalence=equivalence) for c in classes
+    ]
     times = [0.0] * len(items) if rate is None else arrivals(len(items), rate, config.seed)
     requests = [
         Request(

@@ -13,6 +13,7 @@ from sart.bench.results_file import check_writable, write_json
 from sart.bench.runner import BenchConfig
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
+from sart.flags import equivalence_of
 from sart.launch import Loaded, load
 
 
@@ -37,7 +38,10 @@ def bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     finally:
         if loaded is not None:
             loaded.close()
-    document = {"mix": args.mix, "rates": documents, "complete": True}
+    # How the classes' votes grouped answers, where not by exact strings (as sart bench's
+    # results.json records it).
+    grouping = {} if args.equivalence in (None, "exact") else {"equivalence": args.equivalence}
+    document = {"mix": args.mix, **grouping, "rates": documents, "complete": True}
     write_json(path, document)
     if args.json:
         print(json.dumps(document, indent=1))
@@ -107,6 +111,7 @@ def _on_real_engine(
     from sart.bench.real import WARMUP_REQUESTS
 
     setup = real_setup(args, config.batch_size or REAL_BATCH_SIZE)
+    equivalence = equivalence_of(setup.equivalence)
     with_prm = methods_with_prm(setup, args.engine, [c.method for c in classes])
     loaded = load(setup.spec, with_prm=bool(with_prm))
     try:
@@ -120,6 +125,7 @@ def _on_real_engine(
             setup.sampling,
             None,
             priorities=False,
+            equivalence=equivalence,
         )
     except BaseException:
         loaded.close()
@@ -135,6 +141,7 @@ def _on_real_engine(
             setup.sampling,
             rate,
             priorities=priorities,
+            equivalence=equivalence,
         )
 
     return serve, loaded

@@ -339,7 +339,7 @@ def _uses(args: argparse.Namespace) -> dict[str, bool]:
         "requests": generated or testbed_questions,
         "mix": not trace,
         "slo": args.mix is None,  # the mix's own table compares classes, not an SLO
-        "equivalence": not sim and args.mix is None,
+        "equivalence": not sim,
     }
 
 
@@ -355,8 +355,6 @@ def _why_unused(dest: str, args: argparse.Namespace) -> str:
         return "with --prompts (each line of the file is one request)"
     if dest == "slo":
         return "with --mix (its table compares the classes' latencies, FCFS and by priority)"
-    if dest == "equivalence" and args.mix is not None:
-        return "with --mix (its classes vote by exact strings)"
     if args.engine == "sim":
         return "with --engine sim (it is for the real engines, hf, vllm and sglang)"
     return f"with --engine {args.engine} (it is for --engine sim)"
