@@ -494,6 +494,8 @@ def test_vllm_engine_args_parse_json_values_and_keep_strings() -> None:
     ) == {"tensor_parallel_size": 2, "enforce_eager": True, "dtype": "bfloat16", "x": [1, 2]}
     with pytest.raises(sart.ConfigError, match="--vllm-arg='tensor_parallel_size' must be KEY="):
         key_values(["tensor_parallel_size"], "--vllm-arg")
+    # As vLLM's own command line spells them.
+    assert key_values(["tensor-parallel-size=2"], "--vllm-arg") == {"tensor_parallel_size": 2}
 
 
 class _StandInVLLM(FakeEngine):

@@ -117,3 +117,29 @@ def test_the_long_testbed_serves_on_vllm(tmp_path: Path, monkeypatch: pytest.Mon
         assert run["summary"]["failed"] == 0 and run["summary"]["accuracy"] is not None
         tokens = [b["tokens"] for r in run["requests"] for b in r["branches"]]
         assert max(tokens) <= 2048 and sum(tokens) / len(tokens) > 100
+
+
+@pytest.mark.parametrize(
+    ("arg", "said"),
+    [
+        ("max_num_seq=8", "--vllm-arg max_num_seq=8: vLLM's EngineArgs has no field "
+         "'max_num_seq' (did you mean max_num_seqs?)"),
+        ("max_model_len=abc", "vLLM could not start its engine from these settings: 1 "
+         "validation error"),
+    ],
+)  # fmt: skip
+def test_an_engine_argument_vllm_refuses_is_one_line(
+    arg: str,
+    said: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Before: EngineArgs' TypeError, or pydantic's error, under a 16-35 frame traceback.
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    argv = ["bench", "--engine", "vllm", "--model", "testbed", "--requests", "2", "--n", "2"]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--methods", "sc", "--vllm-arg", arg, "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert f"sart: error: {said}" in capsys.readouterr().err

@@ -77,5 +77,13 @@ def test_on_cpu_the_kv_cache_fits_unless_the_user_sized_it(
     for given in ({"gpu_memory_utilization": 0.5}, {"kv_cache_memory_bytes": 2**30}):
         assert vllm_layout(given).keys() - given.keys() == {"distributed_executor_backend"}
         assert vllm_layout(given).items() >= given.items()
+    # AsyncLLM (--engine vllm-async): its engine core has a process of its own, and
+    # only the KV cache is sized (it failed to start out of the box before).
+    monkeypatch.delenv(launch.IN_PROCESS_ENV, raising=False)
+    assert vllm_layout({"max_num_seqs": 8}, in_process=False).keys() == {
+        "max_num_seqs",
+        "kv_cache_memory_bytes",
+    }
+    assert launch.IN_PROCESS_ENV not in launch.os.environ
     monkeypatch.setenv(launch.KV_CACHE_ENV, "2")  # vLLM reads it: the user's size
     assert "kv_cache_memory_bytes" not in vllm_layout({})

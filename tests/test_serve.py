@@ -472,6 +472,22 @@ def test_an_engine_failure_fails_its_request_only(serve, caplog) -> None:
     assert len(failed) == 1 and failed[0].levelname == "WARNING"
     assert "the engine refused this prompt" in failed[0].getMessage()
     assert "(HTTP 500)" in failed[0].getMessage()
+    # Typed as vLLM types it (once "InternalServerErrorError").
+    error = served.post("/v1/completions", body("boom")).json()["error"]
+    assert (error["type"], error["code"]) == ("InternalServerError", 500)
+
+
+def test_chat_without_a_tokenizer_says_what_the_server_lacks(serve) -> None:
+    # Before: "this server's model has no chat template", of a gateway whose model
+    # had one, started without --tokenizer.
+    reply = serve().post(
+        "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    )
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert (error["type"], error["param"]) == ("BadRequestError", "messages")
+    assert error["message"].startswith("this server has no tokenizer to render chat with")
+    assert "--tokenizer" in error["message"]
 
 
 def test_vllms_sampling_fields_are_served_where_the_engine_honours_them(serve) -> None:

@@ -41,8 +41,9 @@ def hf_engine(spec: LoadSpec) -> Any:
 def vllm_engine(spec: LoadSpec) -> Any:
     """``VLLMEngine`` or ``VLLMAsyncEngine``, sized to the branch budget."""
     engine_args = {"max_num_seqs": spec.batch_size, **_options(spec), **spec.vllm_args}
-    if spec.engine == "vllm":  # in this process: laid out for the CPU where it runs on one
-        engine_args = vllm_layout(engine_args)
+    # On a CPU: LLMEngine's core in this process, and either's KV cache sized to fit
+    # (vLLM-CPU's default asks for 0.92 of the memory and refuses to start).
+    engine_args = vllm_layout(engine_args, in_process=spec.engine == "vllm")
     engine = load_engine(spec.engine).from_engine_args(spec.model, **engine_args)
     # sart's branch budget, not vLLM's queue, must decide admission.
     engine.check_batch_size(spec.batch_size)

@@ -96,13 +96,15 @@ def _kv_cache_bytes() -> int:
     return int(min(KV_CACHE_MAX, psutil.virtual_memory().available // 2))
 
 
-def vllm_layout(engine_args: dict[str, Any]) -> dict[str, Any]:
+def vllm_layout(engine_args: dict[str, Any], *, in_process: bool = True) -> dict[str, Any]:
     """``engine_args`` for a vLLM ``LLMEngine`` (the ``vllm`` engine, vLLM PRMs): on
     vLLM's CPU platform, the single-process executor (``distributed_executor_backend=
     "uni"``, unless given) to go with the engine core in this process (``cpu_layout``),
     and a KV cache of half the available memory, at most 4 GiB (``kv_cache_memory_bytes``),
     unless ``gpu_memory_utilization``, ``kv_cache_memory_bytes`` or
-    ``VLLM_CPU_KVCACHE_SPACE`` says otherwise; elsewhere unchanged.
+    ``VLLM_CPU_KVCACHE_SPACE`` says otherwise; elsewhere unchanged. ``in_process=False``
+    (``AsyncLLM``, whose engine core always runs in a process of its own): the KV
+    cache's size only.
 
     vLLM-CPU's own default reserves ``gpu_memory_utilization`` (0.92) of the NUMA
     node's memory and refuses to start when that much is not free: on this project's
@@ -111,10 +113,12 @@ def vllm_layout(engine_args: dict[str, Any]) -> dict[str, Any]:
     vLLM PRM, could never start beside the first)."""
     if not _on_vllm_cpu():
         return engine_args
-    os.environ.setdefault(IN_PROCESS_ENV, "0")
     sized = {"gpu_memory_utilization", "kv_cache_memory_bytes"} & engine_args.keys()
     if not sized and os.environ.get(KV_CACHE_ENV, "") == "":
         engine_args = {"kv_cache_memory_bytes": _kv_cache_bytes(), **engine_args}
+    if not in_process:
+        return engine_args
+    os.environ.setdefault(IN_PROCESS_ENV, "0")
     return {"distributed_executor_backend": "uni", **engine_args}
 
 

@@ -152,7 +152,9 @@ def key_values(pairs: list[str], flag: str) -> dict[str, Any]:
             value = json.loads(raw)
         except json.JSONDecodeError:
             value = raw
-        out[key.strip()] = value
+        # vLLM's and SGLang's command lines spell fields with dashes, their classes
+        # with underscores: either is taken.
+        out[key.strip().replace("-", "_")] = value
     return out
 
 

@@ -39,6 +39,8 @@ so both adapters import it first. ``import sart`` never imports it.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
@@ -157,11 +159,31 @@ def build_engine(
     engine_args: dict[str, Any],
 ) -> tuple[Any, VLLMStatsRecorder]:
     """``engine_class.from_engine_args(args_class(model=model, ...))`` with a
-    ``VLLMStatsRecorder`` installed besides ``stat_loggers``; returns both."""
-    args = args_class(model=model, enable_prefix_caching=enable_prefix_caching, **engine_args)
+    ``VLLMStatsRecorder`` installed besides ``stat_loggers``; returns both.
+
+    An argument ``args_class`` lacks, or a value vLLM refuses (its config's checks,
+    a KV cache that does not fit), is a ``ConfigError`` saying so, not a traceback."""
+    check_engine_args(args_class, engine_args)
     recorder = VLLMStatsRecorder()
-    engine = engine_class.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
+    try:
+        args = args_class(model=model, enable_prefix_caching=enable_prefix_caching, **engine_args)
+        engine = engine_class.from_engine_args(args, stat_loggers=[recorder, *stat_loggers])
+    except ValueError as exc:  # pydantic's ValidationError is one
+        raise ConfigError(f"vLLM could not start its engine from these settings: {exc}") from exc
     return engine, recorder
+
+
+def check_engine_args(args_class: Any, engine_args: Mapping[str, Any]) -> None:
+    """Refuse a key ``args_class`` (``EngineArgs``, ``AsyncEngineArgs``) has no field
+    for, naming the closest field it has."""
+    fields = {field.name for field in dataclasses.fields(args_class)}
+    for key, value in engine_args.items():
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise ConfigError(
+                f"vllm_args={key}={value!r}: vLLM's {args_class.__name__} has no field "
+                f"{key!r}" + (f" (did you mean {near[0]}?)" if near else "")
+            )
 
 
 @attrs.frozen

@@ -222,7 +222,13 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
 
 def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> tuple[int, ...]:
     tokenizer = service.engine.tokenizer
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+    if tokenizer is None:  # a gateway started without --tokenizer (nor a local --model)
+        raise Refused(
+            "this server has no tokenizer to render chat with (a gateway needs --tokenizer "
+            "DIR or a local --model): use /v1/completions",
+            "messages",
+        )
+    if getattr(tokenizer, "chat_template", None) is None:
         raise Refused("this server's model has no chat template: use /v1/completions", "messages")
     # vLLM's way: the template renders text, which is then tokenized (special tokens
     # only where the request asks: the template already holds them).

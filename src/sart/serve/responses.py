@@ -145,7 +145,8 @@ def usage_chunk(rid: str, created: int, model: str, outcome: Outcome, *, chat: b
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error shape, typed as vLLM types them (``RefusedError``...)."""
-    kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+    kind = phrase if phrase.endswith("Error") else phrase + "Error"  # InternalServerError
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
