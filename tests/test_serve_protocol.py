@@ -39,6 +39,26 @@ MEANINGFUL: dict[str, Any] = {
     "tool_choice": "required",
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}],
+    "structured_outputs": {"choice": ["1", "2"]},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[0-9]+",
+    "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= 'a'",
+    "structural_tag": "{}",
+    "watermarking": {"key": 1},
+    "thinking_token_budget": 100,
+    "reasoning_effort": "low",
+    "include_reasoning": False,
+    "logprob_token_ids": [5],
+    "return_tokens_as_token_ids": True,
+    "return_token_ids": True,
+    "return_token_offsets": True,
+    "prompt_embeds": "AAAA",
+    "repetition_detection": {"window": 8},
+    "vllm_xargs": {"k": 1},
+    "kv_transfer_params": {"do_remote_decode": True},
+    "mm_processor_kwargs": {"x": 1},
+    "media_io_kwargs": {"x": 1},
 }
 BASES: dict[type, dict[str, Any]] = {
     CompletionRequest: {"model": "m", "prompt": "q"},
@@ -47,7 +67,15 @@ BASES: dict[type, dict[str, Any]] = {
 
 
 def cases() -> list[tuple[type, str]]:
-    return [(model, f) for f in NEUTRAL for model in BASES if f in model.model_fields]
+    """Each declared field on the endpoints that declare it; vLLM's undeclared ones
+    (kept in ``model_extra``) on both."""
+    declared = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    return [
+        (model, f)
+        for f in NEUTRAL
+        for model in BASES
+        if f in model.model_fields or f not in declared
+    ]
 
 
 def body(model: type, field: str, value: Any) -> bytes:
@@ -81,6 +109,17 @@ def test_any_other_value_is_refused_naming_the_field(model: type, field: str) ->
 def test_a_field_neither_api_knows_is_ignored() -> None:
     request = parse(CompletionRequest, json.dumps({"model": "m", "prompt": "q", "x_y": 1}).encode())
     assert request.prompt == "q" and request.model_extra == {"x_y": 1}
+
+
+def test_only_fields_really_ignored_are_logged_as_ignored(caplog: Any) -> None:
+    # Before: a completion's response_format was logged as ignored, then refused.
+    sent = {"model": "m", "prompt": "q", "response_format": {"type": "json_object"}}
+    with pytest.raises(Refused):
+        parse(CompletionRequest, json.dumps({**sent, "zz_refused_too": 1}).encode())
+    parse(CompletionRequest, json.dumps({**BASES[CompletionRequest], "zz_kept": 1}).encode())
+    logged = " ".join(r.getMessage() for r in caplog.records if "ignoring" in r.getMessage())
+    assert "zz_kept" in logged
+    assert "response_format" not in logged and "zz_refused_too" not in logged
 
 
 @pytest.mark.parametrize(

@@ -185,6 +185,29 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tool_choice": (None, "none", "auto"),
     "chat_template": (None,),
     "documents": (None, []),
+    # vLLM's, not declared above (any type is taken): each changes what is generated
+    # or returned, and ignored, a client asking for constrained output would get free
+    # text and a 200.
+    "structured_outputs": (None, {}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None, []),
+    "guided_grammar": (None,),
+    "structural_tag": (None,),
+    "watermarking": (None,),
+    "thinking_token_budget": (None,),
+    "reasoning_effort": (None,),
+    "include_reasoning": (None, True),
+    "logprob_token_ids": (None, []),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_token_offsets": (None, False),
+    "prompt_embeds": (None,),
+    "repetition_detection": (None,),
+    "vllm_xargs": (None, {}),
+    "kv_transfer_params": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
 }
 """``response_format`` is accepted as ``{"type": "text"}`` only."""
 
@@ -226,9 +249,8 @@ def parse(model: type[_Body], body: bytes) -> Any:
                 f"assistant's, not the {request.messages[-1].role}'s",
                 "continue_final_message",
             )
-    _log_ignored(request)
     for field, neutral in NEUTRAL.items():
-        value = getattr(request, field, None)
+        value = getattr(request, field, None)  # undeclared: from model_extra, if given
         if value not in neutral:
             raise Refused(f"{field}={_short(value)} is not supported by sart serve", field)
     response_format = getattr(request, "response_format", None)
@@ -238,6 +260,7 @@ def parse(model: type[_Body], body: bytes) -> Any:
             "(only {'type': 'text'})",
             "response_format",
         )
+    _log_ignored(request)
     return request
 
 
@@ -246,7 +269,7 @@ _logged: set[str] = set()
 
 def _log_ignored(request: _Body) -> None:
     """Log, once per name, the fields of a request that neither API knows (ignored)."""
-    names = set(request.model_extra or ())
+    names = set(request.model_extra or ()) - NEUTRAL.keys() - {"response_format"}
     if request.stream_options is not None:
         names.update(f"stream_options.{n}" for n in request.stream_options.model_extra or ())
     for message in getattr(request, "messages", None) or ():
