@@ -62,6 +62,37 @@ def test_decode_failure_aborts_that_request_and_the_rest_carry_on() -> None:
     assert_clean(engine)
 
 
+class RefusesMidStream(FakeEngine):
+    """A gateway's engine whose upstream refuses request "r1" (HTTP 400) when it starts
+    decoding, or when its branches start."""
+
+    def __init__(self, script: dict, at: str) -> None:
+        super().__init__(script)
+        self.at = at
+
+    def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:
+        if self.at == "start" and request_id == "r1":
+            raise sart.RequestRefused("the server refused it (HTTP 400)", [request_id])
+        super().start_branches(request_id, branches)
+
+    def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
+        if self.at == "decode" and BranchId("r1", 0) in self.live_branches:
+            raise sart.RequestRefused("the server refused it (HTTP 400)", ["r1"])
+        return super().step(max_steps, until_first_end)
+
+
+@pytest.mark.parametrize("at", ["start", "decode"])
+def test_a_refusal_after_prefill_is_a_refusal(at: str) -> None:
+    # Before, only a prefill's RequestRefused marked the request refused (a server
+    # answers it 400); a gateway's upstream says no when the branches stream.
+    script = scenario()
+    engine = RefusesMidStream(script, at)
+    results = sart.run(requests(script, sart.self_consistency(2)), engine, batch_size=8)
+    assert [(r.ok, r.refused) for r in results] == [(True, False), (False, True), (True, False)]
+    assert "the server refused it (HTTP 400)" in (results[1].reason or "")
+    assert_clean(engine)
+
+
 class UnattributedFault:
     """Wraps a FakeEngine; its n-th step raises an error that names no request."""
 

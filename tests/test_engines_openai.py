@@ -65,14 +65,15 @@ async def drain(e: OpenAIEngine, chunk: int = 3) -> dict[BranchId, list[Any]]:
 
 async def fails_alone(
     e: OpenAIEngine, prompt: str, sampling: sart.SamplingSettings, match: str, chunk: int = 3
-) -> None:
+) -> sart.EngineError:
     """Start one branch (seed 1) of request "a" and step it: it must fail with an
-    ``EngineError`` matching ``match`` that names "a" alone."""
+    ``EngineError`` matching ``match`` that names "a" alone (returned)."""
     await e.prefill("a", prompt, sampling)
     await e.start_branches("a", [BranchSpec(0, 1)])
     with pytest.raises(sart.EngineError, match=match) as info:
         await drain(e, chunk=chunk)
     assert info.value.request_ids == {"a"}
+    return info.value
 
 
 # --------------------------------------------------------------- stand-in tests
@@ -414,14 +415,27 @@ def test_busy_servers_send_the_branch_on_without_duplicates() -> None:
     assert [len(s.requests) for s in (busy, down, good)] == [1, 1, 1]
 
 
-@pytest.mark.parametrize("status", [400, 500])
-def test_an_error_answer_fails_its_request_without_a_retry(status: int) -> None:
+@pytest.mark.parametrize(
+    ("status", "said", "refused"),
+    [
+        (400, r"refused it \(HTTP 400\)", True),
+        (422, r"refused it \(HTTP 422\)", True),
+        (500, "answered HTTP 500", False),
+        (404, "answered HTTP 404", False),
+    ],
+)
+def test_an_error_answer_fails_its_request_without_a_retry(
+    status: int, said: str, refused: bool
+) -> None:
     # return_token_ids=False: a 400 is not taken for a rejection of the extensions.
+    # The server's 400 says the request asked for what it cannot give: refused (a
+    # gateway answers its client 400, not a 500 the client would send again).
     bad, good = StandInServer(fail=status), StandInServer()
 
     async def scenario() -> None:
         e = engine(bad, good, return_token_ids=False)
-        await fails_alone(e, "p", sart.SamplingSettings(max_tokens=5), f"answered HTTP {status}")
+        error = await fails_alone(e, "p", sart.SamplingSettings(max_tokens=5), said)
+        assert isinstance(error, sart.RequestRefused) is refused
         assert len(bad.requests) == 1 and not good.requests
         await e.release_prefix("a")
 

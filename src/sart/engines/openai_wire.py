@@ -60,7 +60,7 @@ from sart.engines.openai_stream import (
     Usage,
 )
 from sart.engines.streaming import Chunk
-from sart.errors import EngineError
+from sart.errors import EngineError, RequestRefused
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
@@ -289,11 +289,15 @@ def error_answer(url: str, status: int, detail: str, downgrade: bool) -> Excepti
     """What an error answer (HTTP ``status`` >= 400) to a completion request means:
     502/503/504 -> another server may take it; 400/422 while the extensions may be
     dropped (``downgrade``) -> the same server again without them; else the
-    request fails."""
+    request fails: refused (``RequestRefused``) where the server said it was the
+    request's own fault (400, 422: a client of the gateway gets a 400, as from the
+    server itself, not a 500 its client would retry), failed otherwise."""
     if status in RETRY_STATUS:
         return Retryable(f"HTTP {status}: {detail}")
-    if downgrade and status in (400, 422):
-        return Downgrade()
+    if status in (400, 422):
+        if downgrade:
+            return Downgrade()
+        return RequestRefused(f"{url} refused it (HTTP {status}): {detail}")
     return ServerError(f"{url} answered HTTP {status}: {detail}")
 
 

@@ -47,7 +47,7 @@ import attrs
 from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput, TokenLogprobs
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.engines.lockstep import horizon, request_reach
-from sart.errors import EngineError
+from sart.errors import EngineError, RequestRefused
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 _T = TypeVar("_T")
@@ -408,6 +408,8 @@ class StreamingEngine(abc.ABC):
         return self._ledger.end(bid) if bid in self._streams else None
 
     def _failure(self, bid: BranchId, stream: BranchStream) -> EngineError:
+        if isinstance(stream.error, RequestRefused):  # the server's no to what it asks
+            return RequestRefused(f"branch {bid}: {stream.error}", [bid.request_id])
         return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
 
 

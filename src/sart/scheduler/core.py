@@ -367,7 +367,8 @@ class Scheduler:
             return
         self._slots.unreserve(ids)
         if isinstance(event, Failed):
-            self._requests.fail(req, f"starting branches failed: {event.reason}", now)
+            reason = f"starting branches failed: {event.reason}"
+            self._requests.fail(req, reason, now, event.refused)
         elif isinstance(event, Skipped):
             self._requests.fail(req, "start skipped after an earlier failure", now)
         else:
@@ -378,7 +379,8 @@ class Scheduler:
             involved = [r for r in self._active.values() if r.running]
             for req in involved:
                 if event.request_ids is None or req.id in event.request_ids:
-                    self._requests.fail(req, f"decode failed: {event.reason}", now)
+                    reason = f"decode failed: {event.reason}"
+                    self._requests.fail(req, reason, now, event.refused)
             return
         if not isinstance(event, Decoded):
             raise SchedulerError(f"Decode answered by {event!r}")
