@@ -554,8 +554,13 @@ GATEWAY_FLAGS = ["--engine", "openai", "--upstream", "http://127.0.0.1:9", "--mo
         (["--upstream-stream-interval", "8"], "--upstream-stream-interval is for --engine openai"),
         (
             ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
-            "could not read its model from /v1/models",
+            "--upstream http://127.0.0.1:9: nothing answers there",
         ),
+        (
+            ["--engine", "openai", "--upstream", "127.0.0.1:9"],
+            "--upstream 127.0.0.1:9: give its scheme, as in http://127.0.0.1:9",
+        ),
+        (GATEWAY_FLAGS, "no --upstream answers: --upstream http://127.0.0.1:9: nothing answers"),
         (
             [*GATEWAY_FLAGS, "--tokenizer", "./no/such/dir"],
             "--tokenizer './no/such/dir': no such file or directory",

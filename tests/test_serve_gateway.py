@@ -23,6 +23,7 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+from adapters import free_port  # noqa: E402
 from openai_standin import SocketServer  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
 from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
@@ -135,3 +136,25 @@ def test_a_client_that_leaves_has_its_branches_aborted_upstream(
     asked = [rid for s in servers for call in s.abort_calls for rid in call]
     assert sorted(asked) == sorted(f"cmpl-{rid}-0" for rid in sent)
     served.wait_for(lambda: served.metric("sart:num_requests_running") == 0)
+
+
+def test_the_upstreams_are_checked_before_the_gateway_serves(
+    upstreams, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: a gateway started in front of an upstream serving another model (or of
+    # none at all) said /health 200 and failed every request with a 500.
+    from sart.errors import ConfigError
+    from sart.serve.command import check_upstreams
+
+    (server,) = upstreams(count=1)
+    dead = f"http://127.0.0.1:{free_port()}"
+    check_upstreams([server.url], None, MODEL)
+    with pytest.raises(ConfigError) as info:
+        check_upstreams([server.url], None, "Qwen/Qwen2.5-7B")
+    assert str(info.value).startswith(
+        f"--upstream {server.url} serves ['stand-in'], not 'Qwen/Qwen2.5-7B': give --model"
+    )
+    check_upstreams([dead, server.url], None, MODEL)  # one down: the other serves
+    assert f"warning: --upstream {dead}: nothing answers there" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=f"^no --upstream answers: --upstream {dead}: "):
+        check_upstreams([dead], None, MODEL)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from sart.errors import ConfigError
 from sart.flags import (
@@ -327,22 +327,71 @@ def _upstream_key(args: argparse.Namespace) -> str | None:
     return args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None
 
 
-def _upstream_model(url: str, api_key: str | None) -> str:
-    """The first model ``url``'s ``/v1/models`` lists."""
+class _Unreachable(ConfigError):
+    """Nothing answers at an upstream's address."""
+
+
+def _upstream_models(url: str, api_key: str | None) -> list[str]:
+    """The models ``url``'s ``/v1/models`` lists, or a ``ConfigError`` saying what to fix
+    (``_Unreachable`` where nothing answers)."""
     import httpx
 
     from sart.engines.openai_wire import base_url as _base
 
+    if not url.startswith(("http://", "https://")):
+        raise ConfigError(f"--upstream {url}: give its scheme, as in http://{url}")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.get(_base(url) + "/v1/models", headers=headers, timeout=10)
-        response.raise_for_status()
-        return str(response.json()["data"][0]["id"])
-    except (httpx.HTTPError, KeyError, IndexError, TypeError, ValueError) as exc:
-        raise ConfigError(
-            f"--upstream {url}: could not read its model from /v1/models ({exc}); "
-            "name it with --model"
+    except httpx.HTTPError as exc:
+        raise _Unreachable(
+            f"--upstream {url}: nothing answers there ({exc or type(exc).__name__}); is the "
+            "server up, at this host and port?"
         ) from None
+    if response.status_code in (401, 403):
+        raise ConfigError(
+            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}: give "
+            f"its API key with --upstream-api-key KEY (or {UPSTREAM_KEY_ENV})"
+        )
+    try:
+        response.raise_for_status()
+        models = [str(card["id"]) for card in response.json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"--upstream {url}: its /v1/models is no model list ({exc})") from None
+    if not models:
+        raise ConfigError(f"--upstream {url}: its /v1/models lists no model")
+    return models
+
+
+def _upstream_model(url: str, api_key: str | None) -> str:
+    """The first model ``url``'s ``/v1/models`` lists (``--model`` left out)."""
+    try:
+        return _upstream_models(url, api_key)[0]
+    except _Unreachable as exc:
+        raise ConfigError(f"{exc} (without --model, the gateway asks it for its model)") from None
+
+
+def check_upstreams(urls: Sequence[str], api_key: str | None, model: str) -> None:
+    """Before the gateway serves: every upstream that answers must serve ``model`` (a
+    request sent to one that does not would fail, as would every request to a gateway
+    whose upstreams are all down, while its /health said 200). One that does not answer
+    yet is a warning: the others take its requests until it does."""
+    down = []
+    for url in urls:
+        try:
+            models = _upstream_models(url, api_key)
+        except _Unreachable as exc:
+            down.append(str(exc))
+            continue
+        if model not in models:
+            raise ConfigError(
+                f"--upstream {url} serves {models}, not {model!r}: give --model one of "
+                "them (left out, it is the first upstream's)"
+            )
+    if len(down) == len(urls):
+        raise ConfigError("no --upstream answers: " + "; ".join(down))
+    for reason in down:
+        print(f"sart serve: warning: {reason}", file=sys.stderr)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
@@ -351,6 +400,8 @@ def run_serve_command(args: argparse.Namespace) -> int:
         check_name("--engine", args.engine, loadable_engines())
         spec = load_spec_of(args)
         config = serve_config(args, has_prm=spec.prm is not None)
+        if spec.gateway is not None:
+            check_upstreams(spec.gateway.upstreams, spec.gateway.api_key, spec.model)
     except ConfigError as exc:
         raise in_flags(exc) from None
     return _serve(args, spec, config)
