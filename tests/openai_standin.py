@@ -44,7 +44,9 @@ class StandInServer:
     ``return_token_ids``. ``usage``: honour ``continuous_usage_stats``.
     ``strict``: answer 400 to unknown (vLLM-only) fields. ``tokenize``: serve
     ``/tokenize``. ``fail``: answer every completion request with this HTTP
-    status. ``error_after``: send an error object after that many tokens.
+    status. ``error_after``: send an error object after that many tokens (``error``:
+    its message and code; vLLM validates some sampling fields after its 200 and
+    says 400 so).
     ``abort_endpoint``: serve vLLM's ``/inference/v1/abort_requests`` (it stops
     the named streams, as vLLM's engine aborts them). ``logprobs``: honour
     ``logprobs`` (else the request's tokens come without them). ``max_logprobs``:
@@ -63,6 +65,7 @@ class StandInServer:
         tokenize: bool = True,
         fail: int | None = None,
         error_after: int | None = None,
+        error: tuple[str, int] = ("out of memory", 500),
         abort_endpoint: bool = False,
         logprobs: bool = True,
         max_logprobs: int | None = None,
@@ -80,6 +83,7 @@ class StandInServer:
         self.tokenize = tokenize
         self.fail = fail
         self.error_after = error_after
+        self.error_message, self.error_code = error
         self.requests: list[dict[str, Any]] = []
         """Every completion request: its body and ``X-Request-Id``."""
         self.running: set[str] = set()
@@ -143,7 +147,9 @@ class StandInServer:
                     return
                 if self.error_after is not None and n > self.error_after:
                     ended = True
-                    yield _sse({"object": "error", "message": "out of memory", "code": 500})
+                    yield _sse(
+                        {"object": "error", "message": self.error_message, "code": self.error_code}
+                    )
                     return
                 finish = None
                 if token is None or token == 0:

@@ -442,13 +442,17 @@ def test_an_error_answer_fails_its_request_without_a_retry(
     asyncio.run(scenario())
 
 
-def test_an_error_event_mid_stream_fails_only_its_request() -> None:
-    server = StandInServer(error_after=2)
+@pytest.mark.parametrize("code", [500, 400])
+def test_an_error_event_mid_stream_fails_only_its_request(code: int) -> None:
+    # A 400 in the stream is vLLM refusing a sampling field after its 200 (an
+    # out-of-vocabulary stop_token_id): refused, as an HTTP 400 is.
+    server = StandInServer(error_after=2, error=("out of vocab", code))
 
     async def scenario() -> None:
         e = engine(server)
         sampling = sart.SamplingSettings(temperature=1.0, max_tokens=30)
-        await fails_alone(e, "p", sampling, "reported an error", chunk=1)
+        error = await fails_alone(e, "p", sampling, "reported an error", chunk=1)
+        assert isinstance(error, sart.RequestRefused) is (code == 400)
         assert len(server.requests) == 1  # never retried: it had streamed tokens
         await e.release_prefix("a")
 

@@ -110,12 +110,15 @@ def test_an_error_object_mid_stream_is_an_error_event() -> None:
         b'data: {"choices": [{"text": "a"}]}\n\n'
         b'data: {"object": "error", "message": "out of memory", "code": 500}\n\n'
         b'data: {"error": {"message": "bad"}}\n\n'
+        b'data: {"error": {"message": "out of vocab", "code": 400}}\n\n'
     )
-    first, second, third = parse_stream([body])
+    first, second, third, fourth = parse_stream([body])
     assert first == Delta("a")
     assert isinstance(second, StreamError) and "out of memory" in second.message
     assert second.message.startswith("reported an error: ")
     assert isinstance(third, StreamError) and "bad" in third.message
+    # The status the event carries (vLLM's shape in the last; the first's flat one).
+    assert [second.code, third.code, fourth.code] == [500, None, 400]
 
 
 @pytest.mark.parametrize(

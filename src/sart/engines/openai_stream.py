@@ -101,6 +101,9 @@ class StreamError:
     """The server reported an error in the stream, or sent data that is not a JSON object."""
 
     message: str
+    code: int | None = None
+    """The HTTP status the error event carries (vLLM's ``code``: 400 when it validates
+    the request's sampling fields after its 200), if any."""
 
 
 Event = Delta | Usage | Done | StreamError
@@ -164,7 +167,12 @@ def parse_event(data: str) -> Event:
     if not isinstance(event, dict):
         return StreamError(f"sent an event that is not a JSON object: {data[:500]!r}")
     if "error" in event or event.get("object") == "error":
-        return StreamError(f"reported an error: {data[:500]}")
+        error = event.get("error")
+        code = (error if isinstance(error, dict) else event).get("code")
+        return StreamError(
+            f"reported an error: {data[:500]}",
+            code if isinstance(code, int) and not isinstance(code, bool) else None,
+        )
     usage = event.get("usage") or {}
     total = usage.get("completion_tokens") if isinstance(usage, dict) else None
     total = total if isinstance(total, int) else None

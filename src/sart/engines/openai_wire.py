@@ -136,6 +136,8 @@ async def post_completion(
             async with contextlib.aclosing(events_of(response)) as events:
                 async for event in events:
                     if isinstance(event, StreamError):
+                        if event.code in (400, 422):  # the request's own fault, as above
+                            raise RequestRefused(f"{server.url} refused it: {event.message}")
                         raise ServerError(f"{server.url} {event.message}")
                     if isinstance(event, Usage):
                         if final is not None:
