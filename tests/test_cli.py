@@ -142,3 +142,29 @@ def test_demo_models_hint_joins_paths_given_with_a_slash(
     hint = capsys.readouterr().out
     assert f"--model {tmp_path}/policy --prm {tmp_path}/qwen-prm" in hint
     assert "//" not in hint
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["serve", "--engine", "vllm", "--tensor-parallel-size", "2"],
+            "unrecognized arguments: --tensor-parallel-size 2; vLLM's engine arguments go "
+            "through --vllm-arg KEY=VALUE",
+        ),
+        (
+            ["bench", "--engine", "sglang", "--model", "m", "--tp-size", "2"],
+            "unrecognized arguments: --tp-size 2; SGLang's server arguments go through "
+            "--sglang-arg KEY=VALUE",
+        ),
+        (["bench", "--foo", "1"], "unrecognized arguments: --foo 1\n"),  # no engine's: no hint
+    ],
+)
+def test_an_engines_own_flag_says_where_it_goes(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture
+) -> None:
+    # Before: only "unrecognized arguments", to a vLLM user typing vLLM's flags.
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert f"sart: error: {said}" in capsys.readouterr().err

@@ -115,9 +115,27 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: An engine -> how its own command line's flags are given to sart.
+_PASSED_THROUGH = {
+    "vllm": "vLLM's engine arguments go through --vllm-arg KEY=VALUE (as in --vllm-arg "
+    "tensor_parallel_size=2)",
+    "vllm-async": "vLLM's engine arguments go through --vllm-arg KEY=VALUE (as in --vllm-arg "
+    "tensor_parallel_size=2)",
+    "sglang": "SGLang's server arguments go through --sglang-arg KEY=VALUE (as in "
+    "--sglang-arg tp_size=2)",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # A vLLM user types vLLM's own flags (--tensor-parallel-size 2): say where they go.
+        hint = _PASSED_THROUGH.get(getattr(args, "engine", None) or "")
+        flags = any(arg.startswith("--") for arg in unknown)
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint and flags else "")
+        )
     try:
         check_int_flags(parser, args)  # every command's counts, in one place
         return int(args.func(args))
