@@ -16,14 +16,18 @@ pytest.importorskip("vllm")
 from sart.cli import main
 
 
+@pytest.fixture(autouse=True)
+def in_process_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test here: vLLM's engine core in this process, a 1 GiB KV cache."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
 def test_bench_serves_every_method_on_vllm(
     demo_models: dict[str, Path],
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "out"
     argv = [
         "bench",
@@ -75,12 +79,10 @@ def test_bench_serves_every_method_on_vllm(
 
 
 def test_bench_compares_every_method_on_the_testbed_with_vllm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     from test_bench_testbed import bench_argv, check_comparison
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     argv = bench_argv("vllm", tmp_path / "out", "--vllm-arg", "enforce_eager=true")
     assert main(argv) == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -89,12 +91,10 @@ def test_bench_compares_every_method_on_the_testbed_with_vllm(
 
 
 def test_bench_runs_the_confidence_methods_on_the_testbed_with_vllm(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     from test_bench_testbed import CONFIDENCE, bench_argv, check_confidence
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     argv = bench_argv(
         "vllm", tmp_path / "out", "--vllm-arg", "enforce_eager=true", "--methods", *CONFIDENCE
     )
@@ -102,10 +102,8 @@ def test_bench_runs_the_confidence_methods_on_the_testbed_with_vllm(
     check_confidence(json.loads((tmp_path / "out" / "results.json").read_text()))
 
 
-def test_the_long_testbed_serves_on_vllm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_long_testbed_serves_on_vllm(tmp_path: Path) -> None:
     # Its weights load and serve (contexts past 2k tokens: loops run to the 2048 cap).
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     out = tmp_path / "out"
     argv = ["bench", "--engine", "vllm", "--model", "testbed-long", "--requests", "4", "--n",
             "2", "--rate", "20", "--methods", "vanilla", "sc", "sart", "--out", str(out),
@@ -132,12 +130,9 @@ def test_an_engine_argument_vllm_refuses_is_one_line(
     arg: str,
     said: str,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     # Before: EngineArgs' TypeError, or pydantic's error, under a 16-35 frame traceback.
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     argv = ["bench", "--engine", "vllm", "--model", "testbed", "--requests", "2", "--n", "2"]
     with pytest.raises(SystemExit) as info:
         main([*argv, "--methods", "sc", "--vllm-arg", arg, "--out", str(tmp_path)])

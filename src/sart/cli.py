@@ -115,12 +115,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_VLLM_ARGS = (
+    "vLLM's engine arguments go through --vllm-arg KEY=VALUE (as in --vllm-arg "
+    "tensor_parallel_size=2)"
+)
 #: An engine -> how its own command line's flags are given to sart.
 _PASSED_THROUGH = {
-    "vllm": "vLLM's engine arguments go through --vllm-arg KEY=VALUE (as in --vllm-arg "
-    "tensor_parallel_size=2)",
-    "vllm-async": "vLLM's engine arguments go through --vllm-arg KEY=VALUE (as in --vllm-arg "
-    "tensor_parallel_size=2)",
+    "vllm": _VLLM_ARGS,
+    "vllm-async": _VLLM_ARGS,
     "sglang": "SGLang's server arguments go through --sglang-arg KEY=VALUE (as in "
     "--sglang-arg tp_size=2)",
 }
