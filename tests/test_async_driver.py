@@ -128,3 +128,24 @@ def test_a_cancelled_generate_cancels_its_request_and_frees_its_branches() -> No
     (a,) = [r for r in results if r.request_id == "a"]
     assert a.status is sart.RequestStatus.CANCELLED
     assert all(0 < x.num_tokens < 400 for x in a.branches)
+
+
+def test_a_refused_duplicate_id_leaves_the_first_caller_its_result() -> None:
+    async def main() -> sart.RequestResult:
+        driver = sart.AsyncDriver(FakeStreamingEngine(SCRIPT), batch_size=6)
+        server = asyncio.create_task(driver.serve())
+        request = sart.Request("q1", "p", sart.self_consistency(3, interval=6))
+        first = asyncio.create_task(driver.generate(request))
+        await asyncio.sleep(0)  # the first is submitted
+        try:
+            await driver.generate(request)
+        except sart.ConfigError as exc:
+            assert "id='q1' must be unique" in str(exc)
+        else:
+            raise AssertionError("a second request with the same id was taken")
+        result = await asyncio.wait_for(first, timeout=10)
+        driver.stop()
+        await asyncio.wait_for(server, timeout=10)
+        return result
+
+    assert asyncio.run(main()).ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import attrs
@@ -319,7 +320,10 @@ def test_check_servable_names_the_request_the_policy_and_what_is_missing() -> No
         check_servable(sart_request, None, FakeEngine(), no_prm="start it with --prm")
     message = str(no_prm.value)
     assert f"{sart_request.policy.name!r}" in message and "'q'" in message
-    assert message.endswith("needs PRM rewards; start it with --prm")
+    assert message.endswith(
+        "needs PRM rewards (its prune rule TwoPhasePrune, its selector BestReward read them); "
+        "start it with --prm"
+    )
     with pytest.raises(sart.ConfigError, match="forks branches; NoFork does not support forking"):
         check_servable(sart.Request("r", "p", sart.rebase(2)), ScriptedPRM(), NoFork())
     check_servable(sart.Request("v", "p", sart.vanilla()), None, NoFork())  # needs neither
@@ -437,3 +441,60 @@ def test_the_driver_wakes_at_a_deadline_while_it_waits_for_the_prm() -> None:
 def test_a_timeout_must_be_a_positive_number(timeout: object) -> None:
     with pytest.raises(sart.ConfigError, match=r"timeout=.* must be None or a finite number > 0"):
         sart.Request("r", "p", sart.vanilla(), timeout=timeout)  # type: ignore[arg-type]
+
+
+def test_an_assert_in_a_prm_fails_only_the_request_it_fires_on() -> None:
+    # A research PRM checks shapes with assert: that is the PRM's failure, not a bug of
+    # sart's (EngineMisuse alone escapes the driver, above).
+    script = scenario(n_requests=2, n=2)
+
+    class ShapeChecked(ScriptedPRM):
+        def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:
+            assert not any(i.branch.request_id == "r0" for i in items), "logits shape"
+            return list(super().score(items))
+
+    engine = FakeEngine(script)
+    results = sart.run(
+        requests(script, sart.sart(2, interval=4))[:2], engine, ShapeChecked(script, every=4)
+    )
+    assert [r.ok for r in results] == [False, True]
+    assert "AssertionError: logits shape" in (results[0].reason or "")
+    assert_clean(engine)
+
+
+def test_an_assert_in_an_engine_fails_its_requests_not_the_run() -> None:
+    script = scenario(n_requests=1, n=2)
+
+    class Asserting(FakeEngine):
+        def prefill(self, request_id: str, prompt: object, sampling: object) -> int:
+            assert request_id != "r0", "an engine's own check"
+            return super().prefill(request_id, prompt, sampling)  # type: ignore[arg-type]
+
+    (result,) = sart.run(requests(script, sart.self_consistency(2)), Asserting(script))
+    assert not result.ok and "an engine's own check" in (result.reason or "")
+
+
+@pytest.mark.parametrize(
+    ("engine", "prm", "message"),
+    [
+        (None, None, "engine=None must be an engine (sart.Engine or an async one): it has no "),
+        ("vllm", None, "engine='vllm' must be an engine"),
+        (FakeEngine(), 42, "prm=42 must be a PRM (it has score(items)) or None"),
+    ],
+)
+def test_a_driver_refuses_what_is_not_an_engine_or_a_prm(
+    engine: object, prm: object, message: str
+) -> None:
+    with pytest.raises(sart.ConfigError, match=re.escape(message)):
+        sart.run([], engine, prm)  # type: ignore[arg-type]
+
+
+def test_a_reward_given_as_a_string_fails_its_request() -> None:
+    script = scenario(n_requests=1, n=2)
+
+    class Stringly(ScriptedPRM):
+        def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:
+            return ["0.5" for _ in items]  # type: ignore[misc]
+
+    (result,) = sart.run(requests(script, sart.sart(2, interval=4)), FakeEngine(script), Stringly())
+    assert not result.ok and "PRM returned '0.5' for branch" in (result.reason or "")

@@ -22,7 +22,8 @@ from hypothesis.stateful import (
 
 import sart
 from sart.engines.base import BranchSpec
-from sart.engines.ledger import EngineMisuse, Prefix, PrefixLedger, cap_max_tokens
+from sart.engines.ledger import Prefix, PrefixLedger, cap_max_tokens
+from sart.errors import EngineMisuse
 from sart.types import BranchId, SamplingSettings
 from strategies import examples
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 import pytest
 
 import sart
@@ -200,3 +203,19 @@ def test_bad_configuration_names_field_and_value(make, message: str) -> None:
         make()
     assert message in str(info.value)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: sart.sart_adaptive(4, m=9), "m=9 must be None or in [1, n=4]"),
+        (lambda: sart.sart_adaptive(4, keep=0), "keep=0 must be None or >= 1"),
+        (lambda: sart.Reshare(None), "inner=None must be a PruneRule"),
+        (lambda: sart.ShedUnderLoad(None), "inner=None must be a PruneRule"),
+    ],
+)
+def test_recipes_and_wrappers_refuse_what_they_would_otherwise_change_or_crash_on(
+    make: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(sart.ConfigError, match=re.escape(message)):
+        make()

@@ -589,3 +589,174 @@ def test_an_extract_that_raises_in_a_stop_check_fails_only_its_request() -> None
     assert [r.ok for r in results] == [False, True]
     assert "no answer here" in (results[0].reason or "")
     assert not engine.live_branches and not engine.prefixes
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _AdmitRaises(sart.AdmitRule):
+    def admit(self, policy: sart.Policy, load: sart.Load) -> sart.Policy:
+        raise _Boom("my admit bug")
+
+
+class _StartRaises(sart.TwoPhasePrune):
+    def start(self, n: int) -> sart.Limits:
+        raise _Boom("my start bug")
+
+
+class _PauseNames99(sart.PauseRule):
+    def choose(self, request: sart.RequestView) -> list[int]:
+        return [99]
+
+
+class _PauseRaises(sart.PauseRule):
+    def choose(self, request: sart.RequestView) -> list[int]:
+        raise _Boom("my pause bug")
+
+
+@pytest.mark.parametrize(
+    ("policy", "reason"),
+    [
+        (
+            attrs.evolve(sart.sart(4, interval=8), admit=_AdmitRaises()),
+            "_AdmitRaises.admit raised _Boom('my admit bug')",
+        ),
+        (
+            attrs.evolve(sart.sart(4, interval=8), prune=_StartRaises(0.5, 2)),
+            "_StartRaises.start raised _Boom('my start bug')",
+        ),
+    ],
+)
+def test_a_hook_that_fails_at_admission_fails_its_request_alone(
+    policy: sart.Policy, reason: str
+) -> None:
+    # Its result is delivered (the run used to stop with it lost), and the request
+    # admitted after it runs as if it were alone.
+    script = {r: [BranchScript(length=20, answer="4", rewards=(0.5,))] * 4 for r in ("bad", "ok")}
+    engine = FakeEngine(script)
+    bad, ok = sart.run(
+        [sart.Request("bad", "p", policy), sart.Request("ok", "p", sart.sart(4, interval=8))],
+        engine,
+        ScriptedPRM(script, every=8),
+    )
+    assert bad.status is sart.RequestStatus.FAILED and reason in (bad.reason or "")
+    assert ok.ok and ok.answer == "4"
+    assert engine.stats().live_branches == 0 and not engine.prefixes
+    (alone,) = sart.run([sart.Request("bad", "p", policy)], FakeEngine(script), ScriptedPRM(script))
+    assert alone.status is sart.RequestStatus.FAILED and reason in (alone.reason or "")
+
+
+@pytest.mark.parametrize(
+    ("rule", "reason"),
+    [
+        (_PauseNames99(), "pause rule chose 99, not a branch index"),
+        (_PauseRaises(), "_PauseRaises.choose raised _Boom('my pause bug')"),
+    ],
+)
+def test_a_pause_rule_that_fails_fails_its_request_alone(rule: sart.PauseRule, reason: str) -> None:
+    # The failing request's branches are aborted before anything else is decoded (a
+    # decode with them still running in the engine stopped every request).
+    script: dict[str, list[BranchScript]] = {
+        f"bulk{i}": [BranchScript(length=60, answer="1")] * 4 for i in range(2)
+    }
+    script["urgent"] = [BranchScript(length=20, answer="2")] * 2
+    bulk = attrs.evolve(sart.self_consistency(4, interval=8), pause=rule)
+    engine = FakeEngine(script)
+    results = sart.run(
+        [
+            sart.Request("bulk0", "p", bulk, priority=1),
+            sart.Request("bulk1", "p", sart.self_consistency(4, interval=8), priority=1),
+            sart.Request("urgent", "p", sart.self_consistency(2, interval=8), arrival=3),
+        ],
+        engine,
+        batch_size=8,
+    )
+    assert [r.status for r in results] == [
+        sart.RequestStatus.FAILED,
+        sart.RequestStatus.COMPLETED,
+        sart.RequestStatus.COMPLETED,
+    ]
+    assert reason in (results[0].reason or "")
+    assert engine.stats().live_branches == 0 and not engine.prefixes
+
+
+def test_numpy_indices_and_limits_from_a_rule_are_taken() -> None:
+    np = pytest.importorskip("numpy")
+
+    class ArrayPrune(sart.TwoPhasePrune):
+        def start(self, n: int) -> sart.Limits:
+            return sart.Limits(threshold=np.float64(0.5), max_num_pruned=np.int64(2))
+
+        def choose(self, request: sart.RequestView) -> list[int]:
+            index = np.array([b.index for b in request.running])
+            reward = np.array([b.reward for b in request.running], dtype=float)
+            return list(index[reward < 0.5])
+
+    script = {"q": [BranchScript(length=40, answer="4", rewards=(r,)) for r in (0.2, 0.9, 0.3)]}
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.Policy(n=3, prune=ArrayPrune(0.5, 2), interval=8))],
+        FakeEngine(script),
+        ScriptedPRM(script, every=8),
+    )
+    assert result.ok
+    assert statuses(result) == [S.PRUNED, S.FINISHED, S.PRUNED]
+
+
+def test_a_rule_that_names_a_branch_twice_is_told_so() -> None:
+    class Twice(sart.PruneRule):
+        def choose(self, request: sart.RequestView) -> list[int]:
+            return [0, 0]
+
+    script = {"q": [BranchScript(length=40, rewards=(0.5,))] * 2}
+    (result,) = sart.run(
+        [sart.Request("q", "p", sart.Policy(n=2, prune=Twice(), interval=8))],
+        FakeEngine(script),
+        ScriptedPRM(script, every=8),
+    )
+    assert "prune rule chose branch 0 twice" in (result.reason or "")
+
+
+def test_a_selector_and_a_stop_rule_of_ones_own_get_rewards() -> None:
+    # Read by default (needs_rewards), as a prune rule's are: a PRM scores the completed
+    # branches though the policy (SC's) prunes nothing.
+    class BestOfMine(sart.Selector):
+        def choose(self, candidates: Sequence[sart.BranchView], answers: Sequence[str]) -> int:
+            return max(candidates, key=lambda b: b.reward if b.reward is not None else -1).index
+
+    class SureEnough(sart.StopRule):
+        def should_stop(self, request: sart.RequestView) -> bool:
+            return any((b.reward or 0) >= 0.6 for b in request.completed)
+
+    script = {
+        "q": [
+            BranchScript(length=10 * (j + 2), answer=str(j), rewards=(r,))
+            for j, r in enumerate((0.3, 0.7, 0.5, 0.9))
+        ]
+    }
+    policy = attrs.evolve(sart.self_consistency(4, interval=8), select=BestOfMine())
+    (picked,) = sart.run([sart.Request("q", "p", policy)], FakeEngine(script), ScriptedPRM(script))
+    assert picked.answer == "3"
+    policy = attrs.evolve(sart.self_consistency(4, interval=8), stop=SureEnough())
+    (stopped,) = sart.run([sart.Request("q", "p", policy)], FakeEngine(script), ScriptedPRM(script))
+    assert statuses(stopped) == [S.FINISHED, S.FINISHED, S.STOPPED, S.STOPPED]
+    with pytest.raises(sart.ConfigError, match="its stop rule SureEnough reads them; a part of"):
+        sart.run([sart.Request("q", "p", policy)], FakeEngine())
+
+
+def test_a_failed_prefix_release_is_asked_again() -> None:
+    class ReleaseFailsOnce(FakeEngine):
+        failed = False
+
+        def release_prefix(self, request_id: str) -> None:
+            if not self.failed:
+                self.failed = True
+                raise sart.EngineError("not now", [request_id])
+            super().release_prefix(request_id)
+
+    script = {"q": [BranchScript(length=10, answer="4")] * 2}
+    engine = ReleaseFailsOnce(script)
+    driver = sart.SyncDriver(engine, batch_size=4)
+    (result,) = driver.run([sart.Request("q", "p", sart.self_consistency(2, interval=8))])
+    assert result.ok and not engine.prefixes
+    assert driver.scheduler.statistics().failed_cleanups == 1

@@ -35,15 +35,38 @@ def test_request_converts_token_lists() -> None:
     assert sart.Request("a", [1, 2, 3], sart.vanilla()).prompt == (1, 2, 3)
 
 
+def test_request_takes_sampling_as_a_dict_of_its_fields() -> None:
+    request = sart.Request("a", "p", sart.vanilla(), sampling={"max_tokens": 5, "seed": 1})
+    assert request.sampling == sart.SamplingSettings(max_tokens=5, seed=1)
+
+
+def test_one_stop_string_is_one_stop_string_as_vllm_takes_it() -> None:
+    assert sart.SamplingSettings(stop="###").stop == ("###",)
+    assert sart.SamplingSettings(stop=["a", "b"]).stop == ("a", "b")
+
+
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: sart.SamplingSettings(temperature=-1.0), "temperature=-1.0 must be >= 0"),
-        (lambda: sart.SamplingSettings(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (lambda: sart.SamplingSettings(temperature=-1.0), "temperature=-1.0 must be a number >="),
+        (lambda: sart.SamplingSettings(temperature=None), "temperature=None must be a number"),
+        (lambda: sart.SamplingSettings(temperature="0.6"), "temperature='0.6' must be a number"),
+        (lambda: sart.SamplingSettings(top_p=0.0), "top_p=0.0 must be a number in (0, 1]"),
+        (lambda: sart.SamplingSettings(top_p="1"), "top_p='1' must be a number in (0, 1]"),
+        (lambda: sart.SamplingSettings(stop=5), "stop=5 must be a string or a list of strings"),
+        (lambda: sart.SamplingSettings(stop=["a", 1]), "stop=['a', 1] must be a string or a"),
+        (lambda: sart.SamplingSettings(stop_token_ids=5), "stop_token_ids=5 must be a list of"),
         (lambda: sart.SamplingSettings(max_tokens=0), "max_tokens=0 must be >= 1"),
         (lambda: sart.SamplingSettings(seed=-3), "seed=-3 must be None or an int >= 0"),
         (lambda: sart.Request("", "p", sart.vanilla()), "id='' must be a non-empty str"),
-        (lambda: sart.Request("a", [], sart.vanilla()), "must be a str or a non-empty tuple"),
+        (lambda: sart.Request("a", [], sart.vanilla()), "must be a non-empty str or tuple"),
+        (lambda: sart.Request("a", "", sart.vanilla()), "prompt='' must be a non-empty str"),
+        (lambda: sart.Request("a", "p", sart.vanilla(), sampling=None), "sampling=None must be"),
+        (
+            lambda: sart.Request("a", "p", sart.vanilla(), sampling={"max_token": 5}),
+            "SamplingSettings has no field 'max_token'",
+        ),
+        (lambda: sart.Request("a", "p", sart.vanilla(), arrival="x"), "arrival='x' must be"),
         (lambda: sart.Request("a", "p", "sart"), "policy='sart' must be a sart.Policy"),
         (lambda: sart.Request("a", "p", sart.vanilla(), arrival=-1), "arrival=-1.0 must be"),
     ],

@@ -53,8 +53,8 @@ class AsyncDriver(DriverBase):
         request, as vLLM's ``AsyncLLM.generate`` aborts its request: its branches
         are aborted in the engine at the driver's next step."""
         future = asyncio.get_running_loop().create_future()
+        self.submit(request)  # first: a refused id must not take its namesake's future
         self._futures[request.id] = future
-        self.submit(request)
         try:
             return await future
         except asyncio.CancelledError:

@@ -3,9 +3,10 @@
 A driver owns the effects the scheduler only decides: calling the engine and
 the PRM, reading the clock, releasing requests at their arrival times, and
 collecting results and the resource timeline. Engine and PRM exceptions are
-turned into ``Failed`` events for the requests they affect; an
-``AssertionError`` (a bug, e.g. ``EngineMisuse`` from the fake engine) is
-let through.
+turned into ``Failed`` events for the requests they affect, an
+``AssertionError`` too (a model's or a PRM's own ``assert``); only
+``EngineMisuse`` (sart driving an engine out of protocol, which the fake
+engine reports: a bug of sart's) is let through.
 
 The loop is written once, in ``DriverBase._step``: a generator that yields
 the effects it needs (call an engine method, start scoring, wait) and gets
@@ -51,7 +52,14 @@ from sart.commands import (
     Started,
 )
 from sart.engines.base import engine_clock, supports_pause
-from sart.errors import ConfigError, EngineError, RequestRefused, enum_converter
+from sart.errors import (
+    ConfigError,
+    EngineError,
+    EngineMisuse,
+    RequestRefused,
+    SchedulerError,
+    enum_converter,
+)
 from sart.messages import StepOutput
 from sart.prm.base import PRM
 from sart.request import Request
@@ -122,6 +130,22 @@ def advance(loop: Generator[Effect, Any, bool], outcome: Outcome) -> Effect | Re
         return Returned(bool(stop.value))
 
 
+_ENGINE_CALLS = ("prefill", "start_branches", "step", "abort", "release_prefix", "stats")
+
+
+def _check_parts(engine: object, prm: object) -> None:
+    """Refuse (``ConfigError``) an engine or a PRM that is not one, now rather than as
+    an ``AttributeError`` in the loop or a failure of every request."""
+    missing = [name for name in _ENGINE_CALLS if not callable(getattr(engine, name, None))]
+    if missing:
+        raise ConfigError(
+            f"engine={engine!r} must be an engine (sart.Engine or an async one): "
+            f"it has no {missing[0]}()"
+        )
+    if prm is not None and not callable(getattr(prm, "score", None)):
+        raise ConfigError(f"prm={prm!r} must be a PRM (it has score(items)) or None")
+
+
 class DriverBase:
     """What the synchronous and the asyncio drivers share: intake, the loop, the mapping
     from commands to engine/PRM calls and back to events, and result bookkeeping.
@@ -148,6 +172,7 @@ class DriverBase:
         clock: Clock | None = None,
         on_result: Callable[[RequestResult], None] | None = None,
     ) -> None:
+        _check_parts(engine, prm)
         self.engine = engine
         self.prm = prm
         self.clock: Clock = clock or engine_clock(engine) or WallClock()
@@ -281,6 +306,8 @@ class DriverBase:
         cmds = self.scheduler.next_commands(now)
         if not cmds:
             if not self.scores.pending and not self._arrivals:
+                if not self.scheduler.idle:  # stopping here would lose its open requests
+                    raise SchedulerError("the scheduler has open requests and no command")
                 return False
             # Until the next arrival or deadline (or a Score's rewards).
             wake = [self._arrivals[0][0]] if self._arrivals else []
@@ -310,7 +337,7 @@ class DriverBase:
             fn, args, to_event = self._effect(cmd)
             try:
                 event = to_event((yield _Call(fn, args)) if fn is not None else None)
-            except AssertionError:
+            except EngineMisuse:  # sart's own bug: a test must see it, not a failed request
                 raise
             except Exception as exc:
                 event = self._failure(exc)

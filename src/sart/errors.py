@@ -13,10 +13,14 @@
     ├── PRMError                   a PRM call failed or returned an unusable reward
     └── SchedulerError             the scheduler was driven out of protocol (a driver bug)
 
+    EngineMisuse (AssertionError)  an engine driven out of its contract (a bug of sart's)
+
 Engine and PRM errors never escape the driver: they fail the affected requests,
-which end with ``RequestStatus.FAILED`` and the reason, and the rest carry on.
-``AssertionError`` is the exception: it means a bug (the fake engine raises
-``EngineMisuse`` on protocol violations), and the driver lets it through.
+which end with ``RequestStatus.FAILED`` and the reason, and the rest carry on;
+so does any other exception an engine or a PRM raises, ``AssertionError``
+included (a PRM's shape check). ``EngineMisuse`` (an ``AssertionError`` the
+fake engine raises when it is driven out of protocol) is the exception: it
+means a bug of sart's, and the driver lets it through.
 
 The helpers below raise them the same way everywhere: ``config_check``,
 ``int_at_least`` and ``enum_converter`` for settings, ``needs_extra`` around
@@ -119,6 +123,11 @@ class RequestRefused(EngineError):
 
 class PRMError(_AttributedError):
     """A PRM call failed, or returned a reward outside [0, 1] or NaN."""
+
+
+class EngineMisuse(AssertionError):
+    """The engine contract was violated (a bug in the caller, not a request failure):
+    the fake engine and the ledger raise it, and the driver lets it through."""
 
 
 class SchedulerError(SartError):

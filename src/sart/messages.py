@@ -101,6 +101,8 @@ class ScoreItem:
 def validate_reward(value: object, branch: BranchId) -> float:
     """Return ``value`` as a float in [0, 1], or raise ``PRMError`` naming the branch."""
     try:
+        if isinstance(value, (str, bytes)):  # float("0.5") would take it
+            raise TypeError
         reward = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise PRMError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import attrs
 
@@ -16,11 +17,12 @@ def _check_id(_inst: object, _attr: attrs.Attribute, value: str) -> None:
 
 
 def _check_prompt(_inst: object, _attr: attrs.Attribute, value: Prompt) -> None:
-    if isinstance(value, str):
+    # Empty is refused as vLLM refuses it: no token to prefill, nothing to branch from.
+    if isinstance(value, str) and value:
         return
     if isinstance(value, tuple) and value and all(isinstance(t, int) for t in value):
         return
-    raise ConfigError(f"prompt={value!r} must be a str or a non-empty tuple of token ids")
+    raise ConfigError(f"prompt={value!r} must be a non-empty str or tuple of token ids")
 
 
 def _to_prompt(value: object) -> object:
@@ -37,13 +39,39 @@ def _check_priority(_inst: object, _attr: attrs.Attribute, value: int) -> None:
         raise ConfigError(f"priority={value!r} must be an int (lower is more urgent)")
 
 
+def _to_float(value: object) -> object:
+    """A number as a float; anything else as it is, for the validator to name."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def _check_arrival(_inst: object, _attr: attrs.Attribute, value: float) -> None:
     config_check(
-        isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+        isinstance(value, float) and math.isfinite(value) and value >= 0,
         "arrival",
         value,
         "a finite number >= 0",
     )
+
+
+def _to_sampling(value: object) -> object:
+    """A mapping of ``SamplingSettings``' fields (``{"max_tokens": 512}``) as one."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {a.name for a in attrs.fields(SamplingSettings)})
+        if unknown:
+            raise ConfigError(
+                f"sampling={dict(value)!r}: SamplingSettings has no field {unknown[0]!r}"
+            )
+        return SamplingSettings(**value)
+    return value
+
+
+def _check_sampling(_inst: object, _attr: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, SamplingSettings):
+        raise ConfigError(
+            f"sampling={value!r} must be a sart.SamplingSettings (or a dict of its fields)"
+        )
 
 
 @attrs.frozen
@@ -56,9 +84,12 @@ class Request:
     """Text, or token ids (a list is converted to a tuple)."""
     policy: Policy = attrs.field(validator=_check_policy)
     """The strategy: ``sart.sart(8)``, ``sart.self_consistency(4)``, ``sart.vanilla()``..."""
-    sampling: SamplingSettings = attrs.field(factory=SamplingSettings)
-    """Sampling settings shared by all branches (each branch gets its own seed)."""
-    arrival: float = attrs.field(default=0.0, converter=float, validator=_check_arrival)
+    sampling: SamplingSettings = attrs.field(
+        factory=SamplingSettings, converter=_to_sampling, validator=_check_sampling
+    )
+    """Sampling settings shared by all branches (each branch gets its own seed); a dict
+    of their fields is taken as one."""
+    arrival: float = attrs.field(default=0.0, converter=_to_float, validator=_check_arrival)
     """When the request arrives, in the clock's unit (seconds on the wall clock)."""
     priority: int = attrs.field(default=0, validator=_check_priority)
     """Lower is more urgent (vLLM's convention): waiting requests and branches are

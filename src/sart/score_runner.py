@@ -60,7 +60,7 @@ class PendingScore:
         return bool(self.future.done())
 
     def outcome(self) -> tuple[Scored, float]:
-        """The rewards and the PRM's busy seconds (re-raises a worker's ``AssertionError``)."""
+        """The rewards and the PRM's busy seconds."""
         return self._outcome if self._outcome is not None else self.future.result()
 
 

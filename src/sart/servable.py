@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sart.engines.base import engine_name, sampling_fields, supports_fork, unhonoured_sampling
 from sart.errors import ConfigError
+from sart.policies.base import Policy
 from sart.prm.base import PRM
 from sart.request import Request
 
@@ -24,7 +25,8 @@ def check_servable(
     policy = request.policy
     if prm is None and (policy.scores_running or policy.scores_completed):
         raise ConfigError(
-            f"request {request.id!r} uses policy {policy.name!r}, which needs PRM rewards; {no_prm}"
+            f"request {request.id!r} uses policy {policy.name!r}, which needs PRM rewards "
+            f"({_readers(policy)}); {no_prm}"
         )
     unhonoured = unhonoured_sampling(engine, request.sampling)
     if unhonoured:
@@ -39,3 +41,24 @@ def check_servable(
             f"request {request.id!r} uses policy {policy.name!r}, which forks branches; "
             f"{type(engine).__name__} does not support forking"
         )
+
+
+def _readers(policy: Policy) -> str:
+    """The parts of ``policy`` that read rewards, for a user whose own part may say
+    ``needs_rewards = True`` only by default."""
+    parts = [
+        (role, part)
+        for role, part in (
+            ("prune rule", policy.prune),
+            ("re-branching rule", policy.rebranch),
+            ("stop rule", policy.stop),
+            ("selector", policy.select),
+        )
+        if getattr(part, "active", True) and part.needs_rewards
+    ]
+    named = ", ".join(f"its {role} {type(part).__name__}" for role, part in parts)
+    said = f"{named} {'reads' if len(parts) == 1 else 'read'} them"
+    if any(not type(part).__module__.startswith("sart.") for _, part in parts):
+        # A user's part reads rewards by default: it may just not have said otherwise.
+        said += "; a part of yours that does not sets needs_rewards = False"
+    return said

@@ -5,9 +5,10 @@ own engine adapters (``check_engine``), as ``trio.testing`` does for trio.
 """
 
 from sart.engines.conformance import check_engine
-from sart.engines.fake import EngineMisuse, FakeEngine
+from sart.engines.fake import FakeEngine
 from sart.engines.fake_streaming import FakeStreamingEngine
 from sart.engines.scripts import BranchScript, ScriptTable, random_scripts
+from sart.errors import EngineMisuse
 from sart.prm.scripted import ScriptedPRM
 
 __all__ = [

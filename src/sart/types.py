@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import attrs
 
-from sart import converters
 from sart.errors import config_check, int_at_least
 
 #: A prompt is text, or token ids when the caller has tokenised it already.
@@ -113,16 +112,16 @@ def default_seed(request_id: str) -> int:
     return zlib.crc32(request_id.encode("utf-8"))
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(math.isfinite(value) and value >= 0.0, "temperature", value, ">= 0")
+    config_check(_number(value) and value >= 0.0, "temperature", value, "a number >= 0")
 
 
 def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(0.0 < value <= 1.0, "top_p", value, "in (0, 1]")
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    config_check(_number(value) and 0.0 < value <= 1.0, "top_p", value, "a number in (0, 1]")
 
 
 def _in_range(
@@ -151,14 +150,21 @@ def _to_top_k(value: object) -> object:
 
 
 def _token_ids(value: object) -> tuple[int, ...]:
-    ids: tuple[int, ...] = tuple(value)  # type: ignore[call-overload, arg-type]
-    config_check(
-        all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids),
-        "stop_token_ids",
-        list(ids),
-        "token ids (ints >= 0)",
+    ok = isinstance(value, (list, tuple)) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value
     )
-    return ids
+    config_check(ok, "stop_token_ids", value, "a list of token ids (ints >= 0)")
+    return tuple(value)  # type: ignore[arg-type]
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    """vLLM's ``stop``: one string, or a list of them (a string is not taken as the
+    list of its characters)."""
+    if isinstance(value, str):
+        return (value,)
+    ok = isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)
+    config_check(ok, "stop", value, "a string or a list of strings")
+    return tuple(value)  # type: ignore[arg-type]
 
 
 @attrs.frozen
@@ -173,8 +179,9 @@ class SamplingSettings:
     """Cap on generated tokens per branch; reaching it ends the branch as ``TRUNCATED``."""
     seed: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
     """Base seed; ``None`` derives a stable one from the request id."""
-    stop: tuple[str, ...] = attrs.field(default=(), converter=converters.strs)
-    """Stop strings; generating one ends the branch as ``FINISHED``."""
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    """Stop strings (one string, or a list); generating one ends the branch as
+    ``FINISHED``."""
     logprobs: int | None = attrs.field(default=None, validator=int_at_least(0, optional=True))
     """Log-probabilities to return with each generated token, as vLLM's ``logprobs``:
     ``None`` none; ``0`` the sampled token's only; ``k`` also the ``k`` most likely

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from sart.engines.base import BranchSpec, Engine, StepOutput, supports_fork
-from sart.engines.ledger import EngineMisuse
-from sart.errors import EngineError
+from sart.errors import EngineError, EngineMisuse
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 

@@ -27,9 +27,9 @@ import attrs
 
 from sart.clock import VirtualClock
 from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
-from sart.engines.ledger import EngineMisuse, Prefix, PrefixLedger
+from sart.engines.ledger import Prefix, PrefixLedger
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
-from sart.errors import EngineError
+from sart.errors import EngineError, EngineMisuse
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 

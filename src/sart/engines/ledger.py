@@ -51,17 +51,13 @@ from typing import Generic, TypeVar
 import attrs
 
 from sart.engines.base import BranchSpec
-from sart.errors import EngineError, RequestRefused
+from sart.errors import EngineError, EngineMisuse, RequestRefused
 from sart.types import BranchId, SamplingSettings
 
 P = TypeVar("P")
 """A prefix's adapter data."""
 B = TypeVar("B")
 """A live branch's adapter payload."""
-
-
-class EngineMisuse(AssertionError):
-    """The engine contract was violated (a bug in the caller, not a request failure)."""
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping
 import attrs
 
 from sart.errors import int_at_least
-from sart.policies.base import AdmitRule, Policy, PruneRule
+from sart.policies.base import AdmitRule, Policy, PruneRule, instance_of
 from sart.types import Phase
 from sart.views import BranchView, Limits, Load, RequestView
 
@@ -84,7 +84,7 @@ class ShedUnderLoad(PruneRule):
     ``inner`` alone would pause scoring until a first completion): more PRM items for
     the same branches when nothing waits."""
 
-    inner: PruneRule
+    inner: PruneRule = attrs.field(validator=instance_of(PruneRule, "inner"))
     keep: int = attrs.field(default=1, validator=int_at_least(1))
     """Running branches a request keeps, however high the pressure."""
 

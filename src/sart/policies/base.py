@@ -38,10 +38,14 @@ class StopRule:
     finishes a request whenever no branch is running or waiting, so the
     default (never stop early) waits for every branch. A rule that sets
     ``needs_answers`` gets the completed branches' answers (``BranchView.answer``,
-    by the policy's ``extract``).
+    by the policy's ``extract``). Completed branches are scored by the PRM for a
+    rule that reads ``reward`` (``needs_rewards``, ``True`` unless a rule says it
+    does not: the built-in rules read none, and need no PRM); running branches'
+    rewards are there where the prune rule has them scored.
     """
 
     needs_answers: ClassVar[bool] = False
+    needs_rewards: ClassVar[bool] = True
 
     def validate(self, n: int) -> None:
         """Raise ``ConfigError`` if the rule cannot work with ``n`` branches."""
@@ -187,16 +191,18 @@ class Selector:
     """Picks the final branch among the completed ones.
 
     ``choose`` gets the completed branches and their extracted answers (same
-    order) and returns the index of the chosen branch.
+    order) and returns the index of the chosen branch. The completed branches
+    carry PRM rewards unless the selector sets ``needs_rewards = False`` (as
+    ``MajorityVote`` does: it needs no PRM).
     """
 
-    needs_rewards: ClassVar[bool] = False
+    needs_rewards: ClassVar[bool] = True
 
     def choose(self, candidates: Sequence[BranchView], answers: Sequence[str]) -> int:
         raise NotImplementedError
 
 
-def _instance_of(kind: type, field: str) -> Callable[[object, attrs.Attribute, object], None]:
+def instance_of(kind: type, field: str) -> Callable[[object, attrs.Attribute, object], None]:
     def check(_inst: object, _attr: attrs.Attribute, value: object) -> None:
         if not isinstance(value, kind):
             raise ConfigError(f"{field}={value!r} must be a {kind.__name__}")
@@ -233,14 +239,14 @@ class Policy:
 
     n: int = attrs.field(validator=int_at_least(1))
     """Branches sampled per request."""
-    stop: StopRule = attrs.field(factory=_default_stop, validator=_instance_of(StopRule, "stop"))
+    stop: StopRule = attrs.field(factory=_default_stop, validator=instance_of(StopRule, "stop"))
     """When to finish early (default: wait for every branch)."""
     prune: PruneRule = attrs.field(
-        factory=_default_prune, validator=_instance_of(PruneRule, "prune")
+        factory=_default_prune, validator=instance_of(PruneRule, "prune")
     )
     """Which running branches to prune at each check (default: none)."""
     select: Selector = attrs.field(
-        factory=_default_select, validator=_instance_of(Selector, "select")
+        factory=_default_select, validator=instance_of(Selector, "select")
     )
     """Which completed branch answers (default: highest PRM reward)."""
     interval: int = attrs.field(default=400, validator=int_at_least(1))
@@ -249,18 +255,18 @@ class Policy:
     """Turns a branch's text into its answer, for votes and results."""
     name: str = "custom"
     """Label used in reports."""
-    pause: PauseRule = attrs.field(factory=PauseRule, validator=_instance_of(PauseRule, "pause"))
+    pause: PauseRule = attrs.field(factory=PauseRule, validator=instance_of(PauseRule, "pause"))
     """Which running branches to pause first for more urgent requests (default: the
     lowest reward first)."""
     reward: RewardSource | None = attrs.field(default=None, validator=_reward_source)
     """This policy's own reward source, used for its requests instead of the driver's
     PRM (e.g. ``sart.ConfidenceScorer``: confidence from the policy's
     log-probabilities). ``None``: the driver's PRM."""
-    admit: AdmitRule = attrs.field(factory=AdmitRule, validator=_instance_of(AdmitRule, "admit"))
+    admit: AdmitRule = attrs.field(factory=AdmitRule, validator=instance_of(AdmitRule, "admit"))
     """Settles the policy when its request is admitted, from the server's load (default:
     as given; ``sart.policies.adaptive.BranchByLoad`` chooses ``n`` by load)."""
     rebranch: RebranchRule = attrs.field(
-        factory=RebranchRule, validator=_instance_of(RebranchRule, "rebranch")
+        factory=RebranchRule, validator=instance_of(RebranchRule, "rebranch")
     )
     """Re-spends free seats on forks of live branches at checks (default: never;
     ``sart.policies.rebranch.Rebranch`` forks the best-rewarded ones)."""
@@ -287,5 +293,6 @@ class Policy:
 
     @property
     def scores_completed(self) -> bool:
-        """Whether completed branches need a PRM reward (threshold or selection)."""
-        return self.scores_running or (self.select.needs_rewards and self.n > 1)
+        """Whether completed branches need a PRM reward (threshold, stop or selection)."""
+        readers = self.select.needs_rewards or self.stop.needs_rewards
+        return self.scores_running or (readers and self.n > 1)

@@ -93,6 +93,9 @@ def sart_adaptive(
     """
     config_check(isinstance(n, int) and n >= 1, "n", n, ">= 1")
     config_check(isinstance(floor, int) and 1 <= floor <= n, "floor", floor, f"in [1, n={n}]")
+    # Checked at n, as sart(n, m) checks them: each admitted size then cuts them to fit.
+    config_check(m is None or (_whole(m) and 1 <= m <= n), "m", m, f"None or in [1, n={n}]")
+    config_check(keep is None or (_whole(keep) and keep >= 1), "keep", keep, "None or >= 1")
     build = functools.partial(
         _sart_shedding, m=m, alpha=alpha, beta=beta, interval=interval, keep=keep
     )
@@ -110,7 +113,7 @@ def _sart_shedding(
     m = _paper_m(n, None if m is None else min(m, n))
     beta = None if beta is None else min(beta, n - 1)
     policy = sart(n, m=m, alpha=alpha, beta=beta, interval=interval)
-    shed = ShedUnderLoad(inner=policy.prune, keep=min(n, keep or min(m, 2)))
+    shed = ShedUnderLoad(inner=policy.prune, keep=min(n, min(m, 2) if keep is None else keep))
     return attrs.evolve(policy, prune=shed)
 
 
@@ -261,3 +264,7 @@ def sart_confidence(
         name=f"sart-confidence(n={n},m={m})",
         reward=ConfidenceScorer(signal=signal, top_k=top_k, scale=scale),
     )
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -40,7 +40,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from sart.errors import config_check, number_above
-from sart.policies.base import PruneRule
+from sart.policies.base import PruneRule, instance_of
 from sart.types import Phase
 from sart.views import BranchView, Limits, RequestView
 
@@ -141,7 +141,7 @@ class Reshare(PruneRule):
     seldom binds; on a CPU each row adds its own compute.
     """
 
-    inner: PruneRule
+    inner: PruneRule = attrs.field(validator=instance_of(PruneRule, "inner"))
     temperature: float = attrs.field(default=0.2, validator=_check_temperature)
     kv_limit: float = attrs.field(default=0.9, validator=_check_share)
     """Idle only while the KV cache is below this share of its capacity."""

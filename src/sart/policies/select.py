@@ -45,6 +45,8 @@ class MajorityVote(Selector):
     (default: equal strings).
     """
 
+    needs_rewards = False
+
     equivalence: Equivalence = attrs.field(
         factory=ExactMatch, validator=check_equivalence, kw_only=True
     )

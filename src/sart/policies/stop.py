@@ -17,6 +17,8 @@ class FirstM(StopRule):
 
     m: int = attrs.field(validator=int_at_least(1))
 
+    needs_rewards = False
+
     def validate(self, n: int) -> None:
         config_check(self.m <= n, "m", self.m, f"<= n={n}")
 
@@ -46,6 +48,7 @@ class Agreement(StopRule):
     """Which answers are one answer (default ``ExactMatch()``)."""
 
     needs_answers = True
+    needs_rewards = False
 
     def validate(self, n: int) -> None:
         config_check(self.m <= n, "m", self.m, f"<= n={n}")
@@ -64,3 +67,5 @@ class Agreement(StopRule):
 @attrs.frozen
 class AllDone(StopRule):
     """Wait until no branch is running or waiting (Self-Consistency, Vanilla)."""
+
+    needs_rewards = False

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from sart.results import RequestResult
-from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running
+from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running, whole
 from sart.state import BranchState, RequestState
 from sart.types import BranchId, BranchStatus, Phase, RequestStatus
 from sart.views import RequestView
@@ -74,11 +74,6 @@ def choose_prunes(req: RequestState) -> tuple[list[BranchState], RequestView]:
     return victims, view
 
 
-def _whole(value: object) -> bool:
-    """An int, not a bool (``True`` would pass as branch 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def fork_children(
     req: RequestState, wanted: object, room: int, rule: str, room_is: str
 ) -> list[BranchState]:
@@ -88,16 +83,20 @@ def fork_children(
     if not isinstance(wanted, Mapping):
         raise PolicyFailure(f"{rule} returned {wanted!r}, not a mapping of index to children")
     items = call(lambda: list(wanted.items()), name=f"the {rule}'s mapping")
-    for index, _ in items:  # every key checked before they are sorted: 0 < "a" raises
-        if not _whole(index) or not 0 <= index < len(req.branches):
-            raise PolicyFailure(f"{rule} chose {index!r}, not a branch index")
+    asked: dict[int, object] = {}
+    for key, count in items:  # every key checked before they are sorted: 0 < "a" raises
+        index = whole(key)
+        if index is None or not 0 <= index < len(req.branches) or index in asked:
+            raise PolicyFailure(f"{rule} chose {key!r}, not a branch index")
+        asked[index] = count
     parents: list[tuple[BranchState, int]] = []
-    for index, count in sorted(items):
+    for index, asked_for in sorted(asked.items()):
         parent = req.branches[index]
         if parent.status is not BranchStatus.RUNNING:
             raise PolicyFailure(f"{rule} chose branch {index}, which is not running")
-        if not _whole(count) or count < 0:
-            raise PolicyFailure(f"{rule} asked for {count!r} children of branch {index}")
+        count = whole(asked_for)
+        if count is None or count < 0:
+            raise PolicyFailure(f"{rule} asked for {asked_for!r} children of branch {index}")
         parents.append((parent, count))
     total = sum(count for _, count in parents)
     if total > room:

@@ -148,8 +148,12 @@ class Scheduler:
         return [req.id for req in self._running_requests()]
 
     def meta(self, request_id: str) -> RequestMeta:
-        """The paper's metadata record of a request that has not finished."""
-        return self._pending[request_id].meta()
+        """The paper's metadata record of a request that has not finished (``KeyError``
+        naming it for one that has, or was never submitted)."""
+        req = self._pending.get(request_id)
+        if req is None:
+            raise KeyError(f"request {request_id!r} is not open: finished, or never submitted")
+        return req.meta()
 
     def statistics(self) -> SchedulerStats:
         return SchedulerStats(
@@ -186,7 +190,13 @@ class Scheduler:
             self._outbox.clear()
         else:
             cmds = self._admit(now)
-            if not cmds and self._slots.running:
+            if self._outbox:
+                # A request failed while admitting (its own admit, start or pause hook):
+                # its aborts go before the starts that may take their slots, and no
+                # Decode goes with them (the engine still runs the aborted branches).
+                cmds = [*self._outbox, *cmds]
+                self._outbox.clear()
+            elif not cmds and self._slots.running:
                 cmds = [self._decode_command()]
             if not cmds and not self._checks.in_flight:
                 cmds = self._slots.retry_aborts()

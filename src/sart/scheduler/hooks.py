@@ -4,6 +4,8 @@ alone (its branches aborted, a reason naming the hook), never the run."""
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -30,17 +32,27 @@ def call(fn: Callable[..., T], *args: object, name: str | None = None) -> T:
         raise PolicyFailure(f"policy hook {name} raised {exc!r}") from exc
 
 
+def whole(value: object) -> int | None:
+    """``value`` as an ``int`` where it is a whole number (numpy's integers too, as a
+    rule computing with arrays returns them), ``None`` otherwise: a bool is not one
+    (``True`` would pass as branch 1)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 def checked_limits(value: object, hook: str) -> Limits:
     """A hook's ``Limits``, checked, so a bad value fails its request, not the run."""
-    ok = (
-        isinstance(value, Limits)
-        and isinstance(value.max_num_pruned, int)
-        and value.max_num_pruned >= 0
-        and (value.threshold is None or isinstance(value.threshold, (int, float)))
-    )
-    if not ok:
-        raise PolicyFailure(f"prune rule's {hook} returned {value!r}, not valid Limits")
-    return value  # type: ignore[return-value]
+    if isinstance(value, Limits):
+        budget = whole(value.max_num_pruned)
+        threshold = value.threshold
+        number = isinstance(threshold, (int, float)) and not math.isnan(threshold)
+        if budget is not None and budget >= 0 and (threshold is None or number):
+            return attrs.evolve(value, max_num_pruned=budget)
+    raise PolicyFailure(f"prune rule's {hook} returned {value!r}, not valid Limits")
 
 
 def admitted_policy(policy: Policy, load: Load) -> Policy:
@@ -85,11 +97,14 @@ def running_choices(req: RequestState, chosen: Sequence[object], rule: str) -> l
     """The branches a rule named, checked: each an index of a running branch, once
     (``PolicyFailure`` naming the ``rule`` otherwise)."""
     picked: list[BranchState] = []
-    for index in chosen:
-        if not isinstance(index, int) or not 0 <= index < len(req.branches):
-            raise PolicyFailure(f"{rule} rule chose {index!r}, not a branch index")
+    for choice in chosen:
+        index = whole(choice)
+        if index is None or not 0 <= index < len(req.branches):
+            raise PolicyFailure(f"{rule} rule chose {choice!r}, not a branch index")
         branch = req.branches[index]
-        if branch.status is not BranchStatus.RUNNING or branch in picked:
+        if branch in picked:
+            raise PolicyFailure(f"{rule} rule chose branch {index} twice")
+        if branch.status is not BranchStatus.RUNNING:
             raise PolicyFailure(f"{rule} rule chose branch {index}, which is not running")
         picked.append(branch)
     return picked

@@ -131,6 +131,8 @@ class Slots:
             self.failed_cleanups += 1
             if isinstance(cmd, Abort):  # asked again when the engine next reports them
                 self.unaborted.update(cmd.branches)
+            elif isinstance(cmd, ReleasePrefix):  # asked again when nothing else is to do
+                self.unreleased.add(cmd.request_id)
         elif isinstance(event, Done):
             if isinstance(cmd, Abort):
                 self.unaborted.difference_update(cmd.branches)
