@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import importlib.machinery
 import random
 import sys
 import types
-from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from typing import Annotated, Any
 
 EOS = 2
 
@@ -49,6 +50,32 @@ class _WordTokenizer:
     ) -> list[int]:
         assert add_generation_prompt and tokenize
         return [1, 90] + [3 + len(w) for w in messages[-1]["content"].split()] + [91]
+
+
+@dataclasses.dataclass
+class _Arg:
+    """SGLang's ``Arg`` record in a field's ``Annotated`` metadata: its CLI facts."""
+
+    choices: list[str] | None = None
+    aliases: list[str] | None = None
+
+
+@dataclasses.dataclass
+class StandInServerArgs:
+    """A few of SGLang 0.5.23's ``ServerArgs`` fields, typed as it types them (``Annotated``
+    with an ``Arg`` holding choices and aliases), for ``sglang_launch``'s checks."""
+
+    model_path: Annotated[str, _Arg(aliases=["--model"])]
+    tp_size: Annotated[int, _Arg(aliases=["--tensor-parallel-size"])] = 1
+    dp_size: int = 1
+    mem_fraction_static: float | None = None
+    max_running_requests: int | None = None
+    attention_backend: Annotated[str | None, _Arg(choices=["triton", "torch_native"])] = None
+    json_model_override_args: Annotated[str, "A dictionary in JSON string format"] = "{}"
+    served_model_name: str | None = None
+    skip_tokenizer_init: bool = False
+    custom_sigquit_handler: Callable[..., Any] | None = None
+    incremental_streaming_output: bool = False
 
 
 class _TokenizerManagerStandIn:
@@ -78,6 +105,8 @@ class SGLangStandIn:
     many tokens; ``lengths`` gives such rids their own ``length``. ``scripted``:
     every request streams exactly these chunks instead.
     """
+
+    server_args_class = StandInServerArgs
 
     def __init__(
         self,

@@ -44,6 +44,30 @@ def test_the_testbed_on_sglang_with_every_kind_of_method(sglang_cpu: None, tmp_p
     assert "SGLang model testbed" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("flag", "said"),
+    [
+        # Two tensor-parallel ranks on this one-NUMA-node CPU: SGLang's scheduler child
+        # fails its start and SIGQUITs sart, whose process SGLang's own handler would kill
+        # (the shell said "Killed", exit 137).
+        ("tp_size=2", "SGLang's engine did not start: a child process failed"),
+        ("atention_backend=torch_native", "has no field 'atention_backend' (did you mean"),
+    ],
+)
+def test_a_start_sglang_refuses_is_one_line_and_sart_exits_on_its_own(
+    sglang_cpu: None, tmp_path: Path, flag: str, said: str
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sart.cli", "bench", "--engine", "sglang", "--model", "testbed",
+         "--requests", "1", "--n", "2", "--rate", "8", "--methods", "sc", "--no-plots",
+         "--out", str(tmp_path / "bench"), *sglang_args(), "--sglang-arg", flag],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert said in last and "--sglang-arg" in last, done.stderr[-3000:]
+
+
 def test_the_long_testbed_on_sglang(sglang_cpu: None, tmp_path: Path) -> None:
     out = tmp_path / "bench"
     done = subprocess.run(

@@ -181,6 +181,32 @@ def test_a_token_prompt_over_the_servers_context_is_refused_at_prefill(
     assert server.requests == []  # no completion was sent for either
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_server_sees_them(
+    server: StandInServer,
+) -> None:
+    # vLLM's server refuses them with a 400; SGLang's crashes, and a retry would carry the
+    # request to the next upstream and crash that too.
+    class Vocabulary(_Words):
+        def __len__(self) -> int:
+            return 100
+
+    async def scenario() -> None:
+        sampling = sart.SamplingSettings(max_tokens=8)
+        e = engine(server, tokenizer=Vocabulary())
+        with pytest.raises(sart.RequestRefused, match=r"ids \[100\] lie outside the tokenizer's"):
+            await e.prefill("oov", (5, 100), sampling)
+        assert await e.prefill("in", (5, 99), sampling) == 2
+        await e.release_prefix("in")
+        await e.aclose()
+        bare = engine(server)  # no tokenizer: only a negative id is known to be wrong
+        with pytest.raises(sart.RequestRefused, match="lie outside any vocabulary"):
+            await bare.prefill("neg", (5, -1), sampling)
+        await bare.aclose()
+
+    asyncio.run(scenario())
+    assert server.requests == []
+
+
 def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:
     """The deltas of one branch (seed 5) of the prompt "p q" (max_tokens=40)."""
 
@@ -307,6 +333,12 @@ def test_stream_interval_is_asked_with_the_extensions_only() -> None:
 def test_a_bad_stream_interval_is_refused_by_name(value: Any) -> None:
     with pytest.raises(sart.ConfigError, match=f"stream_interval={value!r} must be >= 1"):
         OpenAIEngine("http://127.0.0.1:1", "m", stream_interval=value)
+
+
+def test_a_url_without_a_scheme_is_refused_by_name() -> None:
+    # httpx would take "localhost:30000" as a path, and every request would fail.
+    with pytest.raises(sart.ConfigError, match="base_urls='localhost:30000' must start with"):
+        OpenAIEngine(["http://127.0.0.1:1", "localhost:30000"], "m")
 
 
 def test_a_request_the_server_refuses_fails_alone_and_keeps_the_extensions() -> None:

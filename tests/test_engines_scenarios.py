@@ -408,14 +408,19 @@ class SGLang(Adapter):
 
 
 class OpenAIOnSGLang(OpenAI):
-    """``OpenAIEngine`` against the session's real ``python -m sglang.launch_server``."""
+    """``OpenAIEngine`` against the session's real ``python -m sglang.launch_server``,
+    with the model's tokenizer, as the gateway docs ask in front of SGLang: SGLang's
+    server does not check prompt ids against the vocabulary (an id outside it crashes
+    its scheduler), and with the tokenizer the engine refuses them first."""
 
     context_len = SGLANG_CONTEXT_LEN
-    lacks: ClassVar[Mapping[str, str]] = {
-        SEEDS: SGLang.lacks[SEEDS],
-        VOCABULARY: "SGLang's server does not check prompt ids against the vocabulary (an "
-        "id outside it crashes its scheduler), and OpenAIEngine does not know the vocabulary",
-    }
+    lacks: ClassVar[Mapping[str, str]] = {SEEDS: SGLang.lacks[SEEDS]}
+
+    def __init__(self, url: str, demo_models: dict[str, Path]) -> None:
+        from transformers import AutoTokenizer
+
+        super().__init__(url, demo_models)
+        self.tokenizer = AutoTokenizer.from_pretrained(demo_models["policy"])
 
     def _fresh(self, greedy: bool = False) -> Any:
         # As in-process: requests ignore EOS; greedy is SGLang's top_k=1 (sart's own
@@ -423,13 +428,14 @@ class OpenAIOnSGLang(OpenAI):
         from sart.engines.openai import OpenAIEngine
 
         extra = {**NO_EOS, "top_k": 1} if greedy else NO_EOS
-        return SyncBridge(OpenAIEngine(self.url, "demo", extra_body=extra))
+        engine = OpenAIEngine(self.url, "demo", extra_body=extra, tokenizer=self.tokenizer)
+        return SyncBridge(engine)
 
     def as_sent(self) -> Any:
         # Without NO_EOS: SGLang ignores stop_token_ids too when ignore_eos is set.
         from sart.engines.openai import OpenAIEngine
 
-        bridge = SyncBridge(OpenAIEngine(self.url, "demo"))
+        bridge = SyncBridge(OpenAIEngine(self.url, "demo", tokenizer=self.tokenizer))
         self.made.append(bridge)
         return bridge
 
@@ -813,4 +819,5 @@ def test_a_request_the_backend_refuses_fails_only_its_request(adapter: Adapter) 
     ]
     results = sart.run(requests, e, ScriptedPRM(every=4), batch_size=4)
     assert [r.ok for r in results] == [False, True]
+    assert results[0].refused  # a client of a server gets a 400 for it
     assert e.stats() == sart.EngineStats(0, 0, declared_capacity(e))

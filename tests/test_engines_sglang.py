@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import logging
+import os
+import re
+import signal
 import sys
 import time
 import types
@@ -856,3 +860,114 @@ def test_real_logprobs_through_sglangs_server(sglang_server: str) -> None:
             assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
     assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
     assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))
+
+
+@pytest.fixture
+def sigquit_kept() -> Iterator[None]:
+    """SIGQUIT's handler as it was (``from_args`` sets one while SGLang starts)."""
+    saved = signal.getsignal(signal.SIGQUIT)
+    yield
+    signal.signal(signal.SIGQUIT, saved)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            {"atention_backend": "torch_native"},
+            "sglang_args=atention_backend='torch_native': SGLang's ServerArgs has no field "
+            "'atention_backend' (did you mean attention_backend?)",
+        ),
+        ({"tp": 2}, "no field 'tp' (did you mean tp_size?)"),
+        (
+            {"attention_backend": "torch_nativ"},
+            "SGLang's attention_backend must be one of ['triton', 'torch_native'] "
+            "(did you mean torch_native?)",
+        ),
+        ({"served_model_name": "m"}, "is not taken: sart, not SGLang, answers the API"),
+    ],
+)
+def test_from_args_refuses_a_field_sglang_lacks_or_sart_cannot_take(
+    mod: Any, sigquit_kept: None, args: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(sart.ConfigError, match=re.escape(message)):
+        mod.SGLangEngine.from_args("org/model", **args)
+
+
+def test_from_args_takes_sglangs_aliases_and_json_strings(mod: Any, sigquit_kept: None) -> None:
+    engine = mod.SGLangEngine.from_args(
+        "org/model",
+        tensor_parallel_size=2,  # SGLang's CLI alias of tp_size
+        json_model_override_args={"max_position_embeddings": 2048},  # parsed by --sglang-arg
+    )
+    args = engine.engine.server_args
+    assert args.tp_size == 2
+    assert args.json_model_override_args == '{"max_position_embeddings": 2048}'
+
+
+def test_a_child_that_fails_to_start_is_a_config_error_not_the_end_of_sart(
+    mod: Any, sigquit_kept: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SGLang's scheduler child SIGQUITs its parent when it fails to start, and SGLang's
+    # own handler then kills the whole process tree, this one included.
+    class FailsToStart(SGLangStandIn):
+        def __init__(self, **server_args: Any) -> None:
+            signal.signal(signal.SIGQUIT, server_args["custom_sigquit_handler"])
+            os.kill(os.getpid(), signal.SIGQUIT)  # what the failing child does
+            time.sleep(5)  # the handler raises before this ends
+            raise AssertionError("SIGQUIT was not handled")
+
+    monkeypatch.setattr(sys.modules["sglang"], "Engine", FailsToStart)
+    with pytest.raises(sart.ConfigError, match="SGLang's engine did not start: a child process"):
+        mod.SGLangEngine.from_args("org/model")
+
+
+def test_a_value_sglang_refuses_in_process_is_a_config_error(
+    mod: Any, sigquit_kept: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Refuses(SGLangStandIn):
+        def __init__(self, **server_args: Any) -> None:
+            raise ValueError("Unknown dtype")
+
+    monkeypatch.setattr(sys.modules["sglang"], "Engine", Refuses)
+    with pytest.raises(sart.ConfigError, match="could not start its engine from these settings"):
+        mod.SGLangEngine.from_args("org/model")
+
+
+def test_sglangs_logging_setup_leaves_sarts_logging_as_it_was(
+    mod: Any, sigquit_kept: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class TakesTheLogger(SGLangStandIn):  # as SGLang's configure_logger does
+        def __init__(self, **server_args: Any) -> None:
+            logging.basicConfig(level=logging.ERROR, force=True)
+            super().__init__(**server_args)
+
+    root = logging.getLogger()
+    handler = logging.NullHandler()
+    root.addHandler(handler)
+    level = root.level
+    try:
+        monkeypatch.setattr(sys.modules["sglang"], "Engine", TakesTheLogger)
+        mod.SGLangEngine.from_args("org/model")
+        assert handler in root.handlers and root.level == level
+    finally:
+        root.removeHandler(handler)
+
+
+def test_the_cli_checks_the_branch_budget_against_max_running_requests(
+    mod: Any, sigquit_kept: None
+) -> None:
+    from sart.builders import sglang_engine
+    from sart.load_spec import LoadSpec
+
+    spec = LoadSpec(
+        engine="sglang", model="org/model", batch_size=16, sglang_args={"max_running_requests": 4}
+    )
+    with pytest.raises(sart.ConfigError, match="batch_size=16 must be <= SGLang's"):
+        sglang_engine(spec)
+    spec = LoadSpec(engine="sglang", model="org/model", sglang_args={"model_path": "other"})
+    with pytest.raises(sart.ConfigError, match=r"model_path=\.\.\. is not taken: the model"):
+        sglang_engine(spec)
+    spec = LoadSpec(engine="sglang", model="m", sglang_args={"skip_tokenizer_init": True})
+    with pytest.raises(sart.ConfigError, match="sart's commands send text prompts"):
+        sglang_engine(spec)

@@ -59,6 +59,17 @@ MEANINGFUL: dict[str, Any] = {
     "kv_transfer_params": {"do_remote_decode": True},
     "mm_processor_kwargs": {"x": 1},
     "media_io_kwargs": {"x": 1},
+    "json_schema": '{"type": "object"}',
+    "regex": "[0-9]+",
+    "ebnf": "root ::= 'a'",
+    "stop_regex": "[.]$",
+    "no_stop_trim": True,
+    "min_new_tokens": 4,
+    "lora_path": "adapter",
+    "custom_logit_processor": "{}",
+    "custom_params": {"k": 1},
+    "return_hidden_states": True,
+    "session_params": {"id": "s"},
 }
 BASES: dict[type, dict[str, Any]] = {
     CompletionRequest: {"model": "m", "prompt": "q"},

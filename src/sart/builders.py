@@ -15,6 +15,7 @@ from typing import Any
 
 from sart.cpu_layout import vllm_layout
 from sart.devices import check_device
+from sart.engines.sglang_args import REFUSED
 from sart.errors import ConfigError, install_hint
 from sart.launch import loading
 from sart.load_spec import LoadSpec
@@ -54,7 +55,18 @@ def sglang_engine(spec: LoadSpec) -> Any:
     """``SGLangEngine`` behind its ``SyncBridge``: sglang.Engine runs its calls on its
     own loop, and the bridge drives it."""
     server_args = {"max_running_requests": spec.batch_size, **spec.sglang_args}
-    return load_engine(spec.engine).from_args(spec.model, **_options(spec), **server_args).bridge()
+    if "model_path" in server_args:  # from_args takes it as its own argument
+        raise ConfigError(f"sglang_args=model_path=... is not taken: {REFUSED['model_path']}")
+    if server_args.get("skip_tokenizer_init"):
+        raise ConfigError(
+            "sglang_args=skip_tokenizer_init=true is not taken: sart's commands send text "
+            "prompts and stop strings, which need SGLang's tokenizer"
+        )
+    with loading("model", spec.model):
+        engine = load_engine(spec.engine).from_args(spec.model, **_options(spec), **server_args)
+    # sart's branch budget, not SGLang's queue, must decide admission.
+    engine.check_batch_size(spec.batch_size)
+    return engine.bridge()
 
 
 def gateway_engine(spec: LoadSpec) -> Any:

@@ -81,7 +81,7 @@ from sart.engines.base import (
 from sart.engines.hf_branch import Branch, PromptKV
 from sart.engines.hf_kv import InPlaceCache, Span, StepBatch, StepBatches
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
-from sart.engines.prompts import prompt_ids
+from sart.engines.prompts import check_vocabulary, prompt_ids
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 Going = list[tuple[BranchId, Branch, int]]
@@ -115,6 +115,10 @@ class HFEngine:
         self.context_len: int | None = limit if isinstance(limit, int) else None
         """Prompt + output tokens the model takes (its ``max_position_embeddings``): a
         longer prompt is refused before any forward, ``max_tokens`` capped to fit."""
+        embeddings = model.get_input_embeddings()
+        rows = getattr(embeddings, "num_embeddings", None)
+        self.vocab_size: int | None = rows if isinstance(rows, int) else None
+        """Token ids the model embeds: a prompt id at or past it is refused at prefill."""
         self._batches = StepBatches()  # cleared whenever the live branches change
         self._next: tuple[tuple[BranchId, ...], torch.Tensor] | None = None
         """The last step's branches and their next-token logits, when one batch."""
@@ -160,6 +164,8 @@ class HFEngine:
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
         ids = prompt_ids(self.tokenizer, prompt, self.chat)
+        if not isinstance(prompt, str):  # the embedding lookup would raise on one outside
+            check_vocabulary(request_id, ids, self.vocab_size, "the model's vocabulary")
         limit = self.context_len
         context = f"the model's context of {limit} tokens (max_position_embeddings)"
         max_tokens = cap_max_tokens(request_id, len(ids), sampling.max_tokens, limit, context)

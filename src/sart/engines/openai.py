@@ -17,7 +17,9 @@ Prompt length (``prefill``): token ids' own, the ``tokenizer``'s if given, else
 the server's ``POST /tokenize``, else the word count (an estimate, for KV
 accounting and metrics only). The server's ``max_model_len`` (``/tokenize``'s,
 else its ``/v1/models`` card's) refuses a prompt that does not fit
-(``RequestRefused``) and caps ``max_tokens``, as ``VLLMEngine`` does.
+(``RequestRefused``) and caps ``max_tokens``, as ``VLLMEngine`` does. Prompt ids
+outside the tokenizer's vocabulary (negative ones without a tokenizer) are refused
+as vLLM's server refuses them: SGLang's server crashes on one instead.
 
 Forks (Rebase): a new request whose prompt is the prompt's ids + the parent's
 generated ids when both are known (the server's own ``prompt_token_ids``, the
@@ -101,6 +103,7 @@ from sart.engines.openai_wire import (
     tokenize,
     words,
 )
+from sart.engines.prompts import check_vocabulary
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -147,6 +150,9 @@ class OpenAIEngine(StreamingEngine):
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise ConfigError("base_urls=[] must name at least one server")
+        for url in urls:  # without a scheme httpx reads the host as a path
+            if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+                raise ConfigError(f"base_urls={url!r} must start with http:// or https://")
         if max_retries < 0:
             raise ConfigError(f"max_retries={max_retries!r} must be >= 0")
         ok = isinstance(stream_interval, int) and stream_interval >= 1
@@ -427,6 +433,9 @@ class OpenAIEngine(StreamingEngine):
         (from its model card when the ids are known here); the ``home`` server first."""
         if not isinstance(prompt, str):
             ids = list(prompt)
+            # The tokenizer's length, as vLLM's server checks (transformers' have one).
+            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            check_vocabulary(request_id, ids, size, "the tokenizer's vocabulary")
         elif self.tokenizer is not None:
             ids = list(self.tokenizer.encode(prompt))
         else:

@@ -4,15 +4,19 @@
 Token ids are used as they are. Text is tokenized with the tokenizer's
 ``encode`` (special tokens added, as vLLM and SGLang do for a completion), or,
 with ``chat=True``, wrapped as one user message with the chat template and a
-generation prompt (what reasoning models expect).
+generation prompt (what reasoning models expect). Token ids outside the
+model's vocabulary are refused (``check_vocabulary``), as vLLM's server refuses
+them: an embedding lookup would raise on one, and SGLang's scheduler crashes.
 
 Pure Python: importing it imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from sart.errors import RequestRefused
 from sart.types import Prompt
 
 
@@ -30,4 +34,19 @@ def prompt_ids(tokenizer: Any, prompt: Prompt, chat: bool = False) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-__all__ = ["prompt_ids"]
+def check_vocabulary(
+    request_id: str | None, ids: Sequence[int], size: int | None, what: str
+) -> None:
+    """Refuse (``RequestRefused``: a server answers 400, as vLLM's) prompt ids outside
+    a vocabulary of ``size`` ids (``None``: unknown, only negative ids are refused);
+    ``what`` names the vocabulary in the message."""
+    bad = [i for i in ids if i < 0 or (size is not None and i >= size)]
+    if bad:
+        where = "any vocabulary" if size is None else f"{what} of {size} ids"
+        raise RequestRefused(
+            f"request {request_id!r}: token ids {bad[:5]} lie outside {where}",
+            [request_id] if request_id is not None else [],
+        )
+
+
+__all__ = ["check_vocabulary", "prompt_ids"]

@@ -101,7 +101,14 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from sart.errors import ConfigError, EngineError, MissingDependencyError, install_hint, needs_extra
+from sart.errors import (
+    ConfigError,
+    EngineError,
+    MissingDependencyError,
+    RequestRefused,
+    install_hint,
+    needs_extra,
+)
 
 _WHAT = "the SGLang engine"
 
@@ -113,6 +120,7 @@ if importlib.util.find_spec("sglang") is None:
 from sart.engines import sglang_wire as wire  # noqa: E402
 from sart.engines.base import TokenLogprobs  # noqa: E402
 from sart.engines.prompts import prompt_ids  # noqa: E402
+from sart.engines.sglang_launch import start_engine  # noqa: E402
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine  # noqa: E402
 from sart.engines.sync_bridge import SyncBridge  # noqa: E402
 from sart.types import EXTRA_SAMPLING, BranchId, Prompt, SamplingSettings  # noqa: E402
@@ -211,7 +219,8 @@ class SGLangEngine(StreamingEngine):
         ``if __name__ == "__main__":`` guard.
         """
         sglang = _import_sglang()
-        engine = sglang.Engine(model_path=model_path, **server_args)
+        # Keys, choices and a failing child checked; sart's logging kept (sglang_launch).
+        engine = start_engine(sglang, model_path, server_args)
         return cls(engine, tokenizer, chat=chat, rid_prefix=rid_prefix)
 
     def bridge(self) -> SyncBridge:
@@ -231,7 +240,7 @@ class SGLangEngine(StreamingEngine):
         bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
         if bad:
             size = f"of {vocab} ids" if vocab is not None else "(no id is negative)"
-            raise EngineError(
+            raise RequestRefused(
                 f"request {request_id!r}: token ids {bad[:5]} lie outside the model's "
                 f"vocabulary {size}; SGLang's scheduler would crash on them",
                 [request_id],

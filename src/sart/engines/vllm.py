@@ -161,7 +161,7 @@ class VLLMEngine(VLLMInputs):
     def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         self._ledger.check_prefill(request_id)
         self._check_logprobs(request_id, sampling)
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, request_id)
         context = f"max_model_len={self.max_model_len}"
         max_tokens = cap_max_tokens(
             request_id, len(ids), sampling.max_tokens, self.max_model_len, context

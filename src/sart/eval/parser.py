@@ -86,7 +86,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--engine",
         default="hf",
-        help="hf: transformers (default); vllm: vLLM in this process (sart[vllm])",
+        help="hf: transformers (default); vllm: vLLM in this process (sart[vllm]); "
+        "sglang: SGLang in this process (sart[sglang])",
     )
     p.add_argument(
         "--model",

@@ -208,6 +208,18 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,),
     "mm_processor_kwargs": (None, {}),
     "media_io_kwargs": (None, {}),
+    # SGLang's server's own (0.5.23's CompletionRequest), for the same reason.
+    "json_schema": (None,),
+    "regex": (None,),
+    "ebnf": (None,),
+    "stop_regex": (None, []),
+    "no_stop_trim": (None, False),
+    "min_new_tokens": (None, 0),
+    "lora_path": (None,),
+    "custom_logit_processor": (None,),
+    "custom_params": (None, {}),
+    "return_hidden_states": (None, False),
+    "session_params": (None,),
 }
 """``response_format`` is accepted as ``{"type": "text"}`` only."""
 
