@@ -35,6 +35,11 @@ def test_request_converts_token_lists() -> None:
     assert sart.Request("a", [1, 2, 3], sart.vanilla()).prompt == (1, 2, 3)
 
 
+def test_an_arrival_from_numpy_is_a_float() -> None:
+    np = pytest.importorskip("numpy")
+    assert sart.Request("a", "p", sart.vanilla(), arrival=np.int64(3)).arrival == 3.0
+
+
 def test_request_takes_sampling_as_a_dict_of_its_fields() -> None:
     request = sart.Request("a", "p", sart.vanilla(), sampling={"max_tokens": 5, "seed": 1})
     assert request.sampling == sart.SamplingSettings(max_tokens=5, seed=1)

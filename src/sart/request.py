@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 
 import attrs
@@ -40,8 +41,9 @@ def _check_priority(_inst: object, _attr: attrs.Attribute, value: int) -> None:
 
 
 def _to_float(value: object) -> object:
-    """A number as a float; anything else as it is, for the validator to name."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    """A number (numpy's too) as a float; anything else as it is, for the validator to
+    name."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return float(value)
     return value
 
