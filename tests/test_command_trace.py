@@ -69,8 +69,8 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
                     run_method(trace, method, n, config, rate)
     # Function reprs carry addresses, which differ from run to run. Fields added to
     # the values after the recording are left out of their reprs at their defaults
-    # (the runs never set them): vLLM's extra sampling fields, RequestResult.refused,
-    # Policy.admit, Policy.rebranch; and the fork fields of BranchOutcome (parent,
+    # (the runs never set them): vLLM's extra sampling fields, RequestResult.refused and
+    # refused_field, Policy.admit, Policy.rebranch; and the fork fields of BranchOutcome (parent,
     # inherited), which Rebase's children set: new outcome fields, not new commands.
     defaults = ", ".join(f"{k}={v!r}" for k, v in EXTRA_SAMPLING.items())
     text = "\n".join(
@@ -78,6 +78,7 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
         .replace(", " + defaults, "")
         .replace(", rebranch=RebranchRule()", "")
         .replace(" refused=False,", "")
+        .replace(" refused_field=None,", "")
         .replace(", admit=AdmitRule()", "")
         for line in log
     )

@@ -30,6 +30,7 @@ from adapters import (  # noqa: E402
 from openai_standin import SocketServer, StandInServer, transport  # noqa: E402
 from sart.engines.base import BranchSpec, TokenLogprobs  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
+from sart.engines.openai_wire import error_answer  # noqa: E402
 from sart.engines.sync_bridge import SyncBridge  # noqa: E402
 from sart.testing import check_engine  # noqa: E402
 from sart.types import BranchId, FinishReason  # noqa: E402
@@ -333,6 +334,22 @@ def test_stream_interval_is_asked_with_the_extensions_only() -> None:
 def test_a_bad_stream_interval_is_refused_by_name(value: Any) -> None:
     with pytest.raises(sart.ConfigError, match=f"stream_interval={value!r} must be >= 1"):
         OpenAIEngine("http://127.0.0.1:1", "m", stream_interval=value)
+
+
+@pytest.mark.parametrize(
+    ("detail", "field"),
+    [
+        ('{"error": {"message": "m", "type": "BadRequestError", "param": "stop_token_ids"}}',
+         "stop_token_ids"),  # vLLM 0.32's body
+        ('{"object": "error", "message": "m", "param": "prompt"}', "prompt"),  # older vLLM
+        ('{"error": {"message": "m", "param": null}}', None),
+        ("Bad Request", None),  # not JSON
+    ],
+)  # fmt: skip
+def test_an_upstreams_400_keeps_the_field_it_names(detail: str, field: str | None) -> None:
+    # A gateway's client then gets the upstream's param in its own 400.
+    refused = error_answer("http://u", 400, detail, downgrade=False)
+    assert isinstance(refused, sart.RequestRefused) and refused.field == field
 
 
 def test_a_url_without_a_scheme_is_refused_by_name() -> None:

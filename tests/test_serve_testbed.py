@@ -360,6 +360,14 @@ BAD_INPUTS = [
         "a prompt of 600 tokens leaves no room",
     ),
     (
+        "token ids outside the vocabulary",  # the embedding would raise on it: a 500
+        {"model": "testbed", "prompt": [5, 10**6]},
+        None,
+        400,
+        "prompt",
+        "token ids [1000000] lie outside the model's vocabulary",
+    ),
+    (
         "unknown model",
         {"model": "gpt-4", "prompt": "x"},
         None,

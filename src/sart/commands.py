@@ -146,6 +146,8 @@ class Failed:
     """The requests affected; ``None``: every request the command involved."""
     refused: bool = False
     """The engine refused the requests for what they ask (``RequestRefused``)."""
+    field: str | None = None
+    """The request field the refusal names, if it names one (``RequestRefused.field``)."""
 
 
 @attrs.frozen

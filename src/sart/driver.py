@@ -392,8 +392,10 @@ class DriverBase:
 
     @staticmethod
     def _failure(exc: Exception) -> Failed:
+        if isinstance(exc, RequestRefused):
+            return Failed(str(exc), exc.request_ids or None, refused=True, field=exc.field)
         if isinstance(exc, EngineError):
-            return Failed(str(exc), exc.request_ids or None, isinstance(exc, RequestRefused))
+            return Failed(str(exc), exc.request_ids or None)
         return Failed(f"{type(exc).__name__}: {exc}")
 
     def _prefilled(self, request_id: str) -> Callable[[Any], Event]:

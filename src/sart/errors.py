@@ -118,7 +118,14 @@ class EngineError(_AttributedError):
 class RequestRefused(EngineError):
     """The engine refuses a request for what it asks, not for a fault of its own (its
     prompt does not fit the model's context): the request fails with the reason, and
-    a server answers it 400, as vLLM's does."""
+    a server answers it 400, as vLLM's does, naming ``field`` (the request field at
+    fault, where the engine knows it: ``"prompt"``, ``"logprobs"``)."""
+
+    def __init__(
+        self, message: str, request_ids: Iterable[str] = (), field: str | None = None
+    ) -> None:
+        super().__init__(message, request_ids)
+        self.field = field
 
 
 class PRMError(_AttributedError):

@@ -80,6 +80,9 @@ class RequestResult:
     """It failed for what it asks, which the engine refused (``RequestRefused``: a
     prompt that does not fit the model's context), not for a fault: a server
     answers it 400."""
+    refused_field: str | None = None
+    """The request field the refusal names, where the engine knows it (``"prompt"``,
+    ``"logprobs"``; a server's error ``param``)."""
     policy: str = ""
     """The policy's name."""
     prm_items: int = 0

@@ -96,6 +96,7 @@ def cap_max_tokens(
             f"request {request_id!r}: a prompt of {prompt_tokens} tokens leaves no room in "
             f"{context}",
             [request_id],
+            field="prompt",
         )
     return min(max_tokens, room)
 

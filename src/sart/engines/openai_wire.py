@@ -44,6 +44,7 @@ tests serve it with ``--no-enable-chunked-prefill``.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Any
 
@@ -299,8 +300,19 @@ def error_answer(url: str, status: int, detail: str, downgrade: bool) -> Excepti
     if status in (400, 422):
         if downgrade:
             return Downgrade()
-        return RequestRefused(f"{url} refused it (HTTP {status}): {detail}")
+        return RequestRefused(f"{url} refused it (HTTP {status}): {detail}", field=_param(detail))
     return ServerError(f"{url} answered HTTP {status}: {detail}")
+
+
+def _param(detail: str) -> str | None:
+    """The request field an OpenAI-style error body names (``error.param``), if any."""
+    try:
+        body = json.loads(detail)
+    except ValueError:
+        return None
+    error = body.get("error", body) if isinstance(body, dict) else None
+    param = error.get("param") if isinstance(error, dict) else None
+    return param if isinstance(param, str) and param else None
 
 
 def cut_short(

@@ -46,6 +46,7 @@ def check_vocabulary(
         raise RequestRefused(
             f"request {request_id!r}: token ids {bad[:5]} lie outside {where}",
             [request_id] if request_id is not None else [],
+            field="prompt",
         )
 
 

@@ -244,6 +244,7 @@ class SGLangEngine(StreamingEngine):
                 f"request {request_id!r}: token ids {bad[:5]} lie outside the model's "
                 f"vocabulary {size}; SGLang's scheduler would crash on them",
                 [request_id],
+                field="prompt",
             )
         return self._hold_prompt(
             request_id,

@@ -409,7 +409,8 @@ class StreamingEngine(abc.ABC):
 
     def _failure(self, bid: BranchId, stream: BranchStream) -> EngineError:
         if isinstance(stream.error, RequestRefused):  # the server's no to what it asks
-            return RequestRefused(f"branch {bid}: {stream.error}", [bid.request_id])
+            error = stream.error
+            return RequestRefused(f"branch {bid}: {error}", [bid.request_id], field=error.field)
         return EngineError(f"stream of branch {bid} failed: {stream.error!r}", [bid.request_id])
 
 

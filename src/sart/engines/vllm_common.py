@@ -381,6 +381,7 @@ class VLLMInputs:
                 f"request {request_id!r}: logprobs={k} is above vLLM's "
                 f"max_logprobs={self.max_logprobs}; build the engine with max_logprobs >= {k}",
                 [request_id],
+                field="logprobs",
             )
 
     def _engine_input(self, ids: list[int]) -> Any:

@@ -218,7 +218,12 @@ def completed_result(
 
 
 def unfinished_result(
-    req: RequestState, status: RequestStatus, reason: str, now: float, refused: bool = False
+    req: RequestState,
+    status: RequestStatus,
+    reason: str,
+    now: float,
+    refused: bool = False,
+    field: str | None = None,
 ) -> RequestResult:
     """The result of a request that ends without an answer (failed or cancelled)."""
     return RequestResult(
@@ -231,6 +236,7 @@ def unfinished_result(
         timings=req.timings(now),
         reason=reason,
         refused=refused,
+        refused_field=field if refused else None,
         policy=req.policy.name,
         prm_items=req.prm_items,
     )

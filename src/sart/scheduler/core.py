@@ -360,7 +360,9 @@ class Scheduler:
             reserved = self._slots.reserved
             self._waiting.add_branches(req, (b for b in req.branches if b.id not in reserved))
         elif isinstance(event, Failed):
-            self._requests.fail(req, f"prefill failed: {event.reason}", now, event.refused)
+            self._requests.fail(
+                req, f"prefill failed: {event.reason}", now, event.refused, event.field
+            )
         else:
             raise SchedulerError(f"Prefill answered by {event!r}")
 
@@ -378,7 +380,7 @@ class Scheduler:
         self._slots.unreserve(ids)
         if isinstance(event, Failed):
             reason = f"starting branches failed: {event.reason}"
-            self._requests.fail(req, reason, now, event.refused)
+            self._requests.fail(req, reason, now, event.refused, event.field)
         elif isinstance(event, Skipped):
             self._requests.fail(req, "start skipped after an earlier failure", now)
         else:
@@ -390,7 +392,7 @@ class Scheduler:
             for req in involved:
                 if event.request_ids is None or req.id in event.request_ids:
                     reason = f"decode failed: {event.reason}"
-                    self._requests.fail(req, reason, now, event.refused)
+                    self._requests.fail(req, reason, now, event.refused, event.field)
             return
         if not isinstance(event, Decoded):
             raise SchedulerError(f"Decode answered by {event!r}")

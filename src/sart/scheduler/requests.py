@@ -89,8 +89,15 @@ class RequestTable:
         self._end_branches(req, BranchStatus.STOPPED)
         self._close(req, algorithm.completed_result(req, chosen, answer_of, now), now)
 
-    def fail(self, req: RequestState, reason: str, now: float, refused: bool = False) -> None:
-        self.end_unfinished(req, RequestStatus.FAILED, reason, now, refused)
+    def fail(
+        self,
+        req: RequestState,
+        reason: str,
+        now: float,
+        refused: bool = False,
+        field: str | None = None,
+    ) -> None:
+        self.end_unfinished(req, RequestStatus.FAILED, reason, now, refused, field)
 
     def end_unfinished(
         self,
@@ -99,13 +106,14 @@ class RequestTable:
         reason: str,
         now: float,
         refused: bool = False,
+        field: str | None = None,
     ) -> None:
         """End ``req`` without an answer (failed or cancelled): abort its running
         branches; the waiting ones never start."""
         if req.ended:
             return
         self._end_branches(req, BranchStatus.FAILED)
-        result = algorithm.unfinished_result(req, status, reason, now, refused)
+        result = algorithm.unfinished_result(req, status, reason, now, refused, field)
         self._close(req, result, now)
 
     def _end_branches(self, req: RequestState, status: BranchStatus) -> None:

@@ -280,7 +280,8 @@ def _failure(result: RequestResult) -> tuple[str, int, str | None]:
     if result.status is RequestStatus.CANCELLED:
         message, status, param = f"the request {result.reason}", 504, None
     elif result.refused:
-        message, status, param = f"the request was refused: {result.reason}", 400, "prompt"
+        message, status = f"the request was refused: {result.reason}", 400
+        param = result.refused_field
     else:
         message, status, param = f"the request failed: {result.reason}", 500, None
     # A streamed client may read no error event (vllm bench serve does not): the log
