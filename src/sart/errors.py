@@ -162,6 +162,11 @@ def int_at_least(
     return check
 
 
+def finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (a bool is not a number here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def number_above(
     low: float, *, optional: bool = False
 ) -> Callable[[object, attrs.Attribute, object], None]:
@@ -171,12 +176,7 @@ def number_above(
     rule = f"{'None or ' if optional else ''}a finite number > {low:g}"
 
     def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
-        number = (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-            and value > low
-        )
+        number = finite_number(value) and value > low  # type: ignore[operator]
         config_check(number or (optional and value is None), attr.name, value, rule)
 
     return check

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import enum
-import math
 import zlib
 from collections.abc import Callable
 from typing import NamedTuple
 
 import attrs
 
-from sart.errors import config_check, int_at_least
+from sart.errors import config_check, finite_number, int_at_least
 
 #: A prompt is text, or token ids when the caller has tokenised it already.
 Prompt = str | tuple[int, ...]
@@ -112,16 +111,12 @@ def default_seed(request_id: str) -> int:
     return zlib.crc32(request_id.encode("utf-8"))
 
 
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(_number(value) and value >= 0.0, "temperature", value, "a number >= 0")
+    config_check(finite_number(value) and value >= 0.0, "temperature", value, "a number >= 0")
 
 
 def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(_number(value) and 0.0 < value <= 1.0, "top_p", value, "a number in (0, 1]")
+    config_check(finite_number(value) and 0.0 < value <= 1.0, "top_p", value, "a number in (0, 1]")
 
 
 def _in_range(
@@ -131,7 +126,7 @@ def _in_range(
     rule = f"a number in {'(' if open_low else '['}{low:g}, {high:g}]"
 
     def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
-        ok = _number(value)
+        ok = finite_number(value)
         if ok:
             number = float(value)  # type: ignore[arg-type]
             ok = (low < number if open_low else low <= number) and number <= high

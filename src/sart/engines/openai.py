@@ -103,7 +103,7 @@ from sart.engines.openai_wire import (
     tokenize,
     words,
 )
-from sart.engines.prompts import check_vocabulary
+from sart.engines.prompts import check_vocabulary, vocabulary_size
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -433,8 +433,7 @@ class OpenAIEngine(StreamingEngine):
         (from its model card when the ids are known here); the ``home`` server first."""
         if not isinstance(prompt, str):
             ids = list(prompt)
-            # The tokenizer's length, as vLLM's server checks (transformers' have one).
-            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            size = vocabulary_size(self.tokenizer)
             check_vocabulary(request_id, ids, size, "the tokenizer's vocabulary")
         elif self.tokenizer is not None:
             ids = list(self.tokenizer.encode(prompt))

@@ -34,6 +34,12 @@ def prompt_ids(tokenizer: Any, prompt: Prompt, chat: bool = False) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
+def vocabulary_size(tokenizer: Any) -> int | None:
+    """The ids a tokenizer knows (its length, which vLLM's server checks prompt ids
+    against; transformers' tokenizers have one), ``None`` if it does not say."""
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else None
+
+
 def check_vocabulary(
     request_id: str | None, ids: Sequence[int], size: int | None, what: str
 ) -> None:
@@ -50,4 +56,4 @@ def check_vocabulary(
         )
 
 
-__all__ = ["check_vocabulary", "prompt_ids"]
+__all__ = ["check_vocabulary", "prompt_ids", "vocabulary_size"]

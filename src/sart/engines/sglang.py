@@ -105,7 +105,6 @@ from sart.errors import (
     ConfigError,
     EngineError,
     MissingDependencyError,
-    RequestRefused,
     install_hint,
     needs_extra,
 )
@@ -119,7 +118,7 @@ if importlib.util.find_spec("sglang") is None:
 
 from sart.engines import sglang_wire as wire  # noqa: E402
 from sart.engines.base import TokenLogprobs  # noqa: E402
-from sart.engines.prompts import prompt_ids  # noqa: E402
+from sart.engines.prompts import check_vocabulary, prompt_ids  # noqa: E402
 from sart.engines.sglang_launch import start_engine  # noqa: E402
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine  # noqa: E402
 from sart.engines.sync_bridge import SyncBridge  # noqa: E402
@@ -236,16 +235,8 @@ class SGLangEngine(StreamingEngine):
 
     async def prefill(self, request_id: str, prompt: Prompt, sampling: SamplingSettings) -> int:
         ids = self._prompt_ids(request_id, prompt)
-        vocab = self.vocab_size
-        bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
-        if bad:
-            size = f"of {vocab} ids" if vocab is not None else "(no id is negative)"
-            raise RequestRefused(
-                f"request {request_id!r}: token ids {bad[:5]} lie outside the model's "
-                f"vocabulary {size}; SGLang's scheduler would crash on them",
-                [request_id],
-                field="prompt",
-            )
+        # SGLang does not check them itself: its scheduler crashes on one outside.
+        check_vocabulary(request_id, ids, self.vocab_size, "the model's vocabulary")
         return self._hold_prompt(
             request_id,
             prompt,

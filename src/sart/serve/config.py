@@ -8,14 +8,13 @@ a request: models, PRMs and methods are fixed when the server starts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import attrs
 
 from sart import converters
-from sart.errors import config_check, number_above
+from sart.errors import config_check, finite_number, number_above
 from sart.policies.equivalence import Equivalence, check_equivalence
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
@@ -39,21 +38,17 @@ def _check_models(_inst: object, _attr: attrs.Attribute, value: tuple[str, ...])
     )
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(_finite(value) and value >= 0, "temperature", value, ">= 0")
+    config_check(finite_number(value) and value >= 0, "temperature", value, ">= 0")
 
 
 def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(_finite(value) and 0 < value <= 1, "top_p", value, "in (0, 1]")
+    config_check(finite_number(value) and 0 < value <= 1, "top_p", value, "in (0, 1]")
 
 
 def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float | None) -> None:
     config_check(
-        value is None or (_finite(value) and value > 0),
+        value is None or (finite_number(value) and value > 0),
         "keepalive",
         value,
         "None or a number of seconds > 0",
