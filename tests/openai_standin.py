@@ -50,7 +50,9 @@ class StandInServer:
     ``abort_endpoint``: serve vLLM's ``/inference/v1/abort_requests`` (it stops
     the named streams, as vLLM's engine aborts them). ``logprobs``: honour
     ``logprobs`` (else the request's tokens come without them). ``max_logprobs``:
-    answer 400 to a larger ``logprobs``, as vLLM does.
+    answer 400 to a larger ``logprobs``, as vLLM does. ``health``: the status of its
+    ``GET /health`` (``None``: it has none, 404). ``fail`` and ``health`` may be
+    changed while it serves (an upstream that goes bad, and comes back).
     """
 
     _hosts = itertools.count()
@@ -69,6 +71,7 @@ class StandInServer:
         abort_endpoint: bool = False,
         logprobs: bool = True,
         max_logprobs: int | None = None,
+        health: int | None = 200,
     ) -> None:
         self.token_delay = token_delay
         self.honour_logprobs = logprobs
@@ -82,6 +85,7 @@ class StandInServer:
         self.strict = strict
         self.tokenize = tokenize
         self.fail = fail
+        self.health = health
         self.error_after = error_after
         self.error_message, self.error_code = error
         self.requests: list[dict[str, Any]] = []
@@ -102,6 +106,8 @@ class StandInServer:
             return httpx.Response(
                 200, json={"count": len(ids), "max_model_len": 4096, "tokens": ids}
             )
+        if path == "/health" and request.method == "GET" and self.health is not None:
+            return httpx.Response(self.health)
         if path == "/v1/models" and request.method == "GET":  # vLLM's model card
             card = {"id": "stand-in", "object": "model", "max_model_len": 4096}
             return httpx.Response(200, json={"object": "list", "data": [card]})
@@ -319,6 +325,8 @@ class SocketServer(StandInServer):
         sent = 0
         try:
             async for piece in response.stream:  # type: ignore[union-attr]
+                if not piece:  # a chunk of 0 bytes would end the body
+                    continue
                 if gone.done():
                     return
                 if self.die_after is not None and sent == self.die_after:

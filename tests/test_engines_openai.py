@@ -470,7 +470,7 @@ def test_busy_servers_send_the_branch_on_without_duplicates() -> None:
         (400, r"refused it \(HTTP 400\)", True),
         (422, r"refused it \(HTTP 422\)", True),
         (500, "answered HTTP 500", False),
-        (404, "answered HTTP 404", False),
+        (501, "answered HTTP 501", False),
     ],
 )
 def test_an_error_answer_fails_its_request_without_a_retry(
@@ -487,6 +487,96 @@ def test_an_error_answer_fails_its_request_without_a_retry(
         assert isinstance(error, sart.RequestRefused) is refused
         assert len(bad.requests) == 1 and not good.requests
         await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 408, 429])
+def test_an_upstream_that_cannot_take_it_now_sends_the_branch_on(status: int) -> None:
+    # Before: a key revoked (401/403) or a model swapped (404) on one upstream after the
+    # gateway's start failed every request homed there with a 500; the others could
+    # have served it.
+    bad, good = StandInServer(fail=status), StandInServer()
+    deltas = one_branch(bad, good)
+    assert [t for d in deltas for t in d.token_ids] == StandInServer.tokens("p q", 5)
+    assert [len(s.requests) for s in (bad, good)] == [1, 1]
+
+
+def test_every_upstream_refusing_fails_the_request_saying_why_of_each() -> None:
+    revoked, swapped = StandInServer(fail=401), StandInServer(fail=404)
+
+    async def scenario() -> None:
+        e = engine(revoked, swapped, max_retries=1)
+        await fails_alone(
+            e,
+            "p",
+            sart.SamplingSettings(max_tokens=5),
+            f"found no server after 2 attempts: {revoked.url}: HTTP 401: .*; "
+            f"{swapped.url}: HTTP 404",
+        )
+        await e.release_prefix("a")
+
+    asyncio.run(scenario())
+
+
+def test_an_upstream_that_failed_is_passed_over_for_its_cooldown() -> None:
+    # Before: every new request homed on a dead upstream paid its failed attempt (a
+    # connect timeout, for a host that is gone) before going elsewhere.
+    down, good = StandInServer(fail=503), StandInServer()
+    now = [0.0]
+
+    async def ask(e: OpenAIEngine, rid: str) -> None:
+        await e.prefill(rid, "p", sart.SamplingSettings(max_tokens=3))
+        await e.start_branches(rid, [BranchSpec(0, 1)])
+        await drain(e)
+        await e.release_prefix(rid)
+
+    async def scenario() -> None:
+        e = engine(down, good, cooldown=10.0)
+        e.upstreams.clock = lambda: now[0]
+        for rid in "abcd":  # round-robin would home b and d on the down one
+            await ask(e, rid)
+        assert len(down.completions()) == 1 and len(good.completions()) == 4
+        now[0] = 10.5  # its cooldown is over: it is tried again, and answers
+        down.fail = None
+        for rid in "efgh":
+            await ask(e, rid)
+        assert len(down.completions()) == 3 and len(good.completions()) == 6
+        await e.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_health_check_needs_one_upstream_to_answer() -> None:
+    one, two = StandInServer(health=503), StandInServer(health=None)  # two: no /health
+
+    async def scenario() -> None:
+        e = engine(one, two)
+        await e.check_health()  # two's /v1/models answers
+        assert e.upstreams.down(0) and not e.upstreams.down(1)
+        two.health = 500
+        with pytest.raises(sart.EngineError) as info:
+            await e.check_health()
+        assert str(info.value) == (
+            f"no upstream server answers: {one.url}: HTTP 503 to a health check; "
+            f"{two.url}: HTTP 500 to a health check"
+        )
+        one.health = 200
+        await e.check_health()
+        assert not e.upstreams.down(0)
+        await e.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_the_health_check_of_unreachable_upstreams_says_so() -> None:
+    async def scenario() -> None:
+        url = dead_url()
+        e = engine(url)
+        said = rf"^no upstream server answers: {url}: no answer \(ConnectError: "
+        with pytest.raises(sart.EngineError, match=said):
+            await e.check_health()
+        await e.aclose()
 
     asyncio.run(scenario())
 

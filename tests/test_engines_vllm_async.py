@@ -89,3 +89,41 @@ def test_logprobs_above_vllms_max_fail_the_request_at_prefill(bridge: Any) -> No
         e.prefill("a", PROMPTS[0], sampling)
     assert info.value.request_ids == {"a"}
     assert e.stats().live_branches == 0
+
+
+def test_its_health_check_says_when_the_engine_core_has_died(
+    demo_models: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: with vLLM's engine core dead, sart serve --engine vllm-async said /health
+    # 200 while every request failed. An AsyncLLM of its own: this one is killed.
+    import gc
+    import os
+    import signal
+
+    import psutil
+
+    from adapters import VLLM_ENGINE_ARGS, VLLM_ENV
+    from sart.engines.sync_bridge import SyncBridge
+    from sart.engines.vllm_async import VLLMAsyncEngine
+
+    for name, value in VLLM_ENV.items():
+        monkeypatch.setenv(name, value)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    bridge = SyncBridge.build(
+        lambda: VLLMAsyncEngine.from_engine_args(str(demo_models["policy"]), **VLLM_ENGINE_ARGS)
+    )
+    try:
+        check = bridge.engine.check_health
+        bridge.loop.run_until_complete(check())  # alive: returns
+        cores = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        assert cores, "AsyncLLM's engine core runs in a process of its own"
+        for core in cores:
+            os.kill(core.pid, signal.SIGKILL)
+        with pytest.raises(sart.EngineError, match=r"^vLLM's engine is not running"):
+            for _ in range(100):  # vLLM notices its core's death within a moment
+                bridge.loop.run_until_complete(check())
+                bridge.loop.run_until_complete(asyncio.sleep(0.1))
+    finally:
+        bridge.close()
+        del bridge, check
+        gc.collect()  # its AsyncLLM's __del__ now, not at exit when vLLM's modules are gone

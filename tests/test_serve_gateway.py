@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
 
 pytest.importorskip("fastapi")
@@ -158,3 +159,33 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
     assert f"warning: --upstream {dead}: nothing answers there" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=f"^no --upstream answers: --upstream {dead}: "):
         check_upstreams([dead], None, MODEL)
+
+
+def test_an_upstream_gone_bad_is_worked_around_and_health_follows_the_upstreams(
+    upstreams, gateway
+) -> None:
+    # Before: an upstream that revoked the gateway's key after start failed every
+    # request homed there with a 500, and /health said 200 with every upstream down.
+    good, revoked = upstreams(token_delay=0.001)
+    served = gateway([good, revoked])
+    client = served.openai()
+    revoked.fail = 401
+    for i in range(4):
+        reply = client.completions.create(
+            model=MODEL, prompt=f"question {i}", extra_body={"method": "sc", "n": 2}
+        )
+        assert reply.choices[0].text
+    # One request's branches tried it, then it was passed over for its cooldown.
+    assert len(by_request([revoked])) == 1
+    health = httpx.get(f"{served.url}/health", timeout=10)
+    assert health.status_code == 200, health.text
+    good.health = revoked.health = 503
+    answer = httpx.get(f"{served.url}/health", timeout=10)
+    assert answer.status_code == 503
+    message = answer.json()["error"]["message"]
+    assert message == (
+        f"no upstream server answers: {good.url}: HTTP 503 to a health check; "
+        f"{revoked.url}: HTTP 503 to a health check"
+    )
+    good.health = 200
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200

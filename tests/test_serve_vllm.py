@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 from adapters import fresh_vllm, fresh_vllm_async, server_metric  # noqa: E402
 from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
@@ -63,6 +64,7 @@ def cache(urls: tuple[str, str]) -> tuple[float, float]:
 def test_sart_and_chat_through_the_gateway(gateway: Server) -> None:
     # The model name is the upstreams' own, read from their /v1/models.
     assert [m.id for m in gateway.client().models.list()] == ["demo"]
+    assert httpx.get(f"{gateway.url}/health", timeout=10).status_code == 200  # theirs say so
     reply = gateway.client().completions.create(
         model="demo", prompt="Step 1: add 3 and 4.", extra_body={"method": "sart", "n": 8}
     )
@@ -177,6 +179,7 @@ def test_in_process_vllm_answers_and_a_client_that_leaves_frees_its_branches(
     in_process: tuple[Served, Callable[[], int]],
 ) -> None:
     served, unfinished = in_process
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200  # AsyncLLM's too
     reply = served.openai().completions.create(
         model="demo", prompt="Step 1: add 3 and 4.", extra_body={"method": "sc", "n": 4}
     )

@@ -180,6 +180,18 @@ class ReportsUsage(Protocol):
         ...
 
 
+@runtime_checkable
+class ChecksHealth(Protocol):
+    """An async engine that can say whether it can serve at all, beyond any one request:
+    its engine core alive (vLLM's ``AsyncLLM``), some upstream server answering (the
+    gateway). ``sart serve``'s ``/health`` asks it, so that a load balancer stops
+    sending requests that could only fail."""
+
+    async def check_health(self) -> None:
+        """Return if it can serve; raise ``EngineError`` saying why not."""
+        ...
+
+
 def supports_pause(engine: object) -> bool:
     """Whether the engine can pause live branches (``pause(branch_ids)``: free their KV,
     keep their tokens) and resume them (``BranchSpec(resume=True)``)."""
@@ -219,6 +231,7 @@ __all__ = [
     "AsyncEngine",
     "BranchDelta",
     "BranchSpec",
+    "ChecksHealth",
     "Engine",
     "EngineStats",
     "ReportsUsage",

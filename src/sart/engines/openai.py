@@ -80,7 +80,7 @@ from typing import Any
 
 import attrs
 
-from sart.errors import ConfigError, EngineError, config_check, needs_extra
+from sart.errors import ConfigError, EngineError, config_check, finite_number, needs_extra
 
 with needs_extra("the OpenAI engine", "remote"):
     import httpx
@@ -99,6 +99,7 @@ from sart.engines.openai_wire import (
     base_url,
     completion_body,
     post_completion,
+    probe,
     server_context,
     tokenize,
     words,
@@ -145,6 +146,7 @@ class OpenAIEngine(StreamingEngine):
         affinity: bool = True,
         explicit_abort: bool = False,
         stream_interval: int = 1,
+        cooldown: float = 5.0,
     ) -> None:
         super().__init__()
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
@@ -157,6 +159,7 @@ class OpenAIEngine(StreamingEngine):
             raise ConfigError(f"max_retries={max_retries!r} must be >= 0")
         ok = isinstance(stream_interval, int) and stream_interval >= 1
         config_check(ok, "stream_interval", stream_interval, ">= 1")
+        config_check(finite_number(cooldown) and cooldown >= 0, "cooldown", cooldown, ">= 0")
         self.stream_interval = stream_interval
         """Tokens per streamed chunk asked of the upstream (module docstring)."""
         self.model = model
@@ -173,8 +176,9 @@ class OpenAIEngine(StreamingEngine):
         self.affinity = affinity
         self.explicit_abort = explicit_abort
         self.servers = [Server(base_url(u), extras=return_token_ids is not False) for u in urls]
-        self.upstreams = Upstreams(self.servers)
-        """Which server a request and each branch stream from (``openai_upstreams``)."""
+        self.upstreams = Upstreams(self.servers, cooldown=cooldown)
+        """Which server a request and each branch stream from, and which are passed over
+        for a while after a failure (``openai_upstreams``)."""
         self._client: httpx.AsyncClient | None = None
         self._requests: dict[str, UpstreamRequest] = {}
         self._progress: dict[BranchId, _Progress] = {}
@@ -257,6 +261,31 @@ class OpenAIEngine(StreamingEngine):
         request = self._requests.pop(request_id, None)
         if request is not None:
             self.upstreams.leave(request)
+
+    async def check_health(self) -> None:
+        """Return once any server answers a health probe (``openai_wire.probe``: its
+        ``/health``, else its ``/v1/models``); raise ``EngineError`` saying why each
+        failed if none does. Each probe's outcome also tells the choice of servers
+        (``Upstreams.failed``/``answered``). ``sart serve``'s ``/health`` asks it."""
+
+        async def probed(index: int) -> tuple[int, str | None]:
+            reason = await probe(self.client, self.servers[index], self.connect_timeout)
+            (self.upstreams.answered if reason is None else self.upstreams.failed)(index)
+            return index, reason
+
+        probes = [asyncio.ensure_future(probed(i)) for i in range(len(self.servers))]
+        reasons: dict[int, str] = {}
+        try:
+            for done in asyncio.as_completed(probes):
+                index, reason = await done
+                if reason is None:
+                    return  # one is enough; the rest are cancelled below
+                reasons[index] = reason
+        finally:
+            for task in probes:
+                task.cancel()
+        said = [reasons[i] for i in sorted(reasons)]
+        raise EngineError("no upstream server answers: " + "; ".join(said))
 
     def stats(self) -> EngineStats:
         kv = sum(p.tokens for p in self._ledger.prefixes.values())
@@ -391,6 +420,8 @@ class OpenAIEngine(StreamingEngine):
             )
             try:
                 async for chunk in attempt:
+                    if server.down_until:  # it answers: no longer passed over
+                        self.upstreams.answered(index)
                     if chunk.finish is not None:
                         final = chunk  # yielded once the response is closed
                         break
@@ -399,6 +430,7 @@ class OpenAIEngine(StreamingEngine):
                 without_extras = True
                 continue  # the same server, without the extensions; not an attempt
             except Retryable as exc:
+                self.upstreams.failed(index)
                 failures.append(f"{server.url}: {exc}")
                 attempts += 1
                 tried.add(index)

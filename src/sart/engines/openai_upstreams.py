@@ -16,14 +16,18 @@ the prompt is prefilled once and its KV shared by the branches through that
 server's prefix cache. With ``affinity=False`` each branch goes to the server
 with the fewest live branches (the prompt is then prefilled on every server
 that gets a branch of it). A transport error (connection refused or reset,
-timeout) or a 502/503/504 answer before the branch streamed any token is
-retried on another server (``max_retries`` times in all); the request's later
-branches then follow it there. A branch that has already streamed tokens is
+timeout) or an answer that says this server cannot take it now (502, 503, 504:
+down or busy; 408, 429: timed out or rate-limited; 401, 403, 404: it refuses
+the gateway's key or no longer serves the model, as the others were checked to
+at start) before the branch streamed any token is retried on another server
+(``max_retries`` times in all); the request's later branches then follow it
+there. A branch that has already streamed tokens is
 never retried: its request fails (``EngineError``), the other requests go on.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -53,9 +57,31 @@ class UpstreamRequest:
 class Upstreams:
     """The servers, and the choice of one for a request or a branch (module docstring)."""
 
-    def __init__(self, servers: Sequence[Server]) -> None:
+    def __init__(
+        self,
+        servers: Sequence[Server],
+        *,
+        cooldown: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.servers = list(servers)
+        self.cooldown = cooldown
+        """Seconds a server that failed an attempt is passed over (``failed``)."""
+        self.clock = clock
         self._next = 0  # round-robin start among equally loaded servers
+
+    def failed(self, index: int) -> None:
+        """Server ``index`` failed an attempt (or a health probe): pass it over for
+        ``cooldown`` seconds while another is left."""
+        self.servers[index].down_until = self.clock() + self.cooldown
+
+    def answered(self, index: int) -> None:
+        """Server ``index`` answered: it is chosen again as any other."""
+        self.servers[index].down_until = 0.0
+
+    def down(self, index: int) -> bool:
+        """Whether server ``index`` is passed over now (it failed within ``cooldown``)."""
+        return self.servers[index].down_until > self.clock()
 
     def home(self) -> int:
         """A new request's server, counted as one more open request there. (Its
@@ -86,7 +112,9 @@ class Upstreams:
     def _least(self, exclude: set[int], load: Callable[[Server], Any]) -> int:
         n = len(self.servers)
         order = [(self._next + i) % n for i in range(n)]
-        candidates = [i for i in order if i not in exclude] or order
+        untried = [i for i in order if i not in exclude] or order
+        # A server that failed lately only if every other did too: it may be back.
+        candidates = [i for i in untried if not self.down(i)] or untried
         best = min(candidates, key=lambda i: load(self.servers[i]))  # first minimum wins
         self._next = (best + 1) % n
         return best

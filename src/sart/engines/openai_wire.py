@@ -65,7 +65,12 @@ from sart.errors import EngineError, RequestRefused
 from sart.types import BranchId, FinishReason, Prompt, SamplingSettings
 
 FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-RETRY_STATUS = frozenset({502, 503, 504})
+RETRY_STATUS = frozenset({401, 403, 404, 408, 429, 502, 503, 504})
+"""Answers that say this server cannot take the request now, not that the request is
+at fault: down or busy (502-504), timed out or rate-limited (408, 429), refusing the
+gateway's key or no longer serving the model (401, 403, 404: the gateway checked
+every upstream for both at start, so one that says so later changed since).
+Another server may take it."""
 
 
 class ServerError(Exception):
@@ -95,6 +100,8 @@ class Server:
     """Whether vLLM's ``/inference/v1/abort_requests`` works there (``None``: not tried)."""
     context: int | None = None
     """Its ``max_model_len`` from ``/v1/models`` (``None``: not asked yet; 0: unsaid)."""
+    down_until: float = 0.0
+    """Until when (the ``Upstreams`` clock) it is passed over: it failed an attempt."""
 
 
 async def post_completion(
@@ -290,7 +297,7 @@ def checked(count: Callable[..., Chunk], *args: Any, url: str) -> Chunk:
 
 def error_answer(url: str, status: int, detail: str, downgrade: bool) -> Exception:
     """What an error answer (HTTP ``status`` >= 400) to a completion request means:
-    502/503/504 -> another server may take it; 400/422 while the extensions may be
+    one of ``RETRY_STATUS`` -> another server may take it; 400/422 while the extensions may be
     dropped (``downgrade``) -> the same server again without them; else the
     request fails: refused (``RequestRefused``) where the server said it was the
     request's own fault (400, 422: a client of the gateway gets a 400, as from the
@@ -355,7 +362,8 @@ async def tokenize(
     """The prompt's ids from a server's ``/tokenize`` (``None`` if no server has one)
     and that server's ``max_model_len``: ``first`` asked first, then servers known to
     tokenize, the least busy first. A server without the endpoint is not asked again;
-    ``EngineError`` if none can be reached or one answers with an error.
+    one that cannot answer now (unreachable, or one of ``RETRY_STATUS``) is passed;
+    ``EngineError`` if none can be reached or one answers with another error.
     """
     unreachable: list[str] = []
     for server in sorted(servers, key=lambda s: (s is not first, s.tokenize is not True, s.live)):
@@ -377,6 +385,9 @@ async def tokenize(
             if response.status_code in (404, 405, 501):
                 server.tokenize = False
                 continue
+            if response.status_code in RETRY_STATUS:  # this server's state: ask another
+                unreachable.append(f"{server.url}: HTTP {response.status_code}")
+                continue
             raise EngineError(
                 f"tokenizing {request_id!r} on {server.url} failed: HTTP "
                 f"{response.status_code} {response.text[:300]}",
@@ -395,6 +406,22 @@ async def tokenize(
             [request_id] if request_id else [],
         )
     return None, None
+
+
+async def probe(client: httpx.AsyncClient, server: Server, timeout: float) -> str | None:
+    """Why ``server`` cannot serve now (``None``: it can): its ``GET /health`` (vLLM's
+    and SGLang's say whether their engine is alive), or its ``GET /v1/models`` where
+    it has no ``/health``, must answer below 400 within ``timeout`` seconds."""
+    status = 404
+    try:
+        for path in ("/health", "/v1/models"):
+            response = await client.get(server.url + path, timeout=timeout)
+            status = response.status_code
+            if status not in (404, 405):
+                break
+    except httpx.TransportError as exc:
+        return f"{server.url}: no answer ({type(exc).__name__}: {exc})"
+    return None if status < 400 else f"{server.url}: HTTP {status} to a health check"
 
 
 async def server_context(client: httpx.AsyncClient, server: Server, model: str) -> int | None:

@@ -69,6 +69,7 @@ from vllm.v1.engine.async_llm import AsyncLLM  # isort: skip
 from sart.engines.base import EngineStats
 from sart.engines.prompts import prompt_ids
 from sart.engines.streaming import BranchStart, Chunk, StreamingEngine
+from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
 
 
@@ -123,6 +124,14 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
 
     async def _prompt_tokens(self, prompt: Prompt) -> int:
         return len(prompt_ids(self.tokenizer, prompt, self.chat))  # counted, not checked
+
+    async def check_health(self) -> None:
+        """``EngineError`` once vLLM's engine core has died (``AsyncLLM.check_health``
+        raises its ``EngineDeadError``): ``sart serve``'s ``/health`` says 503 then."""
+        try:
+            await self.async_llm.check_health()
+        except Exception as exc:
+            raise EngineError(f"vLLM's engine is not running: {exc}") from exc
 
     def stats(self) -> EngineStats:
         base = super().stats()

@@ -5,7 +5,9 @@
 ``POST /v1/chat/completions``   messages, rendered with the policy tokenizer's chat
                                 template -> the chosen branch as the assistant's message
 ``GET /v1/models``              the served names, with sart's defaults and limits
-``GET /health``                 200 while the driver runs, 503 once it has failed
+``GET /health``                 200 while it can serve; 503 once the driver has failed,
+                                vLLM's engine core died, or no upstream of a gateway
+                                answers (``Service.health``)
 ``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
 ==============================  =========================================================
 
@@ -140,9 +142,10 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
 
     @app.get("/health")
     async def health(http: HTTPRequest) -> Response:
-        if _service(http).healthy:
+        problem = await _service(http).health()
+        if problem is None:
             return Response(status_code=200)
-        return JSONResponse(responses.error_body("the driver is not running", 503), 503)
+        return JSONResponse(responses.error_body(problem, 503), 503)
 
     @app.get("/metrics")
     async def metrics(http: HTTPRequest) -> Response:

@@ -26,6 +26,7 @@ import attrs
 
 from sart.async_driver import AsyncDriver
 from sart.clock import WallClock
+from sart.engines.base import ChecksHealth
 from sart.errors import SartError
 from sart.prm.base import PRM
 from sart.request import Request
@@ -99,7 +100,22 @@ class Service:
 
     @property
     def healthy(self) -> bool:
+        """The driver runs (``health`` asks the engine too)."""
         return self._task is not None and not self._task.done()
+
+    async def health(self) -> str | None:
+        """Why the server cannot serve now (``None``: it can): its driver stopped, or its
+        engine says it cannot (``ChecksHealth``: vLLM's engine core dead, no upstream
+        of a gateway answering)."""
+        if not self.healthy:
+            return "the driver is not running"
+        inner = self.engine.inner
+        if isinstance(inner, ChecksHealth):
+            try:
+                await inner.check_health()
+            except Exception as exc:
+                return str(exc)
+        return None
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is still in flight, let the driver finish, stop it."""
