@@ -140,14 +140,21 @@ class Scored:
 
 
 @attrs.frozen
+class Refusal:
+    """An engine refused a request for what it asks (``RequestRefused``: a prompt over
+    the context), not for a fault of its own; a server answers it 400."""
+
+    field: str | None = None
+    """The request field at fault, if the engine names one (``RequestRefused.field``)."""
+
+
+@attrs.frozen
 class Failed:
     reason: str
     request_ids: frozenset[str] | None = None
     """The requests affected; ``None``: every request the command involved."""
-    refused: bool = False
-    """The engine refused the requests for what they ask (``RequestRefused``)."""
-    field: str | None = None
-    """The request field the refusal names, if it names one (``RequestRefused.field``)."""
+    refusal: Refusal | None = None
+    """Set when the engine refused the requests for what they ask."""
 
 
 @attrs.frozen

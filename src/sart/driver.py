@@ -45,6 +45,7 @@ from sart.commands import (
     Pause,
     Prefill,
     Prefilled,
+    Refusal,
     ReleasePrefix,
     Score,
     Skipped,
@@ -393,7 +394,7 @@ class DriverBase:
     @staticmethod
     def _failure(exc: Exception) -> Failed:
         if isinstance(exc, RequestRefused):
-            return Failed(str(exc), exc.request_ids or None, refused=True, field=exc.field)
+            return Failed(str(exc), exc.request_ids or None, Refusal(exc.field))
         if isinstance(exc, EngineError):
             return Failed(str(exc), exc.request_ids or None)
         return Failed(f"{type(exc).__name__}: {exc}")

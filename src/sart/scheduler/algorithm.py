@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from sart.commands import Refusal
 from sart.results import RequestResult
 from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running, whole
 from sart.state import BranchState, RequestState
@@ -222,8 +223,7 @@ def unfinished_result(
     status: RequestStatus,
     reason: str,
     now: float,
-    refused: bool = False,
-    field: str | None = None,
+    refusal: Refusal | None = None,
 ) -> RequestResult:
     """The result of a request that ends without an answer (failed or cancelled)."""
     return RequestResult(
@@ -235,8 +235,8 @@ def unfinished_result(
         branches=tuple(b.outcome(None) for b in req.branches),
         timings=req.timings(now),
         reason=reason,
-        refused=refused,
-        refused_field=field if refused else None,
+        refused=refusal is not None,
+        refused_field=refusal.field if refusal is not None else None,
         policy=req.policy.name,
         prm_items=req.prm_items,
     )

@@ -360,9 +360,7 @@ class Scheduler:
             reserved = self._slots.reserved
             self._waiting.add_branches(req, (b for b in req.branches if b.id not in reserved))
         elif isinstance(event, Failed):
-            self._requests.fail(
-                req, f"prefill failed: {event.reason}", now, event.refused, event.field
-            )
+            self._requests.fail(req, f"prefill failed: {event.reason}", now, event.refusal)
         else:
             raise SchedulerError(f"Prefill answered by {event!r}")
 
@@ -380,7 +378,7 @@ class Scheduler:
         self._slots.unreserve(ids)
         if isinstance(event, Failed):
             reason = f"starting branches failed: {event.reason}"
-            self._requests.fail(req, reason, now, event.refused, event.field)
+            self._requests.fail(req, reason, now, event.refusal)
         elif isinstance(event, Skipped):
             self._requests.fail(req, "start skipped after an earlier failure", now)
         else:
@@ -392,7 +390,7 @@ class Scheduler:
             for req in involved:
                 if event.request_ids is None or req.id in event.request_ids:
                     reason = f"decode failed: {event.reason}"
-                    self._requests.fail(req, reason, now, event.refused, event.field)
+                    self._requests.fail(req, reason, now, event.refusal)
             return
         if not isinstance(event, Decoded):
             raise SchedulerError(f"Decode answered by {event!r}")

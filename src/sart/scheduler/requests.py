@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sart.commands import Abort, Command, Finish, ReleasePrefix, StartBranches
+from sart.commands import Abort, Command, Finish, Refusal, ReleasePrefix, StartBranches
 from sart.results import RequestResult
 from sart.scheduler import algorithm
 from sart.scheduler.checks import Check
@@ -94,10 +94,9 @@ class RequestTable:
         req: RequestState,
         reason: str,
         now: float,
-        refused: bool = False,
-        field: str | None = None,
+        refusal: Refusal | None = None,
     ) -> None:
-        self.end_unfinished(req, RequestStatus.FAILED, reason, now, refused, field)
+        self.end_unfinished(req, RequestStatus.FAILED, reason, now, refusal)
 
     def end_unfinished(
         self,
@@ -105,15 +104,14 @@ class RequestTable:
         status: RequestStatus,
         reason: str,
         now: float,
-        refused: bool = False,
-        field: str | None = None,
+        refusal: Refusal | None = None,
     ) -> None:
-        """End ``req`` without an answer (failed or cancelled): abort its running
-        branches; the waiting ones never start."""
+        """End ``req`` without an answer (failed or cancelled; ``refusal``: the engine
+        refused it): abort its running branches; the waiting ones never start."""
         if req.ended:
             return
         self._end_branches(req, BranchStatus.FAILED)
-        result = algorithm.unfinished_result(req, status, reason, now, refused, field)
+        result = algorithm.unfinished_result(req, status, reason, now, refusal)
         self._close(req, result, now)
 
     def _end_branches(self, req: RequestState, status: BranchStatus) -> None:
