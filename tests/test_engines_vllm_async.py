@@ -96,6 +96,7 @@ def test_its_health_check_says_when_the_engine_core_has_died(
 ) -> None:
     # Before: with vLLM's engine core dead, sart serve --engine vllm-async said /health
     # 200 while every request failed. An AsyncLLM of its own: this one is killed.
+    pytest.importorskip("vllm")
     import gc
     import os
     import signal

@@ -196,6 +196,7 @@ def test_which_policies_need_a_prm() -> None:
         (lambda: sart.Policy(n=2, prune=None), "prune=None must be a PruneRule"),
         (lambda: sart.Policy(n=2, select=max), "must be a Selector"),
         (lambda: sart.SchedulerConfig(batch_size=0), "batch_size=0 must be >= 1"),
+        (lambda: sart.SchedulerConfig(batch_size=True), "batch_size=True must be >= 1"),
     ],
 )
 def test_bad_configuration_names_field_and_value(make, message: str) -> None:

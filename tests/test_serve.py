@@ -203,6 +203,14 @@ def test_server_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="aging=-1 must be None or a finite number > 0"):
         ServeConfig(models=("m",), aging=-1)
     assert ServeConfig(models=("m",), aging=None).aging is None
+    # The same words as a request's own sampling settings (one validator for both),
+    # and a bool is no count.
+    with pytest.raises(ConfigError, match=r"^temperature=-1 must be a number >= 0$"):
+        ServeConfig(models=("m",), temperature=-1)
+    with pytest.raises(ConfigError, match=r"^top_p=0 must be a number in \(0, 1\]$"):
+        ServeConfig(models=("m",), top_p=0)
+    with pytest.raises(ConfigError, match=r"^batch_size=True must be an int >= 1$"):
+        ServeConfig(models=("m",), batch_size=True)
     assert "secret" not in repr(ServeConfig(models=("m",), api_key="secret"))
 
 

@@ -156,7 +156,10 @@ def int_at_least(
     rule = rule or (f"None or an int >= {low}" if optional else f">= {low}")
 
     def check(_inst: object, attr: attrs.Attribute, value: object) -> None:
-        ok = (optional and value is None) or (isinstance(value, int) and value >= low)
+        ok = (optional and value is None) or (
+            # True is an int to Python, not a count to a user.
+            isinstance(value, int) and not isinstance(value, bool) and value >= low
+        )
         config_check(ok, attr.name, value, rule)
 
     return check

@@ -111,11 +111,13 @@ def default_seed(request_id: str) -> int:
     return zlib.crc32(request_id.encode("utf-8"))
 
 
-def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+def check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    """attrs validator of a sampling temperature (a request's, a server's default)."""
     config_check(finite_number(value) and value >= 0.0, "temperature", value, "a number >= 0")
 
 
-def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+def check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    """attrs validator of a nucleus mass ``top_p`` (a request's, a server's default)."""
     config_check(finite_number(value) and 0.0 < value <= 1.0, "top_p", value, "a number in (0, 1]")
 
 
@@ -166,9 +168,9 @@ def _stop_strings(value: object) -> tuple[str, ...]:
 class SamplingSettings:
     """How each branch samples. Branch ``j`` of a request uses seed ``seed + j``."""
 
-    temperature: float = attrs.field(default=0.6, validator=_check_temperature)
+    temperature: float = attrs.field(default=0.6, validator=check_temperature)
     """Sampling temperature; 0.6 is DeepSeek-R1's recommendation for reasoning."""
-    top_p: float = attrs.field(default=0.95, validator=_check_top_p)
+    top_p: float = attrs.field(default=0.95, validator=check_top_p)
     """Nucleus sampling mass."""
     max_tokens: int = attrs.field(default=16384, validator=int_at_least(1))
     """Cap on generated tokens per branch; reaching it ends the branch as ``TRUNCATED``."""

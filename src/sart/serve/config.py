@@ -14,19 +14,13 @@ from typing import Any
 import attrs
 
 from sart import converters
-from sart.errors import config_check, finite_number, number_above
+from sart.errors import config_check, finite_number, int_at_least, number_above
 from sart.policies.equivalence import Equivalence, check_equivalence
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
-from sart.types import Admission, Scoring
+from sart.types import Admission, Scoring, check_temperature, check_top_p
 
-
-def _positive_int(field: str) -> Callable[[object, attrs.Attribute, int], None]:
-    def check(_inst: object, _attr: attrs.Attribute, value: int) -> None:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        config_check(ok, field, value, "an int >= 1")
-
-    return check
+_positive_int = int_at_least(1, rule="an int >= 1")
 
 
 def _check_models(_inst: object, _attr: attrs.Attribute, value: tuple[str, ...]) -> None:
@@ -36,14 +30,6 @@ def _check_models(_inst: object, _attr: attrs.Attribute, value: tuple[str, ...])
         value,
         "one or more non-empty names",
     )
-
-
-def _check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(finite_number(value) and value >= 0, "temperature", value, ">= 0")
-
-
-def _check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    config_check(finite_number(value) and 0 < value <= 1, "top_p", value, "in (0, 1]")
 
 
 def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float | None) -> None:
@@ -75,37 +61,37 @@ class ServeConfig:
     method: str = "sart"
     """The method of requests that name none (``sart.serve.method_names()``); checked
     when the app is built (``create_app``): a plugin may register it after this is made."""
-    n: int = attrs.field(default=8, validator=_positive_int("n"))
+    n: int = attrs.field(default=8, validator=_positive_int)
     """Branches of requests that do not say (methods with one branch ignore it)."""
-    max_n: int = attrs.field(default=32, validator=_positive_int("max_n"))
+    max_n: int = attrs.field(default=32, validator=_positive_int)
     """The most branches one request may ask for."""
-    interval: int = attrs.field(default=400, validator=_positive_int("interval"))
+    interval: int = attrs.field(default=400, validator=_positive_int)
     """``T``, decode steps between checks, for requests that do not say."""
-    max_tokens: int = attrs.field(default=16384, validator=_positive_int("max_tokens"))
+    max_tokens: int = attrs.field(default=16384, validator=_positive_int)
     """Tokens per branch for requests that do not say."""
     max_tokens_limit: int = attrs.field(
         default=attrs.Factory(lambda self: self.max_tokens, takes_self=True),
-        validator=_positive_int("max_tokens_limit"),
+        validator=_positive_int,
     )
     """The most tokens per branch a request may ask for (default: ``max_tokens``)."""
-    temperature: float = attrs.field(default=0.6, validator=_check_temperature)
+    temperature: float = attrs.field(default=0.6, validator=check_temperature)
     """Sampling temperature of requests that do not say."""
-    top_p: float = attrs.field(default=0.95, validator=_check_top_p)
+    top_p: float = attrs.field(default=0.95, validator=check_top_p)
     """Nucleus mass of requests that do not say."""
-    batch_size: int = attrs.field(default=64, validator=_positive_int("batch_size"))
+    batch_size: int = attrs.field(default=64, validator=_positive_int)
     """``B``: the most branches decoding at once, over all requests."""
     scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)
     """Whether decoding goes on while the PRM scores (see ``sart.Scoring``)."""
     admission: Admission = attrs.field(default=Admission.CHUNK, converter=to_admission)
     """When freed batch slots are refilled (see ``sart.Admission``)."""
-    max_queue: int = attrs.field(default=1024, validator=_positive_int("max_queue"))
+    max_queue: int = attrs.field(default=1024, validator=_positive_int)
     """The most requests waiting to be scheduled; past it a request gets 429 at once."""
     aging: float | None = attrs.field(default=60.0, validator=number_above(0, optional=True))
     """Seconds of waiting that make a request one ``priority`` level more urgent (see
     ``sart.SchedulerConfig.aging``); ``None``: strict priorities."""
     api_key: str | None = attrs.field(default=None, repr=False, validator=_check_api_key)
     """Bearer key that ``/v1/*`` requests must carry (``None``: open)."""
-    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int("max_body_bytes"))
+    max_body_bytes: int = attrs.field(default=1 << 20, validator=_positive_int)
     """Largest request body accepted (413 past it)."""
     keepalive: float | None = attrs.field(default=None, validator=_check_keepalive)
     """Seconds between SSE keep-alive comments while a streamed request is undecided
