@@ -5,7 +5,7 @@
 ``POST /v1/chat/completions``   messages, rendered with the policy tokenizer's chat
                                 template -> the chosen branch as the assistant's message
 ``GET /v1/models``              the served names, with sart's defaults and limits
-``GET /health``                 200 while the driver runs, 503 once it has failed
+``GET /health``                 200 while the driver runs, 503 once it failed or stops
 ``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
 ==============================  =========================================================
 
@@ -30,6 +30,12 @@ request is cancelled and every branch of it aborted in the engine.
 deadline from arrival: past it, waiting or running, it is cancelled, its
 branches aborted, and it is answered 504 (an error event when streaming).
 A failure of the engine or the PRM is answered 500.
+
+**Shutdown.** Told to stop (SIGTERM, Ctrl-C), the server takes no new requests
+(503) and gives those in flight ``shutdown_grace`` seconds; the ones still
+running then are cancelled, their branches aborted, and answered 503 (an error
+event when streaming) before the connections close (``Service.drain``, called
+by ``sart serve``'s uvicorn server).
 
 **Streaming** (``stream=true``). Which branch answers is known only when the
 request finishes: the selector picks among the completed branches by PRM
@@ -71,12 +77,11 @@ from starlette.requests import Request as HTTPRequest
 
 from sart.errors import ConfigError
 from sart.request import Request
-from sart.results import RequestResult
 from sart.serve import protocol, responses
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
-from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
+from sart.serve.service import SHUTTING_DOWN, Outcome, QueueFull, Service, ServiceStopped
 from sart.types import RequestStatus
 
 _log = logging.getLogger("sart.serve")
@@ -140,9 +145,11 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
 
     @app.get("/health")
     async def health(http: HTTPRequest) -> Response:
-        if _service(http).healthy:
+        service = _service(http)
+        if service.healthy:
             return Response(status_code=200)
-        return JSONResponse(responses.error_body("the driver is not running", 503), 503)
+        reason = SHUTTING_DOWN if service.draining else "the driver is not running"
+        return JSONResponse(responses.error_body(reason, 503), 503)
 
     @app.get("/metrics")
     async def metrics(http: HTTPRequest) -> Response:
@@ -268,16 +275,21 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 
 def _failed(outcome: Outcome) -> JSONResponse:
-    message, status, param = _failure(outcome.result)
+    message, status, param = _failure(outcome)
     return JSONResponse(responses.error_body(message, status, param), status_code=status)
 
 
-def _failure(result: RequestResult) -> tuple[str, int, str | None]:
-    """The error message and HTTP status of a request that did not complete: 504 for one
-    that ran past its ``timeout`` (a cancelled request whose client is still there),
-    400 for one the engine refused for what it asks (a prompt over the context), 500
-    for a failure; and the field at fault, if any."""
-    if result.status is RequestStatus.CANCELLED:
+def _failure(outcome: Outcome) -> tuple[str, int, str | None]:
+    """The error message and HTTP status of a request that did not complete: 503 for one
+    cancelled because the server is shutting down (as vLLM's server answers once its
+    engine stops; clients and balancers retry it elsewhere), 504 for one that ran past
+    its ``timeout`` (a cancelled request whose client is still there), 400 for one the
+    engine refused for what it asks (a prompt over the context), 500 for a failure; and
+    the field at fault, if any."""
+    result = outcome.result
+    if outcome.shutdown:
+        message, status, param = f"the request was cancelled: {result.reason}", 503, None
+    elif result.status is RequestStatus.CANCELLED:
         message, status, param = f"the request {result.reason}", 504, None
     elif result.refused:
         message, status = f"the request was refused: {result.reason}", 400
@@ -337,7 +349,7 @@ async def _events(
             yield DONE
             return
         if not outcome.result.ok:
-            yield _sse(responses.error_body(*_failure(outcome.result)))
+            yield _sse(responses.error_body(*_failure(outcome)))
             yield DONE
             return
         yield reply.chunk(text=outcome.result.text or "")
