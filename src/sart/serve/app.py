@@ -82,7 +82,7 @@ from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
 from sart.serve.service import SHUTTING_DOWN, Outcome, QueueFull, Service, ServiceStopped
-from sart.types import RequestStatus
+from sart.types import Prompt, RequestStatus
 
 _log = logging.getLogger("sart.serve")
 
@@ -203,7 +203,7 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         job = Request(rid, prompt, **plan.request_kwargs)
-        service.submit(job, protocol.question(request) if chat else None)
+        service.submit(job, protocol.question(request) if chat else _prompt_text(service, prompt))
     except ConfigError as exc:
         raise Refused(str(exc), protocol.field_of(str(exc))) from None
     except QueueFull as exc:
@@ -252,6 +252,21 @@ def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> t
     if not ids:
         raise Refused("the chat template rendered no tokens", "messages")
     return tuple(ids)
+
+
+def _prompt_text(service: Service, prompt: Prompt) -> str | None:
+    """What the PRM reads as the question of a completion whose prompt is token ids:
+    the ids decoded by the policy's tokenizer (``None``: a text prompt, read as it is,
+    or nothing to decode with). A PRM formats its own input around the question as
+    text; given ids, it failed the request after it ran, with a 500 that the
+    ``openai`` client sends twice more."""
+    tokenizer = service.engine.tokenizer
+    if isinstance(prompt, str) or service.prm is None or tokenizer is None:
+        return None
+    try:
+        return str(tokenizer.decode(list(prompt), skip_special_tokens=True))
+    except Exception:  # ids outside the vocabulary: the engine refuses them at prefill
+        return None
 
 
 async def _unless_disconnected(http: HTTPRequest, waiting: Any) -> Outcome | None:
