@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import threading
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +140,88 @@ def test_a_pool_that_cannot_start_stops_what_did_start() -> None:
         PRMPool(Broken, workers=2)
     with pytest.raises(sart.ConfigError, match="workers=0 must be an int >= 1"):
         PRMPool(Broken, workers=0)
+
+
+# ---------------------------------------------------------------- a child that dies
+
+
+def kill(prm: PRMProcess) -> None:
+    """Kill the child as the kernel's OOM killer would, and wait until it is gone."""
+    process = prm._process  # the test's one look inside: which child to kill
+    os.kill(process.pid, signal.SIGKILL)
+    process.join(timeout=30)
+
+
+def item(request_id: str) -> sart.ScoreItem:
+    return sart.ScoreItem(sart.BranchId(request_id, 0), "p", "x" * 8, 8, False)
+
+
+def test_a_killed_prm_process_is_started_again_at_the_next_call() -> None:
+    with PRMProcess(functools.partial(scripted)) as prm:
+        before = prm.score([item("q0"), item("q1")])
+        kill(prm)
+        # Before, every later call failed ("the PRM process is gone"): a server whose
+        # PRM process died failed every request that needs rewards, for good.
+        assert prm.score([item("q0"), item("q1")]) == before
+        prm.release("q0")
+        results = sart.run(requests(), FakeEngine(SCRIPT), prm, batch_size=12)
+        assert all(r.ok for r in results)
+
+
+class Slow:
+    """A PRM whose checks take a while (time to kill its process during one)."""
+
+    def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:
+        time.sleep(1.0)
+        return [0.5] * len(items)
+
+
+def test_a_call_in_flight_when_the_child_dies_is_answered_by_a_new_one() -> None:
+    with PRMProcess(Slow) as prm:
+        answers: list[object] = []
+        caller = threading.Thread(target=lambda: answers.append(prm.score([item("q0")])))
+        caller.start()
+        time.sleep(0.3)
+        kill(prm)
+        caller.join(timeout=30)
+        assert answers == [[0.5]]
+
+
+class Crashing:
+    """A PRM whose every check takes its process down (a crash in native code)."""
+
+    def score(self, items: Sequence[sart.ScoreItem]) -> list[float]:
+        os._exit(3)
+
+
+def test_a_child_that_dies_again_fails_the_call() -> None:
+    with PRMProcess(Crashing) as prm:
+        for _ in range(2):  # each call: a start, a death, and a clear error
+            with pytest.raises(sart.PRMError, match=r"gone .*exit code 3.*started again"):
+                prm.score([item("q0")])
+
+
+def flaky(marker: str) -> ScriptedPRM:
+    """A PRM that cannot be built while ``marker`` exists."""
+    if os.path.exists(marker):
+        raise OSError("the GPU is busy")
+    return scripted()
+
+
+def test_a_child_that_cannot_start_again_is_retried_after_a_backoff(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = tmp_path / "broken"
+    with PRMProcess(functools.partial(flaky, str(marker))) as prm:
+        marker.touch()
+        kill(prm)
+        with pytest.raises(sart.PRMError, match=r"could not start again: .*the GPU is busy"):
+            prm.score([item("q0")])
+        started = time.monotonic()
+        with pytest.raises(sart.PRMError, match="could not start again"):
+            prm.score([item("q0")])  # within the backoff: at once, no new start
+        assert time.monotonic() - started < 1
+        marker.unlink()
+        monkeypatch.setattr("sart.prm.process.RESTART_BACKOFF", 0.0)
+        prm._retry_at = 0.0  # the backoff is over
+        assert len(prm.score([item("q0")])) == 1

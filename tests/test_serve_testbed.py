@@ -82,6 +82,24 @@ def test_a_completion_answers_with_the_chosen_branch(server: Server) -> None:
     assert extension["queue_time"] >= 0 and extension["inference_time"] > 0
 
 
+def test_a_prompt_of_token_ids_is_scored_by_the_prm_as_its_text(server: Server) -> None:
+    # The PRM reads the question as text; given the ids, it failed the request after it
+    # ran, with a 500 ("QwenMathPRM needs the question as text").
+    from transformers import AutoTokenizer
+
+    question = QUESTIONS[1]
+    ids = AutoTokenizer.from_pretrained(tb.POLICY_PATH).encode(question.prompt)
+    by_text, by_ids = (
+        server.client().completions.create(
+            model="testbed", prompt=prompt, seed=3, extra_body={"method": "sart", "n": 4}
+        )
+        for prompt in (question.prompt, ids)
+    )
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    rewards = [[b["reward"] for b in r.model_extra["sart"]["branches"]] for r in (by_text, by_ids)]
+    assert rewards[0] == rewards[1]
+
+
 def test_chat_uses_the_chat_template_and_extra_body_picks_the_policy(server: Server) -> None:
     question = QUESTIONS[1]
     reply = server.client().chat.completions.create(

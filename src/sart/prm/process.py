@@ -16,10 +16,16 @@ torch threads or a CUDA context is unsafe). ``score`` and ``release`` go down
 one pipe in call order; ``score`` waits for its answer. A ``PRMError`` raised
 in the child comes back with its ``request_ids``; any other exception comes
 back as a ``RuntimeError`` with its type and message, which the driver
-isolates request by request, as it does for a PRM in the same process. A
-child that died fails every later call with ``PRMError``. ``close()`` (or
-leaving the ``with`` block) stops the child; it is a daemon, so it never
-outlives the parent.
+isolates request by request, as it does for a PRM in the same process.
+
+A child that dies (killed for memory, a crash in native code) fails the call in
+flight with ``PRMError`` and is started again at the next call, so a server
+recovers (before, every later check failed, and with it every request that
+needs rewards, while ``/health`` said 200). Its caches died with it: the new
+child scores each branch from its start. A child that cannot be started again
+fails the calls of the next ``RESTART_BACKOFF`` seconds at once, then is tried
+again. ``close()`` (or leaving the ``with`` block) stops the child; it is a
+daemon, so it never outlives the parent.
 
 ``PRMPool(factory, workers=K)`` hosts ``K`` such processes and scores on them
 side by side: a request's items always go to one process (its cache is there;
@@ -31,8 +37,10 @@ A process that fails (or died) fails only the requests it held.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +49,12 @@ from sart.prm.base import PRM, ScoreItem
 from sart.prm.placement import Placement, fan_out
 
 _SCORE, _RELEASE, _CLOSE = "score", "release", "close"
+
+RESTART_BACKOFF = 10.0
+"""Seconds after a failed restart of a dead PRM process before the next try (the calls
+meanwhile fail at once, rather than each loading the PRM again)."""
+
+_log = logging.getLogger("sart.prm")
 
 
 def _serve(conn: Any, factory: Callable[[], PRM]) -> None:
@@ -98,46 +112,53 @@ class PRMProcess:
     """A PRM built by ``factory`` in a child process (see the module docstring)."""
 
     def __init__(self, factory: Callable[[], PRM], *, start_timeout: float = 600.0) -> None:
-        context = multiprocessing.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self._process = context.Process(
-            target=_serve, args=(child, factory), name="sart-prm", daemon=True
-        )
-        self._process.start()
-        child.close()
+        self._factory = factory
+        self._start_timeout = start_timeout
         self._lock = threading.Lock()  # one call on the pipe at a time
-        if not self._conn.poll(start_timeout):
-            self.close()
-            raise PRMError(f"the PRM process did not start within {start_timeout} s")
+        self._closed = False
+        self._retry_at = 0.0  # after a failed restart: no new try before this time
+        self._restart_error = ""
+        self._process, self._conn = self._start()
+
+    def _start(self) -> tuple[Any, Any]:
+        """Spawn the child and wait until its PRM is built: its process and pipe end.
+        Raises ``PRMError`` (or the child's ``ConfigError``), the child stopped."""
+        context = multiprocessing.get_context("spawn")
+        conn, child = context.Pipe()
+        process = context.Process(
+            target=_serve, args=(child, self._factory), name="sart-prm", daemon=True
+        )
+        process.start()
+        child.close()
         try:
-            kind, payload = self._recv()
-        except EOFError:
-            self.close()
-            raise PRMError(
-                f"the PRM process exited before it was ready (exit code {self._process.exitcode})"
-            ) from None
-        if kind == "error":
-            self.close()
-            raise _rebuild(payload)
+            if not conn.poll(self._start_timeout):
+                raise PRMError(f"the PRM process did not start within {self._start_timeout} s")
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise PRMError(
+                    f"the PRM process exited before it was ready (exit code {process.exitcode})"
+                ) from None
+            if kind == "error":
+                raise _rebuild(payload)
+        except BaseException:
+            _stop(process, conn)
+            raise
+        return process, conn
 
     def score(self, items: Sequence[ScoreItem]) -> list[float]:
         return self._call(_SCORE, list(items))
 
     def release(self, request_id: str) -> None:
+        if not self._process.is_alive():  # what it held died with it
+            return
         self._call(_RELEASE, request_id)
 
     def close(self) -> None:
-        """Stop the child (idempotent)."""
-        if self._process.is_alive():
-            try:
-                self._conn.send((_CLOSE, None))
-            except (BrokenPipeError, OSError):
-                pass
-            self._process.join(timeout=10)
-            if self._process.is_alive():
-                self._process.kill()
-                self._process.join()
-        self._conn.close()
+        """Stop the child (idempotent). Not under the lock: a call stuck in a child
+        that does not answer ends when the child is killed."""
+        self._closed = True
+        _stop(self._process, self._conn)
 
     def __enter__(self) -> PRMProcess:
         return self
@@ -147,17 +168,75 @@ class PRMProcess:
 
     def _call(self, kind: str, payload: Any) -> Any:
         with self._lock:
+            if self._closed:
+                raise PRMError("the PRM process is gone: it was closed")
+            if not self._process.is_alive():
+                self._restart()
             try:
-                self._conn.send((kind, payload))
-                answer, value = self._recv()
-            except (EOFError, BrokenPipeError, OSError) as exc:
-                raise PRMError(f"the PRM process is gone ({type(exc).__name__})") from None
+                answer, value = self._exchange(kind, payload)
+            except PRMError:
+                if kind != _SCORE or self._closed:
+                    raise
+                # The child died before it answered (a SIGKILL is not seen at once):
+                # the check once more, on a new child (which scores it afresh). One
+                # that dies again fails the call; the next call starts another.
+                self._restart()
+                answer, value = self._exchange(kind, payload)
         if answer == "error":
             raise _rebuild(value)
         return value
 
-    def _recv(self) -> tuple[str, Any]:
-        return self._conn.recv()  # type: ignore[no-any-return]
+    def _exchange(self, kind: str, payload: Any) -> tuple[str, Any]:
+        """Send one call down the pipe and read its answer (``PRMError`` if the child
+        is gone)."""
+        try:
+            self._conn.send((kind, payload))
+            return self._conn.recv()  # type: ignore[no-any-return]
+        except (EOFError, BrokenPipeError, OSError) as exc:
+            self._process.join(timeout=10)  # dead, or dying: its exit code, for the message
+            raise PRMError(
+                f"the PRM process is gone ({type(exc).__name__}, exit code "
+                f"{self._process.exitcode}); it is started again at the next call"
+            ) from None
+
+    def _restart(self) -> None:
+        """Start a dead child again (under the lock), or say why not (``PRMError``)."""
+        if time.monotonic() < self._retry_at:
+            raise PRMError(
+                f"the PRM process is gone and could not start again: {self._restart_error}"
+            )
+        code = self._process.exitcode
+        _log.warning("the PRM process exited (exit code %s): starting it again", code)
+        _stop(self._process, self._conn)
+        try:
+            self._process, self._conn = self._start()
+            if self._closed:  # closed meanwhile, from another thread
+                _stop(self._process, self._conn)
+                raise PRMError("the PRM process is gone: it was closed")
+        except Exception as exc:
+            self._retry_at = time.monotonic() + RESTART_BACKOFF
+            self._restart_error = f"{type(exc).__name__}: {exc}"
+            raise PRMError(
+                f"the PRM process exited (exit code {code}) and could not start again: "
+                f"{self._restart_error}"
+            ) from None
+        _log.warning("the PRM process is serving again")
+
+
+def _stop(process: Any, conn: Any) -> None:
+    """Stop a child: ask it to close, kill it if it does not within 10 s."""
+    if process.is_alive():
+        try:
+            conn.send((_CLOSE, None))
+        except (BrokenPipeError, OSError):
+            pass
+        process.join(timeout=10)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    else:
+        process.join()  # reaped: no zombie left behind
+    conn.close()
 
 
 class PRMPool:

@@ -17,6 +17,7 @@ One module per job:
 - ``service``: ``Service``, the driver with admission, cancellation, results;
 - ``metrics``: the ``sart:`` Prometheus metrics;
 - ``app``: the FastAPI app (``create_app``), access, disconnects, streaming;
+- ``http_server``: uvicorn's server, draining requests before it closes;
 - ``command``: the ``sart serve`` command line.
 
 ``import sart.serve`` needs nothing beyond sart itself (plugins register

@@ -6,8 +6,8 @@
                                 template -> the chosen branch as the assistant's message
 ``GET /v1/models``              the served names, with sart's defaults and limits
 ``GET /health``                 200 while it can serve; 503 once the driver has failed,
-                                vLLM's engine core died, or no upstream of a gateway
-                                answers (``Service.health``)
+                                while it shuts down, once vLLM's engine core died, or
+                                when no upstream of a gateway answers (``Service.health``)
 ``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
 ==============================  =========================================================
 
@@ -32,6 +32,12 @@ request is cancelled and every branch of it aborted in the engine.
 deadline from arrival: past it, waiting or running, it is cancelled, its
 branches aborted, and it is answered 504 (an error event when streaming).
 A failure of the engine or the PRM is answered 500.
+
+**Shutdown.** Told to stop (SIGTERM, Ctrl-C), the server takes no new requests
+(503) and gives those in flight ``shutdown_grace`` seconds; the ones still
+running then are cancelled, their branches aborted, and answered 503 (an error
+event when streaming) before the connections close (``Service.drain``, called
+by ``sart serve``'s uvicorn server).
 
 **Streaming** (``stream=true``). Which branch answers is known only when the
 request finishes: the selector picks among the completed branches by PRM
@@ -73,13 +79,12 @@ from starlette.requests import Request as HTTPRequest
 
 from sart.errors import ConfigError
 from sart.request import Request
-from sart.results import RequestResult
 from sart.serve import protocol, responses
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
 from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
-from sart.types import RequestStatus
+from sart.types import Prompt, RequestStatus
 
 _log = logging.getLogger("sart.serve")
 
@@ -199,7 +204,7 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     try:
         job = Request(rid, prompt, **plan.request_kwargs)
-        service.submit(job, protocol.question(request) if chat else None)
+        service.submit(job, protocol.question(request) if chat else _prompt_text(service, prompt))
     except ConfigError as exc:
         raise Refused(str(exc), protocol.field_of(str(exc))) from None
     except QueueFull as exc:
@@ -250,6 +255,21 @@ def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> t
     return tuple(ids)
 
 
+def _prompt_text(service: Service, prompt: Prompt) -> str | None:
+    """What the PRM reads as the question of a completion whose prompt is token ids:
+    the ids decoded by the policy's tokenizer (``None``: a text prompt, read as it is,
+    or nothing to decode with). A PRM formats its own input around the question as
+    text; given ids, it failed the request after it ran, with a 500 that the
+    ``openai`` client sends twice more."""
+    tokenizer = service.engine.tokenizer
+    if isinstance(prompt, str) or service.prm is None or tokenizer is None:
+        return None
+    try:
+        return str(tokenizer.decode(list(prompt), skip_special_tokens=True))
+    except Exception:  # ids outside the vocabulary: the engine refuses them at prefill
+        return None
+
+
 async def _unless_disconnected(http: HTTPRequest, waiting: Any) -> Outcome | None:
     """Await ``waiting``, or cancel it if the client disconnects first (``None`` then)."""
     job = asyncio.ensure_future(waiting)
@@ -271,16 +291,21 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 
 def _failed(outcome: Outcome) -> JSONResponse:
-    message, status, param = _failure(outcome.result)
+    message, status, param = _failure(outcome)
     return JSONResponse(responses.error_body(message, status, param), status_code=status)
 
 
-def _failure(result: RequestResult) -> tuple[str, int, str | None]:
-    """The error message and HTTP status of a request that did not complete: 504 for one
-    that ran past its ``timeout`` (a cancelled request whose client is still there),
-    400 for one the engine refused for what it asks (a prompt over the context), 500
-    for a failure; and the field at fault, if any."""
-    if result.status is RequestStatus.CANCELLED:
+def _failure(outcome: Outcome) -> tuple[str, int, str | None]:
+    """The error message and HTTP status of a request that did not complete: 503 for one
+    cancelled because the server is shutting down (as vLLM's server answers once its
+    engine stops; clients and balancers retry it elsewhere), 504 for one that ran past
+    its ``timeout`` (a cancelled request whose client is still there), 400 for one the
+    engine refused for what it asks (a prompt over the context), 500 for a failure; and
+    the field at fault, if any."""
+    result = outcome.result
+    if outcome.shutdown:
+        message, status, param = f"the request was cancelled: {result.reason}", 503, None
+    elif result.status is RequestStatus.CANCELLED:
         message, status, param = f"the request {result.reason}", 504, None
     elif result.refused:
         message, status = f"the request was refused: {result.reason}", 400
@@ -340,7 +365,7 @@ async def _events(
             yield DONE
             return
         if not outcome.result.ok:
-            yield _sse(responses.error_body(*_failure(outcome.result)))
+            yield _sse(responses.error_body(*_failure(outcome)))
             yield DONE
             return
         yield reply.chunk(text=outcome.result.text or "")

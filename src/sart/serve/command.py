@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from sart.errors import ConfigError
 from sart.flags import (
@@ -236,6 +238,14 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "'vllm bench serve' client mishandles comments)",
     )
     g.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long requests in flight get to finish; those "
+        "still running then are cancelled and answered 503 (5)",
+    )
+    g.add_argument(
         "--no-access-log",
         action="store_true",
         help="do not log each HTTP request (uvicorn's access log)",
@@ -275,6 +285,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive,
+        shutdown_grace=args.shutdown_grace,
         aging=args.priority_aging or None,
         equivalence=equivalence_of(args.equivalence),
     )
@@ -439,14 +450,34 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
         f"default method {config.method}, n={config.n}; B={config.batch_size}; API key {key}",
         flush=True,
     )
-    # After the grace period, requests still running are cancelled (their branches
-    # aborted) as the app shuts down.
-    uvicorn.run(
+    from sart.serve.http_server import DrainingServer
+
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=not args.no_access_log,
+            # uvicorn's own grace, after the service's drain: by then every handler
+            # has answered, and this only bounds sending the answers.
+            timeout_graceful_shutdown=5,
+        ),
         app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=not args.no_access_log,
-        timeout_graceful_shutdown=5,
     )
+    # uvicorn (0.29 on) raises the signal that stopped it again once it has shut down,
+    # with the handler it found: SIGINT's raises KeyboardInterrupt, SIGTERM's default
+    # kills the process (exit 143) after a clean shutdown. A server that shut down
+    # cleanly exits 0, whichever of the two stopped it.
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    """SIGTERM once uvicorn has shut down: nothing left to do (see ``_serve``)."""

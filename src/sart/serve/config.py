@@ -41,6 +41,12 @@ def _check_keepalive(_inst: object, _attr: attrs.Attribute, value: float | None)
     )
 
 
+def _check_shutdown_grace(_inst: object, _attr: attrs.Attribute, value: float) -> None:
+    config_check(
+        finite_number(value) and value >= 0, "shutdown_grace", value, "a number of seconds >= 0"
+    )
+
+
 def _check_api_key(_inst: object, _attr: attrs.Attribute, value: str | None) -> None:
     # The key itself never appears in a message.
     config_check(
@@ -98,6 +104,10 @@ class ServeConfig:
     (``None``: none, as vLLM's server sends none). For proxies that close idle
     connections; vLLM's ``vllm bench serve`` client loses the event after a comment
     that arrives alone (it strips each read, comment terminator included)."""
+    shutdown_grace: float = attrs.field(default=5.0, validator=_check_shutdown_grace)
+    """Seconds the requests in flight when the server is told to stop (SIGTERM, Ctrl-C)
+    get to finish; those still running then are cancelled and answered 503 (an error
+    event when streaming), before the connections close (``Service.drain``)."""
     equivalence: Equivalence | None = attrs.field(
         default=None, validator=attrs.validators.optional(check_equivalence)
     )

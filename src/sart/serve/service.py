@@ -10,7 +10,11 @@ and ``result`` are what a handler calls:
 - if the handler is cancelled (its client disconnected) or calls ``cancel``,
   the request is cancelled in the engine and every branch of it is aborted (see
   ``sart.serve.engine``); its result is counted as ``cancelled``;
-- the result comes back with its prompt length, for ``usage``.
+- the result comes back with its prompt length, for ``usage``;
+- when the server is told to stop, ``drain`` refuses new requests, gives those in
+  flight a grace period, then cancels the rest with a reason
+  (``SHUTTING_DOWN``), so that every handler still answers (503) before the HTTP
+  server closes the connections: an answer, not a dropped connection.
 
 The driver keeps a history of results and of its resource timeline, which
 a benchmark wants and a server does not: the service drops both as each
@@ -40,6 +44,10 @@ from sart.serve.prm import ServedPRM
 #: What a request that needs PRM rewards is told when the server has none.
 _NO_PRM = "this server has no PRM (start it with --prm); methods that need none: vanilla, sc"
 
+SHUTTING_DOWN = "the server is shutting down"
+"""Why requests still running past the shutdown grace period are cancelled, and why new
+ones are refused meanwhile."""
+
 
 class QueueFull(SartError):
     """``max_queue`` requests already wait for a slot."""
@@ -55,6 +63,8 @@ class Outcome:
 
     result: RequestResult
     prompt_tokens: int
+    shutdown: bool = False
+    """Cancelled because the server is shutting down (``Service.drain``)."""
 
 
 class Service:
@@ -83,6 +93,8 @@ class Service:
         # set by the driver's on_result (so that the outcome, its prompt length and
         # the metrics are all settled in one place, when the driver delivers it).
         self._futures: dict[str, asyncio.Future[Outcome]] = {}
+        self._draining = False  # told to stop: new requests are refused
+        self._shut: set[str] = set()  # cancelled by drain
 
     # ------------------------------------------------------------ lifecycle
 
@@ -100,15 +112,44 @@ class Service:
 
     @property
     def healthy(self) -> bool:
-        """The driver runs (``health`` asks the engine too)."""
-        return self._task is not None and not self._task.done()
+        """The driver runs and the server is not shutting down (``health`` asks the
+        engine too)."""
+        return self._task is not None and not self._task.done() and not self._draining
+
+    @property
+    def draining(self) -> bool:
+        """Told to stop (``drain``): no new requests are taken."""
+        return self._draining
+
+    async def drain(self, grace: float, settle: float = 5.0) -> None:
+        """Stop taking requests; give those in flight ``grace`` seconds to finish, then
+        cancel the rest (``SHUTTING_DOWN``) and wait up to ``settle`` seconds for their
+        results, so that each handler answers before the HTTP server lets go of its
+        connection (uvicorn cancels the handlers still running after its own grace
+        period: the client then got a bare 500, or a stream cut short, and the log a
+        traceback per request)."""
+        self._draining = True
+        in_flight = list(self._futures.values())
+        if in_flight and grace > 0:
+            await asyncio.wait(in_flight, timeout=grace)
+        left = [rid for rid, future in self._futures.items() if not future.done()]
+        for rid in left:
+            self._shut.add(rid)
+            # As a client's cancel, but the future stays: the driver delivers the
+            # cancelled result (at its next step, not after a decode call or a check
+            # in flight), and the handler answers it.
+            self.engine.cancel(rid)
+            self.driver.cancel(rid, SHUTTING_DOWN)
+        settling = [self._futures[rid] for rid in left if rid in self._futures]
+        if settling:
+            await asyncio.wait(settling, timeout=settle)
 
     async def health(self) -> str | None:
-        """Why the server cannot serve now (``None``: it can): its driver stopped, or its
-        engine says it cannot (``ChecksHealth``: vLLM's engine core dead, no upstream
-        of a gateway answering)."""
+        """Why the server cannot serve now (``None``: it can): its driver stopped, it is
+        shutting down (``drain``), or its engine says it cannot (``ChecksHealth``:
+        vLLM's engine core dead, no upstream of a gateway answering)."""
         if not self.healthy:
-            return "the driver is not running"
+            return SHUTTING_DOWN if self._draining else "the driver is not running"
         inner = self.engine.inner
         if isinstance(inner, ChecksHealth):
             try:
@@ -152,6 +193,8 @@ class Service:
 
         ``question``: the text the PRM sees as the prompt, for a request whose
         prompt is token ids (a chat rendered by its template)."""
+        if self._draining:
+            raise ServiceStopped(SHUTTING_DOWN)
         if not self.healthy:
             raise ServiceStopped("the server is not serving")
         self.check(request)
@@ -222,8 +265,10 @@ class Service:
         self.metrics.observe(result, cancelled=cancelled, max_tokens=max_tokens)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         future = self._futures.get(rid)
+        shutdown = rid in self._shut
+        self._shut.discard(rid)
         if future is not None and not future.done():
-            future.set_result(Outcome(result, prompt_tokens))
+            future.set_result(Outcome(result, prompt_tokens, shutdown=shutdown))
         # A server keeps no history (the driver keeps one for benchmarks).
         self.driver.results.clear()
         self.driver.timeline.clear()
