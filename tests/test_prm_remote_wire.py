@@ -88,7 +88,8 @@ def test_it_posts_token_ids_to_classify_and_reads_column_one(tokenizer: Any) -> 
         (lambda r: httpx.Response(503, text="overloaded"), "answered 503: overloaded"),
         (lambda r: httpx.Response(200, text="not json"), "unreadable answer"),
         (lambda r: httpx.Response(200, json={"data": []}), "answered 0 results for 1 inputs"),
-        (lambda r: answer(r, (1.0, 2.0, 3.0)), "needs two logits each"),  # type: ignore[arg-type]
+        # Before: "answered 1 results for 1 inputs", true and no help.
+        (lambda r: answer(r, (1.0, 2.0, 3.0)), "answered 3 logits for an input"),  # type: ignore[arg-type]
         (raising(httpx.ConnectError("refused")), "ConnectError"),
         (raising(httpx.ReadTimeout("slow")), "ReadTimeout"),
     ],

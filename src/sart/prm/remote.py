@@ -201,11 +201,16 @@ class RemotePRM:
             logits = [[float(x) for x in d["probs"]] for d in data]
         except (ValueError, KeyError, TypeError) as exc:
             raise PRMError(f"PRM server {self.urls[server]}: unreadable answer ({exc})") from exc
-        if len(logits) != len(inputs) or any(len(pair) != 2 for pair in logits):
+        if len(logits) != len(inputs):
             raise PRMError(
                 f"PRM server {self.urls[server]} answered {len(logits)} results for "
-                f"{len(inputs)} inputs; a PRM needs two logits each (is it serving "
-                "the LAST-pooled architecture?)"
+                f"{len(inputs)} inputs"
+            )
+        widths = sorted({len(pair) for pair in logits} - {2})
+        if widths:
+            raise PRMError(
+                f"PRM server {self.urls[server]} answered {widths[0]} logits for an input; "
+                "a PRM needs two each (is it serving the LAST-pooled architecture?)"
             )
         usage = document.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
