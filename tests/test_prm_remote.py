@@ -205,6 +205,21 @@ def test_every_command_takes_the_servers(tmp_path: Path) -> None:
         args = _parser().parse_args(argv)
         spec = load_spec(args, batch_size=8)
         assert (spec.prm_kind, spec.prm_urls) == ("remote", tuple(urls)), argv[0]
+    timed = _parser().parse_args(["serve", "--model", "m", "--prm", "p", "--prm-url", *urls,
+                                  "--prm-timeout", "5"])  # fmt: skip
+    assert load_spec(timed, batch_size=8).prm_timeout == 5.0
+    for argv, said in (
+        (
+            ["--prm", "p", "--prm-timeout", "5"],
+            r"^--prm-timeout has no effect with --prm-kind qwen \(it is for --prm-kind remote\)$",
+        ),
+        (
+            ["--prm", "p", "--prm-url", *urls, "--prm-timeout", "0"],
+            r"prm_timeout=0.0 must be a finite number > 0",
+        ),
+    ):
+        with pytest.raises(sart.ConfigError, match=said):
+            load_spec(_parser().parse_args(["serve", "--model", "m", *argv]), batch_size=8)
     no_tokenizer = _parser().parse_args(["serve", "--model", "m", "--prm-url", *urls])
     with pytest.raises(sart.ConfigError, match="--prm-url needs --prm"):
         load_spec(no_tokenizer, batch_size=8)

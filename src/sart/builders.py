@@ -126,6 +126,7 @@ def remote_prm(spec: LoadSpec) -> Any:
         spec.prm_urls,
         spec.prm,
         api_key=spec.prm_api_key,
+        timeout=spec.prm_timeout,
         trust_remote_code=spec.trust_remote_code,
         **spec.prm_options,
     )

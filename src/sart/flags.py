@@ -45,6 +45,7 @@ FLAGS = {
     "prm_urls": "--prm-url",
     "prm_replicas": "--prm-replicas",
     "prm_api_key": "--prm-api-key",
+    "prm_timeout": "--prm-timeout",
     "trust_remote_code": "--trust-remote-code",
     "vllm_args": "--vllm-arg",
     "sglang_args": "--sglang-arg",

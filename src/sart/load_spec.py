@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 
 from sart import converters
-from sart.errors import ConfigError, config_check, int_at_least
+from sart.errors import ConfigError, config_check, int_at_least, number_above
 from sart.registry import loadable_engines, loadable_prms
 
 VLLM_PRMS = ("vllm-qwen", "vllm-cached")
@@ -42,6 +42,7 @@ PRM_READS: dict[str, tuple[str, ...]] = {
     "prm_replicas": TRANSFORMERS_PRMS,
     "prm_urls": (REMOTE_PRM,),
     "prm_api_key": (REMOTE_PRM,),
+    "prm_timeout": (REMOTE_PRM,),
 }
 """``LoadSpec`` fields only some PRM kinds read -> those kinds."""
 
@@ -121,6 +122,10 @@ class LoadSpec:
     (its directory or hub id)."""
     prm_api_key: str | None = None
     """``prm_urls``: the servers' API key."""
+    prm_timeout: float = attrs.field(default=60.0, validator=number_above(0))
+    """``prm_urls``: seconds a server may take to answer a check before it fails (the
+    check's requests fail, the server is left out for a while); a SART request whose
+    check hangs waits that long, and so does a shutdown."""
     trust_remote_code: bool = False
     vllm_args: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
     """``vllm``, ``vllm-async``: ``EngineArgs`` fields (``max_num_seqs`` defaults to
@@ -162,7 +167,7 @@ class LoadSpec:
             config_check(where.startswith("cuda"), "device", where, rule)
         if self.prm is None:
             unread = ("prm_kind", "prm_device", "prm_in_process", "prm_replicas", "prm_urls")
-            for name in (*unread, "prm_api_key"):
+            for name in (*unread, "prm_api_key", "prm_timeout"):
                 if getattr(self, name) != _default(defaults[name]):
                     raise IgnoredSetting(name, getattr(self, name), "PRM kind", None, ())
             return

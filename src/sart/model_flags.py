@@ -40,6 +40,7 @@ MODEL_DESTS = (
     "prm_replicas",
     "prm_url",
     "prm_api_key",
+    "prm_timeout",
     "trust_remote_code",
     "vllm_arg",
     "sglang_arg",
@@ -108,6 +109,14 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         "--prm-api-key",
         default=None,
         help=f"--prm-url: the servers' API key (default ${PRM_KEY_ENV} if set)",
+    )
+    p.add_argument(
+        "--prm-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="--prm-url: how long a server may take to answer a check before the check "
+        "fails (default 60)",
     )
     p.add_argument(
         "--trust-remote-code",
@@ -225,6 +234,7 @@ def _spec(
         prm_api_key=(args.prm_api_key or os.environ.get(PRM_KEY_ENV) or None)
         if args.prm_url
         else args.prm_api_key,
+        prm_timeout=60.0 if args.prm_timeout is None else args.prm_timeout,
         trust_remote_code=args.trust_remote_code,
         vllm_args=key_values(args.vllm_arg, "--vllm-arg"),
         sglang_args=key_values(args.sglang_arg, "--sglang-arg"),
