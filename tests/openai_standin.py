@@ -52,7 +52,11 @@ class StandInServer:
     ``logprobs`` (else the request's tokens come without them). ``max_logprobs``:
     answer 400 to a larger ``logprobs``, as vLLM does. ``health``: the status of its
     ``GET /health`` (``None``: it has none, 404). ``fail`` and ``health`` may be
-    changed while it serves (an upstream that goes bad, and comes back).
+    changed while it serves (an upstream that goes bad, and comes back). ``model``: the
+    model it serves (``/v1/models``; a completion for another is answered 404) and
+    ``api_key``: the key its ``/v1`` routes want (401 without it; ``/health`` and
+    ``/tokenize`` stay open), as ``vllm serve``'s ``--served-model-name`` and
+    ``--api-key``; both may be changed while it serves (an upstream restarted so).
     """
 
     _hosts = itertools.count()
@@ -72,7 +76,11 @@ class StandInServer:
         logprobs: bool = True,
         max_logprobs: int | None = None,
         health: int | None = 200,
+        model: str = "stand-in",
+        api_key: str | None = None,
     ) -> None:
+        self.model = model
+        self.api_key = api_key
         self.token_delay = token_delay
         self.honour_logprobs = logprobs
         self.max_logprobs = max_logprobs
@@ -108,8 +116,11 @@ class StandInServer:
             )
         if path == "/health" and request.method == "GET" and self.health is not None:
             return httpx.Response(self.health)
+        key = request.headers.get("authorization")
+        if path.startswith("/v1") and self.api_key and key != f"Bearer {self.api_key}":
+            return httpx.Response(401, json={"error": "Unauthorized"})  # vLLM's words
         if path == "/v1/models" and request.method == "GET":  # vLLM's model card
-            card = {"id": "stand-in", "object": "model", "max_model_len": 4096}
+            card = {"id": self.model, "object": "model", "max_model_len": 4096}
             return httpx.Response(200, json={"object": "list", "data": [card]})
         if path == "/inference/v1/abort_requests":
             self.abort_calls.append(body["request_ids"])
@@ -123,6 +134,9 @@ class StandInServer:
         self.requests.append({"id": rid, "body": body})
         if self.fail is not None:
             return httpx.Response(self.fail, json={"error": {"message": "unavailable"}})
+        if body.get("model") != self.model:
+            message = f"The model `{body.get('model')}` does not exist."
+            return httpx.Response(404, json={"error": {"message": message, "code": 404}})
         if self.max_logprobs is not None and body.get("logprobs", 0) > self.max_logprobs:
             message = (
                 f"Requested sample logprobs of {body['logprobs']}, which is greater "

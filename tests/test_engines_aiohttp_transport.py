@@ -71,3 +71,42 @@ def test_a_server_that_never_answers_is_httpxs_read_timeout() -> None:
             server.close()
 
     asyncio.run(scenario())
+
+
+def test_a_pooled_connection_the_server_closed_is_not_a_failed_request() -> None:
+    # Before: a POST sent on a kept-alive connection that the server closed meanwhile
+    # (uvicorn, under vllm serve, closes one idle for 5 s; aiohttp keeps them 15 s)
+    # failed with ConnectError('Server disconnected'): the gateway counted it as the
+    # upstream failing, passed a healthy upstream over, and with another upstream
+    # down failed requests with a 500 (seen in front of two vllm serve, one killed).
+    served: list[int] = []
+
+    async def scenario() -> None:
+        async def keep_then_drop(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            # Each connection: one answer kept alive, then the next request is read
+            # and the connection closed, as an idle timeout that fires as it arrives.
+            for answers in (True, False):
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = [h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")]
+                await reader.readexactly(int(length[0].split(b":")[1]) if length else 0)
+                if not answers:
+                    break
+                served.append(1)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(keep_then_drop, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        try:
+            async with httpx.AsyncClient(transport=AiohttpTransport()) as client:
+                for _ in range(3):
+                    response = await client.post(url, json={"prompt": "p"})
+                    assert response.status_code == 200 and response.text == "ok"
+        finally:
+            server.close()
+
+    asyncio.run(scenario())
+    assert len(served) == 3

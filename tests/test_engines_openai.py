@@ -581,6 +581,33 @@ def test_the_health_check_of_unreachable_upstreams_says_so() -> None:
     asyncio.run(scenario())
 
 
+def test_the_health_check_asks_for_the_model_with_the_engines_key() -> None:
+    # Before: only /health was asked, which vLLM answers without the key and whatever
+    # it serves: an upstream restarted with another --api-key or --served-model-name
+    # passed, and its probe ended the cooldown its failed requests had started.
+    rekeyed = StandInServer(api_key="rotated")
+    renamed = StandInServer(model="another")
+
+    async def scenario() -> None:
+        e = engine(rekeyed, renamed)
+        with pytest.raises(sart.EngineError) as info:
+            await e.check_health()
+        assert str(info.value) == (
+            f"no upstream server answers: {rekeyed.url}: HTTP 401 to /v1/models: it "
+            f"refuses the API key; {renamed.url}: serves ['another'], not 'stand-in'"
+        )
+        assert e.upstreams.down(0) and e.upstreams.down(1)  # passed over meanwhile
+        renamed.model = "stand-in"
+        await e.check_health()
+        assert not e.upstreams.down(1)
+        await e.aclose()
+        keyed = engine(rekeyed, api_key="rotated")
+        await keyed.check_health()
+        await keyed.aclose()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("code", [500, 400])
 def test_an_error_event_mid_stream_fails_only_its_request(code: int) -> None:
     # A 400 in the stream is vLLM refusing a sampling field after its 200 (an

@@ -189,3 +189,25 @@ def test_an_upstream_gone_bad_is_worked_around_and_health_follows_the_upstreams(
     )
     good.health = 200
     assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+
+
+def test_health_is_503_when_every_upstream_refuses_the_key_or_the_model(upstreams, gateway) -> None:
+    # Before: /health asked only the upstreams' /health, which vLLM answers without
+    # the key and whatever model it serves: upstreams restarted with another
+    # --api-key or --served-model-name kept it at 200 while every request failed.
+    rekeyed, renamed = upstreams(token_delay=0.001)
+    served = gateway([rekeyed, renamed])
+    rekeyed.api_key, renamed.model = "rotated", "renamed"
+    answer = httpx.get(f"{served.url}/health", timeout=10)
+    assert answer.status_code == 503
+    assert answer.json()["error"]["message"] == (
+        f"no upstream server answers: {rekeyed.url}: HTTP 401 to /v1/models: it refuses "
+        f"the API key; {renamed.url}: serves ['renamed'], not '{MODEL}'"
+    )
+    renamed.model = MODEL  # back as it was
+    assert httpx.get(f"{served.url}/health", timeout=10).status_code == 200
+    reply = served.openai().completions.create(
+        model=MODEL, prompt="question", extra_body={"method": "sc", "n": 2}
+    )
+    assert reply.choices[0].text
+    assert rekeyed.completions() == []  # passed over: its probe failed

@@ -15,6 +15,18 @@ Errors keep httpx's meaning, which the engine's retries read: a refused or
 failed connection is ``httpx.ConnectError``, a timeout ``httpx.ConnectTimeout``
 or ``httpx.ReadTimeout``, a connection that breaks mid-stream
 ``httpx.ReadError``.
+
+A request whose connection breaks before any answer (``ServerDisconnectedError``,
+or ``ClientOSError`` writing it) is sent once more, on a new connection: the
+server most likely closed a kept-alive connection as the request went out
+(uvicorn, under ``vllm serve`` and SGLang, closes one idle for 5 s; aiohttp keeps
+them 15 s). aiohttp does the same for idempotent methods only; the engine's POSTs
+are safe to resend (no answer came, so nothing was streamed; the engine would
+resend it to another server). Before, the gateway took the error for its
+upstream failing: it passed a healthy upstream over for its cooldown and, with
+another upstream down, failed requests with a 500 (seen in front of two ``vllm
+serve``, one of them killed). A refused connection (``ClientConnectorError``) is
+not resent.
 """
 
 from __future__ import annotations
@@ -80,18 +92,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             sock_read=timeouts.get("read"),
         )
         try:
-            response = await self._open().request(
-                request.method,
-                str(request.url),
-                headers=[
-                    (k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
-                ],
-                data=await request.aread(),
-                allow_redirects=False,
-                timeout=timeout,
-                # The headers above are httpx's own, Host and Content-Length included.
-                skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-            )
+            response = await self._send(request, timeout)
         except asyncio.TimeoutError as exc:
             raise httpx.ConnectTimeout(str(exc) or "timed out", request=request) from exc
         except aiohttp.ClientError as exc:
@@ -102,6 +103,30 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             stream=_Body(response, request),
             request=request,
         )
+
+    async def _send(self, request: httpx.Request, timeout: Any) -> Any:
+        """aiohttp's response to ``request``; sent twice if the first connection broke
+        before any answer (module docstring)."""
+        body = await request.aread()
+        headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        for last in (False, True):
+            try:
+                return await self._open().request(
+                    request.method,
+                    str(request.url),
+                    headers=headers,
+                    data=body,
+                    allow_redirects=False,
+                    timeout=timeout,
+                    # The headers above are httpx's own, Host and Content-Length included.
+                    skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+                )
+            except aiohttp.ClientConnectorError:
+                raise  # refused or unreachable: another try would be refused too
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                if last:
+                    raise
+        raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
         if self._session is not None:

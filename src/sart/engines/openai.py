@@ -264,12 +264,14 @@ class OpenAIEngine(StreamingEngine):
 
     async def check_health(self) -> None:
         """Return once any server answers a health probe (``openai_wire.probe``: its
-        ``/health``, else its ``/v1/models``); raise ``EngineError`` saying why each
-        failed if none does. Each probe's outcome also tells the choice of servers
-        (``Upstreams.failed``/``answered``). ``sart serve``'s ``/health`` asks it."""
+        ``/health``, then its ``/v1/models`` listing the model for the engine's key);
+        raise ``EngineError`` saying why each failed if none does. Each probe's outcome
+        also tells the choice of servers (``Upstreams.failed``/``answered``). ``sart
+        serve``'s ``/health`` asks it."""
 
         async def probed(index: int) -> tuple[int, str | None]:
-            reason = await probe(self.client, self.servers[index], self.connect_timeout)
+            server = self.servers[index]
+            reason = await probe(self.client, server, self.model, self.connect_timeout)
             (self.upstreams.answered if reason is None else self.upstreams.failed)(index)
             return index, reason
 

@@ -408,20 +408,42 @@ async def tokenize(
     return None, None
 
 
-async def probe(client: httpx.AsyncClient, server: Server, timeout: float) -> str | None:
-    """Why ``server`` cannot serve now (``None``: it can): its ``GET /health`` (vLLM's
-    and SGLang's say whether their engine is alive), or its ``GET /v1/models`` where
-    it has no ``/health``, must answer below 400 within ``timeout`` seconds."""
-    status = 404
+async def probe(
+    client: httpx.AsyncClient, server: Server, model: str, timeout: float
+) -> str | None:
+    """Why ``server`` cannot serve ``model`` now (``None``: it can), each ``GET`` within
+    ``timeout`` seconds: its ``/health`` (vLLM's and SGLang's say whether their engine
+    is alive; a server without one is not asked) must answer below 400, then its
+    ``/v1/models`` must take the gateway's key and list ``model``. Both, because vLLM's
+    ``/health`` answers without the key and whatever it serves: an upstream restarted
+    with another ``--api-key`` or ``--served-model-name`` passed a ``/health``-only
+    probe, which said the gateway healthy while it refused every request, and ended
+    its cooldown (``Upstreams.answered``) at each probe."""
     try:
-        for path in ("/health", "/v1/models"):
-            response = await client.get(server.url + path, timeout=timeout)
-            status = response.status_code
-            if status not in (404, 405):
-                break
+        response = await client.get(server.url + "/health", timeout=timeout)
+        if response.status_code not in (404, 405) and response.status_code >= 400:
+            return f"{server.url}: HTTP {response.status_code} to a health check"
+        response = await client.get(server.url + "/v1/models", timeout=timeout)
     except httpx.TransportError as exc:
         return f"{server.url}: no answer ({type(exc).__name__}: {exc})"
-    return None if status < 400 else f"{server.url}: HTTP {status} to a health check"
+    if response.status_code in (401, 403):
+        return f"{server.url}: HTTP {response.status_code} to /v1/models: it refuses the API key"
+    if response.status_code >= 400:
+        return f"{server.url}: HTTP {response.status_code} to /v1/models"
+    models = model_ids(response)
+    if models is None:
+        return f"{server.url}: its /v1/models is no model list"
+    if model not in models:
+        return f"{server.url}: serves {models}, not {model!r}"
+    return None
+
+
+def model_ids(response: httpx.Response) -> list[str] | None:
+    """The model ids a ``/v1/models`` answer lists (``None``: it is no model list)."""
+    try:
+        return [str(card["id"]) for card in response.json()["data"]]
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 async def server_context(client: httpx.AsyncClient, server: Server, model: str) -> int | None:
