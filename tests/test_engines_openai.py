@@ -558,7 +558,7 @@ def test_the_health_check_needs_one_upstream_to_answer() -> None:
         with pytest.raises(sart.EngineError) as info:
             await e.check_health()
         assert str(info.value) == (
-            f"no upstream server answers: {one.url}: HTTP 503 to a health check; "
+            f"no upstream can serve the model: {one.url}: HTTP 503 to a health check; "
             f"{two.url}: HTTP 500 to a health check"
         )
         one.health = 200
@@ -573,7 +573,7 @@ def test_the_health_check_of_unreachable_upstreams_says_so() -> None:
     async def scenario() -> None:
         url = dead_url()
         e = engine(url)
-        said = rf"^no upstream server answers: {url}: no answer \(ConnectError: "
+        said = rf"^no upstream can serve the model: {url}: no answer \(ConnectError: "
         with pytest.raises(sart.EngineError, match=said):
             await e.check_health()
         await e.aclose()
@@ -593,7 +593,7 @@ def test_the_health_check_asks_for_the_model_with_the_engines_key() -> None:
         with pytest.raises(sart.EngineError) as info:
             await e.check_health()
         assert str(info.value) == (
-            f"no upstream server answers: {rekeyed.url}: HTTP 401 to /v1/models: it "
+            f"no upstream can serve the model: {rekeyed.url}: HTTP 401 to /v1/models: it "
             f"refuses the API key; {renamed.url}: serves ['another'], not 'stand-in'"
         )
         assert e.upstreams.down(0) and e.upstreams.down(1)  # passed over meanwhile

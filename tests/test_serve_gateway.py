@@ -184,7 +184,7 @@ def test_an_upstream_gone_bad_is_worked_around_and_health_follows_the_upstreams(
     assert answer.status_code == 503
     message = answer.json()["error"]["message"]
     assert message == (
-        f"no upstream server answers: {good.url}: HTTP 503 to a health check; "
+        f"no upstream can serve the model: {good.url}: HTTP 503 to a health check; "
         f"{revoked.url}: HTTP 503 to a health check"
     )
     good.health = 200
@@ -201,7 +201,7 @@ def test_health_is_503_when_every_upstream_refuses_the_key_or_the_model(upstream
     answer = httpx.get(f"{served.url}/health", timeout=10)
     assert answer.status_code == 503
     assert answer.json()["error"]["message"] == (
-        f"no upstream server answers: {rekeyed.url}: HTTP 401 to /v1/models: it refuses "
+        f"no upstream can serve the model: {rekeyed.url}: HTTP 401 to /v1/models: it refuses "
         f"the API key; {renamed.url}: serves ['renamed'], not '{MODEL}'"
     )
     renamed.model = MODEL  # back as it was

@@ -287,7 +287,7 @@ class OpenAIEngine(StreamingEngine):
             for task in probes:
                 task.cancel()
         said = [reasons[i] for i in sorted(reasons)]
-        raise EngineError("no upstream server answers: " + "; ".join(said))
+        raise EngineError("no upstream can serve the model: " + "; ".join(said))
 
     def stats(self) -> EngineStats:
         kv = sum(p.tokens for p in self._ledger.prefixes.values())
