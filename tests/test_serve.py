@@ -560,6 +560,8 @@ GATEWAY_FLAGS = ["--engine", "openai", "--upstream", "http://127.0.0.1:9", "--mo
         ),
         (["--upstream", "http://127.0.0.1:9"], "--upstream is for --engine openai"),
         (["--upstream-stream-interval", "8"], "--upstream-stream-interval is for --engine openai"),
+        ([*GATEWAY_FLAGS, "--upstream-timeout", "0"], "--upstream-timeout 0.0 must be a finite"),
+        (["--upstream-timeout", "5"], "--upstream-timeout is for --engine openai"),
         (
             ["--engine", "openai", "--upstream", "http://127.0.0.1:9"],
             "--upstream http://127.0.0.1:9: nothing answers there",
@@ -584,6 +586,22 @@ def test_sart_serve_refuses_bad_flags_before_loading_anything(
         main(["serve", *flags])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_gateways_flags_reach_its_engine() -> None:
+    # --upstream-timeout: a hung upstream held its requests for OpenAIEngine's fixed
+    # 300 s read timeout, with no flag to change it.
+    from sart.builders import gateway_engine
+    from sart.cli import _parser
+    from sart.serve.command import load_spec_of
+
+    flags = ["--upstream-timeout", "20", "--placement", "branch", "--upstream-stream-interval", "4"]
+    args = _parser().parse_args(["serve", *GATEWAY_FLAGS, *flags])
+    engine = gateway_engine(load_spec_of(args))
+    assert (engine.timeout, engine.affinity, engine.stream_interval) == (20.0, False, 4)
+    assert [s.url for s in engine.servers] == ["http://127.0.0.1:9"] and engine.model == "m"
+    defaults = gateway_engine(load_spec_of(_parser().parse_args(["serve", *GATEWAY_FLAGS])))
+    assert (defaults.timeout, defaults.affinity, defaults.stream_interval) == (300.0, True, 1)
 
 
 def test_sart_serve_on_sglang_without_sglang_says_what_to_install(

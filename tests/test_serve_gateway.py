@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import http.server
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -159,6 +160,23 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
     assert f"warning: --upstream {dead}: nothing answers there" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=f"^no --upstream answers: --upstream {dead}: "):
         check_upstreams([dead], None, MODEL)
+    # Before: httpx's two-line 404 message with its MDN link; an SSL error as "nothing
+    # answers there".
+    with pytest.raises(ConfigError, match=r"/v1/models answered HTTP 404; is it an OpenAI-"):
+        check_upstreams([server.url + "/completions"], None, MODEL)
+    # A plain HTTP server (the stand-in waits for a request's end, which a TLS hello
+    # never sends; the standard library's answers it at once, as uvicorn does).
+    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=plain.serve_forever, daemon=True).start()
+    where = f"127.0.0.1:{plain.server_address[1]}"
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"does not speak TLS .*; give it as http://{where}$"
+        ):
+            check_upstreams([f"https://{where}"], None, MODEL)
+    finally:
+        plain.shutdown()
+        plain.server_close()
 
 
 def test_an_upstream_gone_bad_is_worked_around_and_health_follows_the_upstreams(

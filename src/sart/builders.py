@@ -95,6 +95,7 @@ def gateway_engine(spec: LoadSpec) -> Any:
         affinity=gateway.affinity,
         explicit_abort=gateway.explicit_abort,
         stream_interval=gateway.stream_interval,
+        timeout=gateway.stream_timeout,
     )
 
 

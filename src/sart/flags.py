@@ -53,6 +53,7 @@ FLAGS = {
     "upstreams": "--upstream",
     "tokenizer": "--tokenizer",
     "stream_interval": "--upstream-stream-interval",
+    "stream_timeout": "--upstream-timeout",
     "chat": "--chat",
     # Runs (sart.bench.runner.BenchConfig and the like).
     "workload": "--workload",

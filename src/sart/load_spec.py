@@ -82,6 +82,8 @@ class Gateway:
     """Also POST vLLM's abort endpoint for a pruned branch (not only disconnect)."""
     stream_interval: int = attrs.field(default=1, validator=int_at_least(1))
     """Tokens per streamed chunk asked of the upstreams (``OpenAIEngine``)."""
+    stream_timeout: float = attrs.field(default=300.0, validator=number_above(0))
+    """Seconds a branch's stream may go without a byte before it fails (``OpenAIEngine``)."""
 
     def __attrs_post_init__(self) -> None:
         config_check(bool(self.upstreams), "upstreams", self.upstreams, "at least one URL")

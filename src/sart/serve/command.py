@@ -141,6 +141,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "for vanilla and sc traffic, not for methods that check running branches",
     )
     g.add_argument(
+        "--upstream-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long a branch's stream may go without a byte before it fails (default "
+        "300): a hung upstream holds its requests that long. vLLM sends nothing while a "
+        "request waits in its queue, so keep it above the longest wait there",
+    )
+    g.add_argument(
         "--tokenizer",
         default=None,
         help="a tokenizer directory or hub id for chat templates and token counts "
@@ -309,6 +318,7 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
             affinity=args.placement == "request",
             explicit_abort=args.upstream_abort == "explicit",
             stream_interval=1 if chunk is None else chunk,
+            stream_timeout=300.0 if args.upstream_timeout is None else args.upstream_timeout,
         )
     else:
         for flag, given in (
@@ -316,6 +326,7 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
             ("--tokenizer", args.tokenizer),
             ("--upstream-api-key", args.upstream_api_key),
             ("--upstream-stream-interval", args.upstream_stream_interval),
+            ("--upstream-timeout", args.upstream_timeout),
         ):
             if given not in (None, []):
                 raise ConfigError(f"{flag} is for --engine openai, not --engine {args.engine}")
@@ -348,6 +359,7 @@ def _upstream_models(url: str, api_key: str | None) -> list[str]:
     import httpx
 
     from sart.engines.openai_wire import base_url as _base
+    from sart.engines.openai_wire import model_ids
 
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream {url}: give its scheme, as in http://{url}")
@@ -355,6 +367,12 @@ def _upstream_models(url: str, api_key: str | None) -> list[str]:
     try:
         response = httpx.get(_base(url) + "/v1/models", headers=headers, timeout=10)
     except httpx.HTTPError as exc:
+        if "SSL" in str(exc) and url.startswith("https://"):
+            # Something answered, in plain HTTP (ssl's WRONG_VERSION_NUMBER).
+            raise ConfigError(
+                f"--upstream {url}: it does not speak TLS ({exc}); give it as "
+                f"http://{url.removeprefix('https://')}"
+            ) from None
         raise _Unreachable(
             f"--upstream {url}: nothing answers there ({exc or type(exc).__name__}); is the "
             "server up, at this host and port?"
@@ -364,11 +382,15 @@ def _upstream_models(url: str, api_key: str | None) -> list[str]:
             f"--upstream {url}: its /v1/models answered HTTP {response.status_code}: give "
             f"its API key with --upstream-api-key KEY (or {UPSTREAM_KEY_ENV})"
         )
-    try:
-        response.raise_for_status()
-        models = [str(card["id"]) for card in response.json()["data"]]
-    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"--upstream {url}: its /v1/models is no model list ({exc})") from None
+    if response.status_code >= 400:
+        raise ConfigError(
+            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}; is it an "
+            "OpenAI-compatible server (vllm serve, SGLang's launch_server), named by its base "
+            "URL (http://host:port)?"
+        )
+    models = model_ids(response)
+    if models is None:
+        raise ConfigError(f"--upstream {url}: its /v1/models is no model list")
     if not models:
         raise ConfigError(f"--upstream {url}: its /v1/models lists no model")
     return models
