@@ -370,6 +370,35 @@ def test_the_openai_client_gets_the_chosen_branch_and_every_branchs_outcome(serv
     }
 
 
+def test_a_clients_request_id_names_its_answer_as_vllms_does(serve) -> None:
+    # Before: every answer was cmpl-<random hex> and X-Request-Id was ignored, so a
+    # request could not be followed from a client's or a proxy's logs to sart's.
+    served = serve()
+    client = served.openai()
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="short", extra_headers={"X-Request-Id": "trace-7"}
+    )
+    assert raw.parse().id == "cmpl-trace-7" and raw.headers["x-request-id"] == "trace-7"
+    by_body = client.completions.create(
+        model=MODEL, prompt="short", extra_body={"request_id": "b1"}
+    )
+    assert by_body.id == "cmpl-b1"
+    unnamed = client.completions.with_raw_response.create(model=MODEL, prompt="short")
+    assert unnamed.parse().id == f"cmpl-{unnamed.headers['x-request-id']}"
+    # A client that retries under its id while the first try runs: both are served.
+    same = {"X-Request-Id": "again"}
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        json={**body("long", method="sart", n=2), "stream": True},
+        headers={"Authorization": "Bearer key", **same},
+        timeout=30,
+    ) as first:
+        assert first.status_code == 200
+        second = client.completions.create(model=MODEL, prompt="short", extra_headers=same)
+        assert second.id == "cmpl-again"
+
+
 def test_a_disconnected_client_has_every_branch_aborted(serve) -> None:
     served = serve()
     engine = served.engine

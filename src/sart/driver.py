@@ -234,6 +234,11 @@ class DriverBase:
         router placing requests on replicas)."""
         return len(self._open)
 
+    def is_open(self, request_id: str) -> bool:
+        """Whether a request of this id was submitted and its result not delivered yet
+        (``submit`` refuses another of that id until then)."""
+        return request_id in self._open
+
     def submit(self, request: Request) -> None:
         """Queue a request; it reaches the scheduler at ``request.arrival``.
 

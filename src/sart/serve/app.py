@@ -24,6 +24,11 @@ Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open, as
 vLLM leaves them, for load balancers and Prometheus (bind to a private
 address, the default ``127.0.0.1``, if their numbers are private).
 
+**Request ids.** As vLLM's server: the client's ``X-Request-Id`` header, else the
+body's ``request_id``, else a random hex, names the answer (``cmpl-ID``,
+``chatcmpl-ID``) and comes back in the ``X-Request-Id`` response header; a
+second request under an id still running gets a server-side id with a suffix.
+
 **Disconnects.** While a request runs, its handler also watches the
 connection (as vLLM's ``with_cancellation``): when the client goes away the
 request is cancelled and every branch of it aborted in the engine.
@@ -201,7 +206,11 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     request = protocol.parse(shape, body)
     plan = protocol.plan(request, config)
     prompt = _chat_prompt(service, request) if chat else protocol.completion_prompt(request)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    given = http.headers.get("x-request-id") or request.request_id or uuid.uuid4().hex
+    answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given}"
+    # A client that retries under its id while the first try still runs gets a
+    # server-side id of its own for the second; both answers carry the client's.
+    rid = answer_id if not service.is_open(answer_id) else f"{answer_id}-{uuid.uuid4().hex[:8]}"
     try:
         job = Request(rid, prompt, **plan.request_kwargs)
         service.submit(job, protocol.question(request) if chat else _prompt_text(service, prompt))
@@ -211,11 +220,13 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
         raise Refused(str(exc), None, 429) from None
     except ServiceStopped as exc:
         raise Refused(str(exc), None, 503) from None
-    reply = _Reply(rid, int(time.time()), request.model, plan.method, chat)
+    reply = _Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat)
+    headers = {"X-Request-Id": given}
     if plan.stream:
         return _EventStream(
             _events(service, reply, config.keepalive, plan.include_usage),
             on_close=lambda: service.cancel(rid),
+            headers=headers,
         )
     try:
         outcome = await _unless_disconnected(http, service.result(rid))
@@ -224,8 +235,8 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     if outcome is None:  # the client left; nobody reads this
         return Response(status_code=499)
     if not outcome.result.ok:
-        return _failed(outcome)
-    return JSONResponse(reply.body(outcome))
+        return _failed(outcome, headers)
+    return JSONResponse(reply.body(outcome), headers=headers)
 
 
 def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> tuple[int, ...]:
@@ -290,9 +301,10 @@ async def _disconnect(http: HTTPRequest) -> None:
         pass
 
 
-def _failed(outcome: Outcome) -> JSONResponse:
+def _failed(outcome: Outcome, headers: dict[str, str] | None = None) -> JSONResponse:
     message, status, param = _failure(outcome)
-    return JSONResponse(responses.error_body(message, status, param), status_code=status)
+    body = responses.error_body(message, status, param)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _failure(outcome: Outcome) -> tuple[str, int, str | None]:
@@ -323,6 +335,10 @@ class _Reply:
     """What every answer to one request shares."""
 
     id: str
+    """The answer's id: ``cmpl-`` (``chatcmpl-``) and the client's id, as vLLM's."""
+    key: str
+    """The request's id in the server (``id``, or ``id`` and a suffix while another
+    request of that id runs)."""
     created: int
     model: str
     method: str
@@ -349,7 +365,7 @@ async def _events(
     service: Service, reply: _Reply, keepalive: float | None, include_usage: bool
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed request (see the module docstring)."""
-    job = asyncio.ensure_future(service.result(reply.id))
+    job = asyncio.ensure_future(service.result(reply.key))
     try:
         if reply.chat:
             yield reply.chunk(role=True, text="")
@@ -389,11 +405,17 @@ class _EventStream(StreamingResponse):
     """An SSE response that calls ``on_close`` however it ends: finished, failed, or
     torn down because the client left (even before its first event)."""
 
-    def __init__(self, events: AsyncIterator[bytes], *, on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._on_close = on_close
 

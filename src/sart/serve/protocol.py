@@ -87,6 +87,9 @@ class _Body(_Strict):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    request_id: str | None = None
+    """vLLM's: the request's id (the ``X-Request-Id`` header, if sent, wins), which the
+    answer's ``id`` carries."""
     # sart's extension fields (``extra_body``)
     method: str | None = None
     m: int | None = None

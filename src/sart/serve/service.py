@@ -214,6 +214,11 @@ class Service:
             self.prm.ask(rid, question)
         return rid
 
+    def is_open(self, request_id: str) -> bool:
+        """Whether a request of this id was submitted and its result not yet taken (or,
+        cancelled, not yet delivered by the driver): ``submit`` refuses the id then."""
+        return request_id in self._futures or self.driver.is_open(request_id)
+
     async def result(self, request_id: str) -> Outcome:
         """Wait for an accepted request's result. If the caller is cancelled (its client
         disconnected), the request is cancelled: every branch of it is aborted."""
