@@ -141,3 +141,39 @@ def test_resume_refuses_a_log_without_its_results_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("holds runs.jsonl but no results.json")):
         resumable_runs(tmp_path, config, None)
     assert (tmp_path / "runs.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [('{"config": {', "not JSON: Expecting"), ("[]", "a JSON list"), ("", "not JSON")],
+)
+def test_resume_refuses_a_damaged_results_json_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, said: str
+) -> None:
+    # A results.json cut short, emptied or not an object ended --resume in a traceback
+    # (JSONDecodeError, AttributeError); now it is one line, and the log is left whole.
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    (tmp_path / "results.json").write_text(damage)
+    before = (tmp_path / "runs.jsonl").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BENCH, "--methods", "sc", "--resume", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sart: error: --resume: ") and err.count("\n") == 1
+    assert "is not a sart bench results.json (" + said in err
+    assert (tmp_path / "runs.jsonl").read_text() == before
+
+
+def test_a_logged_run_sart_cannot_read_back_is_refused_with_its_line(tmp_path: Path) -> None:
+    # A run written by a sart whose RunRecord differed (or edited by hand) ended --resume
+    # in cattrs' nested exception groups; now it is a ConfigError naming file:line and field.
+    (record,) = run_bench(BenchConfig(methods=("sc",), ns=(2,), rates=(2.0,), num_requests=6))
+    log = RunLog(tmp_path)
+    log.start([record, record])
+    first, second = log.path.read_text().splitlines()
+    line = json.loads(second)
+    del line["run"]["method"]
+    log.path.write_text(first + "\n" + json.dumps(line) + "\n")
+    said = "runs.jsonl:2: not a run sart bench can read back (KeyError: 'method' "
+    with pytest.raises(ConfigError, match=re.escape(said) + ".*attribute method"):
+        log.read()
