@@ -35,6 +35,11 @@ def test_prompt_files_are_checked(tmp_path: Path) -> None:
             load_prompts(bad)
     with pytest.raises(sart.ConfigError, match="No such file"):
         load_prompts(tmp_path / "absent.jsonl")
+    # A byte that is not UTF-8 (a Latin-1 file) ended in a UnicodeDecodeError traceback.
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(sart.ConfigError, match=r"latin\.jsonl:2: not UTF-8 text"):
+        load_prompts(latin)
 
 
 def test_arrivals_are_seeded_and_increasing() -> None:

@@ -119,11 +119,14 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    # Read as bytes and decoded line by line, so that a byte that is not UTF-8 is
+    # refused with its line (a text-mode read raised UnicodeDecodeError, a traceback).
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            line = _utf8(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -133,13 +136,24 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, row
 
 
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start + 1})") from None
+
+
 def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
         start = 2  # line 1 is the header
-        for row in reader:
-            yield f"{path}:{start}", row
-            start = reader.line_num + 1
+        try:
+            for row in reader:
+                yield f"{path}:{start}", row
+                start = reader.line_num + 1
+        except UnicodeDecodeError:
+            # Decoded in blocks, so the line is only known to be at or after ``start``.
+            raise ConfigError(f"{path}:{start}: not UTF-8 text (at this line or after)") from None
 
 
 def hub_rows(
