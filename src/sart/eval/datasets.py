@@ -348,9 +348,11 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
         Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
         for i, q in enumerate(bed.eval_questions(count, seed))
     ]
-    # What drew them: the long testbed's leave out its report's questions.
+    # What drew them: the long testbed's leave out its report's questions. Not how many:
+    # the source is a recording setting, and a larger --limit extends a recording (its
+    # first questions are the smaller one's), which a count here refused.
     spec = "SHORT" if name == "testbed" else "LONG"
-    source = f"sart.testbed.{spec}.eval_questions({count}, {seed})"
+    source = f"sart.testbed.{spec}.eval_questions(seed={seed})"
     return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)
 
 
