@@ -27,7 +27,7 @@ from sart.bench.results_file import progress_console, write_json
 from sart.bench.runner import BenchConfig, method_policy, plan
 from sart.errors import ConfigError, SartError
 from sart.eval.accuracy import EvalRun
-from sart.eval.datasets import Dataset
+from sart.eval.datasets import Dataset, upgrade_recording
 from sart.eval.grading import Grader, make_grader
 from sart.eval.parser import (
     DEFAULT_INTERVAL,
@@ -265,7 +265,8 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         "template": run.dataset.template.text,
         "grading": run.dataset.grading,
     }
-    with ProblemsFile(run.out / PROBLEMS_FILE, run.settings, RECORDING_FLAGS) as problems:
+    path = run.out / PROBLEMS_FILE
+    with ProblemsFile(path, run.settings, RECORDING_FLAGS, upgrade_recording) as problems:
         if problems.dropped_partial_line:
             console.print(f"{problems.path}: dropped a last line cut short by an interruption")
         _check_golds(run.dataset, problems.records)

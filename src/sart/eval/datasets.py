@@ -41,6 +41,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -354,6 +355,20 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
     spec = "SHORT" if name == "testbed" else "LONG"
     source = f"sart.testbed.{spec}.eval_questions(seed={seed})"
     return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)
+
+
+_COUNTED_SOURCE = re.compile(r"(sart\.testbed\.\w+\.eval_questions)\(\d+, (-?\d+)\)")
+
+
+def upgrade_recording(settings: dict[str, Any]) -> dict[str, Any]:
+    """A recording's settings as this sart writes them: a testbed's source named its
+    question count before (``eval_questions(40, 0)``), which a larger ``--limit`` does
+    not change; it is ``eval_questions(seed=0)`` now."""
+    source = settings.get("source")
+    match = _COUNTED_SOURCE.fullmatch(source) if isinstance(source, str) else None
+    if match is None:
+        return settings
+    return settings | {"source": f"{match[1]}(seed={match[2]})"}
 
 
 def load_jsonl(
