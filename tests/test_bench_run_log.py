@@ -177,3 +177,36 @@ def test_a_logged_run_sart_cannot_read_back_is_refused_with_its_line(tmp_path: P
     said = "runs.jsonl:2: not a run sart bench can read back (KeyError: 'method' "
     with pytest.raises(ConfigError, match=re.escape(said) + ".*attribute method"):
         log.read()
+
+
+def test_bench_and_eval_refuse_an_out_holding_the_others_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # sart eval given a benchmark's --out replaced its results.json (and --resume then kept
+    # none of its runs), and sart bench an evaluation's; now each refuses, before any work.
+    from sart.eval.command import _Run
+
+    bench = tmp_path / "bench"
+    assert main([*BENCH, "--methods", "sc", "--out", str(bench)]) == 0
+    before = (bench / "results.json").read_text()
+    monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
+    evaluation = ["eval", "--dataset", "testbed", "--model", "testbed", "--limit", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*evaluation, "--no-plots", "--out", str(bench)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    said = "holds the results.json of sart bench (sart.bench/1), which this sart eval would"
+    assert said in err and err.count("\n") == 1
+    assert (bench / "results.json").read_text() == before
+    assert not (bench / "problems.jsonl").exists()
+
+    evaluated = tmp_path / "eval"
+    evaluated.mkdir()
+    (evaluated / "results.json").write_text('{"schema": "sart.eval/1", "runs": []}')
+    mix = ["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--requests", "4", "--rate", "2"]
+    for argv in ([*BENCH], [*BENCH, "--resume"], mix):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--out", str(evaluated)])
+        assert exit_info.value.code == 2
+        assert "holds the results.json of sart eval (sart.eval/1)" in capsys.readouterr().err
+    assert (evaluated / "results.json").read_text() == '{"schema": "sart.eval/1", "runs": []}'

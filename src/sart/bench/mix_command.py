@@ -29,7 +29,7 @@ def bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     # With --json the tables go to stderr and stdout carries the document, as for the
     # other runs of sart bench.
     console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
-    path = check_writable(Path(args.out))
+    path = check_writable(Path(args.out), command="sart bench")
     serve_rate, loaded = (
         _on_real_engine(args, config, classes) if args.engine != "sim" else (None, None)
     )

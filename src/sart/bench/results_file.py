@@ -27,10 +27,17 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-def check_writable(out: Path, name: str = "results.json") -> Path:
+#: The commands that write a ``results.json``, by its schema's name before the version.
+WRITERS = {"sart.bench": "sart bench", "sart.eval": "sart eval"}
+
+
+def check_writable(out: Path, name: str = "results.json", command: str | None = None) -> Path:
     """``out / name``, once ``out`` is known to take it (``ConfigError`` naming ``--out``
-    otherwise, before any work is done)."""
+    otherwise, before any work is done): writable, and not another ``command``'s
+    ``results.json`` (``sart bench`` and ``sart eval`` both write one)."""
     path = out / name
+    if command is not None:
+        _check_writer(path, out, command)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if path.is_dir():
@@ -43,6 +50,23 @@ def check_writable(out: Path, name: str = "results.json") -> Path:
             f"--out {str(out)!r}: cannot write {name} there ({exc.strerror or exc})"
         ) from None
     return path
+
+
+def _check_writer(path: Path, out: Path, command: str) -> None:
+    """Refuse to overwrite another command's results (``sart eval`` into a benchmark's
+    ``--out`` replaced its results.json, without which ``--resume`` keeps none of its
+    runs). A file that does not read as JSON is not checked: it holds nothing to keep."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    schema = document.get("schema") if isinstance(document, dict) else None
+    writer = WRITERS.get(str(schema).split("/")[0])
+    if writer is not None and writer != command:
+        raise ConfigError(
+            f"--out {str(out)!r} holds the {path.name} of {writer} ({schema}), which this "
+            f"{command} would overwrite; give another --out"
+        )
 
 
 def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
@@ -72,7 +96,7 @@ class ResultsFile:
     def __init__(
         self, out: Path, config: Any, document: Callable[..., dict], *, resume: bool = False
     ) -> None:
-        self.path = check_writable(out)
+        self.path = check_writable(out, command="sart bench")
         self.out = out
         self.config = config
         self.records: list[Any] = []
@@ -127,4 +151,4 @@ class ResultsFile:
         return document
 
 
-__all__ = ["ResultsFile", "check_writable", "progress_console", "write_json"]
+__all__ = ["WRITERS", "ResultsFile", "check_writable", "progress_console", "write_json"]

@@ -23,7 +23,7 @@ import attrs
 
 from sart.bench.command import RealSetup
 from sart.bench.real import PolicyFactory, PromptItem, recording_sampling
-from sart.bench.results_file import progress_console, write_json
+from sart.bench.results_file import check_writable, progress_console, write_json
 from sart.bench.runner import BenchConfig, method_policy, plan
 from sart.errors import ConfigError, SartError
 from sart.eval.accuracy import EvalRun
@@ -184,7 +184,7 @@ class _Run:
 def _eval(args: argparse.Namespace) -> int:
     console, progress = progress_console("sart eval", to_stderr=args.json)
     run = _Run(args)
-    run.out.mkdir(parents=True, exist_ok=True)
+    check_writable(run.out, command="sart eval")  # before any problem is recorded
     started = time.perf_counter()
     try:
         with progress:
