@@ -194,17 +194,7 @@ def _eval(args: argparse.Namespace) -> int:
                 _derived(run, progress, console)
     except KeyboardInterrupt:
         run.write(complete=False)
-        if args.live:
-            kept = f"kept {len(run.runs)} finished runs in {run.out / 'results.json'}"
-        else:
-            kept = f"{run.recorded} of {len(run.items)} problems are recorded in " + str(
-                run.out / PROBLEMS_FILE
-            )
-        console.print(
-            f"interrupted: {kept}; run the same command again to resume",
-            style="bold",
-            soft_wrap=True,
-        )
+        console.print(f"interrupted: {_kept(run)}", style="bold", soft_wrap=True)
         return 130
     finally:
         close = getattr(run.equivalence, "close", None)
@@ -241,6 +231,19 @@ def _eval(args: argparse.Namespace) -> int:
         + ", ".join(str(p) for p in [run.out / "results.json", *plots])
     )
     return 0
+
+
+def _kept(run: _Run) -> str:
+    """What an interrupted run kept, and what running it again does."""
+    if not run.args.live:
+        recorded = f"{run.recorded} of {len(run.items)} problems are recorded in "
+        return f"{recorded}{run.out / PROBLEMS_FILE}; run the same command again to resume"
+    # --live does not resume (only the recorded pass does): the same command serves every
+    # run again and writes results.json afresh, which this once said it would resume.
+    return (
+        f"kept {len(run.runs)} finished runs in {run.out / 'results.json'}; --live does not "
+        "resume: the same command serves every run again and replaces that file"
+    )
 
 
 def _derived(run: _Run, progress: Any, console: Any) -> None:
