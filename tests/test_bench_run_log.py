@@ -210,3 +210,37 @@ def test_bench_and_eval_refuse_an_out_holding_the_others_results(
         assert exit_info.value.code == 2
         assert "holds the results.json of sart eval (sart.eval/1)" in capsys.readouterr().err
     assert (evaluated / "results.json").read_text() == '{"schema": "sart.eval/1", "runs": []}'
+
+
+def test_an_interrupted_benchmark_is_not_started_afresh_without_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ctrl-C says "the same command with --resume serves only the rest"; the same command
+    # without it (a script run again) emptied runs.jsonl of every finished run. Now it,
+    # and a --mix into that --out, are refused and the log is left whole.
+    from sart.bench import command
+
+    real_run = command.run_method
+
+    def interrupted_on_the_second(*args: Any) -> Any:
+        if (tmp_path / "runs.jsonl").read_text():
+            raise KeyboardInterrupt
+        return real_run(*args)
+
+    monkeypatch.setattr(command, "run_method", interrupted_on_the_second)
+    out = ["--out", str(tmp_path)]
+    assert main([*BENCH, "--methods", "sc", "sart", *out]) == 130
+    log = (tmp_path / "runs.jsonl").read_text()
+    monkeypatch.setattr(command, "run_method", real_run)
+    mix = ["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--requests", "4", "--rate", "2"]
+    for argv in ([*BENCH, "--methods", "sc", "sart"], mix):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, *out])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "holds an interrupted benchmark (1 finished runs in runs.jsonl): add --resume" in err
+        assert (tmp_path / "runs.jsonl").read_text() == log
+    # Removing the log (as the refusal says) starts afresh; so does a finished benchmark.
+    (tmp_path / "runs.jsonl").unlink()
+    assert main([*BENCH, "--methods", "sc", "sart", *out]) == 0
+    assert main([*BENCH, "--methods", "sc", *out]) == 0

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.run_log import RunKey, RunLog, resumable_runs, run_key
+from sart.bench.run_log import RUN_LOG, RunKey, RunLog, resumable_runs, run_key
 from sart.errors import ConfigError, needs_extra
 
 
@@ -69,6 +69,23 @@ def _check_writer(path: Path, out: Path, command: str) -> None:
         )
 
 
+def check_not_interrupted(out: Path) -> None:
+    """``ConfigError`` where ``out`` holds a benchmark that was interrupted with runs
+    finished: starting afresh emptied its log, and the same command run again without
+    ``--resume`` (a script rerun, the flag forgotten) lost hours of runs."""
+    try:
+        document = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        logged = (out / RUN_LOG).read_bytes().count(b"\n")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # nothing this benchmark could resume
+    if isinstance(document, dict) and document.get("complete") is False and logged:
+        raise ConfigError(
+            f"--out {str(out)!r} holds an interrupted benchmark ({logged} finished runs in "
+            f"{RUN_LOG}): add --resume to keep them and serve only the rest, or remove "
+            f"{out / RUN_LOG} to start afresh"
+        )
+
+
 def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
     """A rich console (on stderr when stdout carries JSON) and a transient progress bar
     on it. A pipe or CI log gets a table wide enough not to wrap (rich assumes 80; the
@@ -97,6 +114,8 @@ class ResultsFile:
         self, out: Path, config: Any, document: Callable[..., dict], *, resume: bool = False
     ) -> None:
         self.path = check_writable(out, command="sart bench")
+        if not resume:
+            check_not_interrupted(out)
         self.out = out
         self.config = config
         self.records: list[Any] = []
@@ -151,4 +170,11 @@ class ResultsFile:
         return document
 
 
-__all__ = ["WRITERS", "ResultsFile", "check_writable", "progress_console", "write_json"]
+__all__ = [
+    "WRITERS",
+    "ResultsFile",
+    "check_not_interrupted",
+    "check_writable",
+    "progress_console",
+    "write_json",
+]

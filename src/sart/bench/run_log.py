@@ -158,7 +158,8 @@ def resumable_runs(
     if differences:
         raise ConfigError(
             f"--resume: {out} holds another benchmark (" + "; ".join(differences) + "); "
-            "give another --out, or leave --resume out to start afresh"
+            f"give another --out, or remove {out / RUN_LOG} and leave --resume out to start "
+            "afresh"
         )
     return RunLog(out).read()
 
