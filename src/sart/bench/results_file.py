@@ -52,6 +52,24 @@ def check_writable(out: Path, name: str = "results.json", command: str | None = 
     return path
 
 
+def check_output_file(path: Path, flag: str) -> None:
+    """``ConfigError`` naming ``flag`` unless a file can be written at ``path``: checked
+    before the work whose output it is (``--record-trace`` was checked only once the
+    benchmark and the recording pass had run, which lost the recording)."""
+    existed = path.exists()
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r}: cannot write it ({exc.strerror or exc})"
+        ) from None
+    if not existed:
+        path.unlink()
+
+
 def _check_writer(path: Path, out: Path, command: str) -> None:
     """Refuse to overwrite another command's results (``sart eval`` into a benchmark's
     ``--out`` replaced its results.json, without which ``--resume`` keeps none of its
@@ -174,6 +192,7 @@ __all__ = [
     "WRITERS",
     "ResultsFile",
     "check_not_interrupted",
+    "check_output_file",
     "check_writable",
     "progress_console",
     "write_json",
