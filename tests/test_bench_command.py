@@ -737,9 +737,14 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path: Path, monkeypatch: pytest.Monk
     assert doc["complete"] is False
     assert [(r["method"], r["rate"]) for r in doc["runs"]] == [("sc", 1.0), ("sart", 1.0)]
     assert not (tmp_path / ".results.json.tmp").exists()
-    # Uninterrupted, the same file says it is complete.
+    # The same command without --resume would start afresh and empty the log of the runs
+    # kept: it is refused (it once ran, losing them); with --resume the file is complete.
     monkeypatch.setattr(command, "run_method", real_run)
-    assert main([*SMALL_BENCH, "--out", str(tmp_path)]) == 0
+    log = (tmp_path / "runs.jsonl").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*SMALL_BENCH, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and (tmp_path / "runs.jsonl").read_text() == log
+    assert main([*SMALL_BENCH, "--resume", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "results.json").read_text())
     assert doc["complete"] is True and len(doc["runs"]) == 4
 

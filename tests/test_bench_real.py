@@ -35,6 +35,11 @@ def test_prompt_files_are_checked(tmp_path: Path) -> None:
             load_prompts(bad)
     with pytest.raises(sart.ConfigError, match="No such file"):
         load_prompts(tmp_path / "absent.jsonl")
+    # A byte that is not UTF-8 (a Latin-1 file) ended in a UnicodeDecodeError traceback.
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(sart.ConfigError, match=r"latin\.jsonl:2: not UTF-8 text"):
+        load_prompts(latin)
 
 
 def test_arrivals_are_seeded_and_increasing() -> None:
@@ -170,3 +175,22 @@ def test_record_trace_keeps_the_real_engines_logprobs_per_segment(
                 [sum(-sum(t.top) / 3 for t in s) / len(s) for s in segments], abs=1e-4
             )
             assert all(c > 0 for c in branch.confidences)
+
+
+@pytest.mark.parametrize("where", ["no such directory", "a directory"])
+def test_an_unwritable_record_trace_is_refused_before_anything_is_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], where: str
+) -> None:
+    # --record-trace was written only after every run and the recording pass: a path
+    # that could not take it lost the recording, after hours on a real model.
+    from sart.bench import command
+
+    monkeypatch.setattr(command, "load", lambda spec: pytest.fail("loaded the models"))
+    target = tmp_path / "no" / "t.jsonl" if where == "no such directory" else tmp_path
+    argv = ["bench", "--engine", "hf", "--model", "testbed", "--requests", "2", "--n", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--record-trace", str(target), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert (
+        f"sart: error: --record-trace {str(target)!r}: cannot write it (" in capsys.readouterr().err
+    )

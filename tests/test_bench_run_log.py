@@ -141,3 +141,106 @@ def test_resume_refuses_a_log_without_its_results_json(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=re.escape("holds runs.jsonl but no results.json")):
         resumable_runs(tmp_path, config, None)
     assert (tmp_path / "runs.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [('{"config": {', "not JSON: Expecting"), ("[]", "a JSON list"), ("", "not JSON")],
+)
+def test_resume_refuses_a_damaged_results_json_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, said: str
+) -> None:
+    # A results.json cut short, emptied or not an object ended --resume in a traceback
+    # (JSONDecodeError, AttributeError); now it is one line, and the log is left whole.
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    (tmp_path / "results.json").write_text(damage)
+    before = (tmp_path / "runs.jsonl").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*BENCH, "--methods", "sc", "--resume", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sart: error: --resume: ") and err.count("\n") == 1
+    assert "is not a sart bench results.json (" + said in err
+    assert (tmp_path / "runs.jsonl").read_text() == before
+
+
+def test_a_logged_run_sart_cannot_read_back_is_refused_with_its_line(tmp_path: Path) -> None:
+    # A run written by a sart whose RunRecord differed (or edited by hand) ended --resume
+    # in cattrs' nested exception groups; now it is a ConfigError naming file:line and field.
+    (record,) = run_bench(BenchConfig(methods=("sc",), ns=(2,), rates=(2.0,), num_requests=6))
+    log = RunLog(tmp_path)
+    log.start([record, record])
+    first, second = log.path.read_text().splitlines()
+    line = json.loads(second)
+    del line["run"]["method"]
+    log.path.write_text(first + "\n" + json.dumps(line) + "\n")
+    said = "runs.jsonl:2: not a run sart bench can read back (KeyError: 'method' "
+    with pytest.raises(ConfigError, match=re.escape(said) + ".*attribute method"):
+        log.read()
+
+
+def test_bench_and_eval_refuse_an_out_holding_the_others_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # sart eval given a benchmark's --out replaced its results.json (and --resume then kept
+    # none of its runs), and sart bench an evaluation's; now each refuses, before any work.
+    from sart.eval.command import _Run
+
+    bench = tmp_path / "bench"
+    assert main([*BENCH, "--methods", "sc", "--out", str(bench)]) == 0
+    before = (bench / "results.json").read_text()
+    monkeypatch.setattr(_Run, "load", lambda self: pytest.fail("loaded the models"))
+    evaluation = ["eval", "--dataset", "testbed", "--model", "testbed", "--limit", "2"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*evaluation, "--no-plots", "--out", str(bench)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    said = "holds the results.json of sart bench (sart.bench/1), which this sart eval would"
+    assert said in err and err.count("\n") == 1
+    assert (bench / "results.json").read_text() == before
+    assert not (bench / "problems.jsonl").exists()
+
+    evaluated = tmp_path / "eval"
+    evaluated.mkdir()
+    (evaluated / "results.json").write_text('{"schema": "sart.eval/1", "runs": []}')
+    mix = ["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--requests", "4", "--rate", "2"]
+    for argv in ([*BENCH], [*BENCH, "--resume"], mix):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, "--out", str(evaluated)])
+        assert exit_info.value.code == 2
+        assert "holds the results.json of sart eval (sart.eval/1)" in capsys.readouterr().err
+    assert (evaluated / "results.json").read_text() == '{"schema": "sart.eval/1", "runs": []}'
+
+
+def test_an_interrupted_benchmark_is_not_started_afresh_without_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Ctrl-C says "the same command with --resume serves only the rest"; the same command
+    # without it (a script run again) emptied runs.jsonl of every finished run. Now it,
+    # and a --mix into that --out, are refused and the log is left whole.
+    from sart.bench import command
+
+    real_run = command.run_method
+
+    def interrupted_on_the_second(*args: Any) -> Any:
+        if (tmp_path / "runs.jsonl").read_text():
+            raise KeyboardInterrupt
+        return real_run(*args)
+
+    monkeypatch.setattr(command, "run_method", interrupted_on_the_second)
+    out = ["--out", str(tmp_path)]
+    assert main([*BENCH, "--methods", "sc", "sart", *out]) == 130
+    log = (tmp_path / "runs.jsonl").read_text()
+    monkeypatch.setattr(command, "run_method", real_run)
+    mix = ["bench", "--mix", "a:0.5:sart:2,b:0.5:sc:2", "--requests", "4", "--rate", "2"]
+    for argv in ([*BENCH, "--methods", "sc", "sart"], mix):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*argv, *out])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert "holds an interrupted benchmark (1 finished runs in runs.jsonl): add --resume" in err
+        assert (tmp_path / "runs.jsonl").read_text() == log
+    # Removing the log (as the refusal says) starts afresh; so does a finished benchmark.
+    (tmp_path / "runs.jsonl").unlink()
+    assert main([*BENCH, "--methods", "sc", "sart", *out]) == 0
+    assert main([*BENCH, "--methods", "sc", *out]) == 0

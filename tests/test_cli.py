@@ -64,6 +64,105 @@ def test_ctrl_c_in_any_command_is_one_line(
     assert capsys.readouterr().err == "sart: demo-models interrupted\n"
 
 
+class _Unhandled(Exception):
+    """Raised by the test's own SIGTERM handler: the command left SIGTERM to it."""
+
+
+def test_sigterm_keeps_a_benchmarks_finished_runs_as_ctrl_c_does(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, tmp_path: Path
+) -> None:
+    # Before: SIGTERM (kill, a scheduler's time limit) stopped sart at once, exit -15,
+    # without saying what it kept; now it is taken as Ctrl-C, exit 143.
+    import json
+    import os
+    import signal
+
+    from sart.bench import command
+
+    real_run, served = command.run_method, []
+
+    def term_after_the_first(*args: object) -> object:
+        if served:
+            os.kill(os.getpid(), signal.SIGTERM)
+        served.append(args[1:3])
+        return real_run(*args)
+
+    def unhandled(signum: int, frame: object) -> None:
+        raise _Unhandled
+
+    monkeypatch.setattr(command, "run_method", term_after_the_first)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        argv = ["bench", "--requests", "6", "--rate", "2", "--n", "2", "--no-plots"]
+        code = main([*argv, "--methods", "sc", "sart", "--out", str(tmp_path)])
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # put back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143
+    assert "interrupted: kept the 1 finished runs" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert not doc["complete"] and [r["method"] for r in doc["runs"]] == ["sc"]
+
+
+def _children(pid: int) -> set[int]:
+    import os
+
+    children: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children |= {int(c) for c in f.read().split()}
+    return children
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+def test_sigterm_to_tune_stops_its_worker_processes(tmp_path: Path) -> None:
+    # Before: SIGTERM to sart tune alone (kill PID) killed it and left its --jobs workers
+    # orphaned, asleep forever; now they are stopped as with Ctrl-C.
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    argv = ["tune", "--requests", "100", "--n", "4", "--jobs", "2", "--out", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = "import sys; from sart.cli import main; sys.exit(main(sys.argv[1:]))"
+    # stderr to a file: orphaned workers would hold a pipe open past the parent's end.
+    stderr = (tmp_path / "stderr").open("w")
+    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=stderr)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            workers = {c for c in _children(proc.pid) if _alive(c)}
+            time.sleep(0.1)
+        time.sleep(1.0)  # the workers at work
+        workers = {c for c in _children(proc.pid) if _alive(c)}
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        err = (tmp_path / "stderr").read_text()
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert workers and not [w for w in workers if _alive(w)]
+        assert proc.returncode == 143 and err.endswith("sart: tune terminated\n")
+    finally:
+        stderr.close()
+        for pid in [proc.pid, *workers]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
 def _int_flags() -> list[tuple[list[str], str, bool]]:
     """Every integer flag of every command: (command words, flag, whether 0 is allowed)."""
     import argparse

@@ -25,6 +25,7 @@ from sart.eval.accuracy import agreement, tallies, wilson_interval
 from sart.eval.command import _Run
 from sart.eval.datasets import load_testbed
 from sart.eval.problems_file import ProblemsFile
+from sart.launch import Loaded
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 LIMIT = 6
@@ -215,6 +216,24 @@ def test_ctrl_c_keeps_the_finished_problems_and_the_rerun_does_the_rest(
     _, problems = lines(out)
     assert sorted(p["id"] for p in problems) == ["t0", "t1", "t2"]
     assert json.loads((out / "results.json").read_text())["complete"]
+
+
+def test_ctrl_c_in_a_live_run_does_not_promise_a_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --live kept its finished runs but said "run the same command again to resume",
+    # which serves every run again and replaces them: it says so now.
+    from sart.eval import live
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_Run, "load", lambda self: Loaded(None, None))
+    monkeypatch.setattr(live, "serve_live", interrupted)
+    code, printed = run(eval_argv(tmp_path / "live", "--live", "--no-plots", limit=2, n=2))
+    assert code == 130
+    assert "kept 0 finished runs in" in printed and "--live does not resume" in printed
+    assert "run the same command again to resume" not in printed
 
 
 def test_other_settings_are_refused_before_anything_is_loaded(

@@ -95,6 +95,24 @@ def test_user_jsonl_keeps_extra_fields_and_takes_integer_answers(tmp_path: Path)
 
 
 @pytest.mark.parametrize(
+    ("name", "data", "message"),
+    [
+        ("mine.jsonl", b'{"problem": "p", "answer": "1"}\n{"problem": "\xe9"}\n', r"\.jsonl:2: "),
+        ("bom.jsonl", b'\xff\xfe{"problem": "p", "answer": "1"}\n', r"\.jsonl:1: "),
+        ("mine.csv", b"problem,answer\np,1\ncaf\xe9,2\n", r"\.csv:\d: "),
+    ],
+)
+def test_a_file_that_is_not_utf8_is_refused_with_its_line(
+    tmp_path: Path, name: str, data: bytes, message: str
+) -> None:
+    # A Latin-1 or UTF-16 --data file ended in a UnicodeDecodeError traceback.
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ConfigError, match=message + "not UTF-8 text"):
+        load_jsonl(path)
+
+
+@pytest.mark.parametrize(
     ("lines", "message"),
     [
         (['{"problem": "p", "answer": "1"}', "{oops"], r"mine\.jsonl:2: not valid JSON"),

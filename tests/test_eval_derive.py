@@ -236,3 +236,20 @@ def test_agreement_tolerates_sampling_noise_and_flags_more() -> None:
     assert same.ok and same.tolerance == pytest.approx(0.1)
     doc = {"runs": [{"method": "sc", "n": 4, "correct": 80, "problems": 100, "other": 1}]}
     assert tallies(doc) == [Tally("sc", 4, 80, 100)]
+
+
+def test_a_testbed_recording_that_named_its_count_resumes(tmp_path: Path) -> None:
+    # Before 88a4011 a testbed's source named its question count; a recording made then
+    # resumes (the count left out), one of another seed is still refused.
+    from sart.eval.datasets import upgrade_recording
+
+    path = tmp_path / "problems.jsonl"
+    then = RECORDING | {"source": "sart.testbed.LONG.eval_questions(200, 0)"}
+    with ProblemsFile(path, then) as f:
+        f.append(problem("a", "7", ["1", "7", "7"]))
+    now = RECORDING | {"source": "sart.testbed.LONG.eval_questions(seed=0)"}
+    with ProblemsFile(path, now, upgrade=upgrade_recording) as f:
+        assert list(f.records) == ["a"]
+    other = RECORDING | {"source": "sart.testbed.LONG.eval_questions(seed=1)"}
+    with pytest.raises(ConfigError, match=r"eval_questions\(seed=0\)\" \(this run"):
+        ProblemsFile(path, other, upgrade=upgrade_recording)

@@ -163,3 +163,29 @@ def test_a_multiple_choice_dataset_is_graded_by_letter(
     assert runs["vanilla", 1]["requests"][0]["answer"] == gold
     assert runs["sc", 3]["requests"][0]["answer"] == gold and runs["sc", 3]["accuracy"] == 1.0
     assert runs["sc", 2]["accuracy"] == 1.0  # one each: the first completed wins
+
+
+def test_a_larger_limit_extends_a_testbed_recording(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The testbed's dataset source named its count (eval_questions(2, 0)), so --limit 3
+    # after --limit 2 was refused as other settings, though the docs say a larger --limit
+    # extends the recording (as it does for --data and the hub's datasets).
+    pytest.importorskip("rich")
+    dataset = load_testbed(3)
+    script = scripts({p.id: [p.answer, "x"] for p in dataset})
+    served: list[str] = []
+
+    def fake_models(self: _Run) -> Loaded:
+        served.extend(item.id for item in self.items if item.id not in self.problems.records)
+        return Loaded(FakeEngine(script), ScriptedPRM(script, every=16))
+
+    monkeypatch.setattr(_Run, "load", fake_models)
+    argv = ["eval", "--dataset", "testbed", "--model", "testbed", "--n", "2", "--no-plots"]
+    argv += ["--out", str(tmp_path)]
+    assert main([*argv, "--limit", "2"]) == 0
+    assert main([*argv, "--limit", "3"]) == 0
+    assert served == ["t0", "t1", "t2"]  # t0 and t1 recorded once
+    path = tmp_path / "problems.jsonl"
+    ids = [json.loads(x).get("id") for x in path.read_text().splitlines()[1:]]
+    assert ids == ["t0", "t1", "t2"]

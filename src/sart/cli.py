@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from sart import __version__
 from sart.bench.parser import add_bench_parser, add_trace_parser
@@ -128,6 +132,38 @@ _PASSED_THROUGH = {
 }
 
 
+#: The commands that stop on SIGTERM by themselves (``sart serve`` drains its requests).
+_OWN_SIGTERM = {"serve"}
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's ``KeyboardInterrupt`` is, so that a command keeps
+    and reports its finished work the same way for both."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt(command: str) -> Iterator[list[int]]:
+    """SIGTERM (``kill``, a batch scheduler's time limit, a container stopped) handled as
+    Ctrl-C while ``command`` runs: it died at once instead, without the message that says
+    what was kept, and ``sart tune``'s worker processes outlived it, blocked, forever.
+    Yields a list that holds the signal once one came."""
+    came: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        came.append(signum)
+        # A second SIGTERM, while the command saves its work, stops it outright.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise _Terminated
+
+    installs = command not in _OWN_SIGTERM and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if installs else None
+    try:
+        yield came
+    finally:
+        if installs:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, unknown = parser.parse_known_args(argv)
@@ -138,12 +174,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"unrecognized arguments: {' '.join(unknown)}" + (f"; {hint}" if hint and flags else "")
         )
+    with _sigterm_as_interrupt(args.command) as terminated:
+        code = _run(parser, args)
+    # A command that kept its work returns 130 for an interruption; for SIGTERM, 128 + 15,
+    # as a shell reports a process that signal stopped.
+    return 128 + signal.SIGTERM if terminated and code == 130 else code
+
+
+def _run(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         check_int_flags(parser, args)  # every command's counts, in one place
         return int(args.func(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         # Commands that keep partial work (sart bench) say so themselves; the rest
         # end here, without a traceback.
+        if isinstance(exc, _Terminated):
+            parser.exit(128 + signal.SIGTERM, f"sart: {args.command} terminated\n")
         parser.exit(130, f"sart: {args.command} interrupted\n")
     except SartError as exc:
         parser.exit(2, f"sart: error: {exc}\n")

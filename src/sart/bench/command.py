@@ -23,7 +23,7 @@ from sart.bench.parser import (
     requests_of,
 )
 from sart.bench.real import PolicyFactory, PromptItem
-from sart.bench.results_file import ResultsFile, progress_console
+from sart.bench.results_file import ResultsFile, check_output_file, progress_console
 from sart.bench.runner import (
     BenchConfig,
     RunRecord,
@@ -268,6 +268,8 @@ def _run_real(
     methods_with_prm(setup, args.engine, config.methods)
     if args.record_trace and not setup.spec.prm:
         raise ConfigError("--record-trace needs --prm")
+    if args.record_trace:
+        check_output_file(Path(args.record_trace), "--record-trace")
     gold = {item.id: item.answer for item in items if item.answer is not None}
     sink.gold = dict.fromkeys(config.rates, gold)
     keys = [(rate, m, n) for rate in config.rates for m, n in plan(config)]

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.results_file import check_writable, write_json
+from sart.bench.results_file import check_not_interrupted, check_writable, write_json
 from sart.bench.runner import BenchConfig
 from sart.bench.workloads import workload
 from sart.errors import ConfigError
@@ -29,7 +29,8 @@ def bench_mix(args: argparse.Namespace, config: BenchConfig) -> int:
     # With --json the tables go to stderr and stdout carries the document, as for the
     # other runs of sart bench.
     console = Console(stderr=args.json, width=None if Console().is_terminal else 120)
-    path = check_writable(Path(args.out))
+    path = check_writable(Path(args.out), command="sart bench")
+    check_not_interrupted(Path(args.out))  # a mix would replace its results.json
     serve_rate, loaded = (
         _on_real_engine(args, config, classes) if args.engine != "sim" else (None, None)
     )

@@ -62,6 +62,9 @@ def load_prompts(path: str | Path) -> list[PromptItem]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"prompts={str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:  # a ValueError: it ended in a traceback
+        line = Path(path).read_bytes()[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text") from None
     items: list[PromptItem] = []
     for number, text in enumerate(lines, 1):
         if not text.strip():

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.run_log import RunKey, RunLog, resumable_runs, run_key
+from sart.bench.run_log import RUN_LOG, RunKey, RunLog, resumable_runs, run_key
 from sart.errors import ConfigError, needs_extra
 
 
@@ -27,10 +27,17 @@ def write_json(path: Path, document: dict[str, Any]) -> None:
     os.replace(temporary, path)
 
 
-def check_writable(out: Path, name: str = "results.json") -> Path:
+#: The commands that write a ``results.json``, by its schema's name before the version.
+WRITERS = {"sart.bench": "sart bench", "sart.eval": "sart eval"}
+
+
+def check_writable(out: Path, name: str = "results.json", command: str | None = None) -> Path:
     """``out / name``, once ``out`` is known to take it (``ConfigError`` naming ``--out``
-    otherwise, before any work is done)."""
+    otherwise, before any work is done): writable, and not another ``command``'s
+    ``results.json`` (``sart bench`` and ``sart eval`` both write one)."""
     path = out / name
+    if command is not None:
+        _check_writer(path, out, command)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if path.is_dir():
@@ -43,6 +50,58 @@ def check_writable(out: Path, name: str = "results.json") -> Path:
             f"--out {str(out)!r}: cannot write {name} there ({exc.strerror or exc})"
         ) from None
     return path
+
+
+def check_output_file(path: Path, flag: str) -> None:
+    """``ConfigError`` naming ``flag`` unless a file can be written at ``path``: checked
+    before the work whose output it is (``--record-trace`` was checked only once the
+    benchmark and the recording pass had run, which lost the recording)."""
+    existed = path.exists()
+    try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a directory", str(path))
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{flag} {str(path)!r}: cannot write it ({exc.strerror or exc})"
+        ) from None
+    if not existed:
+        path.unlink()
+
+
+def _check_writer(path: Path, out: Path, command: str) -> None:
+    """Refuse to overwrite another command's results (``sart eval`` into a benchmark's
+    ``--out`` replaced its results.json, without which ``--resume`` keeps none of its
+    runs). A file that does not read as JSON is not checked: it holds nothing to keep."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return
+    schema = document.get("schema") if isinstance(document, dict) else None
+    writer = WRITERS.get(str(schema).split("/")[0])
+    if writer is not None and writer != command:
+        raise ConfigError(
+            f"--out {str(out)!r} holds the {path.name} of {writer} ({schema}), which this "
+            f"{command} would overwrite; give another --out"
+        )
+
+
+def check_not_interrupted(out: Path) -> None:
+    """``ConfigError`` where ``out`` holds a benchmark that was interrupted with runs
+    finished: starting afresh emptied its log, and the same command run again without
+    ``--resume`` (a script rerun, the flag forgotten) lost hours of runs."""
+    try:
+        document = json.loads((out / "results.json").read_text(encoding="utf-8"))
+        logged = (out / RUN_LOG).read_bytes().count(b"\n")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # nothing this benchmark could resume
+    if isinstance(document, dict) and document.get("complete") is False and logged:
+        raise ConfigError(
+            f"--out {str(out)!r} holds an interrupted benchmark ({logged} finished runs in "
+            f"{RUN_LOG}): add --resume to keep them and serve only the rest, or remove "
+            f"{out / RUN_LOG} to start afresh"
+        )
 
 
 def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
@@ -72,7 +131,9 @@ class ResultsFile:
     def __init__(
         self, out: Path, config: Any, document: Callable[..., dict], *, resume: bool = False
     ) -> None:
-        self.path = check_writable(out)
+        self.path = check_writable(out, command="sart bench")
+        if not resume:
+            check_not_interrupted(out)
         self.out = out
         self.config = config
         self.records: list[Any] = []
@@ -127,4 +188,12 @@ class ResultsFile:
         return document
 
 
-__all__ = ["ResultsFile", "check_writable", "progress_console", "write_json"]
+__all__ = [
+    "WRITERS",
+    "ResultsFile",
+    "check_not_interrupted",
+    "check_output_file",
+    "check_writable",
+    "progress_console",
+    "write_json",
+]

@@ -76,10 +76,34 @@ class RunLog:
                 line = json.loads(text)
             except json.JSONDecodeError:
                 continue
+            where = f"{self.path}:{number}"
             if not isinstance(line, dict) or line.get("schema") != SCHEMA:
-                raise ConfigError(f"{self.path}:{number}: not a line of {SCHEMA}")
-            records.append(self._converter.structure(line["run"], RunRecord))
+                raise ConfigError(f"{where}: not a line of {SCHEMA}")
+            records.append(self._record(line.get("run"), where))
         return records
+
+    def _record(self, run: object, where: str) -> RunRecord:
+        """A logged run, rebuilt; ``ConfigError`` naming ``file:line`` where it cannot be
+        (a line edited by hand, or written by a sart whose ``RunRecord`` differed): cattrs
+        reports that as a traceback of nested exception groups."""
+        try:
+            return self._converter.structure(run, RunRecord)
+        except Exception as exc:
+            reasons = _reasons(exc)
+            raise ConfigError(
+                f"{where}: not a run sart bench can read back ({reasons}); move {RUN_LOG} "
+                "away to serve every run again, or give another --out"
+            ) from None
+
+
+def _reasons(exc: BaseException) -> str:
+    """The innermost errors of a cattrs failure, each with the field cattrs noted it at."""
+    inner = getattr(exc, "exceptions", None)
+    if inner:
+        reasons = [_reasons(e) for e in inner]
+        return "; ".join(reasons[:3]) + ("; ..." if len(reasons) > 3 else "")
+    where = [n for n in getattr(exc, "__notes__", None) or [] if "@" in n]
+    return f"{type(exc).__name__}: {exc}" + (f" ({where[-1]})" if where else "")
 
 
 def _differences(before: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
@@ -91,6 +115,23 @@ def _differences(before: dict[str, Any], now: dict[str, Any], where: str) -> lis
         for key in sorted(set(before) | set(now))
         if key not in SWEPT and before.get(key) != now.get(key)
     ]
+
+
+def _results_document(results: Path) -> dict[str, Any]:
+    """``results.json`` read back as the object ``sart bench`` writes (``ConfigError``
+    when it is not: damaged, or another command's, which ``--resume`` cannot check the
+    logged runs against)."""
+    try:
+        document = json.loads(results.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        document = f"not JSON: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+    if isinstance(document, dict):
+        return document
+    what = document if isinstance(document, str) else f"a JSON {type(document).__name__}"
+    raise ConfigError(
+        f"--resume: {results} is not a sart bench results.json ({what}), which says what "
+        f"benchmark the runs of {RUN_LOG} belong to; restore it, or give another --out"
+    )
 
 
 def resumable_runs(
@@ -109,7 +150,7 @@ def resumable_runs(
                 f"benchmark its runs belong to; restore results.json, or move {RUN_LOG} away"
             )
         return []
-    document = json.loads(results.read_text(encoding="utf-8"))
+    document = _results_document(results)
     # Through JSON, so that tuples and lists compare as results.json holds them.
     config, serving = json.loads(json.dumps([config, serving]))
     differences = _differences(document.get("config") or {}, config, "config")
@@ -117,7 +158,8 @@ def resumable_runs(
     if differences:
         raise ConfigError(
             f"--resume: {out} holds another benchmark (" + "; ".join(differences) + "); "
-            "give another --out, or leave --resume out to start afresh"
+            f"give another --out, or remove {out / RUN_LOG} and leave --resume out to start "
+            "afresh"
         )
     return RunLog(out).read()
 

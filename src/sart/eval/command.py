@@ -23,11 +23,11 @@ import attrs
 
 from sart.bench.command import RealSetup
 from sart.bench.real import PolicyFactory, PromptItem, recording_sampling
-from sart.bench.results_file import progress_console, write_json
+from sart.bench.results_file import check_writable, progress_console, write_json
 from sart.bench.runner import BenchConfig, method_policy, plan
 from sart.errors import ConfigError, SartError
 from sart.eval.accuracy import EvalRun
-from sart.eval.datasets import Dataset
+from sart.eval.datasets import Dataset, upgrade_recording
 from sart.eval.grading import Grader, make_grader
 from sart.eval.parser import (
     DEFAULT_INTERVAL,
@@ -184,7 +184,7 @@ class _Run:
 def _eval(args: argparse.Namespace) -> int:
     console, progress = progress_console("sart eval", to_stderr=args.json)
     run = _Run(args)
-    run.out.mkdir(parents=True, exist_ok=True)
+    check_writable(run.out, command="sart eval")  # before any problem is recorded
     started = time.perf_counter()
     try:
         with progress:
@@ -194,17 +194,7 @@ def _eval(args: argparse.Namespace) -> int:
                 _derived(run, progress, console)
     except KeyboardInterrupt:
         run.write(complete=False)
-        if args.live:
-            kept = f"kept {len(run.runs)} finished runs in {run.out / 'results.json'}"
-        else:
-            kept = f"{run.recorded} of {len(run.items)} problems are recorded in " + str(
-                run.out / PROBLEMS_FILE
-            )
-        console.print(
-            f"interrupted: {kept}; run the same command again to resume",
-            style="bold",
-            soft_wrap=True,
-        )
+        console.print(f"interrupted: {_kept(run)}", style="bold", soft_wrap=True)
         return 130
     finally:
         close = getattr(run.equivalence, "close", None)
@@ -243,6 +233,19 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kept(run: _Run) -> str:
+    """What an interrupted run kept, and what running it again does."""
+    if not run.args.live:
+        recorded = f"{run.recorded} of {len(run.items)} problems are recorded in "
+        return f"{recorded}{run.out / PROBLEMS_FILE}; run the same command again to resume"
+    # --live does not resume (only the recorded pass does): the same command serves every
+    # run again and writes results.json afresh, which this once said it would resume.
+    return (
+        f"kept {len(run.runs)} finished runs in {run.out / 'results.json'}; --live does not "
+        "resume: the same command serves every run again and replaces that file"
+    )
+
+
 def _derived(run: _Run, progress: Any, console: Any) -> None:
     args = run.args
     run.use_chat = run.chat()
@@ -265,7 +268,8 @@ def _derived(run: _Run, progress: Any, console: Any) -> None:
         "template": run.dataset.template.text,
         "grading": run.dataset.grading,
     }
-    with ProblemsFile(run.out / PROBLEMS_FILE, run.settings, RECORDING_FLAGS) as problems:
+    path = run.out / PROBLEMS_FILE
+    with ProblemsFile(path, run.settings, RECORDING_FLAGS, upgrade_recording) as problems:
         if problems.dropped_partial_line:
             console.print(f"{problems.path}: dropped a last line cut short by an interruption")
         _check_golds(run.dataset, problems.records)

@@ -41,6 +41,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -119,11 +120,14 @@ def read_rows(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    # Read as bytes and decoded line by line, so that a byte that is not UTF-8 is
+    # refused with its line (a text-mode read raised UnicodeDecodeError, a traceback).
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            line = _utf8(raw, where)
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -133,13 +137,24 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, row
 
 
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start + 1})") from None
+
+
 def _csv_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with path.open(encoding="utf-8", newline="") as handle:
         reader = csv.DictReader(handle)
         start = 2  # line 1 is the header
-        for row in reader:
-            yield f"{path}:{start}", row
-            start = reader.line_num + 1
+        try:
+            for row in reader:
+                yield f"{path}:{start}", row
+                start = reader.line_num + 1
+        except UnicodeDecodeError:
+            # Decoded in blocks, so the line is only known to be at or after ``start``.
+            raise ConfigError(f"{path}:{start}: not UTF-8 text (at this line or after)") from None
 
 
 def hub_rows(
@@ -334,10 +349,26 @@ def load_testbed(count: int, seed: int = 0, name: str = "testbed") -> Dataset:
         Problem(f"t{i}", q.prompt, q.answer, {"level": q.difficulty})
         for i, q in enumerate(bed.eval_questions(count, seed))
     ]
-    # What drew them: the long testbed's leave out its report's questions.
+    # What drew them: the long testbed's leave out its report's questions. Not how many:
+    # the source is a recording setting, and a larger --limit extends a recording (its
+    # first questions are the smaller one's), which a count here refused.
     spec = "SHORT" if name == "testbed" else "LONG"
-    source = f"sart.testbed.{spec}.eval_questions({count}, {seed})"
+    source = f"sart.testbed.{spec}.eval_questions(seed={seed})"
     return Dataset(name, problems, TESTBED_TEMPLATE, "exact", source)
+
+
+_COUNTED_SOURCE = re.compile(r"(sart\.testbed\.\w+\.eval_questions)\(\d+, (-?\d+)\)")
+
+
+def upgrade_recording(settings: dict[str, Any]) -> dict[str, Any]:
+    """A recording's settings as this sart writes them: a testbed's source named its
+    question count before (``eval_questions(40, 0)``), which a larger ``--limit`` does
+    not change; it is ``eval_questions(seed=0)`` now."""
+    source = settings.get("source")
+    match = _COUNTED_SOURCE.fullmatch(source) if isinstance(source, str) else None
+    if match is None:
+        return settings
+    return settings | {"source": f"{match[1]}(seed={match[2]})"}
 
 
 def load_jsonl(

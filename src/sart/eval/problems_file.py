@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -106,9 +106,16 @@ class ProblemsFile:
     """
 
     def __init__(
-        self, path: Path, recording: Mapping[str, Any], names: Mapping[str, str] | None = None
+        self,
+        path: Path,
+        recording: Mapping[str, Any],
+        names: Mapping[str, str] | None = None,
+        upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.path = path
+        self._upgrade = upgrade
+        """A header's settings as this sart spells them, where an older one wrote them
+        otherwise (compared after it, so that the recording resumes)."""
         self.recording = dict(recording)
         self.records: dict[str, ProblemRecord] = {}
         self.dropped_partial_line = False
@@ -174,6 +181,8 @@ class ProblemsFile:
 
     def _check_settings(self, recorded: object, names: Mapping[str, str]) -> None:
         recorded = recorded if isinstance(recorded, dict) else {}
+        if self._upgrade is not None:
+            recorded = self._upgrade(recorded)
         wanted = json.loads(json.dumps(self.recording))  # as it reads back from JSON
         keys = list(dict.fromkeys([*wanted, *recorded]))
         differences = [
