@@ -749,6 +749,38 @@ def test_ctrl_c_keeps_the_finished_runs(tmp_path: Path, monkeypatch: pytest.Monk
     assert doc["complete"] is True and len(doc["runs"]) == 4
 
 
+def test_a_failing_run_leaves_every_finished_run_in_results_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # results.json is rewritten only as often as its cost allows (a rewrite of a large
+    # benchmark's took seconds, after every run): what a failure finds on disk must
+    # still be every run that finished, whatever the last rewrite held.
+    from sart.bench import command, results_file
+
+    real_run, calls = command.run_method, []
+
+    def failing_on_the_fourth(*args: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 4:
+            raise RuntimeError("the engine fell over")
+        return real_run(*args)
+
+    real_write = results_file.ResultsFile.write
+
+    def costly_write(self: Any, *, complete: bool) -> Any:
+        document = real_write(self, complete=complete)
+        self._write_cost = 3600.0  # as if it took an hour: no rewrite until the end
+        return document
+
+    monkeypatch.setattr(command, "run_method", failing_on_the_fourth)
+    monkeypatch.setattr(results_file.ResultsFile, "write", costly_write)
+    with pytest.raises(RuntimeError, match="fell over"):
+        main([*SMALL_BENCH, "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "results.json").read_text())
+    assert doc["complete"] is False and len(doc["runs"]) == 3
+    assert len((tmp_path / "runs.jsonl").read_text().splitlines()) == 3
+
+
 @pytest.mark.parametrize(
     "flags",
     [

@@ -127,6 +127,9 @@ def _bench(args: argparse.Namespace) -> int:
             style="bold",
         )
         return 130
+    except BaseException:
+        sink.write(complete=False)  # what finished, up to the failure
+        raise
     records, wall = sink.records, sink.elapsed()
     document = sink.write(complete=True)
     plots = []
