@@ -209,6 +209,29 @@ def test_vanilla_and_the_other_methods_by_name(server: Server) -> None:
     assert len(reply.model_extra["sart"]["branches"]) == 3  # best_of: branches of the default
 
 
+def test_usage_adds_up_from_the_branches_when_forks_share_a_prefix(server: Server) -> None:
+    # rebase replaces a pruned branch by a fork of a better one: the fork's first tokens
+    # are its parent's, generated (and counted in usage) once. The sart field says which.
+    client = server.client()
+    forks = 0
+    for question in QUESTIONS[:12]:
+        reply = client.completions.create(
+            model="testbed", prompt=question.prompt, extra_body={"method": "rebase", "n": 4}
+        )
+        branches = reply.model_extra["sart"]["branches"]
+        assert reply.usage.completion_tokens == sum(b["tokens"] - b["inherited"] for b in branches)
+        for branch in branches:
+            if branch["parent"] is None:
+                assert branch["inherited"] == 0
+                continue
+            forks += 1
+            parent = branches[branch["parent"]]
+            assert 0 < branch["inherited"] <= min(branch["tokens"], parent["tokens"])
+        if forks:
+            break
+    assert forks  # rebase(n=4) prunes, and forks, on about one testbed question in two
+
+
 def test_confidence_methods_need_no_prm_and_report_rewards(server: Server) -> None:
     client = server.client()
     question = QUESTIONS[4]
