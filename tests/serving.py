@@ -74,11 +74,13 @@ KEY = "sk-test-key"
 class Server:
     """``sart serve`` in a child process."""
 
-    def __init__(self, *flags: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *flags: str, env: dict[str, str] | None = None, port: int = 0) -> None:
+        """``port``: 0 for a free one, which the server's log names; another for a server
+        whose log is too quiet to name it (``--log-level warning``), found by ``/health``."""
         self.log = tempfile.NamedTemporaryFile("w+", prefix="sart-serve-", suffix=".log")
         env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         env.pop("SART_API_KEY", None)
-        command = [sys.executable, "-m", "sart.cli", "serve", "--port", "0", *flags]
+        command = [sys.executable, "-m", "sart.cli", "serve", "--port", str(port), *flags]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
@@ -86,6 +88,9 @@ class Server:
             found = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", text)
             if found:
                 self.url = found.group(1)
+                break
+            if port and _healthy(f"http://127.0.0.1:{port}"):
+                self.url = f"http://127.0.0.1:{port}"
                 break
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.process.kill()
@@ -120,3 +125,10 @@ class Server:
                 return metrics
             assert time.monotonic() < deadline, f"timed out; metrics: {metrics}"
             time.sleep(0.05)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -346,6 +346,32 @@ def test_tokens_saved_count_what_longer_completed_branches_ran_past_the_cut() ->
     assert saved.add(result((done, 10), (cut, 35)), max_tokens=40) == 5
 
 
+def test_tokens_saved_take_off_what_forks_generated() -> None:
+    # rebase, particle, sart-rebranch: a cut branch is replaced by a fork of a better
+    # one, whose own tokens running every branch to its end would not have made.
+    saved = SavedTokens()
+    done, cut = sart.BranchStatus.FINISHED, sart.BranchStatus.PRUNED
+    outcomes = (
+        sart.BranchOutcome(0, done, 50, None, None, None),
+        sart.BranchOutcome(1, cut, 20, None, None, None),  # would have run 30 more
+        # Forked from 0 at 20 tokens, when 1 was cut; it generated 30 of its 50.
+        sart.BranchOutcome(2, done, 50, None, None, None, parent=0, inherited=20),
+        # Forked from 2 and cut in turn, after 5 of its own: it saves nothing of the
+        # first branches' run, and costs its 5.
+        sart.BranchOutcome(3, cut, 25, None, None, None, parent=2, inherited=20),
+    )
+
+    def result(*branches: sart.BranchOutcome) -> sart.RequestResult:
+        return sart.RequestResult(
+            "r", sart.RequestStatus.COMPLETED, 0, "", "", branches, sart.Timings(0, 0, 1)
+        )
+
+    assert saved.add(result(*outcomes), max_tokens=100) == 0  # 30 saved, 30 + 5 forked
+    # The same cut with a fork that made 10 tokens: 30 - 10.
+    short_fork = sart.BranchOutcome(2, cut, 30, None, None, None, parent=0, inherited=20)
+    assert saved.add(result(*outcomes[:2], short_fork), max_tokens=100) == 20
+
+
 # ------------------------------------------------------------------ serving
 
 

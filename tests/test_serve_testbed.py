@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -207,6 +210,29 @@ def test_vanilla_and_the_other_methods_by_name(server: Server) -> None:
         assert reply.model_extra["sart"]["policy"] == policy
     reply = client.completions.create(model="testbed", prompt=prompt, best_of=3)
     assert len(reply.model_extra["sart"]["branches"]) == 3  # best_of: branches of the default
+
+
+def test_usage_adds_up_from_the_branches_when_forks_share_a_prefix(server: Server) -> None:
+    # rebase replaces a pruned branch by a fork of a better one: the fork's first tokens
+    # are its parent's, generated (and counted in usage) once. The sart field says which.
+    client = server.client()
+    forks = 0
+    for question in QUESTIONS[:12]:
+        reply = client.completions.create(
+            model="testbed", prompt=question.prompt, extra_body={"method": "rebase", "n": 4}
+        )
+        branches = reply.model_extra["sart"]["branches"]
+        assert reply.usage.completion_tokens == sum(b["tokens"] - b["inherited"] for b in branches)
+        for branch in branches:
+            if branch["parent"] is None:
+                assert branch["inherited"] == 0
+                continue
+            forks += 1
+            parent = branches[branch["parent"]]
+            assert 0 < branch["inherited"] <= min(branch["tokens"], parent["tokens"])
+        if forks:
+            break
+    assert forks  # rebase(n=4) prunes, and forks, on about one testbed question in two
 
 
 def test_confidence_methods_need_no_prm_and_report_rewards(server: Server) -> None:
@@ -507,10 +533,12 @@ def test_a_client_that_leaves_has_its_branches_aborted(server: Server, stream: b
     request["stream"] = stream
     payload = json.dumps(request).encode()
     host, port = server.url.removeprefix("http://").split(":")
+    rid = f"leaves-{'stream' if stream else 'plain'}"
     with socket.create_connection((host, int(port)), timeout=30) as connection:
         connection.sendall(
             b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + f"Authorization: Bearer {KEY}\r\nX-Request-Id: {rid}\r\n".encode()
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
             + payload
         )
         # The testbed babbles up to 256 tokens per branch for this prompt (most reach
@@ -530,6 +558,48 @@ def test_a_client_that_leaves_has_its_branches_aborted(server: Server, stream: b
     assert aborted > 0 and aborted + ended == 8
     made = after["sart:generation_tokens_total"] - before["sart:generation_tokens_total"]
     assert 0 < made < 8 * 256  # cut short, not run to max_tokens
+    # One line says so, at INFO, with the request's id and what it had cost.
+    line = rf"^INFO: +cmpl-{rid}: the client disconnected: cancelled after \S+ s, (\d+) tokens"
+    found = _wait_for_line(server.log.name, line)
+    assert int(found.group(1)) == made
+
+
+def _wait_for_line(log: str, pattern: str, timeout: float = 10) -> re.Match[str]:
+    """The first match of ``pattern`` in the file ``log``, once it is written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.search(pattern, Path(log).read_text(), re.M)
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"no line {pattern!r} in:\n{Path(log).read_text()}"
+        time.sleep(0.05)
+
+
+def _time_out(server: Server, rid: str) -> None:
+    """A request past its ``timeout``, answered 504."""
+    with pytest.raises(openai.APIStatusError) as late:
+        server.client().completions.create(
+            model="testbed",
+            prompt=QUESTIONS[5].prompt,
+            extra_body={"method": "sc", "n": 8, "timeout": 0.01},
+            extra_headers={"X-Request-Id": rid},
+        )
+    assert late.value.status_code == 504
+
+
+def test_sarts_log_lines_follow_uvicorns_format_and_log_level(server: Server) -> None:
+    _time_out(server, "late-info")
+    _wait_for_line(server.log.name, r"^WARNING: +cmpl-late-info: the request timed out")
+    with socket.socket() as probe:  # a free port: at --log-level error, no line names it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    quiet = Server("--log-level", "error", "--api-key", KEY, port=port)
+    try:
+        _time_out(quiet, "late-quiet")
+        assert quiet.metrics()['sart:requests_total{status="timeout"}'] == 1
+    finally:
+        code, log = quiet.stop()
+    assert code == 0 and "late-quiet" not in log, log
 
 
 # ------------------------------------------------------------------ load

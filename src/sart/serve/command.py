@@ -26,6 +26,7 @@ the same flags: ``sart.flags``, ``sart.model_flags``); ``--engine`` picks the ad
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import sys
@@ -263,7 +264,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
-        help="uvicorn's log level (info)",
+        help="the log level of uvicorn and of sart's own lines (info)",
     )
     p.set_defaults(func=run_serve_command)
 
@@ -480,6 +481,7 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
             host=args.host,
             port=args.port,
             log_level=args.log_level,
+            log_config=log_config(args.log_level),
             access_log=not args.no_access_log,
             # uvicorn's own grace, after the service's drain: by then every handler
             # has answered, and this only bounds sending the answers.
@@ -499,6 +501,23 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging config, with sart's loggers (``sart.serve``: a request that
+    failed, timed out or was cancelled; ``sart.prm``: the PRM's process restarted) on
+    its stderr handler at ``level`` (``--log-level``). Without them, sart's lines went
+    to Python's last-resort handler: without a level, unlike uvicorn's lines around
+    them, and at WARNING whatever ``--log-level`` said."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["sart"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
+    return config
 
 
 def _stopped(signum: int, frame: Any) -> None:

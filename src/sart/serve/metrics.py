@@ -66,6 +66,13 @@ class SavedTokens:
     branches under early stopping are the short ones, so this underestimates
     (what is reported is rather a lower bound); it is unbiased only for
     traffic that runs every branch to its end (Vanilla, Self-Consistency).
+
+    The baseline is the request's first branches (those started from the
+    prompt) run to their end. A method that forks (rebase, particle,
+    sart-rebranch) replaces cut branches by forks, whose tokens that baseline
+    would not have generated: they are taken off, and a cut fork saves
+    nothing of the baseline. A request whose forks cost more than its cuts
+    saved counts 0 (a counter does not go down).
     """
 
     def __init__(self, window: int = 2048) -> None:
@@ -79,7 +86,7 @@ class SavedTokens:
         cut = [
             b.num_tokens
             for b in result.branches
-            if b.status in (BranchStatus.PRUNED, BranchStatus.STOPPED)
+            if b.parent is None and b.status in (BranchStatus.PRUNED, BranchStatus.STOPPED)
         ]
         if not cut or not self._recent:
             return 0
@@ -89,7 +96,8 @@ class SavedTokens:
             longer = lengths[bisect.bisect_right(lengths, k) :]
             if longer:
                 saved += sum(longer) / len(longer) - k
-        return round(saved)
+        forked = sum(b.generated for b in result.branches if b.parent is not None)
+        return max(0, round(saved - forked))
 
 
 class _Gauges(Collector):
@@ -142,7 +150,8 @@ class ServeMetrics:
         self.tokens_saved = counter(
             "sart:tokens_saved",
             "Estimated tokens not generated thanks to pruning and early stopping, against "
-            "running every branch to its end (a conservative estimate).",
+            "running every first branch to its end, less the tokens forks generated (a "
+            "conservative estimate).",
         )
         self.prm_items = counter("sart:prm_items", "Branches scored by the PRM.")
         self.prm_latency = histogram(

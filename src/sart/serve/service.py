@@ -24,6 +24,7 @@ request finishes, so memory stays flat however long the server runs.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import attrs
@@ -40,6 +41,8 @@ from sart.serve.config import ServeConfig
 from sart.serve.engine import ServingEngine
 from sart.serve.metrics import ServeMetrics, gauge_table
 from sart.serve.prm import ServedPRM
+
+_log = logging.getLogger("sart.serve")
 
 #: What a request that needs PRM rewards is told when the server has none.
 _NO_PRM = "this server has no PRM (start it with --prm); methods that need none: vanilla, sc"
@@ -272,6 +275,15 @@ class Service:
         future = self._futures.get(rid)
         shutdown = rid in self._shut
         self._shut.discard(rid)
+        if cancelled and not shutdown:
+            # Nobody is answered, so no line says it otherwise (a failure, a timeout
+            # and a shutdown are logged as they are answered: sart.serve.app).
+            _log.info(
+                "%s: the client disconnected: cancelled after %.2f s, %d tokens generated",
+                rid,
+                result.timings.end_to_end,
+                result.generated_tokens,
+            )
         if future is not None and not future.done():
             future.set_result(Outcome(result, prompt_tokens, shutdown=shutdown))
         # A server keeps no history (the driver keeps one for benchmarks).
