@@ -480,6 +480,22 @@ def test_a_disconnected_stream_has_every_branch_aborted(serve) -> None:
     assert len(engine.aborted) == 3
 
 
+def test_a_request_cut_by_the_shutdown_is_counted_as_such_not_as_a_leaver(serve) -> None:
+    # Before: counted cancelled, whose help says the client disconnected.
+    served = serve(keepalive=0.05)
+    service = served.server.config.app.state.service
+    with stream_long(served, timeout=10) as stream:
+        lines = stream.iter_lines()
+        assert next(lines) == ": keep-alive"  # it runs
+        loop = service._task.get_loop()
+        asyncio.run_coroutine_threadsafe(service.drain(0.0), loop).result(10)
+        assert "the server is shutting down" in "".join(lines)
+    served.wait_for(lambda: served.metric("sart:requests_total", '{status="shutdown"}') == 1)
+    assert served.metric("sart:requests_total", '{status="cancelled"}') == 0
+    assert served.metric("sart:branches_failed_total", '{cause="shutdown"}') == 3
+    assert served.engine.stats().live_branches == 0
+
+
 def test_by_default_a_stream_sends_no_keep_alive_and_a_leaver_is_still_noticed(serve) -> None:
     # No comments unless asked (vLLM's own bench client loses the event after one).
     assert ServeConfig(models=(MODEL,)).keepalive is None

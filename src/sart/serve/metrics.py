@@ -17,21 +17,24 @@ sart:engine_live_branches                   gauge      branches the engine holds
 sart:kv_tokens                              gauge      KV tokens the engine holds
 sart:requests_total{status}                 counter    finished: completed, failed,
                                                        cancelled (client disconnected),
-                                                       timeout (past its ``timeout``)
+                                                       timeout (past its ``timeout``),
+                                                       shutdown (cut by a shutdown)
 sart:requests_rejected_total{code}          counter    refused before running: 400, 401,
                                                        404, 413, 429
 sart:branches_finished_total{finish_reason} counter    completed branches: stop, length
 sart:branches_pruned_total                  counter    pruned by the PRM
 sart:branches_stopped_total                 counter    stopped early (request had enough)
-sart:branches_failed_total{cause}           counter    error, cancelled, timeout
+sart:branches_failed_total{cause}           counter    error, cancelled, timeout,
+                                                       shutdown
 sart:prompt_tokens_total                    counter    prompt tokens prefilled
 sart:generation_tokens_total                counter    tokens of every branch
 sart:tokens_saved_total                     counter    estimate, see ``SavedTokens``
 sart:prm_items_total                        counter    branches scored by the PRM
 sart:prm_latency_seconds                    histogram  one PRM call
-sart:e2e_request_latency_seconds            histogram  arrival to answer
-sart:request_queue_time_seconds             histogram  arrival to prefill
-sart:request_inference_time_seconds         histogram  prefill to answer
+sart:e2e_request_latency_seconds            histogram  arrival to answer (completed)
+sart:request_queue_time_seconds             histogram  arrival to prefill (every
+                                                       request prefilled)
+sart:request_inference_time_seconds         histogram  prefill to answer (completed)
 ==========================================  =========  ====================================
 """
 
@@ -140,7 +143,7 @@ class ServeMetrics:
         self.failed = counter(
             "sart:branches_failed",
             "Branches failed, by cause (error; cancelled: the client disconnected; "
-            "timeout: their request ran past its timeout).",
+            "timeout: their request ran past its timeout; shutdown: the server stopped).",
             "cause",
         )
         self.prompt_tokens = counter("sart:prompt_tokens", "Prompt tokens prefilled.")
@@ -157,9 +160,19 @@ class ServeMetrics:
         self.prm_latency = histogram(
             "sart:prm_latency_seconds", "Duration of one PRM call.", PRM_BUCKETS
         )
-        self.e2e = histogram("sart:e2e_request_latency_seconds", "From arrival to answer.")
-        self.queue = histogram("sart:request_queue_time_seconds", "From arrival to prefill.")
-        self.inference = histogram("sart:request_inference_time_seconds", "From prefill to answer.")
+        # Latencies of completed requests only: a cancelled or timed-out request's
+        # time says when its client gave up, not how fast the server answers (those
+        # are counted in sart:requests_total by status).
+        self.e2e = histogram(
+            "sart:e2e_request_latency_seconds", "From arrival to answer, of completed requests."
+        )
+        self.queue = histogram(
+            "sart:request_queue_time_seconds",
+            "From arrival to prefill, of every request that was prefilled.",
+        )
+        self.inference = histogram(
+            "sart:request_inference_time_seconds", "From prefill to answer, of completed requests."
+        )
         self._saved = SavedTokens()
 
     def _counter(self, name: str, doc: str, *labels: str) -> Counter:
@@ -176,9 +189,14 @@ class ServeMetrics:
         self.prm_latency.observe(seconds)
         self.prm_items.inc(items)
 
-    def observe(self, result: RequestResult, *, cancelled: bool, max_tokens: int) -> None:
-        """Count one finished request."""
-        if cancelled:
+    def observe(
+        self, result: RequestResult, *, cancelled: bool, max_tokens: int, shutdown: bool = False
+    ) -> None:
+        """Count one finished request (``cancelled``: its client left; ``shutdown``: the
+        server's shutdown cancelled it, which is not the client's doing)."""
+        if shutdown:
+            status = "shutdown"
+        elif cancelled:
             status = "cancelled"
         elif result.status is RequestStatus.CANCELLED:  # not by its client: by its timeout
             status = "timeout"
@@ -195,7 +213,8 @@ class ServeMetrics:
             elif branch.status is BranchStatus.STOPPED:
                 self.stopped.inc()
             elif branch.status is BranchStatus.FAILED:
-                self.failed.labels(status if status in ("cancelled", "timeout") else "error").inc()
+                cause = status if status in ("cancelled", "timeout", "shutdown") else "error"
+                self.failed.labels(cause).inc()
         self.generation_tokens.inc(result.generated_tokens)
         self.tokens_saved.inc(self._saved.add(result, max_tokens))
         timings = result.timings

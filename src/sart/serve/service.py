@@ -270,11 +270,11 @@ class Service:
         self._waiting.discard(rid)
         self._running.discard(rid)
         max_tokens = self._max_tokens.pop(rid, 1)
-        self.metrics.observe(result, cancelled=cancelled, max_tokens=max_tokens)
         self.metrics.prompt_tokens.inc(prompt_tokens)
         future = self._futures.get(rid)
         shutdown = rid in self._shut
         self._shut.discard(rid)
+        self.metrics.observe(result, cancelled=cancelled, max_tokens=max_tokens, shutdown=shutdown)
         if cancelled and not shutdown:
             # Nobody is answered, so no line says it otherwise (a failure, a timeout
             # and a shutdown are logged as they are answered: sart.serve.app).
