@@ -128,7 +128,7 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 130
     except BaseException:
-        sink.write(complete=False)  # what finished, up to the failure
+        sink.flush()  # what finished, up to the failure
         raise
     records, wall = sink.records, sink.elapsed()
     document = sink.write(complete=True)

@@ -149,6 +149,7 @@ class ResultsFile:
         self._started = time.perf_counter()
         self._written = -float("inf")  # when results.json was last written
         self._write_cost = 0.0  # and how long that took
+        self._unwritten = 0  # runs added since
 
     def begin(self, serving: dict[str, Any] | None, keys: Sequence[RunKey]) -> set[RunKey]:
         """Say what is served, before the first run; ``keys`` are the runs of this
@@ -177,12 +178,19 @@ class ResultsFile:
         self.log.append(record)
         self.records.append(record)
         self.records.sort(key=lambda r: self._order.get(run_key(r), len(self._order)))
+        self._unwritten += 1
         # A rewrite costs what the whole document does, which grows with every run
         # (2.9 s for 26 runs of 2,000 requests): rewritten after each run, `sart bench
         # --requests 1000` took 76 s, 56 s now (twice each, alternated). It waits until
         # ten times its cost has passed; runs.jsonl holds every run meanwhile (what
         # --resume reads), and a failure or an interruption writes it at once.
         if time.perf_counter() - self._written >= 10 * self._write_cost:
+            self.write(complete=False)
+
+    def flush(self) -> None:
+        """Write the runs added since the last write, if any (a benchmark that failed:
+        one refused before its first run leaves the file as it found it)."""
+        if self._unwritten:
             self.write(complete=False)
 
     def write(self, *, complete: bool) -> dict[str, Any]:
@@ -197,6 +205,7 @@ class ResultsFile:
         write_json(self.path, document)
         self._written = time.perf_counter()
         self._write_cost = self._written - began
+        self._unwritten = 0
         return document
 
 
