@@ -246,6 +246,34 @@ def test_a_cancelled_request_is_refused_by_its_next_engine_call_only() -> None:
     asyncio.run(main())
 
 
+def test_a_cancelled_requests_refusal_says_why_it_was_cancelled() -> None:
+    # Before: a request the shutdown cancelled between two engine calls failed with
+    # "the client disconnected" (a CI run's SIGTERM test caught it in a stream's error).
+    async def main() -> None:
+        engine = ServingEngine(FakeEngine(lambda b: BranchScript(length=50)))
+        sampling = sart.SamplingSettings(max_tokens=100)
+        for rid in ("a", "b", "c"):
+            await engine.prefill(rid, "p", sampling)
+        await engine.start_branches("a", [sart.BranchSpec(0, 0)])
+        await engine.start_branches("b", [sart.BranchSpec(0, 0)])
+        engine.cancel("a", "the server is shutting down")
+        engine.cancel("a")  # a later cause does not replace the first
+        engine.cancel("b")
+        engine.cancel("c", "the server is shutting down")
+        with pytest.raises(EngineError, match=r"^the server is shutting down$"):
+            await engine.start_branches("c", [sart.BranchSpec(0, 0)])
+        with pytest.raises(EngineError, match=r"^the server is shutting down$") as one:
+            await engine.step(4)
+        assert one.value.request_ids == {"a"}  # one reason per call: b fails at the next
+        await engine.abort([sart.BranchId("a", 0)])
+        with pytest.raises(EngineError, match=r"^the client disconnected$") as other:
+            await engine.step(4)
+        assert other.value.request_ids == {"b"}
+        engine.close()
+
+    asyncio.run(main())
+
+
 def test_an_arrival_for_a_free_slot_ends_a_streaming_step_at_once() -> None:
     # Requests on a streaming engine advance independently under the server, and one
     # that arrives while a slot is free does not wait for the step in flight.

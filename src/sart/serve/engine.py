@@ -98,7 +98,7 @@ class ServingEngine:
         self._stats = engine.stats()
         self._busy = False  # a call is running on the worker thread
         self._live: dict[str, set[int]] = {}
-        self._cancelled: set[str] = set()
+        self._cancelled: dict[str, str] = {}  # request id -> why (its calls' refusal)
         self._aborted: set[BranchId] = set()  # by a cancel, before the driver's abort
         self._cancel_wake = asyncio.Event()
         # Only an engine on this loop can be interrupted from it (not a SyncBridge's).
@@ -121,10 +121,10 @@ class ServingEngine:
 
     # ------------------------------------------------------------- cancellation
 
-    def cancel(self, request_id: str) -> None:
-        """Refuse ``request_id``'s next engine call, so that the driver aborts it (an
-        async engine's branches are aborted at once)."""
-        self._cancelled.add(request_id)
+    def cancel(self, request_id: str, reason: str = CANCELLED) -> None:
+        """Refuse ``request_id``'s next engine call, saying ``reason``, so that the
+        driver aborts it (an async engine's branches are aborted at once)."""
+        self._cancelled.setdefault(request_id, reason)  # the first cause is the one
         self._cancel_wake.set()
 
     def cancelled(self, request_id: str) -> bool:
@@ -132,14 +132,14 @@ class ServingEngine:
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept of a finished request."""
-        self._cancelled.discard(request_id)
+        self._cancelled.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
         self._live.pop(request_id, None)
         self._aborted = {bid for bid in self._aborted if bid.request_id != request_id}
 
     def _refuse(self, request_id: str) -> None:
         if request_id in self._cancelled:
-            raise EngineError(CANCELLED, request_ids=[request_id])
+            raise EngineError(self._cancelled[request_id], request_ids=[request_id])
 
     # ------------------------------------------------------------- the contract
 
@@ -159,7 +159,10 @@ class ServingEngine:
     async def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
         doomed = [rid for rid in self._cancelled if self._live.get(rid)]
         if doomed:
-            raise EngineError(CANCELLED, request_ids=doomed)
+            # One call fails with one reason: those of another reason fail at the next.
+            reason = self._cancelled[doomed[0]]
+            same = [rid for rid in doomed if self._cancelled[rid] == reason]
+            raise EngineError(reason, request_ids=same)
         if self._sync:
             output: StepOutput = await self._call(self.inner.step, max_steps, until_first_end)
         else:

@@ -141,7 +141,7 @@ class Service:
             # As a client's cancel, but the future stays: the driver delivers the
             # cancelled result (at its next step, not after a decode call or a check
             # in flight), and the handler answers it.
-            self.engine.cancel(rid)
+            self.engine.cancel(rid, SHUTTING_DOWN)
             self.driver.cancel(rid, SHUTTING_DOWN)
         settling = [self._futures[rid] for rid in left if rid in self._futures]
         if settling:
