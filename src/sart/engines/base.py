@@ -183,7 +183,7 @@ class ReportsUsage(Protocol):
 @runtime_checkable
 class ChecksHealth(Protocol):
     """An async engine that can say whether it can serve at all, beyond any one request:
-    its engine core alive (vLLM's ``AsyncLLM``), some upstream server answering (the
+    its engine core alive (vLLM's ``AsyncLLM``), some upstream server able to serve (the
     gateway). ``sart serve``'s ``/health`` asks it, so that a load balancer stops
     sending requests that could only fail."""
 

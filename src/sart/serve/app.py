@@ -7,7 +7,7 @@
 ``GET /v1/models``              the served names, with sart's defaults and limits
 ``GET /health``                 200 while it can serve; 503 once the driver has failed,
                                 while it shuts down, once vLLM's engine core died, or
-                                when no upstream of a gateway answers (``Service.health``)
+                                when no upstream of a gateway can serve (``Service.health``)
 ``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
 ==============================  =========================================================
 

@@ -150,7 +150,7 @@ class Service:
     async def health(self) -> str | None:
         """Why the server cannot serve now (``None``: it can): its driver stopped, it is
         shutting down (``drain``), or its engine says it cannot (``ChecksHealth``:
-        vLLM's engine core dead, no upstream of a gateway answering)."""
+        vLLM's engine core dead, no upstream of a gateway able to serve)."""
         if not self.healthy:
             return SHUTTING_DOWN if self._draining else "the driver is not running"
         inner = self.engine.inner
