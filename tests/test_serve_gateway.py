@@ -135,8 +135,14 @@ def test_a_client_that_leaves_has_its_branches_aborted_upstream(
     assert len(sent) == 3
     # Every branch was cut short upstream, and asked to abort explicitly.
     assert sorted(r for s in servers for r in s.disconnected) == sorted(sent)
-    asked = [rid for s in servers for call in s.abort_calls for rid in call]
-    assert sorted(asked) == sorted(f"cmpl-{rid}-0" for rid in sent)
+
+    # The abort calls go out beside the streams' closing, and may land after it (seen
+    # on a loaded CI machine: one of three had landed when the streams had closed).
+    def asked() -> list[str]:
+        return sorted(rid for s in servers for call in s.abort_calls for rid in call)
+
+    served.wait_for(lambda: len(asked()) >= len(sent), timeout=10)
+    assert asked() == sorted(f"cmpl-{rid}-0" for rid in sent)
     served.wait_for(lambda: served.metric("sart:num_requests_running") == 0)
 
 
