@@ -116,11 +116,6 @@ def check_temperature(_inst: object, _attr: attrs.Attribute, value: float) -> No
     config_check(finite_number(value) and value >= 0.0, "temperature", value, "a number >= 0")
 
 
-def check_top_p(_inst: object, _attr: attrs.Attribute, value: float) -> None:
-    """attrs validator of a nucleus mass ``top_p`` (a request's, a server's default)."""
-    config_check(finite_number(value) and 0.0 < value <= 1.0, "top_p", value, "a number in (0, 1]")
-
-
 def _in_range(
     low: float, high: float, *, open_low: bool = False
 ) -> Callable[[object, attrs.Attribute, object], None]:
@@ -135,6 +130,10 @@ def _in_range(
         config_check(ok, attr.name, value, rule)
 
     return check
+
+
+check_top_p = _in_range(0.0, 1.0, open_low=True)
+"""attrs validator of a nucleus mass ``top_p`` (a request's, a server's default)."""
 
 
 def _check_bool(_inst: object, attr: attrs.Attribute, value: object) -> None:

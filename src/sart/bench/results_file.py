@@ -74,11 +74,8 @@ def _check_writer(path: Path, out: Path, command: str) -> None:
     """Refuse to overwrite another command's results (``sart eval`` into a benchmark's
     ``--out`` replaced its results.json, without which ``--resume`` keeps none of its
     runs). A file that does not read as JSON is not checked: it holds nothing to keep."""
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return
-    schema = document.get("schema") if isinstance(document, dict) else None
+    document = _kept_document(path)
+    schema = document.get("schema") if document is not None else None
     writer = WRITERS.get(str(schema).split("/")[0])
     if writer is not None and writer != command:
         raise ConfigError(
@@ -91,17 +88,27 @@ def check_not_interrupted(out: Path) -> None:
     """``ConfigError`` where ``out`` holds a benchmark that was interrupted with runs
     finished: starting afresh emptied its log, and the same command run again without
     ``--resume`` (a script rerun, the flag forgotten) lost hours of runs."""
+    document = _kept_document(out / "results.json")
     try:
-        document = json.loads((out / "results.json").read_text(encoding="utf-8"))
         logged = (out / RUN_LOG).read_bytes().count(b"\n")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except OSError:
         return  # nothing this benchmark could resume
-    if isinstance(document, dict) and document.get("complete") is False and logged:
+    if document is not None and document.get("complete") is False and logged:
         raise ConfigError(
             f"--out {str(out)!r} holds an interrupted benchmark ({logged} finished runs in "
             f"{RUN_LOG}): add --resume to keep them and serve only the rest, or remove "
             f"{out / RUN_LOG} to start afresh"
         )
+
+
+def _kept_document(path: Path) -> dict[str, Any] | None:
+    """The JSON object a command left at ``path`` (``None``: none, or not one that reads
+    as JSON: it holds nothing to keep)."""
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def progress_console(command: str, *, to_stderr: bool) -> tuple[Any, Any]:
