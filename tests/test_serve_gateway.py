@@ -152,7 +152,7 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
     # Before: a gateway started in front of an upstream serving another model (or of
     # none at all) said /health 200 and failed every request with a 500.
     from sart.errors import ConfigError
-    from sart.serve.command import check_upstreams
+    from sart.serve.upstream_check import check_upstreams
 
     (server,) = upstreams(count=1)
     dead = f"http://127.0.0.1:{free_port()}"

@@ -30,7 +30,7 @@ import copy
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from sart.errors import ConfigError
@@ -58,6 +58,7 @@ from sart.methods import method_names
 from sart.model_flags import add_model_flags, load_spec
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
+from sart.serve.upstream_check import UPSTREAM_KEY_ENV, check_upstreams, upstream_model
 from sart.testbed.specs import LONG, testbed
 
 REAL_TEMPERATURE = 0.7
@@ -66,7 +67,6 @@ MAX_TOKENS = 16384
 """Tokens per branch of requests that do not say, for a model other than the testbed."""
 DEFAULT_PORT = 8000
 API_KEY_ENV = "SART_API_KEY"
-UPSTREAM_KEY_ENV = "SART_UPSTREAM_API_KEY"
 LOOP_BOUND = frozenset({"vllm-async"})
 """Engines built on the server's event loop, when it starts."""
 
@@ -310,7 +310,7 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
             raise ConfigError("--engine openai needs --upstream URL [URL ...]")
         check_path("tokenizer", args.tokenizer)
         key = _upstream_key(args)
-        args.model = args.model or _upstream_model(args.upstream[0], key)
+        args.model = args.model or upstream_model(args.upstream[0], key)
         chunk = args.upstream_stream_interval  # None: not given
         gateway = Gateway(
             tuple(args.upstream),
@@ -348,84 +348,6 @@ def backend_loader(spec: LoadSpec) -> Callable[[], Backend]:
 
 def _upstream_key(args: argparse.Namespace) -> str | None:
     return args.upstream_api_key or os.environ.get(UPSTREAM_KEY_ENV) or None
-
-
-class _Unreachable(ConfigError):
-    """Nothing answers at an upstream's address."""
-
-
-def _upstream_models(url: str, api_key: str | None) -> list[str]:
-    """The models ``url``'s ``/v1/models`` lists, or a ``ConfigError`` saying what to fix
-    (``_Unreachable`` where nothing answers)."""
-    import httpx
-
-    from sart.engines.openai_wire import base_url as _base
-    from sart.engines.openai_wire import model_ids
-
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"--upstream {url}: give its scheme, as in http://{url}")
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        response = httpx.get(_base(url) + "/v1/models", headers=headers, timeout=10)
-    except httpx.HTTPError as exc:
-        if "SSL" in str(exc) and url.startswith("https://"):
-            # Something answered, in plain HTTP (ssl's WRONG_VERSION_NUMBER).
-            raise ConfigError(
-                f"--upstream {url}: it does not speak TLS ({exc}); give it as "
-                f"http://{url.removeprefix('https://')}"
-            ) from None
-        raise _Unreachable(
-            f"--upstream {url}: nothing answers there ({exc or type(exc).__name__}); is the "
-            "server up, at this host and port?"
-        ) from None
-    if response.status_code in (401, 403):
-        raise ConfigError(
-            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}: give "
-            f"its API key with --upstream-api-key KEY (or {UPSTREAM_KEY_ENV})"
-        )
-    if response.status_code >= 400:
-        raise ConfigError(
-            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}; is it an "
-            "OpenAI-compatible server (vllm serve, SGLang's launch_server), named by its base "
-            "URL (http://host:port)?"
-        )
-    models = model_ids(response)
-    if models is None:
-        raise ConfigError(f"--upstream {url}: its /v1/models is no model list")
-    if not models:
-        raise ConfigError(f"--upstream {url}: its /v1/models lists no model")
-    return models
-
-
-def _upstream_model(url: str, api_key: str | None) -> str:
-    """The first model ``url``'s ``/v1/models`` lists (``--model`` left out)."""
-    try:
-        return _upstream_models(url, api_key)[0]
-    except _Unreachable as exc:
-        raise ConfigError(f"{exc} (without --model, the gateway asks it for its model)") from None
-
-
-def check_upstreams(urls: Sequence[str], api_key: str | None, model: str) -> None:
-    """Before the gateway serves: every upstream that answers must serve ``model`` (a
-    request sent to one that does not would fail, as would every request to a gateway
-    whose upstreams are all down, while its /health said 200). One that does not answer
-    yet is a warning: the others take its requests until it does."""
-    down = []
-    for url in urls:
-        try:
-            models = _upstream_models(url, api_key)
-        except _Unreachable as exc:
-            down.append(str(exc))
-            continue
-        if model not in models:
-            raise ConfigError(
-                f"--upstream {url} serves {models}, not {model!r}: give --model one of "
-                "them (left out, it is the first upstream's)"
-            )
-    if len(down) == len(urls):
-        raise ConfigError("no --upstream answers: " + "; ".join(down))
-    for reason in down:
-        print(f"sart serve: warning: {reason}", file=sys.stderr)
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
