@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -188,3 +194,113 @@ def test_tune_names_the_hardware_with_cost_model_as_bench_does(
     err = capsys.readouterr().err
     assert "deprecated" not in err
     assert "--model testbed: sart tune runs on the simulator; the simulated hardware" in err
+
+
+TUNE = ["tune", "--requests", "30", "--n", "4", "--interval", "200", "400", "--no-plots"]
+
+
+def _report(out: Path) -> dict[str, object]:
+    """tune.json less what differs between two invocations of the same tune."""
+    document = json.loads((out / "tune.json").read_text())
+    return {k: v for k, v in document.items() if k not in ("wall_seconds", "flags")}
+
+
+def _words(printed: str) -> str:
+    return " ".join(printed.split())  # rich wraps long lines where it likes
+
+
+def test_an_interrupted_tune_resumes_to_the_result_of_an_uninterrupted_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before: sart tune had no --resume, and Ctrl-C lost every run an hour of tuning had
+    # finished. Now the runs are logged as they finish, the same command with --resume
+    # runs only the rest, and the report is the one an uninterrupted tune writes.
+    from sart.bench import tune as tuning
+    from sart.cli import main
+
+    straight = tmp_path / "straight"
+    assert main([*TUNE, "--jobs", "1", "--out", str(straight)]) == 0
+    tables = capsys.readouterr().out.split("tuned in")[0]
+    runs = len((straight / "tune-runs.jsonl").read_text().splitlines())
+
+    real_run, ran = tuning._run, []
+
+    def interrupted_on_the_sixth(*args: Any) -> Any:
+        if len(ran) == 5:
+            raise KeyboardInterrupt
+        ran.append(args[1])
+        return real_run(*args)
+
+    monkeypatch.setattr(tuning, "_run", interrupted_on_the_sixth)
+    out = tmp_path / "stopped"
+    assert main([*TUNE, "--jobs", "1", "--out", str(out)]) == 130
+    said = f"interrupted: kept the 5 finished runs in {out / 'tune-runs.jsonl'}; the same "
+    assert said + "command with --resume runs only the rest" in _words(capsys.readouterr().out)
+    assert json.loads((out / "tune.json").read_text())["complete"] is False
+    log = (out / "tune-runs.jsonl").read_text()
+    assert len(log.splitlines()) == 5
+
+    # The same command without --resume would empty the log: refused, as sart bench is.
+    with pytest.raises(SystemExit) as info:
+        main([*TUNE, "--jobs", "1", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert "holds an interrupted tune (5 finished runs in tune-runs.jsonl): add --resume" in err
+    # Another option's runs are not this tune's: refused, naming the option.
+    for other, named in [
+        (["--seed", "1"], "--seed (config.seed): 0 then, 1 now"),
+        (["--slack", "0.02"], "--slack (config.slack): 0.01 then, 0.02 now"),
+        (["--interval", "200"], "--interval (config.intervals): [200, 400] then, [200] now"),
+    ]:
+        with pytest.raises(SystemExit):
+            main([*TUNE, *other, "--resume", "--out", str(out)])
+        err = capsys.readouterr().err
+        assert err.startswith(f"sart: error: --resume: {out} holds another tune (") and named in err
+    assert (out / "tune-runs.jsonl").read_text() == log
+
+    monkeypatch.setattr(tuning, "_run", real_run)
+    # --jobs is not an option of the tune: its runs are the same in processes.
+    assert main([*TUNE, "--jobs", "2", "--resume", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert len((out / "tune-runs.jsonl").read_text().splitlines()) == runs
+    assert "(and kept 5 runs from before)" in _words(printed)
+    assert printed.split("tuned in")[0] == tables
+    assert _report(out) == _report(straight)
+    # Resumed once more, a finished tune runs nothing and reports the same.
+    ran.clear()
+    monkeypatch.setattr(tuning, "_run", lambda *a: ran.append(a[1]) or real_run(*a))
+    assert main([*TUNE, "--jobs", "1", "--resume", "--out", str(out)]) == 0
+    assert ran == [] and _report(out) == _report(straight)
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="signals a process group")
+def test_ctrl_c_to_a_tune_in_processes_keeps_what_finished(tmp_path: Path) -> None:
+    # Ctrl-C signals the whole foreground group: the tune and its --jobs workers.
+    from sart.cli import main
+
+    argv = ["tune", "--requests", "60", "--n", "4", "--interval", "400", "--no-plots"]
+    argv += ["--jobs", "2", "--out", str(tmp_path / "stopped")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    code = "import sys; from sart.cli import main; sys.exit(main(sys.argv[1:]))"
+    log = tmp_path / "stopped" / "tune-runs.jsonl"
+    with (tmp_path / "stdout").open("w") as stdout:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code, *argv], env=env, stdout=stdout, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while proc.poll() is None and time.monotonic() < deadline:
+                if log.exists() and len(log.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGINT)
+            assert proc.wait(timeout=60) == 130
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    printed = _words((tmp_path / "stdout").read_text())
+    kept = len(log.read_text().splitlines())
+    assert 3 <= kept and f"interrupted: kept the {kept} finished runs in {log};" in printed
+    assert main([*argv, "--resume"]) == 0
+    assert main([*argv[:-1], str(tmp_path / "straight")]) == 0
+    assert _report(tmp_path / "stopped") == _report(tmp_path / "straight")

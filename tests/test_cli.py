@@ -127,7 +127,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
 def test_sigterm_to_tune_stops_its_worker_processes(tmp_path: Path) -> None:
     # Before: SIGTERM to sart tune alone (kill PID) killed it and left its --jobs workers
-    # orphaned, asleep forever; now they are stopped as with Ctrl-C.
+    # orphaned, asleep forever; now they are stopped as with Ctrl-C, and the runs that
+    # finished are kept for --resume.
     import os
     import signal
     import subprocess
@@ -138,8 +139,10 @@ def test_sigterm_to_tune_stops_its_worker_processes(tmp_path: Path) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     code = "import sys; from sart.cli import main; sys.exit(main(sys.argv[1:]))"
     # stderr to a file: orphaned workers would hold a pipe open past the parent's end.
-    stderr = (tmp_path / "stderr").open("w")
-    proc = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stderr=stderr)
+    stderr, stdout = (tmp_path / "stderr").open("w"), (tmp_path / "stdout").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *argv], env=env, stderr=stderr, stdout=stdout
+    )
     workers: set[int] = set()
     try:
         deadline = time.monotonic() + 60
@@ -155,9 +158,16 @@ def test_sigterm_to_tune_stops_its_worker_processes(tmp_path: Path) -> None:
         while any(_alive(w) for w in workers) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert workers and not [w for w in workers if _alive(w)]
-        assert proc.returncode == 143 and err.endswith("sart: tune terminated\n")
+        assert proc.returncode == 143 and err == ""
+        kept = len((tmp_path / "tune-runs.jsonl").read_text().splitlines())
+        printed = " ".join((tmp_path / "stdout").read_text().split())
+        assert (
+            f"interrupted: kept the {kept} finished runs in {tmp_path / 'tune-runs.jsonl'}"
+            in printed
+        )
     finally:
         stderr.close()
+        stdout.close()
         for pid in [proc.pid, *workers]:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -67,6 +67,7 @@ FLAGS = {
     "num_requests": "--requests",
     "batch_size": "--batch-size",
     "interval": "--interval",
+    "intervals": "--interval",
     "seed": "--seed",
     "admission": "--admission",
     "trace": "--trace",
@@ -81,6 +82,9 @@ FLAGS = {
     "max_tokens": "--max-tokens",
     "temperature": "--temperature",
     "top_p": "--top-p",
+    # sart tune's own.
+    "min_accuracy": "--min-accuracy",
+    "slack": "--slack",
 }
 """Config field -> the flag that sets it, so that errors use the user's words."""
 

@@ -62,13 +62,9 @@ def bench_json(
 ) -> dict[str, Any]:
     """The whole benchmark as one JSON document (``results.json``); ``serving``
     (real engines: model, PRM, sampling settings) is recorded as given."""
-    cfg = attrs.asdict(config)
-    cfg["admission"] = config.admission.value
-    cfg["scoring"] = config.scoring.value
-    cfg["prm_pricing"] = prm_pricing(config)
     return {
         "schema": SCHEMA,
-        "config": cfg,
+        "config": config_json(config),
         "serving": serving,
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
         "time_unit": (
@@ -82,6 +78,16 @@ def bench_json(
         "ratios_p97": ratios(records),
         "runs": [run_json(r, gold.get(r.rate), config.slo) for r in records],
     }
+
+
+def config_json(config: BenchConfig) -> dict[str, Any]:
+    """``config`` as a report records it (``results.json``'s ``config``, and
+    ``tune.json``'s): what ``--resume`` compares with the run it would go on from."""
+    cfg = attrs.asdict(config)
+    cfg["admission"] = config.admission.value
+    cfg["scoring"] = config.scoring.value
+    cfg["prm_pricing"] = prm_pricing(config)
+    return cfg
 
 
 def prm_pricing(config: BenchConfig) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sart.bench.run_log import RUN_LOG, RunKey, RunLog, resumable_runs, run_key
+from sart.bench.run_log import BENCH, Resumable, RunKey, RunLog, resumable_runs, run_key
 from sart.errors import ConfigError, needs_extra
 
 
@@ -84,20 +84,20 @@ def _check_writer(path: Path, out: Path, command: str) -> None:
         )
 
 
-def check_not_interrupted(out: Path) -> None:
-    """``ConfigError`` where ``out`` holds a benchmark that was interrupted with runs
-    finished: starting afresh emptied its log, and the same command run again without
-    ``--resume`` (a script rerun, the flag forgotten) lost hours of runs."""
-    document = _kept_document(out / "results.json")
+def check_not_interrupted(out: Path, of: Resumable = BENCH) -> None:
+    """``ConfigError`` where ``out`` holds a benchmark (or another ``of.what``) that was
+    interrupted with runs finished: starting afresh emptied its log, and the same command
+    run again without ``--resume`` (a script rerun, the flag forgotten) lost hours of runs."""
+    document = _kept_document(out / of.report)
     try:
-        logged = (out / RUN_LOG).read_bytes().count(b"\n")
+        logged = (out / of.log).read_bytes().count(b"\n")
     except OSError:
-        return  # nothing this benchmark could resume
+        return  # nothing this command could resume
     if document is not None and document.get("complete") is False and logged:
         raise ConfigError(
-            f"--out {str(out)!r} holds an interrupted benchmark ({logged} finished runs in "
-            f"{RUN_LOG}): add --resume to keep them and serve only the rest, or remove "
-            f"{out / RUN_LOG} to start afresh"
+            f"--out {str(out)!r} holds an interrupted {of.what} ({logged} finished runs in "
+            f"{of.log}): add --resume to keep them and {of.redo} only the rest, or remove "
+            f"{out / of.log} to start afresh"
         )
 
 

@@ -1,4 +1,5 @@
-"""``OUT/runs.jsonl``: every finished run of a ``sart bench``, whole, one JSON line each.
+"""``OUT/runs.jsonl``: every finished run of a ``sart bench``, whole, one JSON line each
+(and ``OUT/tune-runs.jsonl``, the same for a ``sart tune``).
 
 ``results.json`` is the report: it keeps what a reader needs, not everything a
 ``RunRecord`` holds (branch texts, reward histories, per-request KV use). This log
@@ -10,6 +11,10 @@ A resumed run is kept only when the benchmark that made it was the same one:
 the same ``results.json`` configuration and serving (model, PRM, sampling), the
 methods, ``N`` values and rates aside (those say which runs there are, not how
 each ran). The log keeps all of them, those the resuming command does not name too.
+
+``sart tune --resume`` keeps a tune's runs the same way (``Resumable`` names each
+command's files and words); every option of a tune says how its runs ran, so none
+may differ.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import json
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
+
+import attrs
 
 from sart.bench.runner import RunRecord
 from sart.errors import ConfigError, needs_extra
@@ -28,6 +35,31 @@ RUN_LOG = "runs.jsonl"
 SCHEMA = "sart.bench.runs/1"
 #: The configuration fields that may differ between a benchmark and its resumption.
 SWEPT = ("methods", "ns", "rates")
+
+
+@attrs.frozen
+class Resumable:
+    """A command that keeps its finished runs in a log and resumes from it: its files,
+    and the words its messages use."""
+
+    command: str
+    """As the user types it: ``sart bench``."""
+    report: str
+    """The report in ``--out`` that holds the configuration the runs belong to."""
+    log: str
+    """The log of finished runs in ``--out``."""
+    schema: str
+    """Of the log's lines."""
+    what: str
+    """What one invocation is called: ``benchmark``."""
+    redo: str
+    """What it does to a run again: ``serve``."""
+    swept: tuple[str, ...] = ()
+    """The configuration fields that may differ between a run and its resumption."""
+
+
+BENCH = Resumable("sart bench", "results.json", RUN_LOG, SCHEMA, "benchmark", "serve", SWEPT)
+TUNE = Resumable("sart tune", "tune.json", "tune-runs.jsonl", "sart.tune.runs/1", "tune", "run")
 
 RunKey = tuple[float | None, str, int]
 
@@ -43,32 +75,37 @@ def _converter() -> Any:
     return cattrs.Converter()
 
 
-class RunLog:
-    """The append-only log of a benchmark's finished runs."""
+Record = TypeVar("Record")
 
-    def __init__(self, out: Path) -> None:
-        self.path = out / RUN_LOG
+
+class RecordLog(Generic[Record]):
+    """The append-only log of a command's finished runs, each a ``kind`` (an attrs class)."""
+
+    def __init__(self, out: Path, kind: type[Record], of: Resumable) -> None:
+        self.path = out / of.log
+        self.kind = kind
+        self.of = of
         self._converter = _converter()
 
-    def start(self, kept: Iterable[RunRecord] = ()) -> None:
-        """Begin the log afresh, with the ``kept`` runs of a resumed benchmark."""
+    def start(self, kept: Iterable[Record] = ()) -> None:
+        """Begin the log afresh, with the ``kept`` runs of a resumed one."""
         self.path.write_text("", encoding="utf-8")
         for record in kept:
             self.append(record)
 
-    def append(self, record: RunRecord) -> None:
+    def append(self, record: Record) -> None:
         line = {
-            "schema": SCHEMA,
+            "schema": self.of.schema,
             "written": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "run": self._converter.unstructure(record),
         }
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(line) + "\n")
 
-    def read(self) -> list[RunRecord]:
+    def read(self) -> list[Record]:
         """The runs logged; a line cut short by an interruption is left out (its run is
-        served again), a line from another schema is an error."""
-        records: list[RunRecord] = []
+        done again), a line from another schema is an error."""
+        records: list[Record] = []
         if not self.path.exists():
             return records
         for number, text in enumerate(self.path.read_text(encoding="utf-8").splitlines(), 1):
@@ -77,23 +114,30 @@ class RunLog:
             except json.JSONDecodeError:
                 continue
             where = f"{self.path}:{number}"
-            if not isinstance(line, dict) or line.get("schema") != SCHEMA:
-                raise ConfigError(f"{where}: not a line of {SCHEMA}")
+            if not isinstance(line, dict) or line.get("schema") != self.of.schema:
+                raise ConfigError(f"{where}: not a line of {self.of.schema}")
             records.append(self._record(line.get("run"), where))
         return records
 
-    def _record(self, run: object, where: str) -> RunRecord:
+    def _record(self, run: object, where: str) -> Record:
         """A logged run, rebuilt; ``ConfigError`` naming ``file:line`` where it cannot be
-        (a line edited by hand, or written by a sart whose ``RunRecord`` differed): cattrs
+        (a line edited by hand, or written by a sart whose record class differed): cattrs
         reports that as a traceback of nested exception groups."""
         try:
-            return self._converter.structure(run, RunRecord)
+            return self._converter.structure(run, self.kind)  # type: ignore[no-any-return]
         except Exception as exc:
             reasons = _reasons(exc)
             raise ConfigError(
-                f"{where}: not a run sart bench can read back ({reasons}); move {RUN_LOG} "
-                "away to serve every run again, or give another --out"
+                f"{where}: not a run {self.of.command} can read back ({reasons}); move "
+                f"{self.of.log} away to {self.of.redo} every run again, or give another --out"
             ) from None
+
+
+class RunLog(RecordLog[RunRecord]):
+    """The append-only log of a benchmark's finished runs."""
+
+    def __init__(self, out: Path) -> None:
+        super().__init__(out, RunRecord, BENCH)
 
 
 def _reasons(exc: BaseException) -> str:
@@ -106,32 +150,65 @@ def _reasons(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" + (f" ({where[-1]})" if where else "")
 
 
-def _differences(before: dict[str, Any], now: dict[str, Any], where: str) -> list[str]:
+def _differences(
+    before: dict[str, Any], now: dict[str, Any], where: str, swept: Iterable[str] = ()
+) -> list[str]:
     """What differs, each named by its flag where one sets it (and by its place in
-    results.json, where a reader would look)."""
+    the report, where a reader would look)."""
     return [
         f"{FLAGS[key] + ' ' if key in FLAGS else ''}({where}.{key}): "
         f"{before.get(key)!r} then, {now.get(key)!r} now"
         for key in sorted(set(before) | set(now))
-        if key not in SWEPT and before.get(key) != now.get(key)
+        if key not in swept and before.get(key) != now.get(key)
     ]
 
 
-def _results_document(results: Path) -> dict[str, Any]:
-    """``results.json`` read back as the object ``sart bench`` writes (``ConfigError``
-    when it is not: damaged, or another command's, which ``--resume`` cannot check the
-    logged runs against)."""
+def _report_document(report: Path, of: Resumable) -> dict[str, Any]:
+    """The report read back as the object ``of.command`` writes (``ConfigError`` when it
+    is not: damaged, or another command's, which ``--resume`` cannot check the logged
+    runs against)."""
     try:
-        document = json.loads(results.read_text(encoding="utf-8"))
+        document = json.loads(report.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         document = f"not JSON: {exc.msg}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
     if isinstance(document, dict):
         return document
     what = document if isinstance(document, str) else f"a JSON {type(document).__name__}"
     raise ConfigError(
-        f"--resume: {results} is not a sart bench results.json ({what}), which says what "
-        f"benchmark the runs of {RUN_LOG} belong to; restore it, or give another --out"
+        f"--resume: {report} is not a {of.command} {of.report} ({what}), which says what "
+        f"{of.what} the runs of {of.log} belong to; restore it, or give another --out"
     )
+
+
+def resumable(
+    log: RecordLog[Record], config: dict[str, Any], serving: dict[str, Any] | None = None
+) -> list[Record]:
+    """The runs of ``log`` that a run of ``config`` (its report's form) serving
+    ``serving`` may keep: ``ConfigError`` saying what differs when they were another
+    one's; nothing when ``out`` has none."""
+    of, out = log.of, log.path.parent
+    report = out / of.report
+    if not report.exists():
+        if log.read():
+            # Its runs cannot be checked against this one, and starting afresh would
+            # drop them from the log (as it once dropped a whole kept comparison).
+            raise ConfigError(
+                f"--resume: {out} holds {of.log} but no {of.report}, which says what "
+                f"{of.what} its runs belong to; restore {of.report}, or move {of.log} away"
+            )
+        return []
+    document = _report_document(report, of)
+    # Through JSON, so that tuples and lists compare as the report holds them.
+    config, serving = json.loads(json.dumps([config, serving]))
+    differences = _differences(document.get("config") or {}, config, "config", of.swept)
+    differences += _differences(document.get("serving") or {}, serving or {}, "serving")
+    if differences:
+        raise ConfigError(
+            f"--resume: {out} holds another {of.what} (" + "; ".join(differences) + "); "
+            f"give another --out, or remove {out / of.log} and leave --resume out to start "
+            "afresh"
+        )
+    return log.read()
 
 
 def resumable_runs(
@@ -140,28 +217,18 @@ def resumable_runs(
     """The runs of the benchmark in ``out`` that a benchmark of ``config`` (its
     ``results.json`` form) serving ``serving`` may keep: ``ConfigError`` saying what
     differs when it was another benchmark; nothing when ``out`` has none."""
-    results = out / "results.json"
-    if not results.exists():
-        if RunLog(out).read():
-            # Its runs cannot be checked against this benchmark, and starting afresh would
-            # drop them from the log (as it once dropped a whole kept comparison).
-            raise ConfigError(
-                f"--resume: {out} holds {RUN_LOG} but no results.json, which says what "
-                f"benchmark its runs belong to; restore results.json, or move {RUN_LOG} away"
-            )
-        return []
-    document = _results_document(results)
-    # Through JSON, so that tuples and lists compare as results.json holds them.
-    config, serving = json.loads(json.dumps([config, serving]))
-    differences = _differences(document.get("config") or {}, config, "config")
-    differences += _differences(document.get("serving") or {}, serving or {}, "serving")
-    if differences:
-        raise ConfigError(
-            f"--resume: {out} holds another benchmark (" + "; ".join(differences) + "); "
-            f"give another --out, or remove {out / RUN_LOG} and leave --resume out to start "
-            "afresh"
-        )
-    return RunLog(out).read()
+    return resumable(RunLog(out), config, serving)
 
 
-__all__ = ["RUN_LOG", "RunKey", "RunLog", "resumable_runs", "run_key"]
+__all__ = [
+    "BENCH",
+    "RUN_LOG",
+    "TUNE",
+    "RecordLog",
+    "Resumable",
+    "RunKey",
+    "RunLog",
+    "resumable",
+    "resumable_runs",
+    "run_key",
+]

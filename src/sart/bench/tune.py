@@ -16,13 +16,16 @@ Traces for different ``T`` come from the same seed: the workload draws each
 branch's length and answer before its rewards (``sart.bench.workloads``), so
 every ``T`` sees the same requests and branches, and only where the PRM reads
 them changes. Runs are independent and deterministic; they are spread over
-``jobs`` processes.
+``jobs`` processes. Each finished run is handed to ``on_run`` as a ``Trial``, and
+the ``Trial`` values given as ``done`` are not run again: that is how
+``sart tune --resume`` goes on from an interrupted tune, to the same result.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Literal
 
 import attrs
 
@@ -136,12 +139,51 @@ def _score(record: RunRecord, candidate: Candidate | None) -> Score:
     )
 
 
-def _run(job: tuple[Candidate | None, int, Trace, BenchConfig, float]) -> Score:
-    candidate, n, trace, config, rate = job
+TraceName = Literal["tuning", "held-out"]
+TrialKey = tuple[str, Candidate | None, int]
+
+
+@attrs.frozen
+class Trial:
+    """One finished run of a tune: which trace it ran on, and what it gave."""
+
+    trace: TraceName
+    score: Score
+
+    @property
+    def key(self) -> TrialKey:
+        """Which run of the tune this is: its trace, configuration (``None``: SC) and ``N``."""
+        return (self.trace, self.score.candidate, self.score.n)
+
+
+_Job = tuple[Candidate | None, int, int]
+"""A run to do: its configuration (``None``: SC), ``N`` and the ``T`` of its trace."""
+_Shared = tuple[dict[int, Trace], BenchConfig, float]
+"""What every run of one ``evaluate`` shares: the traces by ``T``, the configuration, the rate."""
+
+# Set once in each worker process: a trace is large, and sent with each of 108 runs it
+# would be pickled 108 times.
+_shared: _Shared | None = None
+
+
+def _share(traces: dict[int, Trace], config: BenchConfig, rate: float) -> None:
+    global _shared
+    _shared = (traces, config, rate)
+
+
+def _run_in_worker(job: _Job) -> Score:
+    assert _shared is not None
+    return _run(_shared, job)
+
+
+def _run(shared: _Shared, job: _Job) -> Score:
+    traces, config, rate = shared
+    candidate, n, interval = job
     if candidate is None:
-        record = run_method(trace, "sc", n, config, rate)
+        record = run_method(traces[interval], "sc", n, config, rate)
     else:
-        record = run_method(trace, "sart", n, config, rate, policy=candidate.policy())
+        policy = candidate.policy()
+        record = run_method(traces[interval], "sart", n, config, rate, policy=policy)
     return _score(record, candidate)
 
 
@@ -152,17 +194,63 @@ def evaluate(
     config: BenchConfig,
     rate: float,
     jobs: int = 1,
+    *,
+    trace: TraceName = "tuning",
+    done: dict[TrialKey, Score] | None = None,
+    on_run: Callable[[Trial], None] | None = None,
 ) -> list[Score]:
     """Each candidate (``None``: Self-Consistency at the matching entry of ``ns``) run
-    on its ``T``'s trace (SC on the paper's ``T``), in input order."""
-    work = []
-    for candidate, n in zip(candidates, ns, strict=True):
-        interval = PAPER_INTERVAL if candidate is None else candidate.interval
-        work.append((candidate, n, traces[interval], config, rate))
-    if jobs <= 1:
-        return [_run(job) for job in work]
-    with concurrent.futures.ProcessPoolExecutor(jobs) as pool:
-        return list(pool.map(_run, work, chunksize=max(1, len(work) // (4 * jobs))))
+    on its ``T``'s trace (SC on the paper's ``T``), in input order. The runs ``done``
+    holds (by ``Trial.key`` on ``trace``) are not run again; each other one is handed
+    to ``on_run`` as it finishes."""
+    work: list[_Job] = [
+        (candidate, n, PAPER_INTERVAL if candidate is None else candidate.interval)
+        for candidate, n in zip(candidates, ns, strict=True)
+    ]
+    scores: dict[int, Score] = {}
+    for i, (candidate, n, _) in enumerate(work):
+        if done and (trace, candidate, n) in done:
+            scores[i] = done[(trace, candidate, n)]
+
+    def finished(i: int, score: Score) -> None:
+        scores[i] = score
+        if on_run is not None:
+            on_run(Trial(trace, score))
+
+    todo = [i for i in range(len(work)) if i not in scores]
+    shared = (traces, config, rate)
+    if jobs <= 1 or len(todo) <= 1:
+        for i in todo:
+            finished(i, _run(shared, work[i]))
+    else:
+        _run_in_processes(work, todo, jobs, shared, finished)
+    return [scores[i] for i in range(len(work))]
+
+
+def _run_in_processes(
+    work: list[_Job],
+    todo: list[int],
+    jobs: int,
+    shared: _Shared,
+    finished: Callable[[int, Score], None],
+) -> None:
+    """``work[i]`` for each ``i`` of ``todo`` over ``jobs`` processes, each handed to
+    ``finished`` as it ends. Interrupted (or failing), the runs not started are dropped,
+    and those running are waited for and handed on too: they are finished runs to keep."""
+    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_share, initargs=shared) as pool:
+        futures = {pool.submit(_run_in_worker, work[i]): i for i in todo}
+        handed: set[concurrent.futures.Future[Score]] = set()
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                handed.add(future)
+                finished(futures[future], future.result())
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            for future, i in futures.items():
+                ended = future.done() and not future.cancelled() and future not in handed
+                if ended and future.exception() is None:
+                    finished(i, future.result())
+            raise
 
 
 def pareto(scores: Iterable[Score]) -> list[Score]:
@@ -219,21 +307,28 @@ def tune(
     space: Sequence[Candidate] | None = None,
     intervals: Sequence[int] = INTERVALS,
     jobs: int = 1,
+    done: Iterable[Trial] = (),
+    on_run: Callable[[Trial], None] | None = None,
 ) -> TuneResult:
     """Search ``space`` (default ``search_space(ns, intervals=intervals)``) at ``rate``
     (see the module docstring). The target is ``min_accuracy`` if given, else SC's
-    tuning accuracy at the same ``N`` minus ``slack``."""
+    tuning accuracy at the same ``N`` minus ``slack``. The runs of ``done`` (those an
+    interrupted tune of the same arguments finished) are kept, not run again; every
+    other run is handed to ``on_run`` as it finishes."""
+    kept = {trial.key: trial.score for trial in done}
     ns = sorted(set(ns))
     space = list(space) if space is not None else search_space(ns, intervals=intervals)
     config_check(bool(space), "space", space, "non-empty")
     intervals = sorted({c.interval for c in space} | {PAPER_INTERVAL})
     width = max(ns + [c.n for c in space])
     tuning_traces = make_traces(config, rate, width, intervals, config.seed)
-    sc = evaluate([None] * len(ns), ns, tuning_traces, config, rate, jobs)
+    sc = evaluate([None] * len(ns), ns, tuning_traces, config, rate, jobs, done=kept, on_run=on_run)
     targets = {s.n: s.accuracy - slack if min_accuracy is None else min_accuracy for s in sc}
     for c in space:
         targets.setdefault(c.n, min_accuracy if min_accuracy is not None else 0.0)
-    tuning = evaluate(space, [c.n for c in space], tuning_traces, config, rate, jobs)
+    tuning = evaluate(
+        space, [c.n for c in space], tuning_traces, config, rate, jobs, done=kept, on_run=on_run
+    )
     winner = choose(tuning, targets)
     held_traces = make_traces(config, rate, width, intervals, config.seed + HELD_OUT_SEED_OFFSET)
     held: list[Candidate | None] = [None] * len(ns) + [Candidate.paper(n) for n in ns]
@@ -241,7 +336,9 @@ def tune(
     if winner is not None and winner.candidate not in held:
         held.append(winner.candidate)
         held_ns.append(winner.n)
-    held_out = evaluate(held, held_ns, held_traces, config, rate, jobs)
+    held_out = evaluate(
+        held, held_ns, held_traces, config, rate, jobs, trace="held-out", done=kept, on_run=on_run
+    )
     floors = {
         s.n: s.accuracy - slack if min_accuracy is None else min_accuracy
         for s in held_out

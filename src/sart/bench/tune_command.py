@@ -1,7 +1,9 @@
 """The ``sart tune`` command: flags, the printed tables, ``tune.json`` and ``tune.png``.
 
 The search itself is ``sart.bench.tune``; this module turns flags into a
-``BenchConfig`` for the simulator and reports what the search found.
+``BenchConfig`` for the simulator and reports what the search found. Every finished
+run is logged (``OUT/tune-runs.jsonl``, as ``sart bench`` logs its own), so that an
+interrupted tune goes on with ``--resume``: a tune is hundreds of runs.
 """
 
 from __future__ import annotations
@@ -13,12 +15,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sart.bench.report import config_json
+from sart.bench.results_file import check_not_interrupted, check_writable, write_json
+from sart.bench.run_log import TUNE, RecordLog, resumable
 from sart.bench.runner import BenchConfig
 from sart.bench.tune import (
     INTERVALS,
     PAPER_INTERVAL,
     Candidate,
     Score,
+    Trial,
     TuneResult,
     result_json,
     tune,
@@ -79,6 +85,12 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         help=f"processes running configurations (default: every core, {os.cpu_count()})",
     )
     p.add_argument("--out", default="sart-tune", help="output directory (sart-tune)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs an interrupted tune of the same options finished in --out "
+        "(its tune-runs.jsonl) and run only the rest",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip tune.png")
     p.set_defaults(func=run_tune_command)
 
@@ -87,7 +99,20 @@ def run_tune_command(args: argparse.Namespace) -> int:
     try:
         return _tune(args)
     except ConfigError as exc:  # in the words of the flags
-        raise in_flags(exc, {"intervals": "--interval", "min_accuracy": "--min-accuracy"}) from None
+        raise in_flags(exc) from None
+
+
+SCHEMA = "sart.tune/1"
+
+
+def tune_config(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
+    """What a tune's runs depend on, as ``tune.json`` records it: a resumed tune must
+    have been run with the same (``--jobs``, ``--out`` and ``--no-plots`` aside)."""
+    return config_json(config) | {
+        "intervals": sorted(set(args.interval)),
+        "min_accuracy": args.min_accuracy,
+        "slack": args.slack,
+    }
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -97,7 +122,7 @@ def _tune(args: argparse.Namespace) -> int:
         workload=args.workload,
         cost=args.cost_model or "h100-14b",
         methods=("sc", "sart"),
-        ns=tuple(args.n),
+        ns=tuple(sorted(set(args.n))),
         rates=(args.rate,),
         num_requests=args.requests,
         batch_size=args.batch_size,
@@ -109,27 +134,57 @@ def _tune(args: argparse.Namespace) -> int:
     with needs_extra("sart tune", "bench"):
         from rich.console import Console
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    path = check_writable(out, "tune.json")  # before any run
+    if not args.resume:
+        check_not_interrupted(out, TUNE)
+    log = RecordLog(out, Trial, TUNE)
+    cfg = tune_config(config, args)
+    kept = resumable(log, cfg) if args.resume else []
+    log.start(kept)
+    finished = len(kept)
+
+    def logged(trial: Trial) -> None:
+        nonlocal finished
+        if finished == len(kept):
+            # Written before the first run is logged, not before the tune starts: a tune
+            # refused (a bad --interval) leaves the tune.json it found; one stopped from
+            # here on, even by SIGKILL, leaves the options its logged runs belong to.
+            write_json(path, {"schema": SCHEMA, "complete": False, "config": cfg})
+        log.append(trial)
+        finished += 1
+
     console = Console(width=None if Console().is_terminal else 120)
     wall = time.perf_counter()
-    with console.status("tuning (each configuration is one simulated run)"):
-        result = tune(
-            config,
-            args.rate,
-            args.n,
-            min_accuracy=args.min_accuracy,
-            slack=args.slack,
-            intervals=args.interval,
-            jobs=args.jobs,
+    try:
+        with console.status("tuning (each configuration is one simulated run)"):
+            result = tune(
+                config,
+                args.rate,
+                args.n,
+                min_accuracy=args.min_accuracy,
+                slack=args.slack,
+                intervals=args.interval,
+                jobs=args.jobs,
+                done=kept,
+                on_run=logged,
+            )
+    except KeyboardInterrupt:
+        console.print(
+            f"interrupted: kept the {finished} finished runs in {log.path}; "
+            "the same command with --resume runs only the rest",
+            style="bold",
         )
+        return 130
     wall = time.perf_counter() - wall
     render(console, result, len(result.tuning) + len(result.tuning_sc) + len(result.held_out))
-    data = {**result_json(result), "wall_seconds": wall, "flags": vars(args) | {"func": None}}
-    (out / "tune.json").write_text(json.dumps(data, indent=2, default=str) + "\n")
-    written = [out / "tune.json"]
+    flags = json.loads(json.dumps(vars(args) | {"func": None}, default=str))
+    data = {"schema": SCHEMA, "complete": True, "config": cfg, **result_json(result)}
+    write_json(path, data | {"wall_seconds": wall, "flags": flags})
+    written = [path]
     if not args.no_plots:
         written.append(plot(result, out / "tune.png"))
-    console.print(f"tuned in {wall:.1f} s; wrote {', '.join(str(p) for p in written)}")
+    before = f" (and kept {len(kept)} runs from before)" if kept else ""
+    console.print(f"tuned in {wall:.1f} s{before}; wrote {', '.join(str(p) for p in written)}")
     return 0
 
 
