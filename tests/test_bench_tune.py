@@ -304,3 +304,21 @@ def test_ctrl_c_to_a_tune_in_processes_keeps_what_finished(tmp_path: Path) -> No
     assert main([*argv, "--resume"]) == 0
     assert main([*argv[:-1], str(tmp_path / "straight")]) == 0
     assert _report(tmp_path / "stopped") == _report(tmp_path / "straight")
+
+
+@pytest.mark.parametrize(("accuracy", "said"), [(0.9, "they meet the"), (0.5, "they miss the")])
+def test_the_verdict_on_the_paper_defaults_winning_says_whether_they_meet_the_floor(
+    accuracy: float, said: str
+) -> None:
+    # It said "held out they misse the accuracy floor" ("misses" less its last letter).
+    from sart.bench.tune import TuneResult
+    from sart.bench.tune_command import verdict
+
+    paper = Candidate.paper(4)
+    win = Score(paper, 4, p97=1.0, accuracy=0.9, tokens=1, requests=200)
+    sc = Score(None, 4, p97=300.0, accuracy=0.8, tokens=1, requests=200)
+    held = Score(paper, 4, p97=100.0, accuracy=accuracy, tokens=1, requests=200)
+    result = TuneResult(4.0, {4: 0.5}, (win,), (), (win,), win, (sc, held), {4: 0.79})
+    line = verdict(result)
+    assert "the paper's defaults at N=4 are already best on the tuning trace" in line
+    assert f"held out {said} accuracy floor: P97 100," in line

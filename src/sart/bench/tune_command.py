@@ -242,10 +242,10 @@ def verdict(result: TuneResult) -> str:
     floor = result.floors.get(win.n, 0.0)
     against = f"SC {_accuracy(sc)}%, floor {100 * floor:.1f}%"
     if win == Candidate.paper(win.n):
-        met = "meets" if result.meets(paper) else "misses"
+        met = "meet" if result.meets(paper) else "miss"
         return (
             f"the paper's defaults at N={win.n} are already best on the tuning trace; held "
-            f"out they {met[:-1]} the accuracy floor: P97 {paper.p97:,.0f}, accuracy "
+            f"out they {met} the accuracy floor: P97 {paper.p97:,.0f}, accuracy "
             f"{_accuracy(paper)}% ({against})"
         )
     numbers = (
