@@ -9,6 +9,7 @@ files import, in the manner of ``strategies.py``.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import importlib.util
 import json
 import os
@@ -17,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -331,3 +333,41 @@ EXTRA_FIELDS: dict[str, Any] = {
     "skip_special_tokens": False,
     "include_stop_str_in_output": True,
 }
+
+
+@contextlib.contextmanager
+def hung_classify_server() -> Iterator[tuple[str, threading.Event]]:
+    """A PRM server on 127.0.0.1 (vLLM's ``/classify``, as ``RemotePRM`` calls it) whose
+    first request is read and never answered while the context lasts: a hung server.
+    The others are answered, logits (0, 1) for each input. Yields its URL and an event
+    set once the first request has arrived."""
+    arrived, release = threading.Event(), threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            inputs = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["input"]
+            if not arrived.is_set():
+                arrived.set()
+                release.wait(timeout=120)  # hung: answers nothing while the test runs
+                return
+            data = [{"index": i, "probs": [0.0, 1.0]} for i in range(len(inputs))]
+            body = json.dumps({"data": data}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", arrived
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
+from adapters import hung_classify_server  # noqa: E402
 from sart.demo_models import build_tokenizer  # noqa: E402
 from sart.errors import PRMError  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
@@ -124,3 +126,30 @@ def test_a_failed_server_is_left_out_for_its_cooldown(tokenizer: Any) -> None:
         remote.score([item("r3")])
     assert caught.value.request_ids == frozenset({"r3"})
     remote.close()
+
+
+def test_cancel_cuts_a_check_a_hung_server_holds_short(tokenizer: Any) -> None:
+    # Before: nothing could end a check a hung server held before --prm-timeout (60 s by
+    # default), and sart serve, stopping, waited that long to exit.
+    with hung_classify_server() as (url, arrived):
+        remote = RemotePRM([url], tokenizer, timeout=300.0, cooldown=0.0, aggregate="last")
+        failures: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                remote.score([item("r0")])
+            except BaseException as exc:
+                failures.append(exc)
+
+        checking = threading.Thread(target=check)
+        checking.start()
+        assert arrived.wait(timeout=60)
+        remote.cancel()
+        checking.join(timeout=60)  # a bound on a hang: the check's timeout is 300 s
+        assert not checking.is_alive(), "the check was not cut short"
+        (failure,) = failures
+        assert isinstance(failure, PRMError) and failure.request_ids == {"r0"}
+        assert f"PRM server {url}: the check was cancelled" in str(failure)
+        # Checks after the cancel are sent as usual.
+        assert remote.score([item("r1")]) == pytest.approx([1 / (1 + math.exp(-1))])
+        remote.close()

@@ -28,11 +28,11 @@ from serving import Server  # noqa: E402
 LONG = {"method": "sc", "n": 16, "ignore_eos": True}
 
 
-def ask(server: Server, prompt: str, stream: bool, outcomes: list[Any]) -> None:
+def ask(server: Server, prompt: str, stream: bool, outcomes: list[Any], extra: Any = LONG) -> None:
     client = server.client(key="none", timeout=60)
     try:
         reply = client.completions.create(
-            model="testbed", prompt=prompt, max_tokens=64, stream=stream, extra_body=LONG
+            model="testbed", prompt=prompt, max_tokens=64, stream=stream, extra_body=extra
         )
         if stream:
             list(reply)
@@ -78,3 +78,36 @@ def test_sigterm_under_load_answers_every_request_and_exits_0() -> None:
         else:  # 503 in OpenAI's error shape, not uvicorn's plain-text 500
             assert kind == 503, outcomes
             assert "shutting down" in detail["message"], outcomes
+
+
+def test_a_hung_prm_server_does_not_hold_the_stopping_server_past_its_grace() -> None:
+    # Before: the drain answered the request 503 after the grace, but the process waited
+    # for the PRM check in flight to time out (--prm-timeout, 60 s by default) before it
+    # exited. Now the check is cut short when the server stops.
+    from adapters import hung_classify_server
+
+    with hung_classify_server() as (url, arrived):
+        server = Server(
+            "--prm-url", url, "--prm", str(tb.PRM_PATH), "--prm-timeout", "300",
+            "--shutdown-grace", "0.5", "--no-access-log",
+        )  # fmt: skip
+        outcomes: list[Any] = []
+        question = tb.make_questions(seed=5, count=1)[0]
+        sart = {"method": "sart", "n": 4}  # checks at once: the testbed's T is small
+        client = threading.Thread(target=ask, args=(server, question.prompt, False, outcomes, sart))
+        client.start()
+        assert arrived.wait(timeout=60), "no check reached the PRM server"
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            # A bound on a hang: waiting for the check to time out takes 300 s.
+            code = server.process.wait(timeout=60)
+        finally:
+            if server.process.poll() is None:
+                server.process.kill()
+        client.join(timeout=60)
+    log = Path(server.log.name).read_text()
+    server.log.close()
+    assert code == 0, log
+    assert "Traceback" not in log, log
+    ((status, body),) = outcomes
+    assert status == 503 and "shutting down" in body["message"], outcomes

@@ -16,7 +16,10 @@ class PRM(Protocol):
     ``PRMError(request_ids=...)`` confines the failure to those requests; any
     other exception makes the driver retry request by request to find the
     failing one. An optional ``release(request_id)`` lets a PRM drop state it
-    keeps for a request (e.g. an incremental KV cache) when the request ends.
+    keeps for a request (e.g. an incremental KV cache) when the request ends, and
+    an optional ``cancel()`` cuts its calls in flight short (each raising
+    ``PRMError``): ``sart serve`` calls it when it stops (``RemotePRM``'s does not
+    wait for a hung server).
     """
 
     def score(self, items: Sequence[ScoreItem]) -> Sequence[float]: ...

@@ -32,15 +32,22 @@ Failures. A server that answers with an error, an unreadable body or not within
 ``PRMError`` names their requests, and the driver fails those requests and
 carries on with the others (scoring them again: cheap, from the caches). The
 server is then left out of new placements for ``cooldown`` seconds, and its
-requests are placed again at their next check. ``api_key`` is sent as
-``Authorization: Bearer``. Needs ``httpx`` (``pip install -e '.[remote]'``) and a
-tokenizer (transformers, for ``from_pretrained``).
+requests are placed again at their next check. ``cancel`` cuts the checks in
+flight short (each fails at once, its connection shut down as a client that went
+away): ``sart serve`` does so as it stops, so that a hung server does not hold the
+process for ``timeout`` seconds.
+``api_key`` is sent as ``Authorization: Bearer``. Needs ``httpx``
+(``pip install -e '.[remote]'``) and a tokenizer (transformers, for
+``from_pretrained``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import socket
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -127,6 +134,11 @@ class RemotePRM:
         servers' own ``vllm:prefix_cache_hits`` metric tells."""
         self.requests_sent = [0] * len(urls)
         """HTTP requests sent to each server."""
+        # Every connection's network stream (httpcore's, seen through the "trace"
+        # request extension), so that cancel() can shut its socket down: closing the
+        # client would not wake a thread blocked reading it.
+        self._streams: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._cancels = 0  # how many times cancel() was called
 
     @property
     def workers(self) -> int:
@@ -172,7 +184,20 @@ class RemotePRM:
         self.placement.release(request_id)
         self._memory.release(request_id)
 
+    def cancel(self) -> None:
+        """Cut every check in flight short: each fails now with a ``PRMError`` that
+        says it was cancelled, rather than when its server answers or ``timeout``
+        passes (its server is left out of placements for the cooldown, as after any
+        failure). Checks started afterwards are sent as usual. Safe to call from any
+        thread."""
+        with self._lock:
+            self._cancels += 1
+            streams = list(self._streams)
+        for stream in streams:
+            _shut(stream)
+
     def close(self) -> None:
+        self.cancel()
         self._pool.shutdown(wait=True)
         self._client.close()
 
@@ -186,9 +211,13 @@ class RemotePRM:
             body["model"] = self.model
         with self._lock:
             self.requests_sent[server] += 1
+            cancels = self._cancels
+        trace = functools.partial(self._connected, cancels)
         try:
-            response = self._client.post(url, json=body)
+            response = self._client.post(url, json=body, extensions={"trace": trace})
         except httpx.HTTPError as exc:
+            if self._cancels != cancels:
+                raise PRMError(f"PRM server {self.urls[server]}: the check was cancelled") from exc
             raise PRMError(f"PRM server {self.urls[server]}: {type(exc).__name__}: {exc}") from exc
         if response.status_code != 200:
             raise PRMError(
@@ -218,3 +247,26 @@ class RemotePRM:
             self.tokens_processed += sum(map(len, inputs))
             self.tokens_cached += int(details.get("cached_tokens") or 0)
         return logits
+
+    def _connected(self, cancels: int, event: str, info: dict[str, Any]) -> None:
+        """httpcore's trace of a check that began after ``cancels`` cancels: keep each
+        connection it opens (TLS wraps the TCP stream in another) for ``cancel``, and
+        shut it down at once if a cancel came while it connected."""
+        if event not in ("connection.connect_tcp.complete", "connection.start_tls.complete"):
+            return
+        stream = info["return_value"]
+        with self._lock:
+            self._streams.add(stream)
+            cancelled = self._cancels != cancels
+        if cancelled:
+            _shut(stream)
+
+
+def _shut(stream: Any) -> None:
+    """Shut down a network stream's socket: a thread blocked reading it wakes to the
+    end of the stream (a socket closed, or wrapped by TLS since, is left as it is)."""
+    sock = stream.get_extra_info("socket")
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):
+        pass

@@ -10,7 +10,8 @@ request (the driver holds releases back while a check is in flight for a
 one-worker PRM; a PRM with several workers releases at once, and a check of a
 request that has ended is ignored anyway).
 
-Each call's duration goes to ``sart:prm_latency_seconds``.
+Each call's duration goes to ``sart:prm_latency_seconds``. A stopping server
+cancels the calls in flight (``cancel``), where the PRM can.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class ServedPRM:
             return self.prm.score(items)
         finally:
             self._observe(time.perf_counter() - start, len(items))
+
+    def cancel(self) -> None:
+        """Cut the wrapped PRM's calls in flight short, where it can (an optional
+        ``cancel()``, as ``RemotePRM``'s: a hung PRM server's checks would otherwise
+        hold a stopping server for its ``--prm-timeout``)."""
+        cancel = getattr(self.prm, "cancel", None)
+        if cancel is not None:
+            cancel()
 
     def release(self, request_id: str) -> None:
         self.forget(request_id)

@@ -14,7 +14,8 @@ and ``result`` are what a handler calls:
 - when the server is told to stop, ``drain`` refuses new requests, gives those in
   flight a grace period, then cancels the rest with a reason
   (``SHUTTING_DOWN``), so that every handler still answers (503) before the HTTP
-  server closes the connections: an answer, not a dropped connection.
+  server closes the connections: an answer, not a dropped connection; ``stop``
+  then cancels the PRM's calls in flight, where it can (``ServedPRM.cancel``).
 
 The driver keeps a history of results and of its resource timeline, which
 a benchmark wants and a server does not: the service drops both as each
@@ -167,6 +168,10 @@ class Service:
             return
         for request_id in list(self._futures):
             self.cancel(request_id)
+        if self.prm is not None:
+            # Its checks in flight are of requests that have ended: the driver waits for
+            # them, and a hung PRM server held the process for its --prm-timeout.
+            self.prm.cancel()
         self.driver.stop()
         try:
             await asyncio.wait_for(self._task, timeout)
