@@ -80,3 +80,63 @@ def test_equivalence_picks_how_the_servers_votes_group_answers(
         config("--equivalence", "math-verify")
     with pytest.raises(SystemExit):
         config("--equivalence", "sympy")
+
+
+def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The flags once repeated the classes' defaults as literals (300 s upstream timeout,
+    # 60 s PRM timeout, B = 64, ...), in their defaults and their help: a default moved in
+    # its class and not on the command line would be served, and said, wrongly. With the
+    # classes' defaults moved, the flags follow them.
+    import attrs
+
+    from sart import model_flags
+    from sart.launch import Gateway, LoadSpec
+    from sart.serve.config import ServeConfig
+
+    @attrs.frozen
+    class MovedServe(ServeConfig):
+        max_n: int = 31
+        batch_size: int = 48
+        shutdown_grace: float = 2.5
+        max_body_bytes: int = 1 << 21
+
+    @attrs.frozen
+    class MovedGateway(Gateway):
+        stream_interval: int = 3
+        stream_timeout: float = 120.0
+
+    @attrs.frozen
+    class MovedSpec(LoadSpec):
+        prm_timeout: float = 7.5
+
+    monkeypatch.setattr(command, "ServeConfig", MovedServe)
+    monkeypatch.setattr(command, "Gateway", MovedGateway)
+    monkeypatch.setattr(model_flags, "LoadSpec", MovedSpec)
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--help"])
+    helped = " ".join(capsys.readouterr().out.split())
+    for said in (
+        "the most branches per request (31)",
+        "branch budget B, over all requests (48)",
+        "answered 503 (2.5)",
+        "largest request body (default 2 MiB;",
+        "stream_interval; default 3: every token",
+        "before it fails (default 120):",
+        "check before the check fails (default 7.5)",
+    ):
+        assert said in helped
+
+    args = _parser().parse_args(["serve", "--model", "m", "--engine", "openai"])
+    args.upstream = ["http://127.0.0.1:9"]
+    config = command.serve_config(args, has_prm=False)
+    assert (config.max_n, config.batch_size, config.shutdown_grace) == (31, 48, 2.5)
+    # A spec without a PRM refuses a PRM setting other than LoadSpec's own default.
+    monkeypatch.setattr(model_flags, "LoadSpec", LoadSpec)
+    gateway = command.load_spec_of(args).gateway
+    assert gateway is not None
+    assert (gateway.stream_interval, gateway.stream_timeout) == (3, 120.0)
+    monkeypatch.setattr(model_flags, "LoadSpec", MovedSpec)
+    args = _parser().parse_args(["serve", "--prm-url", "http://127.0.0.1:9", "--prm", "tok"])
+    assert command.load_spec_of(args).prm_timeout == 7.5

@@ -10,7 +10,9 @@ things, built here once:
   engines or PRMs), imported by ``import_plugins`` before anything is checked;
 - ``in_flags``: a ``ConfigError`` about a field, in the words of the flag that set it;
 - argparse types for numbers with a range (``positive_number``, ``fraction``), and
-  ``cost_model_from_model``, the simulator's former ``--model PRESET``.
+  ``cost_model_from_model``, the simulator's former ``--model PRESET``;
+- ``default_of``: a config class's default, for a flag's default and its help (a
+  default lives in its class; the command line shows it from there).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import math
 import sys
 from collections.abc import Callable
 from typing import Any
+
+import attrs
 
 from sart.errors import ConfigError
 from sart.launch import (
@@ -89,6 +93,16 @@ FLAGS = {
 """Config field -> the flag that sets it, so that errors use the user's words."""
 
 
+def default_of(cls: type, name: str) -> Any:
+    """The default of the attrs class ``cls``'s field ``name``: what a flag that sets it
+    defaults to, and what its help says, read from the one place it is set (a literal
+    repeated in a flag and its help drifts from the class's own)."""
+    default = attrs.fields_dict(cls)[name].default
+    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        raise TypeError(f"{cls.__name__}.{name}'s default is computed: no one value to show")
+    return default
+
+
 def in_flags(exc: ConfigError, renames: dict[str, str] | None = None) -> ConfigError:
     """``exc`` in the words of the command line: "batch_size=0 must be ..." becomes
     "--batch-size 0 must be ..." (messages about anything else are kept). ``renames``
@@ -138,7 +152,8 @@ def add_sampling_flags(p: Any, scope: str, max_tokens: int, temperature: float) 
         "--top-p",
         type=float,
         default=None,
-        help=f"{scope}nucleus sampling mass (default 0.95; testbed: 1.0, as calibrated: a cut "
+        help=f"{scope}nucleus sampling mass (default {default_of(SamplingSettings, 'top_p')}; "
+        "testbed: 1.0, as calibrated: a cut "
         "tail would drop most of its slips)",
     )
 

@@ -68,6 +68,14 @@ def _mapping(value: Mapping[str, Any] | None) -> dict[str, Any]:
     return dict(value or {})
 
 
+UPSTREAM_TIMEOUT = 300.0
+"""Seconds a gateway's branch stream may go without a byte before it fails: the default of
+``Gateway.stream_timeout`` and of ``OpenAIEngine``'s ``timeout`` (``--upstream-timeout``)."""
+PRM_TIMEOUT = 60.0
+"""Seconds a PRM server may take to answer a check before it fails: the default of
+``LoadSpec.prm_timeout`` and of ``RemotePRM``'s ``timeout`` (``--prm-timeout``)."""
+
+
 @attrs.frozen
 class Gateway:
     """``engine="openai"``: sart in front of OpenAI-compatible servers of one model."""
@@ -82,7 +90,7 @@ class Gateway:
     """Also POST vLLM's abort endpoint for a pruned branch (not only disconnect)."""
     stream_interval: int = attrs.field(default=1, validator=int_at_least(1))
     """Tokens per streamed chunk asked of the upstreams (``OpenAIEngine``)."""
-    stream_timeout: float = attrs.field(default=300.0, validator=number_above(0))
+    stream_timeout: float = attrs.field(default=UPSTREAM_TIMEOUT, validator=number_above(0))
     """Seconds a branch's stream may go without a byte before it fails (``OpenAIEngine``)."""
 
     def __attrs_post_init__(self) -> None:
@@ -124,10 +132,10 @@ class LoadSpec:
     (its directory or hub id)."""
     prm_api_key: str | None = None
     """``prm_urls``: the servers' API key."""
-    prm_timeout: float = attrs.field(default=60.0, validator=number_above(0))
+    prm_timeout: float = attrs.field(default=PRM_TIMEOUT, validator=number_above(0))
     """``prm_urls``: seconds a server may take to answer a check before it fails (the
     check's requests fail, the server is left out for a while); a SART request whose
-    check hangs waits that long, and so does a shutdown."""
+    check hangs waits that long (a server that stops cuts it short: ``RemotePRM.cancel``)."""
     trust_remote_code: bool = False
     vllm_args: dict[str, Any] = attrs.field(factory=dict, converter=_mapping)
     """``vllm``, ``vllm-async``: ``EngineArgs`` fields (``max_num_seqs`` defaults to

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from sart.errors import ConfigError
-from sart.flags import FLAGS, check_name
+from sart.flags import FLAGS, check_name, default_of
 from sart.launch import (
     REMOTE_PRM,
     Gateway,
@@ -91,7 +91,8 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         type=int,
         default=None,
         metavar="R",
-        help="copies of the PRM scoring checks side by side, R checks in flight (default 1): "
+        help="copies of the PRM scoring checks side by side, R checks in flight (default "
+        f"{default_of(LoadSpec, 'prm_replicas')}): "
         "transformers PRMs in R processes of their own, a request's checks always on one; "
         "sart bench --engine sim: R simulated PRM GPUs per engine replica",
     )
@@ -116,7 +117,7 @@ def add_model_flags(p: Any, scope: str = "") -> None:
         default=None,
         metavar="SECONDS",
         help="--prm-url: how long a server may take to answer a check before the check "
-        "fails (default 60)",
+        f"fails (default {default_of(LoadSpec, 'prm_timeout'):g})",
     )
     p.add_argument(
         "--trust-remote-code",
@@ -208,6 +209,11 @@ def load_spec(
         ) from None
 
 
+def _given(value: Any, field: str) -> Any:
+    """A flag's value, or ``LoadSpec``'s default for ``field`` where it was left out."""
+    return default_of(LoadSpec, field) if value is None else value
+
+
 def _spec(
     args: argparse.Namespace,
     engine: str,
@@ -229,12 +235,12 @@ def _spec(
         cuda_graphs=args.cuda_graphs,
         prm_device=args.prm_device,
         prm_in_process=args.prm_in_process,
-        prm_replicas=1 if args.prm_replicas is None else args.prm_replicas,
+        prm_replicas=_given(args.prm_replicas, "prm_replicas"),
         prm_urls=tuple(args.prm_url or ()),
         prm_api_key=(args.prm_api_key or os.environ.get(PRM_KEY_ENV) or None)
         if args.prm_url
         else args.prm_api_key,
-        prm_timeout=60.0 if args.prm_timeout is None else args.prm_timeout,
+        prm_timeout=_given(args.prm_timeout, "prm_timeout"),
         trust_remote_code=args.trust_remote_code,
         vllm_args=key_values(args.vllm_arg, "--vllm-arg"),
         sglang_args=key_values(args.sglang_arg, "--sglang-arg"),

@@ -26,6 +26,7 @@ from sart.flags import (
     add_sampling_flags,
     add_scoring_flag,
     cost_model_from_model,
+    default_of,
     deprecated,
     positive_number,
 )
@@ -100,7 +101,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="sim: engine replicas (data parallel), each with its own B, KV cache and "
-        "PRM; a request goes to the one with the fewest open requests (default 1). The "
+        "PRM; a request goes to the one with the fewest open requests (default "
+        f"{default_of(BenchConfig, 'replicas')}). The "
         "paper's 8 H100s: --cost-model h100-14b --replicas 8, or --cost-model 8xh100-14b-tp8",
     )
     p.add_argument(
@@ -151,7 +153,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         dest="ns",
-        help="branches per request to sweep (default 2 4 8; for --trace, those the trace has)",
+        help=f"branches per request to sweep (default {_spaced(DEFAULT_NS)}; for --trace, "
+        "those the trace has)",
     )
     p.add_argument(
         "--rate",
@@ -159,14 +162,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         nargs="+",
         default=None,
         dest="rates",
-        help="arrival rates in requests/s to sweep (default 1 4; not with --trace, whose "
+        help=f"arrival rates in requests/s to sweep (default {_spaced(DEFAULT_RATES)}; not "
+        "with --trace, whose "
         "arrivals are replayed)",
     )
     p.add_argument(
         "--requests",
         type=int,
         default=None,
-        help="requests per run (default 200; not with --trace or --prompts, which hold "
+        help=f"requests per run (default {DEFAULT_REQUESTS}; not with --trace or --prompts, "
+        "which hold "
         "the requests)",
     )
     p.add_argument(
@@ -180,7 +185,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
         "--interval",
         type=int,
         default=None,
-        help="T, decode steps between checks (default 400; for --trace, the trace's; "
+        help=f"T, decode steps between checks (default {default_of(BenchConfig, 'interval')}; "
+        "for --trace, the trace's; "
         f"testbed: {TESTBED_INTERVAL}; testbed-long: {LONG.interval})",
     )
     add_admission_flag(p)
@@ -289,7 +295,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         trace=args.trace,
         scoring=Scoring(args.scoring),
         preemption=args.preemption,
-        replicas=1 if args.replicas is None else args.replicas,
+        replicas=default_of(BenchConfig, "replicas") if args.replicas is None else args.replicas,
         slo=args.slo,
         **({"prm_cost": args.prm_cost} if args.prm_cost is not None else {}),
         **({"prm_placement": args.prm_placement} if args.prm_placement is not None else {}),
@@ -360,6 +366,10 @@ def _why_unused(dest: str, args: argparse.Namespace) -> str:
     return f"with --engine {args.engine} (it is for --engine sim)"
 
 
+def _spaced(values: tuple[float, ...]) -> str:
+    return " ".join(f"{v:g}" for v in values)
+
+
 def _default_ns(trace: str | None) -> tuple[int, ...]:
     """2, 4, 8 -- or, replaying a trace, those it has branches for."""
     if trace is None:
@@ -375,7 +385,7 @@ def _workload_file(name: str | None) -> str | None:
 
 def _default_interval(trace: str | None) -> int:
     recorded = Trace.load(trace).interval if trace is not None else None
-    return recorded or 400
+    return recorded or default_of(BenchConfig, "interval")
 
 
 def _run_bench(args: argparse.Namespace) -> int:

@@ -40,6 +40,8 @@ from sart.policies.recipes import sart
 ALPHAS = (0.3, 0.5, 0.7)
 INTERVALS = (200, 400, 800)
 PAPER_INTERVAL = 400
+SLACK = 0.01
+"""How far below Self-Consistency's accuracy a configuration may be (``tune``'s ``slack``)."""
 HELD_OUT_SEED_OFFSET = 1_000_003
 """The held-out trace's seed is the tuning seed plus this (another Poisson stream)."""
 
@@ -303,7 +305,7 @@ def tune(
     ns: Sequence[int],
     *,
     min_accuracy: float | None = None,
-    slack: float = 0.01,
+    slack: float = SLACK,
     space: Sequence[Candidate] | None = None,
     intervals: Sequence[int] = INTERVALS,
     jobs: int = 1,

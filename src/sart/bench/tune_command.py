@@ -22,6 +22,7 @@ from sart.bench.runner import BenchConfig
 from sart.bench.tune import (
     INTERVALS,
     PAPER_INTERVAL,
+    SLACK,
     Candidate,
     Score,
     Trial,
@@ -33,6 +34,7 @@ from sart.errors import ConfigError, needs_extra
 from sart.flags import (
     add_cost_model_flag,
     cost_model_from_model,
+    default_of,
     fraction,
     in_flags,
     positive_number,
@@ -68,7 +70,8 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=200, help="requests per trace (200)")
     p.add_argument("--seed", type=int, default=0, help="the tuning trace's seed (0)")
     p.add_argument("--batch-size", type=int, default=None, help="B (default: sized to KV)")
-    p.add_argument("--replicas", type=int, default=1, help="engine replicas (1)")
+    replicas = default_of(BenchConfig, "replicas")
+    p.add_argument("--replicas", type=int, default=replicas, help=f"engine replicas ({replicas})")
     p.add_argument(
         "--min-accuracy",
         type=fraction,
@@ -76,7 +79,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         help="accuracy a configuration must reach (default: SC's at the same N - --slack)",
     )
     p.add_argument(
-        "--slack", type=fraction, default=0.01, help="below SC's accuracy allowed (0.01)"
+        "--slack", type=fraction, default=SLACK, help=f"below SC's accuracy allowed ({SLACK})"
     )
     p.add_argument(
         "--jobs",

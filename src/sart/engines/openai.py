@@ -106,6 +106,7 @@ from sart.engines.openai_wire import (
 )
 from sart.engines.prompts import check_vocabulary, vocabulary_size
 from sart.engines.streaming import BranchStart, BranchStream, Chunk, HeldPrompt, StreamingEngine
+from sart.load_spec import UPSTREAM_TIMEOUT
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
 
@@ -136,7 +137,7 @@ class OpenAIEngine(StreamingEngine):
         model: str,
         *,
         api_key: str | None = None,
-        timeout: float = 300.0,
+        timeout: float = UPSTREAM_TIMEOUT,
         connect_timeout: float = 5.0,
         max_retries: int = 2,
         tokenizer: Any = None,

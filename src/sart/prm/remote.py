@@ -52,6 +52,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 from sart.errors import ConfigError, PRMError, config_check, needs_extra
+from sart.load_spec import PRM_TIMEOUT
 from sart.prm.aggregate import aggregate as aggregate_rewards
 from sart.prm.base import ScoreItem
 from sart.prm.formats import QwenFormat
@@ -82,7 +83,7 @@ class RemotePRM:
         *,
         model: str | None = None,
         api_key: str | None = None,
-        timeout: float = 60.0,
+        timeout: float = PRM_TIMEOUT,
         connect_timeout: float = 5.0,
         cooldown: float = 30.0,
         trust_remote_code: bool = False,

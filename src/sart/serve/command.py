@@ -40,6 +40,7 @@ from sart.flags import (
     add_plugin_flag,
     add_scoring_flag,
     check_name,
+    default_of,
     equivalence_of,
     import_plugins,
     in_flags,
@@ -63,12 +64,20 @@ from sart.testbed.specs import LONG, testbed
 
 REAL_TEMPERATURE = 0.7
 """Temperature of requests that do not say, for a model other than the testbed."""
-MAX_TOKENS = 16384
+MAX_TOKENS: int = default_of(ServeConfig, "max_tokens")
 """Tokens per branch of requests that do not say, for a model other than the testbed."""
 DEFAULT_PORT = 8000
 API_KEY_ENV = "SART_API_KEY"
 LOOP_BOUND = frozenset({"vllm-async"})
 """Engines built on the server's event loop, when it starts."""
+
+
+def _serve_default(name: str) -> Any:
+    return default_of(ServeConfig, name)
+
+
+def _size(count: int) -> str:
+    return f"{count >> 20} MiB" if count % (1 << 20) == 0 else f"{count:,} bytes"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -137,7 +146,8 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="K",
         help="tokens per streamed chunk asked of vLLM upstreams (its per-request "
-        "stream_interval; default 1: every token). Larger K: less work per token on both "
+        f"stream_interval; default {default_of(Gateway, 'stream_interval')}: every token). "
+        "Larger K: less work per token on both "
         "sides, but branches are seen K tokens at a time, so checks and prunes come later: "
         "for vanilla and sc traffic, not for methods that check running branches",
     )
@@ -147,8 +157,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SECONDS",
         help="how long a branch's stream may go without a byte before it fails (default "
-        "300): a hung upstream holds its requests that long. vLLM sends nothing while a "
-        "request waits in its queue, so keep it above the longest wait there",
+        f"{default_of(Gateway, 'stream_timeout'):g}): a hung upstream holds its requests "
+        "that long. vLLM sends nothing while a request waits in its queue, so keep it above "
+        "the longest wait there",
     )
     g.add_argument(
         "--tokenizer",
@@ -163,20 +174,24 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="method of requests that name none (default sart; sc without a PRM)",
     )
-    g.add_argument("--n", type=int, default=8, help="branches of requests that do not say (8)")
-    g.add_argument("--max-n", type=int, default=32, help="the most branches per request (32)")
+    n, max_n = _serve_default("n"), _serve_default("max_n")
+    g.add_argument("--n", type=int, default=n, help=f"branches of requests that do not say ({n})")
+    g.add_argument(
+        "--max-n", type=int, default=max_n, help=f"the most branches per request ({max_n})"
+    )
     g.add_argument(
         "--interval",
         type=int,
         default=None,
-        help=f"T, decode steps between checks (default 400; testbed {TESTBED_INTERVAL}, "
+        help=f"T, decode steps between checks (default {_serve_default('interval')}; testbed "
+        f"{TESTBED_INTERVAL}, "
         f"testbed-long {LONG.interval})",
     )
     g.add_argument(
         "--max-tokens",
         type=int,
         default=None,
-        help=f"tokens per branch of requests that do not say (default 16384; testbed "
+        help=f"tokens per branch of requests that do not say (default {MAX_TOKENS}; testbed "
         f"{TESTBED_MAX_TOKENS}, testbed-long {LONG.max_tokens})",
     )
     g.add_argument(
@@ -196,29 +211,35 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--top-p",
         type=float,
         default=None,
-        help="top_p of requests that do not say (default 0.95; testbed 1.0)",
+        help=f"top_p of requests that do not say (default {_serve_default('top_p')}; testbed 1.0)",
     )
     add_equivalence_flag(g)
 
     g = p.add_argument_group("scheduling")
+    batch_size = _serve_default("batch_size")
     g.add_argument(
-        "--batch-size", type=int, default=64, help="branch budget B, over all requests (64)"
+        "--batch-size",
+        type=int,
+        default=batch_size,
+        help=f"branch budget B, over all requests ({batch_size})",
     )
     add_scoring_flag(g)
     add_admission_flag(g)
     g.add_argument(
         "--priority-aging",
         type=float,
-        default=60.0,
+        default=_serve_default("aging"),
         metavar="SECONDS",
         help="requests carry 'priority' (lower is more urgent, as vLLM's); a waiting "
-        "request gains one level per SECONDS waited, so none starves (60; 0: strict)",
+        f"request gains one level per SECONDS waited, so none starves "
+        f"({_serve_default('aging'):g}; 0: strict)",
     )
     g.add_argument(
         "--max-queue",
         type=int,
-        default=1024,
-        help="the most requests waiting for a slot; past it, 429 at once (1024)",
+        default=_serve_default("max_queue"),
+        help="the most requests waiting for a slot; past it, 429 at once "
+        f"({_serve_default('max_queue')})",
     )
 
     g = p.add_argument_group("HTTP")
@@ -235,8 +256,9 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--max-body-bytes",
         type=int,
-        default=1 << 20,
-        help="largest request body (default 1 MiB; 413 past it)",
+        default=_serve_default("max_body_bytes"),
+        help=f"largest request body (default {_size(_serve_default('max_body_bytes'))}; "
+        "413 past it)",
     )
     g.add_argument(
         "--keepalive",
@@ -250,10 +272,11 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--shutdown-grace",
         type=float,
-        default=5.0,
+        default=_serve_default("shutdown_grace"),
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, how long requests in flight get to finish; those "
-        "still running then are cancelled and answered 503 (5)",
+        f"still running then are cancelled and answered 503 "
+        f"({_serve_default('shutdown_grace'):g})",
     )
     g.add_argument(
         "--no-access-log",
@@ -283,7 +306,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         method=method,
         n=args.n,
         max_n=args.max_n,
-        interval=args.interval or (bed.interval if bed else 400),
+        interval=args.interval or (bed.interval if bed else _serve_default("interval")),
         max_tokens=sampling.max_tokens,
         max_tokens_limit=args.max_tokens_limit or sampling.max_tokens,
         temperature=sampling.temperature,
@@ -311,15 +334,17 @@ def load_spec_of(args: argparse.Namespace) -> LoadSpec:
         check_path("tokenizer", args.tokenizer)
         key = _upstream_key(args)
         args.model = args.model or upstream_model(args.upstream[0], key)
-        chunk = args.upstream_stream_interval  # None: not given
+        given = {  # the flags left out take Gateway's defaults
+            "stream_interval": args.upstream_stream_interval,
+            "stream_timeout": args.upstream_timeout,
+        }
         gateway = Gateway(
             tuple(args.upstream),
             api_key=key,
             tokenizer=args.tokenizer,
             affinity=args.placement == "request",
             explicit_abort=args.upstream_abort == "explicit",
-            stream_interval=1 if chunk is None else chunk,
-            stream_timeout=300.0 if args.upstream_timeout is None else args.upstream_timeout,
+            **{name: value for name, value in given.items() if value is not None},
         )
     else:
         for flag, given in (
