@@ -10,6 +10,7 @@ of two real ``vllm serve`` it runs in ``test_serve_vllm.py``.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import http.server
@@ -25,6 +26,7 @@ pytest.importorskip("prometheus_client")
 pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+import sart  # noqa: E402
 from adapters import free_port  # noqa: E402
 from openai_standin import SocketServer  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
@@ -160,7 +162,7 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
     with pytest.raises(ConfigError) as info:
         check_upstreams([server.url], None, "Qwen/Qwen2.5-7B")
     assert str(info.value).startswith(
-        f"--upstream {server.url} serves ['stand-in'], not 'Qwen/Qwen2.5-7B': give --model"
+        f"--upstream {server.url}: serves ['stand-in'], not 'Qwen/Qwen2.5-7B': give --model"
     )
     check_upstreams([dead, server.url], None, MODEL)  # one down: the other serves
     assert f"warning: --upstream {dead}: nothing answers there" in capsys.readouterr().err
@@ -168,7 +170,7 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
         check_upstreams([dead], None, MODEL)
     # Before: httpx's two-line 404 message with its MDN link; an SSL error as "nothing
     # answers there".
-    with pytest.raises(ConfigError, match=r"/v1/models answered HTTP 404; is it an OpenAI-"):
+    with pytest.raises(ConfigError, match=r": HTTP 404 to /v1/models; is it an OpenAI-"):
         check_upstreams([server.url + "/completions"], None, MODEL)
     # A plain HTTP server (the stand-in waits for a request's end, which a TLS hello
     # never sends; the standard library's answers it at once, as uvicorn does).
@@ -183,6 +185,61 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
     finally:
         plain.shutdown()
         plain.server_close()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "said"),
+    [
+        (200, b"<html>models</html>", "its /v1/models is no model list (not JSON: '<html>"),
+        (200, b'{"object": "list"}', "its /v1/models is no model list (no 'data' list)"),
+        (200, b'{"data": [{"object": "model"}]}', "is no model list (a model without an 'id')"),
+        (200, b'{"data": []}', "its /v1/models lists no model"),
+        (200, b'{"data": [{"id": "other"}]}', f"serves ['other'], not '{MODEL}'"),
+        (401, b"{}", "HTTP 401 to /v1/models: it refuses the API key"),
+        (500, b"oops", "HTTP 500 to /v1/models"),
+    ],
+)
+def test_the_start_up_check_and_health_word_a_bad_model_list_alike(
+    status: int, body: bytes, said: str
+) -> None:
+    # Before: each parsed /v1/models with words of its own ("its /v1/models answered HTTP
+    # 401" at start, "HTTP 401 to /v1/models" in /health; an empty list "lists no model"
+    # at start, "serves [], not 'stand-in'" in /health), and neither said what was wrong
+    # with a list it could not read. Now both say one helper's words after the URL.
+    from sart.errors import ConfigError
+    from sart.serve.upstream_check import check_upstreams
+
+    class Models(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # /health: 404, not asked; /v1/models: the answer
+            code, content = (status, body) if self.path == "/v1/models" else (404, b"")
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ConfigError) as at_start:
+            check_upstreams([url], None, MODEL)
+        engine = OpenAIEngine([url], MODEL)
+        try:
+            with pytest.raises(sart.EngineError) as in_health:
+                asyncio.run(engine.check_health())
+        finally:
+            engine.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    health = str(in_health.value)
+    fault = health.removeprefix(f"no upstream can serve the model: {url}: ")
+    assert fault != health and said in fault
+    # The same words at start, then what to do about it.
+    assert str(at_start.value).startswith(f"--upstream {url}: {fault}")
 
 
 def test_an_upstream_gone_bad_is_worked_around_and_health_follows_the_upstreams(

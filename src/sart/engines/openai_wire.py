@@ -426,24 +426,56 @@ async def probe(
         response = await client.get(server.url + "/v1/models", timeout=timeout)
     except httpx.TransportError as exc:
         return f"{server.url}: no answer ({type(exc).__name__}: {exc})"
-    if response.status_code in (401, 403):
-        return f"{server.url}: HTTP {response.status_code} to /v1/models: it refuses the API key"
-    if response.status_code >= 400:
-        return f"{server.url}: HTTP {response.status_code} to /v1/models"
-    models = model_ids(response)
-    if models is None:
-        return f"{server.url}: its /v1/models is no model list"
-    if model not in models:
-        return f"{server.url}: serves {models}, not {model!r}"
+    try:
+        served(model_ids(response), model)
+    except ModelListFault as fault:
+        return f"{server.url}: {fault}"
     return None
 
 
-def model_ids(response: httpx.Response) -> list[str] | None:
-    """The model ids a ``/v1/models`` answer lists (``None``: it is no model list)."""
+class ModelListFault(ValueError):
+    """Why a ``GET /v1/models`` answer gives no model to ask for, in the words both the
+    gateway's start-up check (``sart.serve.upstream_check``) and its health probe
+    (``probe``) say it in, each after the upstream's URL."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+        """``key`` (401/403: the API key is refused), ``http`` (another error status),
+        ``malformed`` (not an OpenAI model list), ``empty`` (a list of no model) or
+        ``other`` (it lists others than the one asked for: ``served``)."""
+
+
+def model_ids(response: httpx.Response) -> list[str]:
+    """The model ids a ``/v1/models`` answer lists (``{"data": [{"id": ...}, ...]}``);
+    ``ModelListFault`` saying what is wrong with it otherwise."""
+    status = response.status_code
+    if status in (401, 403):
+        raise ModelListFault(f"HTTP {status} to /v1/models: it refuses the API key", "key")
+    if status >= 400:
+        raise ModelListFault(f"HTTP {status} to /v1/models", "http")
     try:
-        return [str(card["id"]) for card in response.json()["data"]]
-    except (KeyError, TypeError, ValueError):
-        return None
+        document = response.json()
+    except (ValueError, UnicodeDecodeError):
+        raise ModelListFault(
+            f"its /v1/models is no model list (not JSON: {response.text[:60]!r})", "malformed"
+        ) from None
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        raise ModelListFault("its /v1/models is no model list (no 'data' list)", "malformed")
+    if not all(isinstance(card, dict) and card.get("id") is not None for card in data):
+        raise ModelListFault(
+            "its /v1/models is no model list (a model without an 'id')", "malformed"
+        )
+    if not data:
+        raise ModelListFault("its /v1/models lists no model", "empty")
+    return [str(card["id"]) for card in data]
+
+
+def served(models: list[str], model: str) -> None:
+    """``ModelListFault`` unless ``models`` (``model_ids``) holds ``model``."""
+    if model not in models:
+        raise ModelListFault(f"serves {models}, not {model!r}", "other")
 
 
 async def server_context(client: httpx.AsyncClient, server: Server, model: str) -> int | None:

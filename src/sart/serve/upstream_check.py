@@ -2,7 +2,9 @@
 models they serve (``GET /v1/models``), so that a wrong URL, key or model stops the
 command with a line saying what to fix, rather than a server whose ``/health`` says
 200 while every request fails. One upstream that does not answer yet is a warning:
-the others take its requests until it does.
+the others take its requests until it does. An answer's faults are worded as the
+gateway's ``/health`` words them (``sart.engines.openai_wire.model_ids``), with what to
+do about each.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ def _upstream_models(url: str, api_key: str | None) -> list[str]:
     (``_Unreachable`` where nothing answers)."""
     import httpx
 
+    from sart.engines.openai_wire import ModelListFault, model_ids
     from sart.engines.openai_wire import base_url as _base
-    from sart.engines.openai_wire import model_ids
 
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"--upstream {url}: give its scheme, as in http://{url}")
@@ -44,23 +46,19 @@ def _upstream_models(url: str, api_key: str | None) -> list[str]:
             f"--upstream {url}: nothing answers there ({exc or type(exc).__name__}); is the "
             "server up, at this host and port?"
         ) from None
-    if response.status_code in (401, 403):
-        raise ConfigError(
-            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}: give "
-            f"its API key with --upstream-api-key KEY (or {UPSTREAM_KEY_ENV})"
-        )
-    if response.status_code >= 400:
-        raise ConfigError(
-            f"--upstream {url}: its /v1/models answered HTTP {response.status_code}; is it an "
-            "OpenAI-compatible server (vllm serve, SGLang's launch_server), named by its base "
-            "URL (http://host:port)?"
-        )
-    models = model_ids(response)
-    if models is None:
-        raise ConfigError(f"--upstream {url}: its /v1/models is no model list")
-    if not models:
-        raise ConfigError(f"--upstream {url}: its /v1/models lists no model")
-    return models
+    try:
+        return model_ids(response)
+    except ModelListFault as fault:  # in the words /health says it in, and what to do
+        raise ConfigError(f"--upstream {url}: {fault}{_REMEDIES.get(fault.kind, '')}") from None
+
+
+_REMEDIES = {
+    "key": f"; give its API key with --upstream-api-key KEY (or {UPSTREAM_KEY_ENV})",
+    "http": "; is it an OpenAI-compatible server (vllm serve, SGLang's launch_server), named "
+    "by its base URL (http://host:port)?",
+    "malformed": "; is it an OpenAI-compatible server (vllm serve, SGLang's launch_server)?",
+}
+"""What to do about a fault of an upstream's ``/v1/models`` (``ModelListFault.kind``)."""
 
 
 def upstream_model(url: str, api_key: str | None) -> str:
@@ -76,6 +74,8 @@ def check_upstreams(urls: Sequence[str], api_key: str | None, model: str) -> Non
     request sent to one that does not would fail, as would every request to a gateway
     whose upstreams are all down, while its /health said 200). One that does not answer
     yet is a warning: the others take its requests until it does."""
+    from sart.engines.openai_wire import ModelListFault, served
+
     down = []
     for url in urls:
         try:
@@ -83,11 +83,13 @@ def check_upstreams(urls: Sequence[str], api_key: str | None, model: str) -> Non
         except _Unreachable as exc:
             down.append(str(exc))
             continue
-        if model not in models:
+        try:
+            served(models, model)
+        except ModelListFault as fault:
             raise ConfigError(
-                f"--upstream {url} serves {models}, not {model!r}: give --model one of "
-                "them (left out, it is the first upstream's)"
-            )
+                f"--upstream {url}: {fault}: give --model one of them (left out, it is the "
+                "first upstream's)"
+            ) from None
     if len(down) == len(urls):
         raise ConfigError("no --upstream answers: " + "; ".join(down))
     for reason in down:
