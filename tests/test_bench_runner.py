@@ -40,12 +40,12 @@ def test_fields_a_source_does_not_use_default_to_none() -> None:
     replay = BenchConfig(trace="t.jsonl")
     assert (replay.workload, replay.rates, replay.num_requests) == (None, None, None)
     real = BenchConfig(engine="hf", model="m")
-    assert (real.workload, real.rates, real.num_requests) == (None, (1.0, 4.0), 100)
+    assert (real.workload, real.rates, real.num_requests) == (None, (1.0, 4.0), 200)
     generated = BenchConfig()
     assert (generated.workload, generated.rates, generated.num_requests) == (
         "gaokao",
         (1.0, 4.0),
-        100,
+        200,
     )
 
 

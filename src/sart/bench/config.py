@@ -65,6 +65,16 @@ def _optional_tuple(value: Sequence | None) -> tuple | None:
     return None if value is None else tuple(value)
 
 
+DEFAULT_METHODS = ("vanilla", "sc", "rebase", "sart-no-prune", "sart")
+"""The methods a benchmark compares when it is not told."""
+DEFAULT_NS: tuple[int, ...] = (2, 4, 8)
+DEFAULT_RATES: tuple[float, ...] = (1.0, 4.0)
+DEFAULT_REQUESTS = 200
+"""Requests per run of a generated workload (or a real engine's prompts)."""
+DEFAULT_COST_MODEL = "h100-14b"
+"""The simulated accelerator and model: one H100 serving a 14B model."""
+
+
 # A field that a run does not use defaults to None, so that results.json never
 # records a setting as if it had shaped the run.
 def _default_workload(config: BenchConfig) -> str | None:
@@ -72,11 +82,11 @@ def _default_workload(config: BenchConfig) -> str | None:
 
 
 def _default_rates(config: BenchConfig) -> tuple[float, ...] | None:
-    return None if config.trace is not None else (1.0, 4.0)
+    return None if config.trace is not None else DEFAULT_RATES
 
 
 def _default_num_requests(config: BenchConfig) -> int | None:
-    return None if config.trace is not None else 100
+    return None if config.trace is not None else DEFAULT_REQUESTS
 
 
 def _default_prm_cost(config: BenchConfig) -> str | None:
@@ -114,11 +124,9 @@ class BenchConfig:
     workload: str | None = attrs.field(default=attrs.Factory(_default_workload, takes_self=True))
     """The generated workload (default ``gaokao``); ``None``, and only ``None``, where
     none is generated: replaying a trace, or on a real engine."""
-    cost: str = "h100-14b"
-    methods: tuple[str, ...] = attrs.field(
-        default=("vanilla", "sc", "rebase", "sart-no-prune", "sart"), converter=_tuple
-    )
-    ns: tuple[int, ...] = attrs.field(default=(2, 4, 8), converter=_tuple)
+    cost: str = DEFAULT_COST_MODEL
+    methods: tuple[str, ...] = attrs.field(default=DEFAULT_METHODS, converter=_tuple)
+    ns: tuple[int, ...] = attrs.field(default=DEFAULT_NS, converter=_tuple)
     rates: tuple[float, ...] | None = attrs.field(
         default=attrs.Factory(_default_rates, takes_self=True), converter=_optional_tuple
     )

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import argparse
 
+from sart.bench.config import (
+    DEFAULT_COST_MODEL,
+    DEFAULT_METHODS,
+    DEFAULT_NS,
+    DEFAULT_RATES,
+    DEFAULT_REQUESTS,
+)
 from sart.bench.runner import PRM_COSTS, PRM_GPUS, PRM_PLACEMENTS, BenchConfig
 from sart.bench.traces import Trace, is_trace_file
 from sart.bench.workloads import WORKLOADS
@@ -34,17 +41,13 @@ from sart.launch import TESTBED_INTERVAL
 from sart.methods import check_methods
 from sart.model_flags import MODEL_DESTS, add_model_flags
 from sart.testbed.specs import LONG, testbed
-from sart.types import Admission, Scoring
+from sart.types import Admission, SamplingSettings, Scoring
 
 REAL_BATCH_SIZE = 16
 """``B`` on a real engine (hf, vllm, sglang) when ``--batch-size`` is not given."""
 REAL_MAX_TOKENS = 64
-REAL_TEMPERATURE = 0.7
-DEFAULT_METHODS = ("vanilla", "sc", "rebase", "sart-no-prune", "sart")
-DEFAULT_NS = (2, 4, 8)
-DEFAULT_RATES = (1.0, 4.0)
-DEFAULT_REQUESTS = 200
-DEFAULT_COST_MODEL = "h100-14b"
+REAL_TEMPERATURE: float = default_of(SamplingSettings, "temperature")
+"""Temperature on a real engine when ``--temperature`` is not given: the library's own."""
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:

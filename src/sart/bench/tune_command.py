@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sart.bench.config import DEFAULT_COST_MODEL
 from sart.bench.report import config_json
 from sart.bench.results_file import check_not_interrupted, check_writable, write_json
 from sart.bench.run_log import TUNE, RecordLog, resumable
@@ -55,7 +56,7 @@ def add_tune_parser(sub: argparse._SubParsersAction) -> None:
         metavar="{gaokao,gpqa,FILE.jsonl}",
         help="a workload preset, or a recorded trace to resample requests from (gaokao)",
     )
-    add_cost_model_flag(p, "", default=None, shown="h100-14b")
+    add_cost_model_flag(p, "", default=None, shown=DEFAULT_COST_MODEL)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)  # the former spelling
     p.add_argument("--rate", type=positive_number, default=4.0, help="arrival rate, req/s (4)")
     p.add_argument("--n", type=int, nargs="+", default=[4, 8], help="N to search (4 8)")
@@ -123,7 +124,7 @@ def _tune(args: argparse.Namespace) -> int:
         args.cost_model = cost_model_from_model(args.model, "sart tune")
     config = BenchConfig(
         workload=args.workload,
-        cost=args.cost_model or "h100-14b",
+        cost=args.cost_model or DEFAULT_COST_MODEL,
         methods=("sc", "sart"),
         ns=tuple(sorted(set(args.n))),
         rates=(args.rate,),

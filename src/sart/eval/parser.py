@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from sart import flags
+from sart.bench.config import DEFAULT_COST_MODEL
 from sart.bench.parser import REAL_BATCH_SIZE
 from sart.engines.costs import PRESETS
 from sart.errors import ConfigError
@@ -18,18 +19,18 @@ from sart.eval.datasets import DATASETS, Dataset, load_dataset, load_testbed
 from sart.launch import TESTBED_INTERVAL
 from sart.model_flags import add_model_flags
 from sart.testbed.specs import LONG
+from sart.types import SamplingSettings
 
 DATASET_CHOICES = (*DATASETS, "testbed", "testbed-long")
 TESTBED_LIMIT = {"testbed": 40, "testbed-long": 200}
 """Testbed questions when ``--limit`` is not given (a testbed has no fixed set)."""
 EVAL_MAX_TOKENS = 32768
 """Tokens per branch by default: room for a reasoning model's whole answer."""
-EVAL_TEMPERATURE = 0.6
-"""DeepSeek-R1's recommended sampling temperature for reasoning."""
+EVAL_TEMPERATURE: float = flags.default_of(SamplingSettings, "temperature")
+"""DeepSeek-R1's recommended sampling temperature for reasoning (the library's own)."""
 DEFAULT_METHODS = ("vanilla", "sc", "sart-no-prune", "sart")
 DEFAULT_N = 8
 DEFAULT_INTERVAL = 400
-DEFAULT_COST_MODEL = "h100-14b"
 PROBLEMS_FILE = "problems.jsonl"
 
 #: The recording's settings -> the flags that set them, for the refusal to resume.

@@ -62,7 +62,7 @@ from sart.serve.config import Backend, ServeConfig
 from sart.serve.upstream_check import UPSTREAM_KEY_ENV, check_upstreams, upstream_model
 from sart.testbed.specs import LONG, testbed
 
-REAL_TEMPERATURE = 0.7
+REAL_TEMPERATURE: float = default_of(ServeConfig, "temperature")
 """Temperature of requests that do not say, for a model other than the testbed."""
 MAX_TOKENS: int = default_of(ServeConfig, "max_tokens")
 """Tokens per branch of requests that do not say, for a model other than the testbed."""

@@ -18,7 +18,7 @@ from sart.errors import config_check, finite_number, int_at_least, number_above
 from sart.policies.equivalence import Equivalence, check_equivalence
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
-from sart.types import Admission, Scoring, check_temperature, check_top_p
+from sart.types import Admission, SamplingSettings, Scoring, check_temperature, check_top_p
 
 _positive_int = int_at_least(1, rule="an int >= 1")
 
@@ -80,10 +80,14 @@ class ServeConfig:
         validator=_positive_int,
     )
     """The most tokens per branch a request may ask for (default: ``max_tokens``)."""
-    temperature: float = attrs.field(default=0.6, validator=check_temperature)
-    """Sampling temperature of requests that do not say."""
-    top_p: float = attrs.field(default=0.95, validator=check_top_p)
-    """Nucleus mass of requests that do not say."""
+    temperature: float = attrs.field(
+        default=attrs.fields(SamplingSettings).temperature.default, validator=check_temperature
+    )
+    """Sampling temperature of requests that do not say (``SamplingSettings``')."""
+    top_p: float = attrs.field(
+        default=attrs.fields(SamplingSettings).top_p.default, validator=check_top_p
+    )
+    """Nucleus mass of requests that do not say (``SamplingSettings``')."""
     batch_size: int = attrs.field(default=64, validator=_positive_int)
     """``B``: the most branches decoding at once, over all requests."""
     scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)
