@@ -124,6 +124,25 @@ CASES = [
         ),
     ),
     Case(
+        "bench_memory.py",
+        "--quick",
+        (
+            r"^\s+requests\s+runs\s+wall s\s+CPU s\s+CPU ms/req/run\s+peak MB\s+out MB$",
+            rf"^\s+20\s+4(\s+{NUMBER}){{3}}\s+[1-9]\d*\s+{NUMBER}$",
+            rf"^\s+60\s+4(\s+{NUMBER}){{3}}\s+[1-9]\d*\s+{NUMBER}$",
+        ),
+    ),
+    Case(
+        "serve_memory.py",
+        "--quick",
+        (
+            r"^\s+requests\s+RSS MB\s+ms/req\s+gc objects$",
+            rf"^\s+100\s+{NUMBER}\s+{NUMBER}\s+\+0$",
+            rf"^\s+300\s+{NUMBER}\s+{NUMBER}\s+[+-][\d,]+$",
+        ),
+        needs=("fastapi", "uvicorn", "openai"),
+    ),
+    Case(
         "simulator_speed.py",
         "--requests 50 --methods sart sc",
         (

@@ -107,12 +107,31 @@ def _bench(args: argparse.Namespace) -> int:
         from sart.bench.mix_command import bench_mix
 
         return bench_mix(args, config)
-    from sart.bench.report import bench_json, render
+    from sart.bench.report import bench_header, report_view, run_json
 
     console, progress = progress_console("sart bench", to_stderr=args.json)
     out = Path(args.out)
     # Refuses an unwritable --out before any run.
-    sink = ResultsFile(out, config, bench_json, resume=args.resume)
+    sink = ResultsFile(
+        out,
+        config,
+        bench_header,
+        lambda record, gold: run_json(record, gold, config.slo),
+        retain=report_view(config, plots=not args.no_plots),
+        resume=args.resume,
+    )
+    try:
+        return _serve_and_report(args, config, sink, console, progress)
+    finally:
+        sink.close()
+
+
+def _serve_and_report(
+    args: argparse.Namespace, config: BenchConfig, sink: ResultsFile, console: Any, progress: Any
+) -> int:
+    from sart.bench.report import render
+
+    out = Path(args.out)
     try:
         with progress:
             if config.engine == "sim":
@@ -138,18 +157,9 @@ def _bench(args: argparse.Namespace) -> int:
 
         plots = write_plots(config, records, out)
     if args.json:
-        print(
-            json.dumps(
-                {k: v for k, v in document.items() if k != "runs"}
-                | {
-                    "runs": [
-                        {k: v for k, v in run.items() if k not in ("requests", "timeline")}
-                        for run in document["runs"]
-                    ]
-                },
-                indent=1,
-            )
-        )
+        # Its runs (without requests and timelines) last, after whether it is complete.
+        runs = {"runs": document.pop("runs")}
+        print(json.dumps(document | runs, indent=1))
     else:
         render(config, records, console)
         kept = f" (and kept {len(sink.kept)} from before)" if sink.kept else ""

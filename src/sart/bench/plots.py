@@ -155,6 +155,20 @@ def _against_rate(
     return save_figure(plt, fig, path)
 
 
+#: The methods whose runs at the largest ``N`` and the first rate the figures draw
+#: request by request (``resources.png``: SART and SART without pruning; and SC in
+#: ``distributions.png``); of every other run they read the summary alone.
+DRAWN_IN_DETAIL = ("sc", "sart-no-prune", "sart")
+
+
+def drawn_in_detail(config: BenchConfig, record: RunRecord) -> bool:
+    """Whether the figures read ``record``'s requests, per-request KV use or timeline
+    (a benchmark's runs come in ``config``'s order of rates, so the first rate the
+    figures see is ``config``'s first)."""
+    first = config.rates[0] if config.rates else None
+    return record.method in DRAWN_IN_DETAIL and record.n == max(config.ns) and record.rate == first
+
+
 def _pick(
     records: Sequence[RunRecord], method: str, n: int, rate: float | None
 ) -> RunRecord | None:
@@ -176,7 +190,7 @@ def _resources(
     plt: Any, config: BenchConfig, records: Sequence[RunRecord], path: Path
 ) -> Path | None:
     n, rate = max(config.ns), _rates(records)[0]
-    runs = [r for r in (_pick(records, m, n, rate) for m in ("sart-no-prune", "sart")) if r]
+    runs = [r for r in (_pick(records, m, n, rate) for m in DRAWN_IN_DETAIL[1:]) if r]
     if not runs:
         return None
     rid = _example_request(runs[-1])
@@ -209,7 +223,7 @@ def _distributions(
     plt: Any, config: BenchConfig, records: Sequence[RunRecord], path: Path
 ) -> Path | None:
     n, rate = max(config.ns), _rates(records)[0]
-    runs = [r for r in (_pick(records, m, n, rate) for m in ("sc", "sart-no-prune", "sart")) if r]
+    runs = [r for r in (_pick(records, m, n, rate) for m in DRAWN_IN_DETAIL) if r]
     if not runs:
         return None
     fig, (len_ax, queue_ax) = plt.subplots(1, 2, figsize=(11, 3.8))

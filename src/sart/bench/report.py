@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -53,6 +53,31 @@ def run_json(
     }
 
 
+def report_view(config: BenchConfig, *, plots: bool) -> Callable[[RunRecord], RunRecord]:
+    """What ``sart bench`` keeps in memory of a finished run, once the run is in
+    ``runs.jsonl`` whole and its ``results.json`` entry is written: what the table and,
+    when ``plots``, the figures read of it (``render``, ``write_plots``).
+
+    That is the summary of every run; each request's status and timings too with an
+    SLO (its column); and the whole record only of the few runs the figures draw
+    request by request (``sart.bench.plots.drawn_in_detail``). Kept whole, every run's
+    requests, branches and per-request KV samples made the memory of
+    ``sart bench --requests 4000`` 2.5 GB, growing with every run."""
+    from sart.bench.plots import drawn_in_detail
+
+    def view(record: RunRecord) -> RunRecord:
+        if plots and drawn_in_detail(config, record):
+            return record
+        results = (
+            ()
+            if config.slo is None
+            else tuple(attrs.evolve(r, text=None, branches=()) for r in record.results)
+        )
+        return attrs.evolve(record, results=results, timeline=(), request_usage={})
+
+    return view
+
+
 def bench_json(
     config: BenchConfig,
     records: Sequence[RunRecord],
@@ -61,7 +86,22 @@ def bench_json(
     serving: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark as one JSON document (``results.json``); ``serving``
-    (real engines: model, PRM, sampling settings) is recorded as given."""
+    (real engines: model, PRM, sampling settings) is recorded as given.
+
+    ``sart bench`` writes the same document piecewise (``ResultsFile``): this header,
+    then each run's ``run_json``, made once as the run finishes."""
+    runs = [run_json(r, gold.get(r.rate), config.slo) for r in records]
+    return bench_header(config, records, wall_seconds, serving) | {"runs": runs}
+
+
+def bench_header(
+    config: BenchConfig,
+    records: Sequence[RunRecord],
+    wall_seconds: float,
+    serving: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``bench_json`` up to its ``runs``: what the benchmark was, and the ratios of
+    ``records``' summaries (which is all of them it reads)."""
     return {
         "schema": SCHEMA,
         "config": config_json(config),
@@ -76,7 +116,6 @@ def bench_json(
         ),
         "wall_seconds": wall_seconds,
         "ratios_p97": ratios(records),
-        "runs": [run_json(r, gold.get(r.rate), config.slo) for r in records],
     }
 
 

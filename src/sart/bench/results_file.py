@@ -11,8 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,13 @@ from sart.errors import ConfigError, needs_extra
 
 
 def write_json(path: Path, document: dict[str, Any]) -> None:
-    """Write ``document`` to ``path`` through a temporary file and a rename."""
+    """Write ``document`` to ``path`` through a temporary file and a rename.
+
+    Streamed (``json.dump``): with an indent, ``json.dumps`` encodes in Python and
+    joins a list of every piece, which held 228 MB beside a 37 MB document."""
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(document, indent=1), encoding="utf-8")
+    with temporary.open("w", encoding="utf-8") as f:
+        json.dump(document, f, indent=1)
     os.replace(temporary, path)
 
 
@@ -134,10 +139,25 @@ class ResultsFile:
     """``results.json``, rewritten atomically as runs finish (at most a tenth of the
     benchmark's time: ``add``), and at once when it ends, is interrupted or fails;
     ``complete`` says whether every run did. Every run is also logged whole (``RunLog``), which is
-    what ``resume`` keeps the finished runs of an interrupted benchmark from."""
+    what ``resume`` keeps the finished runs of an interrupted benchmark from.
+
+    The document is ``header`` (what the benchmark was, from the runs' summaries), then
+    each run's ``entry`` (with the gold answers of its rate), then whether it is
+    complete. An entry is made and serialized once, when its run is added, and kept in
+    an unnamed temporary file beside ``results.json``, which each rewrite copies; of
+    the run itself only ``retain(record)`` stays in ``records`` (what the report reads).
+    Rebuilding the whole document at each rewrite held every run's requests in memory
+    twice, as records and as JSON: 2.5 GB for ``sart bench --requests 4000``."""
 
     def __init__(
-        self, out: Path, config: Any, document: Callable[..., dict], *, resume: bool = False
+        self,
+        out: Path,
+        config: Any,
+        header: Callable[..., dict[str, Any]],
+        entry: Callable[[Any, dict[str, str] | None], dict[str, Any]],
+        *,
+        retain: Callable[[Any], Any] | None = None,
+        resume: bool = False,
     ) -> None:
         self.path = check_writable(out, command="sart bench")
         if not resume:
@@ -145,6 +165,7 @@ class ResultsFile:
         self.out = out
         self.config = config
         self.records: list[Any] = []
+        """The runs finished, in the report's order, as ``retain`` keeps them."""
         self.kept: list[Any] = []
         """The runs kept from the interrupted benchmark this one resumes."""
         self.gold: dict[float | None, dict[str, str]] = {}
@@ -152,7 +173,10 @@ class ResultsFile:
         self.resume = resume
         self.log = RunLog(out)
         self._order: dict[Any, int] = {}
-        self._document = document
+        self._header = header
+        self._entry = entry
+        self._retain = retain or (lambda record: record)
+        self._entries = _Entries(out)
         self._started = time.perf_counter()
         self._written = -float("inf")  # when results.json was last written
         self._write_cost = 0.0  # and how long that took
@@ -171,11 +195,14 @@ class ResultsFile:
         self._order = {key: i for i, key in enumerate(keys)}
         found: dict[RunKey, Any] = {}
         if self.resume:
-            config = self._document(self.config, [], self.gold, 0.0, serving)["config"]
+            config = self._header(self.config, [], 0.0, serving)["config"]
             found = {run_key(r): r for r in resumable_runs(self.out, config, serving)}
-            self.kept = [found[key] for key in keys if key in found]
-        self.records = list(self.kept)
         self.log.start(found.values())
+        kept = [found[key] for key in keys if key in found]
+        del found  # every run of the log, whole: what it keeps is added below
+        self.kept, self.records = [], []
+        for record in kept:
+            self.kept.append(self._keep(record))
         return {run_key(r) for r in self.kept}
 
     def elapsed(self) -> float:
@@ -183,8 +210,7 @@ class ResultsFile:
 
     def add(self, record: Any) -> None:
         self.log.append(record)
-        self.records.append(record)
-        self.records.sort(key=lambda r: self._order.get(run_key(r), len(self._order)))
+        self._keep(record)
         self._unwritten += 1
         # A rewrite costs what the whole document does, which grows with every run
         # (2.9 s for 26 runs of 2,000 requests): rewritten after each run, `sart bench
@@ -194,6 +220,14 @@ class ResultsFile:
         if time.perf_counter() - self._written >= 10 * self._write_cost:
             self.write(complete=False)
 
+    def _keep(self, record: Any) -> Any:
+        """Write ``record``'s entry; keep what ``retain`` keeps of it, in order."""
+        self._entries.add(run_key(record), self._entry(record, self.gold.get(record.rate)))
+        kept = self._retain(record)
+        self.records.append(kept)
+        self.records.sort(key=lambda r: self._order.get(run_key(r), len(self._order)))
+        return kept
+
     def flush(self) -> None:
         """Write the runs added since the last write, if any (a benchmark that failed:
         one refused before its first run leaves the file as it found it)."""
@@ -201,19 +235,88 @@ class ResultsFile:
             self.write(complete=False)
 
     def write(self, *, complete: bool) -> dict[str, Any]:
+        """Write ``results.json``; return it without each run's ``requests`` and
+        ``timeline`` (what ``sart bench --json`` prints)."""
         began = time.perf_counter()
-        document = self._document(
-            self.config, self.records, self.gold, self.elapsed(), self.serving
-        )
-        document["complete"] = complete
-        # Which runs were served before this invocation: their latencies were measured
-        # on the machine as it was then, not side by side with the others.
-        document["resumed"] = [{"rate": r.rate, "method": r.method, "n": r.n} for r in self.kept]
-        write_json(self.path, document)
+        header = self._header(self.config, self.records, self.elapsed(), self.serving)
+        keys = [run_key(r) for r in self.records]
+        ending = {
+            "complete": complete,
+            # Which runs were served before this invocation: their latencies were
+            # measured on the machine as it was then, not side by side with the others.
+            "resumed": [{"rate": r.rate, "method": r.method, "n": r.n} for r in self.kept],
+        }
+        temporary = self.path.with_name(f".{self.path.name}.tmp")
+        with temporary.open("wb") as f:
+            # As json.dumps(document, indent=1) writes it, byte for byte.
+            for i, (key, value) in enumerate([*header.items(), ("runs", None), *ending.items()]):
+                f.write(f"{',' if i else '{'}\n {json.dumps(key)}: ".encode())
+                if key == "runs":
+                    self._entries.write_list(keys, f)
+                else:
+                    f.write(_indented(value, 1).encode())
+            f.write(b"\n}")
+        os.replace(temporary, self.path)
         self._written = time.perf_counter()
         self._write_cost = self._written - began
         self._unwritten = 0
-        return document
+        return header | {"runs": [self._entries.brief[key] for key in keys]} | ending
+
+    def close(self) -> None:
+        """Let go of the entries' temporary file (it has no name: nothing is left)."""
+        self._entries.close()
+
+
+def _indented(value: Any, level: int) -> str:
+    """``value`` as ``json.dumps(..., indent=1)`` writes it ``level`` containers deep
+    (JSON strings escape their newlines: every newline is the layout's)."""
+    return "".join(_indented_pieces(value, level))
+
+
+def _indented_pieces(value: Any, level: int) -> Iterator[str]:
+    """``_indented(value, level)``, piece by piece."""
+    newline = "\n" + " " * level
+    for piece in json.JSONEncoder(indent=1).iterencode(value):
+        yield piece.replace("\n", newline)
+
+
+class _Entries:
+    """Each run's ``results.json`` entry, serialized once, in an unnamed temporary file;
+    ``brief`` keeps each in memory without its ``requests`` and ``timeline``."""
+
+    def __init__(self, out: Path) -> None:
+        self._file = tempfile.TemporaryFile(dir=out, prefix=".results-runs-")
+        self._spans: dict[RunKey, tuple[int, int]] = {}
+        self.brief: dict[RunKey, dict[str, Any]] = {}
+
+    def add(self, key: RunKey, entry: dict[str, Any]) -> None:
+        start = self._file.seek(0, os.SEEK_END)
+        # Piece by piece: one run's entry is tens of MB of JSON at 5,000 requests.
+        for piece in _indented_pieces(entry, 2):
+            self._file.write(piece.encode())
+        self._spans[key] = (start, self._file.tell() - start)
+        self.brief[key] = {k: v for k, v in entry.items() if k not in ("requests", "timeline")}
+
+    def write_list(self, keys: Sequence[RunKey], out: Any) -> None:
+        """The JSON list of ``keys``' entries, one container deep, into ``out``."""
+        if not keys:
+            out.write(b"[]")
+            return
+        buffer = memoryview(bytearray(1 << 15))
+        for i, key in enumerate(keys):
+            out.write(b",\n  " if i else b"[\n  ")
+            start, length = self._spans[key]
+            self._file.seek(start)
+            while length:
+                got = self._file.readinto(buffer[: min(length, len(buffer))])
+                if not got:
+                    raise OSError(f"the temporary file of results.json lost the run {key}")
+                out.write(buffer[:got])
+                length -= got
+        out.write(b"\n ]")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 __all__ = [
