@@ -67,18 +67,21 @@ MESSAGES = [{"role": "user", "content": "add 3 and 4"}]
 def servers(vllm_server: str, vllm_engine: Any, demo_models: dict[str, Path]) -> Iterator[dict]:
     """``{"vllm": URL, "sart": URL, "gateway": URL}``: ``vllm serve`` (the session's),
     the app on this process's vLLM engine, and the gateway in front of ``vllm serve``."""
+    engine = fresh_vllm(vllm_engine)
+    config = ServeConfig(
+        models=("demo",), method="vanilla", max_tokens=16, max_tokens_limit=1000, root="demo"
+    )
+    app = create_app(config, Backend(engine, None))
     gateway = Server(
         "--engine", "openai", "--upstream", vllm_server, "--method", "vanilla",
         "--tokenizer", str(demo_models["policy"]), "--max-tokens", "16",
         "--max-tokens-limit", "1000",
     )  # fmt: skip
-    engine = fresh_vllm(vllm_engine)
-    config = ServeConfig(
-        models=("demo",), method="vanilla", max_tokens=16, max_tokens_limit=1000, root="demo"
-    )
-    with Served(create_app(config, Backend(engine, None)), engine) as served:
-        yield {"vllm": vllm_server, "sart": served.url, "gateway": gateway.url}
-    code, log = gateway.stop()
+    try:  # the gateway's process is stopped whatever fails
+        with Served(app, engine) as served:
+            yield {"vllm": vllm_server, "sart": served.url, "gateway": gateway.url}
+    finally:
+        code, log = gateway.stop()
     assert code == 0, log
 
 
