@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from sart.bench.run_log import RunLog, resumable_runs
@@ -27,6 +28,18 @@ def test_a_logged_run_reads_back_whole(tmp_path: Path) -> None:
     assert log.read() == records
     log.start()  # afresh
     assert log.read() == []
+
+
+def test_a_logged_branchs_stop_reason_reads_back(tmp_path: Path) -> None:
+    # A stop string and a stop token id (vLLM's stop_reason), a union cattrs needs a hook for.
+    (record,) = run_bench(BenchConfig(methods=("sc",), ns=(2,), rates=(1.0,), num_requests=2))
+    first, second = record.results[:2]
+    first = attrs.evolve(first, branches=(attrs.evolve(first.branches[0], stop_reason="\n\n"),))
+    second = attrs.evolve(second, branches=(attrs.evolve(second.branches[0], stop_reason=7),))
+    record = attrs.evolve(record, results=type(record.results)([first, second]))
+    log = RunLog(tmp_path)
+    log.start([record])
+    assert log.read() == [record]
 
 
 def test_a_line_cut_short_is_left_out_and_another_schema_refused(tmp_path: Path) -> None:

@@ -70,8 +70,9 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
     # Function reprs carry addresses, which differ from run to run. Fields added to
     # the values after the recording are left out of their reprs at their defaults
     # (the runs never set them): vLLM's extra sampling fields, RequestResult.refused and
-    # refused_field, Policy.admit, Policy.rebranch; and the fork fields of BranchOutcome (parent,
-    # inherited), which Rebase's children set: new outcome fields, not new commands.
+    # refused_field, Policy.admit, Policy.rebranch, BranchOutcome.stop_reason; and the fork
+    # fields of BranchOutcome (parent, inherited), which Rebase's children set: new outcome
+    # fields, not new commands.
     defaults = ", ".join(f"{k}={v!r}" for k, v in EXTRA_SAMPLING.items())
     text = "\n".join(
         re.sub(r", parent=(None|\d+), inherited=\d+", "", re.sub(r" at 0x[0-9a-f]+", "", line))
@@ -80,6 +81,7 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
         .replace(" refused=False,", "")
         .replace(" refused_field=None,", "")
         .replace(", admit=AdmitRule()", "")
+        .replace(", stop_reason=None", "")
         for line in log
     )
     assert (len(log), hashlib.sha256(text.encode()).hexdigest()) == (COMMANDS, DIGEST)

@@ -177,3 +177,32 @@ def test_streamed_text_is_the_decoded_text_without_repeats(engine: HFEngine) -> 
         assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
     tokens, text, _ = run(engine, repetition_penalty=1.8)
     assert text == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def ended_by(engine: HFEngine, eos: int | None = None, **fields: object) -> object:
+    """``run``'s branch's ``stop_reason``, as its last delta reports it."""
+    e = HFEngine(engine.model, engine.tokenizer)
+    if eos is not None:
+        e.eos_ids = frozenset({eos})
+    e.prefill(
+        "r", PROMPT, sart.SamplingSettings(**{"temperature": 0.0, "max_tokens": MAX, **fields})
+    )
+    e.start_branches("r", [sart.BranchSpec(0, seed=1)])
+    reason: object = "never ended"
+    while e.stats().live_branches:
+        for delta in e.step(5).deltas.values():
+            if delta.finish is not None:
+                reason = delta.stop_reason
+    return reason
+
+
+def test_what_ended_a_branch_is_vllms_stop_reason(engine: HFEngine) -> None:
+    plain, text, _ = run(engine)
+    assert ended_by(engine, stop_token_ids=[plain[4]]) == plain[4]  # the stop token's id
+    at = next(
+        i for i in range(4, len(text)) if text[i : i + 3].isascii() and text[i : i + 3].isalnum()
+    )
+    assert ended_by(engine, stop=[text[at : at + 3]]) == text[at : at + 3]  # the string
+    assert ended_by(engine, eos=plain[4]) is None  # EOS, as vLLM says it
+    assert ended_by(engine, eos=plain[4], stop_token_ids=[plain[4]]) is None  # EOS first
+    assert ended_by(engine) is None  # max_tokens

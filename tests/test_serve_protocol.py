@@ -31,7 +31,6 @@ MEANINGFUL: dict[str, Any] = {
     "allowed_token_ids": [1, 2],
     "prompt_logprobs": 1,
     "bad_words": ["x"],
-    "echo": True,
     "logprobs": 2,
     "top_logprobs": 2,
     "suffix": "end",

@@ -67,6 +67,10 @@ class BranchDelta:
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per new token, in order, when the request's ``SamplingSettings.logprobs``
     is set (empty otherwise)."""
+    stop_reason: str | int | None = None
+    """With ``finish`` ``STOP``: what stopped the branch, as vLLM's ``stop_reason`` says
+    it (the stop string that matched, the id of the stop token; ``None`` for EOS, or
+    where the engine cannot tell)."""
 
 
 @attrs.frozen

@@ -48,6 +48,7 @@ class BranchState:
         "reward_history",
         "seed",
         "status",
+        "stop_reason",
     )
 
     def __init__(self, branch_id: BranchId, seed: int) -> None:
@@ -71,6 +72,8 @@ class BranchState:
         # A completed branch's extracted answer, once something asked for it: its text
         # no longer changes, so the policy's extract runs at most once per branch.
         self.answer: str | None = None
+        # What stopped it (a stop string or stop token id), as the engine said.
+        self.stop_reason: str | int | None = None
 
     @classmethod
     def forked(cls, branch_id: BranchId, seed: int, parent: BranchState) -> BranchState:
@@ -116,6 +119,7 @@ class BranchState:
             ended_in=self.ended_in,
             parent=self.parent,
             inherited=self.inherited,
+            stop_reason=self.stop_reason,
         )
 
 

@@ -72,7 +72,16 @@ def run_key(record: RunRecord) -> RunKey:
 def _converter() -> Any:
     with needs_extra("sart bench's log of its runs", "bench"):
         import cattrs
-    return cattrs.Converter()
+    converter = cattrs.Converter()
+    # A branch's stop_reason (a stop string or token id), a union cattrs has no hook for.
+    converter.register_structure_hook_func(lambda t: t == (str | int | None), _stop_reason)
+    return converter
+
+
+def _stop_reason(value: Any, _type: Any) -> str | int | None:
+    if value is None or isinstance(value, str) or type(value) is int:
+        return value  # type: ignore[no-any-return]
+    raise TypeError(f"stop_reason={value!r} must be a string, an int or null")
 
 
 Record = TypeVar("Record")

@@ -52,6 +52,7 @@ class StepDeltas:
         self._texts: dict[BranchId, list[str]] = {}
         self._ends: dict[BranchId, tuple[FinishReason, int]] = {}
         self._logprobs: dict[BranchId, list[TokenLogprobs]] = {}
+        self._stop_reasons: dict[BranchId, str | int] = {}
 
     def add(
         self,
@@ -66,9 +67,18 @@ class StepDeltas:
         if logprobs:
             self._logprobs.setdefault(branch, []).extend(logprobs)
 
-    def end(self, branch: BranchId, reason: FinishReason, step: int) -> None:
-        """The branch ended at ``step`` (1-based within the call)."""
+    def end(
+        self,
+        branch: BranchId,
+        reason: FinishReason,
+        step: int,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        """The branch ended at ``step`` (1-based within the call); ``stop_reason``: the
+        stop string or stop token id that ended it (``BranchDelta.stop_reason``)."""
         self._ends[branch] = (reason, step)
+        if stop_reason is not None:
+            self._stop_reasons[branch] = stop_reason
 
     def output(self, steps: int) -> StepOutput:
         deltas = {}
@@ -81,6 +91,7 @@ class StepDeltas:
                 end_offset=offset,
                 token_ids=tuple(ids),
                 logprobs=tuple(self._logprobs.get(bid, ())),
+                stop_reason=self._stop_reasons.get(bid),
             )
         return StepOutput(steps=steps, deltas=deltas)
 

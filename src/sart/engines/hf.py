@@ -276,12 +276,12 @@ class HFEngine:
         ended = False
         for (bid, branch), token, lp in zip(live, tokens, logprobs):
             branch.tokens.append(token)
-            finish, delta = self._advance_text(branch, token)
+            finish, delta, stop_reason = self._advance_text(branch, token)
             deltas.add(bid, (token,), delta, () if lp is None else (lp,))
             if finish is None and len(branch.tokens) >= branch.prefix.sampling.max_tokens:
                 finish = FinishReason.LENGTH
             if finish is not None:
-                deltas.end(bid, finish, step)
+                deltas.end(bid, finish, step, stop_reason)
                 self._ledger.end(bid)
                 self._stale()
                 ended = True
@@ -291,11 +291,15 @@ class HFEngine:
             self._forward_batch(going)
         return ended
 
-    def _advance_text(self, branch: Branch, token: int) -> tuple[FinishReason | None, str]:
-        """Whether ``token`` ends the branch, and the text it adds. ``branch.text`` is
-        the text reported so far: while the branch runs, as vLLM's detokenizer does, the
-        tail that may be the start of a stop string, and a partial character (``\ufffd``,
-        a multi-byte character cut between tokens), are held back until they resolve."""
+    def _advance_text(
+        self, branch: Branch, token: int
+    ) -> tuple[FinishReason | None, str, str | int | None]:
+        """Whether ``token`` ends the branch, the text it adds, and what stopped it (the
+        stop string or stop token id, as vLLM's ``stop_reason``; ``None`` for EOS).
+        ``branch.text`` is the text reported so far: while the branch runs, as vLLM's
+        detokenizer does, the tail that may be the start of a stop string, and a partial
+        character (``\ufffd``, a multi-byte character cut between tokens), are held back
+        until they resolve."""
         sampling = branch.prefix.sampling
         early = len(branch.tokens) < sampling.min_tokens  # nothing ends a branch before
         eos = token in self.eos_ids and not sampling.ignore_eos and not early
@@ -318,17 +322,20 @@ class HFEngine:
                 cut, hit = min(hits)
                 if sampling.include_stop_str_in_output:
                     cut += len(hit)
-                return FinishReason.STOP, self._report(branch, text[: max(cut, len(branch.text))])
-        ends = eos or (token in sampling.stop_token_ids and not early)
+                reported = self._report(branch, text[: max(cut, len(branch.text))])
+                return FinishReason.STOP, reported, hit
+        stop_token = not eos and token in sampling.stop_token_ids and not early
+        ends = eos or stop_token
         if ends or len(branch.tokens) >= sampling.max_tokens:
-            return (FinishReason.STOP if ends else None), self._report(branch, text)
+            finish = FinishReason.STOP if ends else None
+            return finish, self._report(branch, text), token if stop_token else None
         held = max((len(s) for s in sampling.stop), default=1) - 1
         if sampling.include_stop_str_in_output:
             held = 0
         upto = len(text) - held
         while upto > len(branch.text) and text[upto - 1] == "\ufffd":
             upto -= 1
-        return None, self._report(branch, text[: max(upto, len(branch.text))])
+        return None, self._report(branch, text[: max(upto, len(branch.text))]), None
 
     @staticmethod
     def _report(branch: Branch, text: str) -> str:

@@ -459,6 +459,13 @@ class OpenAIEngine(StreamingEngine):
         if request is not None:
             request.ids = list(ids)
 
+    async def context_length(self) -> int | None:
+        """The servers' ``max_model_len`` (the least, where they differ), from their
+        ``/v1/models``; ``None`` where none says."""
+        known = [await server_context(self.client, s, self.model) for s in self.servers]
+        lengths = [n for n in known if n]
+        return min(lengths) if lengths else None
+
     # ------------------------------------------------------------- tokenize
 
     async def _tokenize(

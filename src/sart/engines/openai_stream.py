@@ -72,6 +72,9 @@ class Delta:
     prompt_token_ids: tuple[int, ...] | None = None
     """The prompt's ids as the server tokenized them (vLLM sends them in the first chunk)."""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """vLLM's ``stop_reason`` on the last chunk: the stop string or token id that ended
+    it (``None``: EOS, or a server that does not send one)."""
     completion_tokens: int | None = None
     """The cumulative ``usage.completion_tokens`` (``continuous_usage_stats``), if sent."""
     logprobs: tuple[TokenLogprobs, ...] | None = None
@@ -191,9 +194,17 @@ def parse_event(data: str) -> Event:
         token_ids=None if ids is None else tuple(ids),
         prompt_token_ids=tuple(prompt_ids) if prompt_ids else None,
         finish_reason=choice.get("finish_reason"),
+        stop_reason=_stop_reason(choice.get("stop_reason")),
         completion_tokens=total,
         logprobs=logprobs,
     )
+
+
+def _stop_reason(raw: Any) -> str | int | None:
+    """A choice's ``stop_reason`` if it is one vLLM sends (a string or a token id)."""
+    if isinstance(raw, str) or (isinstance(raw, int) and not isinstance(raw, bool)):
+        return raw
+    return None
 
 
 def _choice_logprobs(raw: Any) -> tuple[TokenLogprobs, ...] | None:

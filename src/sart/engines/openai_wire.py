@@ -158,7 +158,11 @@ async def post_completion(
                     chunk = checked(tally.chunk, event, url=server.url)
                     if event.finish_reason is not None:
                         finish = finish_reason(event.finish_reason, server.url, branch)
-                        final = attrs.evolve(chunk, finish=finish)
+                        final = attrs.evolve(
+                            chunk,
+                            finish=finish,
+                            stop_reason=event.stop_reason if finish is FinishReason.STOP else None,
+                        )
                         continue  # read on: a usage chunk and [DONE] may follow
                     if chunk.tokens or chunk.text:
                         streamed = True

@@ -268,7 +268,14 @@ class SGLangEngine(StreamingEngine):
                 rid=rid,
                 **self.logprob_args(sampling),
             )
-            chunks = self._chunks(branch, rid, stream, cached if first else None, sampling.logprobs)
+            chunks = self._chunks(
+                branch,
+                rid,
+                stream,
+                cached if first else None,
+                sampling.logprobs,
+                sampling.stop_token_ids,
+            )
             async with contextlib.aclosing(chunks):
                 async for chunk in chunks:
                     yield chunk
@@ -283,9 +290,11 @@ class SGLangEngine(StreamingEngine):
         stream: Any,
         cached: asyncio.Event | None,
         top_k: int | None = None,
+        stop_token_ids: tuple[int, ...] = (),
     ) -> AsyncGenerator[Chunk, None]:
         """SGLang's chunks of one branch as ``Chunk``s (``cached``: set at the first;
-        ``top_k``: the request's ``logprobs``, ``None`` if it asked for none)."""
+        ``top_k``: the request's ``logprobs``, ``None`` if it asked for none;
+        ``stop_token_ids``: the request's, told apart from EOS in ``stop_reason``)."""
         seen_ids = seen_text = 0
         carry = ""  # text that came without a new token, for the next token
         async for out in stream:
@@ -313,8 +322,13 @@ class SGLangEngine(StreamingEngine):
             if finish is not None:  # the last chunk: let go of SGLang's generator now
                 await _close(stream)
             if token_ids or finish is not None:
+                reason = meta.get("finish_reason") if finish is not None else None
                 yield Chunk(
-                    token_ids=tuple(token_ids), text=carry, finish=finish, logprobs=logprobs
+                    token_ids=tuple(token_ids),
+                    text=carry,
+                    finish=finish,
+                    logprobs=logprobs,
+                    stop_reason=wire.stop_reason(reason, stop_token_ids),
                 )
                 carry = ""
 

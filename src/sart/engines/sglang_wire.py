@@ -92,6 +92,18 @@ def finish_reason(branch: BranchId, rid: str, reason: Any) -> FinishReason | Non
     return finish
 
 
+def stop_reason(reason: Any, stop_token_ids: Sequence[int]) -> str | int | None:
+    """vLLM's ``stop_reason`` from SGLang's last ``finish_reason`` (``{"type": "stop",
+    "matched": ...}``): the stop string, or the token id when it is one of the request's
+    ``stop_token_ids``; ``None`` for EOS (SGLang names its id as ``matched`` too)."""
+    matched = reason.get("matched") if isinstance(reason, Mapping) else None
+    if isinstance(matched, str):
+        return matched
+    if isinstance(matched, int) and not isinstance(matched, bool) and matched in stop_token_ids:
+        return matched
+    return None
+
+
 def token_logprobs(
     branch: BranchId, meta: Mapping[str, Any], start: int, count: int, top_k: int
 ) -> tuple[TokenLogprobs, ...]:

@@ -69,6 +69,9 @@ class Chunk:
     practice, where both are the same)."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per new token when the request asked for log-probabilities (else empty)."""
+    stop_reason: str | int | None = None
+    """On the last chunk: the stop string or stop token id that ended the branch
+    (``BranchDelta.stop_reason``)."""
 
     @property
     def tokens(self) -> int:
@@ -84,6 +87,7 @@ class BranchStream:
     # Tokens produced but not yet reported: (token id or None, text piece, logprobs or None).
     pending: list[tuple[int | None, str, TokenLogprobs | None]] = attrs.Factory(list)
     finish: FinishReason | None = None
+    stop_reason: str | int | None = None
     error: BaseException | None = None
     generated: list[int] = attrs.Factory(list)
     """Token ids reported so far (for forks and usage)."""
@@ -327,6 +331,7 @@ class StreamingEngine(abc.ABC):
                 stream.pending.extend(zip(ids, texts, lps))
                 if chunk.finish is not None:
                     stream.finish = chunk.finish
+                    stream.stop_reason = chunk.stop_reason
                 self._tell()
                 if chunk.finish is not None:
                     return
@@ -388,6 +393,7 @@ class StreamingEngine(abc.ABC):
                 end_offset=len(taken) if ends else None,
                 token_ids=tuple(ids),
                 logprobs=tuple(lp for _, _, lp in taken if lp is not None),
+                stop_reason=stream.stop_reason if ends else None,
             )
             if ends:
                 self._forget(bid)

@@ -235,7 +235,7 @@ class VLLMEngine(VLLMInputs):
                     lost.add(bid)
                     continue
                 self._ledger.end(bid)
-                deltas.end(bid, finish, steps + 1)
+                deltas.end(bid, finish, steps + 1, completion.stop_reason)
                 ended = True
             if produced:
                 steps += 1

@@ -117,7 +117,13 @@ class VLLMAsyncEngine(VLLMInputs, StreamingEngine):
             finish = finish_reason(branch, completion) if out.finished else None
             new_ids = tuple(completion.token_ids)
             logprobs = token_logprobs(new_ids, completion.logprobs, sampling.logprobs)
-            yield Chunk(token_ids=new_ids, text=completion.text, finish=finish, logprobs=logprobs)
+            yield Chunk(
+                token_ids=new_ids,
+                text=completion.text,
+                finish=finish,
+                logprobs=logprobs,
+                stop_reason=completion.stop_reason if finish is not None else None,
+            )
 
     async def _cancel(self, branch: BranchId) -> None:
         await self.async_llm.abort(vllm_request_id(branch))

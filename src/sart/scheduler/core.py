@@ -417,6 +417,8 @@ class Scheduler:
                 status = BranchStatus.FINISHED
                 if delta.finish is not FinishReason.STOP:
                     status = BranchStatus.TRUNCATED
+                else:
+                    branch.stop_reason = delta.stop_reason
                 end = first_step + (delta.end_offset or out.steps)
                 self._requests.end_running(req, branch, status, end)
                 req.newly_ended.append(branch)

@@ -9,7 +9,15 @@
                                 while it shuts down, once vLLM's engine core died, or
                                 when no upstream of a gateway can serve (``Service.health``)
 ``GET /metrics``                Prometheus text (``sart:`` metrics, ``sart.serve.metrics``)
+``GET|POST /ping``              ``/health`` by vLLM's (SageMaker's) other name
+``GET /version``, ``/load``     sart's version; requests in flight (``server_load``)
+``POST /tokenize``              a prompt or chat messages -> token ids, as vLLM's
+``POST /detokenize``            token ids -> text (``sart.serve.tokenize``)
 ==============================  =========================================================
+
+The shapes are ``vllm serve``'s (0.32) field for field (``sart.serve.responses``);
+what differs by design is in docs/reference/api.md ("sart serve against vllm
+serve") and tested against ``vllm serve`` in tests/test_serve_vllm_parity.py.
 
 Each request is checked in this order, and refused at the first fault with
 OpenAI's error shape (``{"error": {"message", "type", "param", "code"}}``):
@@ -20,9 +28,10 @@ module or render a template of its own: names resolve against what was
 fixed at start.
 
 ``--api-key`` works as vLLM's: every ``/v1`` route needs ``Authorization:
-Bearer KEY`` (401 otherwise); ``/health`` and ``/metrics`` stay open, as
-vLLM leaves them, for load balancers and Prometheus (bind to a private
-address, the default ``127.0.0.1``, if their numbers are private).
+Bearer KEY`` (401 otherwise); the others (``/health``, ``/metrics``,
+``/tokenize``...) stay open, as vLLM leaves them, for load balancers and
+Prometheus (bind to a private address, the default ``127.0.0.1``, if their
+numbers are private).
 
 **Request ids.** As vLLM's server: the client's ``X-Request-Id`` header, else the
 body's ``request_id``, else a random hex, names the answer (``cmpl-ID``,
@@ -44,8 +53,11 @@ running then are cancelled, their branches aborted, and answered 503 (an error
 event when streaming) before the connections close (``Service.drain``, called
 by ``sart serve``'s uvicorn server).
 
-**Streaming** (``stream=true``). Which branch answers is known only when the
-request finishes: the selector picks among the completed branches by PRM
+**Streaming** (``stream=true``). The stream opens once the engine has taken the
+prompt (or at the first keep-alive tick, if that comes first): a prompt the
+engine refuses is answered with its HTTP status, as ``vllm serve`` answers it,
+and the ``openai`` client raises from ``create()``. Which branch answers is
+known only when the request finishes: the selector picks among the completed branches by PRM
 reward or vote, and any running branch may still be pruned or stopped.
 Streaming a branch's tokens as they come would show text that is then
 withdrawn, which OpenAI's protocol cannot express. So the stream opens at
@@ -82,9 +94,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
+import sart
 from sart.errors import ConfigError
 from sart.request import Request
-from sart.serve import protocol, responses
+from sart.serve import protocol, responses, tokenize
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
@@ -148,7 +161,10 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
     @app.get("/v1/models")
     async def models(http: HTTPRequest) -> JSONResponse:
         _authorize(http)
-        return JSONResponse(responses.models_body(config, app.state.created, method_names()))
+        length = await _service(http).max_model_len()
+        return JSONResponse(
+            responses.models_body(config, app.state.created, method_names(), length)
+        )
 
     @app.get("/health")
     async def health(http: HTTPRequest) -> Response:
@@ -156,6 +172,33 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
         if problem is None:
             return Response(status_code=200)
         return JSONResponse(responses.error_body(problem, 503), 503)
+
+    # vLLM's SageMaker ping: /health by another name, GET or POST.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": sart.__version__})
+
+    @app.get("/load")
+    async def load(http: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"server_load": _service(http).in_flight})
+
+    @app.post("/tokenize")
+    async def tokenize_route(http: HTTPRequest) -> JSONResponse:
+        body = await _read_body(http, config.max_body_bytes)
+        request = protocol.parse_model(tokenize.TokenizeRequest, body)
+        _check_model(config, request.model)
+        service = _service(http)
+        length = await service.max_model_len()
+        return JSONResponse(tokenize.tokenize(service.engine.tokenizer, request, length))
+
+    @app.post("/detokenize")
+    async def detokenize_route(http: HTTPRequest) -> JSONResponse:
+        body = await _read_body(http, config.max_body_bytes)
+        request = protocol.parse_model(tokenize.DetokenizeRequest, body)
+        _check_model(config, request.model)
+        return JSONResponse(tokenize.detokenize(_service(http).engine.tokenizer, request))
 
     @app.get("/metrics")
     async def metrics(http: HTTPRequest) -> Response:
@@ -170,6 +213,13 @@ def create_app(config: ServeConfig, backend: Backend | Callable[[], Backend]) ->
 
 def _service(http: HTTPRequest) -> Service:
     return http.app.state.service
+
+
+def _check_model(config: ServeConfig, model: str | None) -> None:
+    if model is not None and model not in config.models:
+        raise Refused(
+            f"model={model!r} is not served here (served: {list(config.models)})", "model", 404
+        )
 
 
 def _authorize(http: HTTPRequest) -> None:
@@ -220,11 +270,23 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
         raise Refused(str(exc), None, 429) from None
     except ServiceStopped as exc:
         raise Refused(str(exc), None, 503) from None
-    reply = _Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat)
+    echo = protocol.chat_echo(request) if chat else _completion_echo(service, request)
+    reply = _Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat, echo)
     headers = {"X-Request-Id": given}
     if plan.stream:
+        # The stream opens once the engine has taken the prompt (or at the first
+        # keep-alive tick): a prompt it refuses gets vLLM's HTTP 400, which the
+        # openai client raises as BadRequestError from create(), not an error event.
+        opened = await _unless_disconnected(http, _opened(service, rid, config.keepalive))
+        if opened is None:  # the client left while the request waited for its prefill
+            service.cancel(rid)
+            return Response(status_code=499)
+        ended = service.ended(rid)
+        if ended is not None and not ended.result.ok:
+            await service.result(rid)  # taken here: no stream will wait for it
+            return _failed(ended, headers)
         return _EventStream(
-            _events(service, reply, config.keepalive, plan.include_usage),
+            _events(service, reply, config.keepalive, plan.include_usage, plan.continuous_usage),
             on_close=lambda: service.cancel(rid),
             headers=headers,
         )
@@ -239,6 +301,33 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     return JSONResponse(reply.body(outcome), headers=headers)
 
 
+async def _opened(service: Service, rid: str, keepalive: float | None) -> bool:
+    """Wait until a streamed request may open its stream (``Service.started``)."""
+    await service.started(rid, keepalive)
+    return True
+
+
+def _completion_echo(service: Service, request: protocol.CompletionRequest) -> str:
+    """What ``echo`` puts before a completion's text, as vLLM: the prompt (token ids
+    decoded by the engine's tokenizer)."""
+    if not request.echo:
+        return ""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = service.engine.tokenizer
+    if tokenizer is None:  # a gateway without --tokenizer
+        raise Refused(
+            "echo=true of a prompt of token ids needs a tokenizer to decode it (a gateway "
+            "needs --tokenizer DIR)",
+            "echo",
+        )
+    try:
+        return str(tokenizer.decode(list(prompt), skip_special_tokens=False))
+    except Exception:  # ids outside the vocabulary: the engine refuses them at prefill
+        return ""
+
+
 def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> tuple[int, ...]:
     tokenizer = service.engine.tokenizer
     if tokenizer is None:  # a gateway started without --tokenizer (nor a local --model)
@@ -247,20 +336,14 @@ def _chat_prompt(service: Service, request: protocol.ChatCompletionRequest) -> t
             "DIR or a local --model): use /v1/completions",
             "messages",
         )
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise Refused("this server's model has no chat template: use /v1/completions", "messages")
-    # vLLM's way: the template renders text, which is then tokenized (special tokens
-    # only where the request asks: the template already holds them).
-    text = tokenizer.apply_chat_template(
-        protocol.chat_messages(request),
+    ids = tokenize.render_chat(
+        tokenizer,
+        request.messages,
         add_generation_prompt=request.add_generation_prompt,
         continue_final_message=request.continue_final_message,
-        tokenize=False,
-        **(request.chat_template_kwargs or {}),
+        chat_template_kwargs=request.chat_template_kwargs,
+        add_special_tokens=request.add_special_tokens,
     )
-    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-    # transformers 5 may return a BatchEncoding (a mapping), 4.x a list.
-    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     if not ids:
         raise Refused("the chat template rendered no tokens", "messages")
     return tuple(ids)
@@ -343,10 +426,12 @@ class _Reply:
     model: str
     method: str
     chat: bool
+    echo: str = ""
+    """What ``echo`` puts before the answer (``""``: nothing)."""
 
     def body(self, outcome: Outcome) -> dict[str, Any]:
         return responses.completion_body(
-            self.id, self.created, self.model, self.method, outcome, chat=self.chat
+            self.id, self.created, self.model, self.method, outcome, chat=self.chat, echo=self.echo
         )
 
     def chunk(self, **fields: Any) -> bytes:
@@ -362,13 +447,24 @@ DONE = b"data: [DONE]\n\n"
 
 
 async def _events(
-    service: Service, reply: _Reply, keepalive: float | None, include_usage: bool
+    service: Service,
+    reply: _Reply,
+    keepalive: float | None,
+    include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a streamed request (see the module docstring)."""
     job = asyncio.ensure_future(service.result(reply.key))
     try:
         if reply.chat:
-            yield reply.chunk(role=True, text="")
+            running = None
+            if continuous_usage:  # prefilled by now (or ended, its outcome says)
+                ended = service.ended(reply.key)
+                prompt = (
+                    ended.prompt_tokens if ended else service.engine.prompt_tokens.get(reply.key, 0)
+                )
+                running = responses.running_usage(prompt, 0)
+            yield reply.chunk(role=True, text="", extra=running)
         while True:
             done, _ = await asyncio.wait({job}, timeout=keepalive)
             if done:
@@ -384,9 +480,14 @@ async def _events(
             yield _sse(responses.error_body(*_failure(outcome)))
             yield DONE
             return
-        yield reply.chunk(text=outcome.result.text or "")
-        sart_field = {"sart": responses.extension(reply.method, outcome)}
-        yield reply.chunk(finish=responses.finish_reason(outcome), extra=sart_field)
+        usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
+        yield reply.chunk(text=reply.echo + (outcome.result.text or ""), extra=usage or None)
+        sart_field = {"sart": responses.extension(reply.method, outcome), **usage}
+        yield reply.chunk(
+            finish=responses.finish_reason(outcome),
+            stop=responses.stop_reason(outcome),
+            extra=sart_field,
+        )
         if include_usage:
             yield _sse(
                 responses.usage_chunk(

@@ -303,6 +303,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         raise ConfigError(f"--method={method!r} must be one of {method_names()}")
     return ServeConfig(
         models=tuple(args.served_model_name or [args.model]),
+        root=str(args.model),
         method=method,
         n=args.n,
         max_n=args.max_n,

@@ -64,6 +64,11 @@ class ServeConfig:
 
     models: tuple[str, ...] = attrs.field(converter=converters.strs, validator=_check_models)
     """Names the server answers to in ``model`` (the first one is listed first)."""
+    root: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
+    """What the names serve, as ``vllm serve``'s ``/v1/models`` says it in ``root``: the
+    model's directory or hub id (a gateway: its upstreams' model); ``None``: the name."""
     method: str = "sart"
     """The method of requests that name none (``sart.serve.method_names()``); checked
     when the app is built (``create_app``): a plugin may register it after this is made."""

@@ -75,9 +75,16 @@ class ServingEngine:
     """Wraps ``engine`` (sync or async) for the server's driver; see the module docstring.
 
     ``on_prefill(request_id)`` is called when a request's prefill starts (it
-    stops waiting for a slot then)."""
+    stops waiting for a slot then), ``on_prefilled(request_id)`` when it succeeded
+    (the engine took the prompt: a stream may open)."""
 
-    def __init__(self, engine: Any, *, on_prefill: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        on_prefill: Callable[[str], None] | None = None,
+        on_prefilled: Callable[[str], None] | None = None,
+    ) -> None:
         self.inner = engine
         self.supports_fork = supports_fork(engine)
         self.supports_pause = supports_pause(engine)
@@ -88,6 +95,7 @@ class ServingEngine:
         self.prompt_tokens: dict[str, int] = {}
         """Prompt length of each request prefilled and not yet forgotten."""
         self._on_prefill = on_prefill
+        self._on_prefilled = on_prefilled
         self._sync = not inspect.iscoroutinefunction(engine.step)
         self._thread = (
             concurrent.futures.ThreadPoolExecutor(1, "sart-engine") if self._sync else None
@@ -149,6 +157,8 @@ class ServingEngine:
             self._on_prefill(request_id)
         tokens = await self._call(self.inner.prefill, request_id, prompt, sampling)
         self.prompt_tokens[request_id] = tokens
+        if self._on_prefilled is not None:
+            self._on_prefilled(request_id)
         return tokens
 
     async def start_branches(self, request_id: str, branches: Sequence[BranchSpec]) -> None:

@@ -68,9 +68,9 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
     """Send a last chunk with ``usage`` (and no choices) before ``[DONE]``."""
     continuous_usage_stats: bool | None = None
-    """vLLM's: ``usage`` on every chunk too. Taken, as ``vllm serve`` takes it; sart
-    streams the chosen branch's answer when the request ends, so its last chunk's
-    ``usage`` (``include_usage``) carries the same numbers."""
+    """vLLM's: with ``include_usage``, ``usage`` on every chunk too (so far: the role
+    chunk counts the prompt alone; the answer's chunks, sent when the request ends,
+    count every branch's tokens)."""
 
 
 class _Body(_Strict):
@@ -130,6 +130,7 @@ class CompletionRequest(_Body):
 
     prompt: str | list[int] = Field(min_length=1)
     echo: bool | None = None
+    """vLLM's meaning: the answer's text starts with the prompt's."""
     logprobs: int | None = None
     suffix: str | None = None
 
@@ -168,6 +169,8 @@ class ChatCompletionRequest(_Body):
     chat_template: str | None = None
     documents: list[dict[str, str]] | None = None
     echo: bool | None = None
+    """vLLM's meaning: the answer starts with the last message's content when that
+    message is the assistant's (``continue_final_message``)."""
 
 
 #: Fields sart does not implement -> the values that mean "not used".
@@ -180,7 +183,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "prompt_logprobs": (None,),
     "bad_words": (None, []),
-    "echo": (None, False),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "suffix": (None, ""),
@@ -244,12 +246,17 @@ _TYPE_WORDS = {
 }
 
 
-def parse(model: type[_Body], body: bytes) -> Any:
-    """``body`` as ``model``, or ``Refused`` naming the first field at fault."""
+def parse_model(model: type[BaseModel], body: bytes) -> Any:
+    """``body`` as ``model`` (types only), or ``Refused`` naming the first field at fault."""
     try:
-        request = model.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise Refused(*_describe(exc)) from None
+
+
+def parse(model: type[_Body], body: bytes) -> Any:
+    """``body`` as ``model``, or ``Refused`` naming the first field at fault."""
+    request = parse_model(model, body)
     if isinstance(request, ChatCompletionRequest) and request.continue_final_message:
         if request.add_generation_prompt:
             # vLLM refuses the pair (transformers' apply_chat_template does too).
@@ -369,6 +376,9 @@ class Plan:
     """``sart.Request`` arguments but ``id`` and ``prompt``."""
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+    """``usage`` on every chunk too (``continuous_usage_stats`` with ``include_usage``,
+    as vLLM reads the pair)."""
 
 
 def plan(request: _Body, config: ServeConfig) -> Plan:
@@ -435,6 +445,9 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
         },
         stream=bool(request.stream),
         include_usage=bool(options is not None and options.include_usage),
+        continuous_usage=bool(
+            options is not None and options.include_usage and options.continuous_usage_stats
+        ),
     )
 
 
@@ -446,8 +459,13 @@ def field_of(message: str) -> str | None:
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
     """The messages as a chat template reads them (text parts joined)."""
+    return chat_messages_of(request.messages)
+
+
+def chat_messages_of(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """``messages`` as a chat template reads them (text parts joined)."""
     out = []
-    for message in request.messages:
+    for message in messages:
         content = message.content
         if not isinstance(content, str):
             content = "".join(part.text for part in content)
@@ -459,6 +477,16 @@ def question(request: ChatCompletionRequest) -> str:
     """What a PRM reads as the question of a chat: the last user message."""
     users = [m for m in chat_messages(request) if m["role"] == "user"]
     return users[-1]["content"] if users else chat_messages(request)[-1]["content"]
+
+
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before a chat answer, as vLLM: the last message's content if
+    it is the assistant's (text parts joined by newlines), else nothing."""
+    last = request.messages[-1]
+    if not request.echo or last.role != "assistant":
+        return ""
+    content = last.content
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)
 
 
 def completion_prompt(request: CompletionRequest) -> Prompt:

@@ -25,6 +25,7 @@ request finishes, so memory stays flat however long the server runs.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from typing import Any
 
@@ -53,6 +54,25 @@ SHUTTING_DOWN = "the server is shutting down"
 ones are refused meanwhile."""
 
 
+async def context_length(engine: Any) -> int | None:
+    """An engine's context length: vLLM's ``max_model_len``, transformers' and SGLang's
+    ``context_len``, a gateway's (``OpenAIEngine.context_length``, its upstreams'
+    ``max_model_len``); a ``SyncBridge``'s engine's. ``None`` where none says."""
+    engine = getattr(engine, "engine", engine) if hasattr(engine, "loop") else engine
+    for name in ("max_model_len", "context_len"):
+        value = getattr(engine, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    ask = getattr(engine, "context_length", None)
+    if inspect.iscoroutinefunction(ask):
+        try:
+            value = await ask()
+        except Exception:  # an upstream that does not answer: unsaid, not a failure
+            return None
+        return value if isinstance(value, int) and value > 0 else None
+    return None
+
+
 class QueueFull(SartError):
     """``max_queue`` requests already wait for a slot."""
 
@@ -77,7 +97,9 @@ class Service:
     def __init__(self, engine: Any, prm: PRM | None, config: ServeConfig) -> None:
         self.config = config
         self.metrics = ServeMetrics(self._gauges)
-        self.engine = ServingEngine(engine, on_prefill=self._prefilled)
+        self.engine = ServingEngine(
+            engine, on_prefill=self._prefilled, on_prefilled=self._took_prompt
+        )
         self.prm = None if prm is None else ServedPRM(prm, self.metrics.observe_prm)
         self.driver = AsyncDriver(
             self.engine,
@@ -97,6 +119,8 @@ class Service:
         # set by the driver's on_result (so that the outcome, its prompt length and
         # the metrics are all settled in one place, when the driver delivers it).
         self._futures: dict[str, asyncio.Future[Outcome]] = {}
+        # Set when the engine has taken the request's prompt (``started``).
+        self._took: dict[str, asyncio.Future[None]] = {}
         self._draining = False  # told to stop: new requests are refused
         self._shut: set[str] = set()  # cancelled by drain
 
@@ -162,6 +186,16 @@ class Service:
                 return str(exc)
         return None
 
+    @property
+    def in_flight(self) -> int:
+        """Requests accepted and not yet answered (``/load``'s ``server_load``)."""
+        return len(self._futures)
+
+    async def max_model_len(self) -> int | None:
+        """The engine's context length in tokens (``None`` where it does not say):
+        ``/v1/models``' and ``/tokenize``'s ``max_model_len``, as vLLM's."""
+        return await context_length(self.engine.inner)
+
     async def stop(self, timeout: float = 30.0) -> None:
         """Cancel what is still in flight, let the driver finish, stop it."""
         if self._task is None:
@@ -214,6 +248,7 @@ class Service:
         rid = request.id
         self.driver.submit(attrs.evolve(request, arrival=self.driver.clock.now()))
         self._futures[rid] = asyncio.get_running_loop().create_future()
+        self._took[rid] = asyncio.get_running_loop().create_future()
         self._waiting.add(rid)
         self._max_tokens[rid] = request.sampling.max_tokens
         if self.engine.live_branches() < self.config.batch_size:
@@ -226,6 +261,23 @@ class Service:
         """Whether a request of this id was submitted and its result not yet taken (or,
         cancelled, not yet delivered by the driver): ``submit`` refuses the id then."""
         return request_id in self._futures or self.driver.is_open(request_id)
+
+    async def started(self, request_id: str, timeout: float | None = None) -> None:
+        """Wait until the engine has taken an accepted request's prompt (prefilled), or
+        the request has ended (refused, failed, cancelled), or ``timeout`` seconds. A
+        stream opens then, so that a prompt the engine refuses is answered with an
+        HTTP error, as ``vllm serve`` answers it, not with an event in a 200 stream."""
+        waits = [f for f in (self._took.get(request_id), self._futures.get(request_id)) if f]
+        if waits and not any(f.done() for f in waits):
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+
+    def ended(self, request_id: str) -> Outcome | None:
+        """An accepted request's outcome if it has ended and is not yet taken (by
+        ``result``), else ``None``."""
+        future = self._futures.get(request_id)
+        if future is None or not future.done() or future.cancelled():
+            return None
+        return future.result() if future.exception() is None else None
 
     async def result(self, request_id: str) -> Outcome:
         """Wait for an accepted request's result. If the caller is cancelled (its client
@@ -247,6 +299,7 @@ class Service:
         """Cancel an accepted request unless it has finished: a waiting one leaves the
         queue at the driver's next step, a running one has its branches aborted at
         the next engine call (see ``sart.serve.engine``). Idempotent."""
+        self._took.pop(request_id, None)
         future = self._futures.pop(request_id, None)
         if future is None or future.done():  # taken, or finished as the client left
             return
@@ -264,6 +317,11 @@ class Service:
         self._waiting.discard(request_id)
         self._running.add(request_id)
 
+    def _took_prompt(self, request_id: str) -> None:
+        took = self._took.pop(request_id, None)
+        if took is not None and not took.done():
+            took.set_result(None)
+
     def _finished(self, result: RequestResult) -> None:
         rid = result.request_id
         cancelled = self.engine.cancelled(rid)
@@ -272,6 +330,7 @@ class Service:
             self.prm.forget(rid)  # never prefilled: the PRM is never told to release it
         prompt_tokens = prompt_tokens or 0
         self.engine.forget(rid)
+        self._took.pop(rid, None)
         self._waiting.discard(rid)
         self._running.discard(rid)
         max_tokens = self._max_tokens.pop(rid, 1)
