@@ -253,3 +253,12 @@ def test_prm_replicas_score_side_by_side_in_the_simulator() -> None:
 
     one, two = sart_p97(1), sart_p97(2)
     assert two[0] < one[0] and two[1] < one[1]
+
+
+def test_request_usage_lists_the_requests_in_their_order() -> None:
+    # The engine reports its open prefixes as a set, whose order follows the string
+    # hash's seed: keyed in that order, runs.jsonl differed from one run to the next.
+    record = run()
+    ids = [result.request_id for result in record.results]
+    assert list(record.request_usage) == [rid for rid in ids if rid in record.request_usage]
+    assert len(record.request_usage) == len(ids)

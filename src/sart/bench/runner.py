@@ -240,7 +240,9 @@ def serve(
         summary=RunSummary.of(results, list(timeline), gold),
         results=results,
         timeline=timeline,
-        request_usage={rid: tuple(v) for rid, v in usage.items()},
+        # In the requests' order: the engine reports its prefixes as a set, whose order
+        # follows the string hash's seed, and runs.jsonl must not differ run to run.
+        request_usage={r.id: tuple(usage[r.id]) for r in requests if r.id in usage},
         kv_capacity=None if kv_capacity is None else kv_capacity * len(fleet),
         batch_size=fleet[0].scheduler.config.batch_size * len(fleet),
         prm_busy=sum(d.prm_busy for d in fleet),
