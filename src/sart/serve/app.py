@@ -53,25 +53,8 @@ running then are cancelled, their branches aborted, and answered 503 (an error
 event when streaming) before the connections close (``Service.drain``, called
 by ``sart serve``'s uvicorn server).
 
-**Streaming** (``stream=true``). The stream opens once the engine has taken the
-prompt (or at the first keep-alive tick, if that comes first): a prompt the
-engine refuses is answered with its HTTP status, as ``vllm serve`` answers it,
-and the ``openai`` client raises from ``create()``. Which branch answers is
-known only when the request finishes: the selector picks among the completed branches by PRM
-reward or vote, and any running branch may still be pruned or stopped.
-Streaming a branch's tokens as they come would show text that is then
-withdrawn, which OpenAI's protocol cannot express. So the stream opens at
-once (a first chunk carrying the assistant role, for chat), sends an SSE
-comment (``: keep-alive``) every ``keepalive`` seconds, if set, while the
-request is undecided — proxies and load balancers then see a live
-connection; the ``openai`` client ignores comments, but vLLM's ``vllm bench
-serve`` client (0.32) strips each read it gets, so a comment that arrives
-alone loses its terminator and swallows the events after it: the default is
-none, as vLLM's server sends none — then the chosen answer in one
-chunk, a last chunk with ``finish_reason`` and the ``sart`` field, the
-usage chunk if ``stream_options.include_usage``, and ``[DONE]``. An error
-after the stream opened is sent as an ``{"error": ...}`` event, which the
-``openai`` client raises.
+**Streaming** (``stream=true``): the answer as server-sent events, once it is
+known (``sart.serve.events``, whose docstring says why and in what order).
 """
 
 from __future__ import annotations
@@ -79,7 +62,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import secrets
 import time
@@ -87,9 +69,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import attrs
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
@@ -97,12 +78,12 @@ from starlette.requests import Request as HTTPRequest
 import sart
 from sart.errors import ConfigError
 from sart.request import Request
-from sart.serve import protocol, responses, tokenize
+from sart.serve import events, protocol, responses, tokenize
 from sart.serve.config import Backend, ServeConfig
 from sart.serve.methods import get_method, method_names
 from sart.serve.protocol import Refused
 from sart.serve.service import Outcome, QueueFull, Service, ServiceStopped
-from sart.types import Prompt, RequestStatus
+from sart.types import Prompt
 
 _log = logging.getLogger("sart.serve")
 
@@ -271,7 +252,7 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     except ServiceStopped as exc:
         raise Refused(str(exc), None, 503) from None
     echo = protocol.chat_echo(request) if chat else _completion_echo(service, request)
-    reply = _Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat, echo)
+    reply = events.Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat, echo)
     headers = {"X-Request-Id": given}
     if plan.stream:
         # The stream opens once the engine has taken the prompt (or at the first
@@ -285,8 +266,10 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
         if ended is not None and not ended.result.ok:
             await service.result(rid)  # taken here: no stream will wait for it
             return _failed(ended, headers)
-        return _EventStream(
-            _events(service, reply, config.keepalive, plan.include_usage, plan.continuous_usage),
+        return events.EventStream(
+            events.events(
+                service, reply, config.keepalive, plan.include_usage, plan.continuous_usage
+            ),
             on_close=lambda: service.cancel(rid),
             headers=headers,
         )
@@ -385,143 +368,6 @@ async def _disconnect(http: HTTPRequest) -> None:
 
 
 def _failed(outcome: Outcome, headers: dict[str, str] | None = None) -> JSONResponse:
-    message, status, param = _failure(outcome)
+    message, status, param = events.failure(outcome)
     body = responses.error_body(message, status, param)
     return JSONResponse(body, status_code=status, headers=headers)
-
-
-def _failure(outcome: Outcome) -> tuple[str, int, str | None]:
-    """The error message and HTTP status of a request that did not complete: 503 for one
-    cancelled because the server is shutting down (as vLLM's server answers once its
-    engine stops; clients and balancers retry it elsewhere), 504 for one that ran past
-    its ``timeout`` (a cancelled request whose client is still there), 400 for one the
-    engine refused for what it asks (a prompt over the context), 500 for a failure; and
-    the field at fault, if any."""
-    result = outcome.result
-    if outcome.shutdown:
-        message, status, param = f"the request was cancelled: {result.reason}", 503, None
-    elif result.status is RequestStatus.CANCELLED:
-        message, status, param = f"the request {result.reason}", 504, None
-    elif result.refused:
-        message, status = f"the request was refused: {result.reason}", 400
-        param = result.refused_field
-    else:
-        message, status, param = f"the request failed: {result.reason}", 500, None
-    # A streamed client may read no error event (vllm bench serve does not): the log
-    # keeps the reason, as vLLM's server logs a failed request.
-    _log.warning("%s: %s (HTTP %d)", result.request_id, message, status)
-    return message, status, param
-
-
-@attrs.frozen
-class _Reply:
-    """What every answer to one request shares."""
-
-    id: str
-    """The answer's id: ``cmpl-`` (``chatcmpl-``) and the client's id, as vLLM's."""
-    key: str
-    """The request's id in the server (``id``, or ``id`` and a suffix while another
-    request of that id runs)."""
-    created: int
-    model: str
-    method: str
-    chat: bool
-    echo: str = ""
-    """What ``echo`` puts before the answer (``""``: nothing)."""
-
-    def body(self, outcome: Outcome) -> dict[str, Any]:
-        return responses.completion_body(
-            self.id, self.created, self.model, self.method, outcome, chat=self.chat, echo=self.echo
-        )
-
-    def chunk(self, **fields: Any) -> bytes:
-        return _sse(responses.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
-
-
-def _sse(data: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-KEEPALIVE = b": keep-alive\n\n"
-DONE = b"data: [DONE]\n\n"
-
-
-async def _events(
-    service: Service,
-    reply: _Reply,
-    keepalive: float | None,
-    include_usage: bool,
-    continuous_usage: bool = False,
-) -> AsyncIterator[bytes]:
-    """The SSE events of a streamed request (see the module docstring)."""
-    job = asyncio.ensure_future(service.result(reply.key))
-    try:
-        if reply.chat:
-            running = None
-            if continuous_usage:  # prefilled by now (or ended, its outcome says)
-                ended = service.ended(reply.key)
-                prompt = (
-                    ended.prompt_tokens if ended else service.engine.prompt_tokens.get(reply.key, 0)
-                )
-                running = responses.running_usage(prompt, 0)
-            yield reply.chunk(role=True, text="", extra=running)
-        while True:
-            done, _ = await asyncio.wait({job}, timeout=keepalive)
-            if done:
-                break
-            yield KEEPALIVE
-        try:
-            outcome = job.result()
-        except Exception as exc:
-            yield _sse(responses.error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
-            yield DONE
-            return
-        if not outcome.result.ok:
-            yield _sse(responses.error_body(*_failure(outcome)))
-            yield DONE
-            return
-        usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
-        yield reply.chunk(text=reply.echo + (outcome.result.text or ""), extra=usage or None)
-        sart_field = {"sart": responses.extension(reply.method, outcome), **usage}
-        yield reply.chunk(
-            finish=responses.finish_reason(outcome),
-            stop=responses.stop_reason(outcome),
-            extra=sart_field,
-        )
-        if include_usage:
-            yield _sse(
-                responses.usage_chunk(
-                    reply.id, reply.created, reply.model, outcome, chat=reply.chat
-                )
-            )
-        yield DONE
-    finally:
-        if not job.done():
-            job.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await job
-
-
-class _EventStream(StreamingResponse):
-    """An SSE response that calls ``on_close`` however it ends: finished, failed, or
-    torn down because the client left (even before its first event)."""
-
-    def __init__(
-        self,
-        events: AsyncIterator[bytes],
-        *,
-        on_close: Callable[[], None],
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(
-            events,
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
-        )
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()

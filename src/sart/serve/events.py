@@ -1,0 +1,182 @@
+"""A streamed answer (``stream=true``) as server-sent events, in OpenAI's chunks.
+
+Which branch answers is known only when the request finishes: the selector
+picks among the completed branches by PRM reward or vote, and any running
+branch may still be pruned or stopped. Streaming a branch's tokens as they
+come would show text that is then withdrawn, which OpenAI's protocol cannot
+express. So a stream carries the answer in one chunk, once it is chosen:
+
+1. The stream opens once the engine has taken the prompt (or at the first
+   keep-alive tick, if that comes first; ``app``'s handler waits for it): a
+   prompt the engine refuses is answered with its HTTP status, as ``vllm
+   serve`` answers it, and the ``openai`` client raises from ``create()``.
+2. For chat, a first chunk carrying the assistant role.
+3. While the request is undecided, an SSE comment (``: keep-alive``) every
+   ``keepalive`` seconds, if set: proxies and load balancers then see a live
+   connection. The default is none, as vLLM's server sends none: the
+   ``openai`` client ignores comments, but vLLM's ``vllm bench serve`` client
+   (0.32) strips each read it gets, so a comment that arrives alone loses its
+   terminator and swallows the events after it.
+4. The chosen answer in one chunk, a last chunk with ``finish_reason``,
+   ``stop_reason`` and the ``sart`` field, the usage chunk if
+   ``stream_options.include_usage`` (with ``continuous_usage_stats``, every
+   chunk carries ``usage``), and ``[DONE]``.
+
+An error after the stream opened is sent as an ``{"error": ...}`` event, which
+the ``openai`` client raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import attrs
+from fastapi.responses import StreamingResponse
+
+from sart.serve import responses
+from sart.serve.service import Outcome, Service
+from sart.types import RequestStatus
+
+_log = logging.getLogger("sart.serve")
+
+
+def failure(outcome: Outcome) -> tuple[str, int, str | None]:
+    """The error message and HTTP status of a request that did not complete: 503 for one
+    cancelled because the server is shutting down (as vLLM's server answers once its
+    engine stops; clients and balancers retry it elsewhere), 504 for one that ran past
+    its ``timeout`` (a cancelled request whose client is still there), 400 for one the
+    engine refused for what it asks (a prompt over the context), 500 for a failure; and
+    the field at fault, if any."""
+    result = outcome.result
+    if outcome.shutdown:
+        message, status, param = f"the request was cancelled: {result.reason}", 503, None
+    elif result.status is RequestStatus.CANCELLED:
+        message, status, param = f"the request {result.reason}", 504, None
+    elif result.refused:
+        message, status = f"the request was refused: {result.reason}", 400
+        param = result.refused_field
+    else:
+        message, status, param = f"the request failed: {result.reason}", 500, None
+    # A streamed client may read no error event (vllm bench serve does not): the log
+    # keeps the reason, as vLLM's server logs a failed request.
+    _log.warning("%s: %s (HTTP %d)", result.request_id, message, status)
+    return message, status, param
+
+
+@attrs.frozen
+class Reply:
+    """What every answer to one request shares."""
+
+    id: str
+    """The answer's id: ``cmpl-`` (``chatcmpl-``) and the client's id, as vLLM's."""
+    key: str
+    """The request's id in the server (``id``, or ``id`` and a suffix while another
+    request of that id runs)."""
+    created: int
+    model: str
+    method: str
+    chat: bool
+    echo: str = ""
+    """What ``echo`` puts before the answer (``""``: nothing)."""
+
+    def body(self, outcome: Outcome) -> dict[str, Any]:
+        return responses.completion_body(
+            self.id, self.created, self.model, self.method, outcome, chat=self.chat, echo=self.echo
+        )
+
+    def chunk(self, **fields: Any) -> bytes:
+        return sse(responses.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
+
+
+def sse(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+KEEPALIVE = b": keep-alive\n\n"
+DONE = b"data: [DONE]\n\n"
+
+
+async def events(
+    service: Service,
+    reply: Reply,
+    keepalive: float | None,
+    include_usage: bool,
+    continuous_usage: bool = False,
+) -> AsyncIterator[bytes]:
+    """The SSE events of a streamed request (see the module docstring)."""
+    job = asyncio.ensure_future(service.result(reply.key))
+    try:
+        if reply.chat:
+            running = None
+            if continuous_usage:  # prefilled by now (or ended, its outcome says)
+                ended = service.ended(reply.key)
+                prompt = (
+                    ended.prompt_tokens if ended else service.engine.prompt_tokens.get(reply.key, 0)
+                )
+                running = responses.running_usage(prompt, 0)
+            yield reply.chunk(role=True, text="", extra=running)
+        while True:
+            done, _ = await asyncio.wait({job}, timeout=keepalive)
+            if done:
+                break
+            yield KEEPALIVE
+        try:
+            outcome = job.result()
+        except Exception as exc:
+            yield sse(responses.error_body(f"internal error: {type(exc).__name__}: {exc}", 500))
+            yield DONE
+            return
+        if not outcome.result.ok:
+            yield sse(responses.error_body(*failure(outcome)))
+            yield DONE
+            return
+        usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
+        yield reply.chunk(text=reply.echo + (outcome.result.text or ""), extra=usage or None)
+        sart_field = {"sart": responses.extension(reply.method, outcome), **usage}
+        yield reply.chunk(
+            finish=responses.finish_reason(outcome),
+            stop=responses.stop_reason(outcome),
+            extra=sart_field,
+        )
+        if include_usage:
+            yield sse(
+                responses.usage_chunk(
+                    reply.id, reply.created, reply.model, outcome, chat=reply.chat
+                )
+            )
+        yield DONE
+    finally:
+        if not job.done():
+            job.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await job
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends: finished, failed, or
+    torn down because the client left (even before its first event)."""
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        on_close: Callable[[], None],
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
