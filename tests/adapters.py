@@ -418,13 +418,22 @@ def hung_classify_server() -> Iterator[tuple[str, threading.Event]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    with loopback_http(Handler) as url:
+        try:
+            yield url, arrived
+        finally:
+            release.set()  # before the server's shutdown, which waits for the hung handler
+
+
+@contextlib.contextmanager
+def loopback_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A standard-library HTTP server of ``handler`` on a free 127.0.0.1 port, serving
+    from a thread (a thread per request) while the block lasts; yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", arrived
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
-        release.set()
         server.shutdown()
         server.server_close()

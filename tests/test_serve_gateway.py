@@ -27,7 +27,7 @@ pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 import sart  # noqa: E402
-from adapters import free_port  # noqa: E402
+from adapters import free_port, loopback_http  # noqa: E402
 from openai_standin import SocketServer  # noqa: E402
 from sart.engines.openai import OpenAIEngine  # noqa: E402
 from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
@@ -174,17 +174,12 @@ def test_the_upstreams_are_checked_before_the_gateway_serves(
         check_upstreams([server.url + "/completions"], None, MODEL)
     # A plain HTTP server (the stand-in waits for a request's end, which a TLS hello
     # never sends; the standard library's answers it at once, as uvicorn does).
-    plain = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
-    threading.Thread(target=plain.serve_forever, daemon=True).start()
-    where = f"127.0.0.1:{plain.server_address[1]}"
-    try:
+    with loopback_http(http.server.BaseHTTPRequestHandler) as plain:
+        where = plain.removeprefix("http://")
         with pytest.raises(
             ConfigError, match=rf"does not speak TLS .*; give it as http://{where}$"
         ):
             check_upstreams([f"https://{where}"], None, MODEL)
-    finally:
-        plain.shutdown()
-        plain.server_close()
 
 
 @pytest.mark.parametrize(
@@ -220,10 +215,7 @@ def test_the_start_up_check_and_health_word_a_bad_model_list_alike(
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Models)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with loopback_http(Models) as url:
         with pytest.raises(ConfigError) as at_start:
             check_upstreams([url], None, MODEL)
         engine = OpenAIEngine([url], MODEL)
@@ -232,9 +224,6 @@ def test_the_start_up_check_and_health_word_a_bad_model_list_alike(
                 asyncio.run(engine.check_health())
         finally:
             engine.close()
-    finally:
-        server.shutdown()
-        server.server_close()
     health = str(in_health.value)
     fault = health.removeprefix(f"no upstream can serve the model: {url}: ")
     assert fault != health and said in fault
