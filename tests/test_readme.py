@@ -24,7 +24,7 @@ def test_ci_runs_the_readme_test_command() -> None:
     first_block = README.split("```bash\n", 1)[1].split("```", 1)[0]
     test_line = next(line for line in first_block.splitlines() if "pytest" in line)
     command = test_line.rsplit("&&", 1)[1].strip()
-    assert command == "python -m pytest"
+    assert command == "python -m pytest -n auto"
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(rf"^{re.escape(command)}$", ci, re.M)
     assert "sart bench" in first_block
