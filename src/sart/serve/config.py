@@ -18,7 +18,14 @@ from sart.errors import config_check, finite_number, int_at_least, number_above
 from sart.policies.equivalence import Equivalence, check_equivalence
 from sart.prm.base import PRM
 from sart.scheduler.config import to_admission, to_scoring
-from sart.types import Admission, SamplingSettings, Scoring, check_temperature, check_top_p
+from sart.types import (
+    EXTRA_SAMPLING,
+    Admission,
+    SamplingSettings,
+    Scoring,
+    check_temperature,
+    check_top_p,
+)
 
 _positive_int = int_at_least(1, rule="an int >= 1")
 
@@ -57,6 +64,16 @@ def _check_api_key(_inst: object, _attr: attrs.Attribute, value: str | None) -> 
     )
 
 
+def _check_sampling(_inst: object, _attr: attrs.Attribute, value: dict[str, Any]) -> None:
+    config_check(
+        isinstance(value, dict) and set(value) <= set(EXTRA_SAMPLING),
+        "sampling",
+        value,
+        f"a dict of {', '.join(EXTRA_SAMPLING)}",
+    )
+    SamplingSettings(**value)  # each value checked as a request's is
+
+
 @attrs.frozen
 class ServeConfig:
     """A server's fixed settings: served model names, per-request defaults and limits,
@@ -93,6 +110,10 @@ class ServeConfig:
         default=attrs.fields(SamplingSettings).top_p.default, validator=check_top_p
     )
     """Nucleus mass of requests that do not say (``SamplingSettings``')."""
+    sampling: dict[str, Any] = attrs.field(factory=dict, validator=_check_sampling)
+    """Defaults of ``EXTRA_SAMPLING`` fields (``top_k``, ``min_p``, the penalties) for
+    requests that do not set them, by vLLM's name: a model's ``generation_config.json``
+    gives them (``sart.generation_config``); unset: the engine's neutral values."""
     batch_size: int = attrs.field(default=64, validator=_positive_int)
     """``B``: the most branches decoding at once, over all requests."""
     scoring: Scoring = attrs.field(default=Scoring.OVERLAPPED, converter=to_scoring)

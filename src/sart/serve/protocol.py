@@ -425,9 +425,12 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             seed=request.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
             **{
-                field: value
-                for field in EXTRA_SAMPLING
-                if (value := getattr(request, field)) is not None
+                **config.sampling,  # the model's defaults (its generation_config.json)
+                **{
+                    field: value
+                    for field in EXTRA_SAMPLING
+                    if (value := getattr(request, field)) is not None
+                },
             },
         )
     except ConfigError as exc:
