@@ -83,7 +83,7 @@ def test_a_bad_value_is_refused_naming_the_file_and_field(
     tmp_path: Path, config: dict, field: str
 ) -> None:
     model = model_dir(tmp_path, config)
-    with pytest.raises(ConfigError, match=rf"generation_config \({model}.*\): {field}"):
+    with pytest.raises(ConfigError, match=rf"generation_config=.{model}.*.: {field}="):
         generation_defaults("auto", str(model))
 
 
@@ -94,3 +94,11 @@ def test_a_file_that_is_not_a_json_object_is_refused(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text("{")
     with pytest.raises(ConfigError, match="not readable JSON"):
         generation_defaults("auto", str(tmp_path))
+
+
+def test_an_error_names_what_gave_the_bad_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^override_generation_config=\{'top_p': 2\}: top_p="):
+        generation_defaults("sart", None, {"top_p": 2})
+    model = model_dir(tmp_path, {"temperature": 0.5})
+    with pytest.raises(ConfigError, match=r"json' with the override \{'top_p': 2\}: top_p="):
+        generation_defaults("auto", str(model), {"top_p": 2})

@@ -145,3 +145,19 @@ def test_serve_config_checks_its_sampling_defaults() -> None:
         ServeConfig(models=("m",), sampling={"seed": 1})
     with pytest.raises(ConfigError, match="min_p=2"):
         ServeConfig(models=("m",), sampling={"min_p": 2})
+
+
+def test_a_named_file_or_an_override_is_checked_before_the_models_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # _serve loads the models (the testbed here): these end the command first, in the
+    # words of their flags.
+    monkeypatch.setattr(command, "_serve", lambda *a: pytest.fail("the models loaded"))
+    for flags, message in (
+        (["--generation-config", str(tmp_path / "nowhere")], "--generation-config '"),
+        (["--override-generation-config", '{"top_p": 2}'], "--override-generation-config {"),
+    ):
+        args = _parser().parse_args(["serve", *flags])
+        with pytest.raises(ConfigError) as info:
+            command.run_serve_command(args)
+        assert str(info.value).startswith(message)

@@ -59,6 +59,8 @@ FLAGS = {
     "stream_interval": "--upstream-stream-interval",
     "stream_timeout": "--upstream-timeout",
     "chat": "--chat",
+    "generation_config": "--generation-config",
+    "override_generation_config": "--override-generation-config",
     # Runs (sart.bench.runner.BenchConfig and the like).
     "workload": "--workload",
     "cost": "--cost-model",

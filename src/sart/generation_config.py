@@ -86,7 +86,6 @@ def generation_defaults(
     ``override`` laid over them: ``SamplingSettings`` field names (``max_tokens`` for
     ``max_new_tokens``) to values, each checked as ``SamplingSettings`` checks it."""
     found = generation_file(source, model)
-    where = f"{found}" if found is not None else "--override-generation-config"
     config: dict[str, Any] = {}
     if found is not None:
         try:
@@ -105,12 +104,16 @@ def generation_defaults(
                 f"is not one of {', '.join(GENERATION_KEYS)}"
             )
         config = {**config, **override}
-        where = f"{found} and --override-generation-config" if found else where
     out = {key: config[key] for key in GENERATION_KEYS if config.get(key) is not None}
     if "max_new_tokens" in out:
         out["max_tokens"] = out.pop("max_new_tokens")
     try:
         SamplingSettings(**out)
     except (ConfigError, TypeError) as exc:
-        raise ConfigError(f"generation_config ({where}): {exc}") from None
+        if found is None:  # the override's own value
+            raise ConfigError(
+                f"override_generation_config={dict(override or {})!r}: {exc}"
+            ) from None
+        also = f" with the override {dict(override)!r}" if override else ""
+        raise ConfigError(f"generation_config={str(found)!r}{also}: {exc}") from None
     return out

@@ -50,7 +50,7 @@ from sart.flags import (
     in_flags,
 )
 from sart.flags import sampling as sampling_flags
-from sart.generation_config import AUTO, generation_defaults
+from sart.generation_config import AUTO, OWN, generation_defaults
 from sart.launch import (
     TESTBED,
     TESTBED_INTERVAL,
@@ -443,6 +443,10 @@ def run_serve_command(args: argparse.Namespace) -> int:
         check_name("--engine", args.engine, loadable_engines())
         spec = load_spec_of(args)
         config = serve_config(args, has_prm=spec.prm is not None)
+        # A generation config named by path, and the override, are checked before the
+        # models load (the model's own is read after: a hub model's is cached then).
+        source = OWN if args.generation_config == AUTO else args.generation_config
+        generation_defaults(source, None, args.override_generation_config)
         if spec.gateway is not None:
             check_upstreams(spec.gateway.upstreams, spec.gateway.api_key, spec.model)
     except ConfigError as exc:
