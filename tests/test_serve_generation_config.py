@@ -1,6 +1,6 @@
 """``sart serve --generation-config``: requests that leave sampling unset take the model's
 ``generation_config.json`` defaults, as ``vllm serve`` gives them (flags resolved by
-``command.with_model_defaults``, requests planned by ``protocol.plan``, and a served
+``model_defaults.with_model_defaults``, requests planned by ``protocol.plan``, and a served
 testbed whose generation config makes unset temperature greedy)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from sart.cli import _parser
 from sart.errors import ConfigError
-from sart.serve import ServeConfig, command
+from sart.serve import ServeConfig, command, model_defaults
 from sart.serve.protocol import CompletionRequest, parse, plan
 from sart.types import SamplingSettings
 
@@ -29,7 +29,7 @@ def resolved(*flags: str) -> ServeConfig:
     args = _parser().parse_args(["serve", *flags])
     command.load_spec_of(args)
     config = command.serve_config(args, has_prm=False)
-    return command.with_model_defaults(config, args)
+    return model_defaults.with_model_defaults(config, args)
 
 
 @pytest.fixture
@@ -106,8 +106,8 @@ def test_defaults_an_engine_does_not_honour_stop_the_start() -> None:
         pass
 
     with pytest.raises(ConfigError, match=r"\{'top_k': 20\}: --engine plain does not honour"):
-        command._check_honoured(config, Plain(), "plain")
-    command._check_honoured(ServeConfig(models=("m",)), Plain(), "plain")
+        model_defaults.check_honoured(config, Plain(), "plain")
+    model_defaults.check_honoured(ServeConfig(models=("m",)), Plain(), "plain")
 
 
 def test_a_served_model_whose_generation_config_is_greedy(tmp_path: Path) -> None:

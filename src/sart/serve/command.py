@@ -27,16 +27,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import signal
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
-from sart.engines.base import sampling_fields
 from sart.errors import ConfigError
 from sart.flags import (
     add_admission_flag,
@@ -50,7 +46,7 @@ from sart.flags import (
     in_flags,
 )
 from sart.flags import sampling as sampling_flags
-from sart.generation_config import AUTO, OWN, generation_defaults
+from sart.generation_config import AUTO
 from sart.launch import (
     TESTBED,
     TESTBED_INTERVAL,
@@ -64,9 +60,15 @@ from sart.methods import method_names
 from sart.model_flags import add_model_flags, load_spec
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
+from sart.serve.model_defaults import (
+    check_honoured,
+    check_named,
+    json_object,
+    with_model_defaults,
+    within,
+)
 from sart.serve.upstream_check import UPSTREAM_KEY_ENV, check_upstreams, upstream_model
 from sart.testbed.specs import LONG, testbed
-from sart.types import EXTRA_SAMPLING
 
 REAL_TEMPERATURE: float = default_of(ServeConfig, "temperature")
 """Temperature of requests that do not say, for a model other than the testbed."""
@@ -230,7 +232,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument(
         "--override-generation-config",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="laid over the generation config, e.g. '{\"temperature\": 0.5}', as vllm serve's",
@@ -332,7 +334,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         interval=args.interval or (bed.interval if bed else _serve_default("interval")),
         # A limit given alone lowers the default to it (16384 past a limit of 4096 was
         # refused as max_tokens > max_tokens_limit).
-        max_tokens=_within(sampling.max_tokens, None if args.max_tokens else args.max_tokens_limit),
+        max_tokens=within(sampling.max_tokens, None if args.max_tokens else args.max_tokens_limit),
         max_tokens_limit=args.max_tokens_limit or sampling.max_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -347,43 +349,6 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         aging=args.priority_aging or None,
         equivalence=equivalence_of(args.equivalence),
     )
-
-
-def _within(max_tokens: int, limit: int | None) -> int:
-    return max_tokens if limit is None else min(max_tokens, limit)
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-    return value
-
-
-def with_model_defaults(config: ServeConfig, args: argparse.Namespace) -> ServeConfig:
-    """``config`` with the defaults of the model's generation config
-    (``--generation-config``, ``--override-generation-config``: see
-    ``sart.generation_config``) where no flag set them: temperature, top_p and
-    max_tokens (also the limit, where ``--max-tokens-limit`` is not given), and the
-    ``EXTRA_SAMPLING`` fields. Read once the engine has loaded: a hub model's file is
-    in the cache then."""
-    found = generation_defaults(
-        args.generation_config,
-        args.tokenizer or args.model,
-        args.override_generation_config,
-    )
-    given = {"temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens}
-    changes: dict[str, Any] = {
-        key: value for key, value in found.items() if key in given and given[key] is None
-    }
-    if "max_tokens" in changes:
-        changes["max_tokens"] = _within(changes["max_tokens"], args.max_tokens_limit)
-        changes["max_tokens_limit"] = args.max_tokens_limit or changes["max_tokens"]
-    changes["sampling"] = {key: v for key, v in found.items() if key in EXTRA_SAMPLING}
-    return attrs.evolve(config, **changes)
 
 
 def load_spec_of(args: argparse.Namespace) -> LoadSpec:
@@ -443,10 +408,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         check_name("--engine", args.engine, loadable_engines())
         spec = load_spec_of(args)
         config = serve_config(args, has_prm=spec.prm is not None)
-        # A generation config named by path, and the override, are checked before the
-        # models load (the model's own is read after: a hub model's is cached then).
-        source = OWN if args.generation_config == AUTO else args.generation_config
-        generation_defaults(source, None, args.override_generation_config)
+        check_named(args)
         if spec.gateway is not None:
             check_upstreams(spec.gateway.upstreams, spec.gateway.api_key, spec.model)
     except ConfigError as exc:
@@ -470,7 +432,7 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
     try:
         config = with_model_defaults(config, args)
         if not callable(backend):
-            _check_honoured(config, backend.engine, args.engine)
+            check_honoured(config, backend.engine, args.engine)
     except ConfigError as exc:
         if not callable(backend) and backend.close is not None:
             backend.close()
@@ -528,18 +490,6 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def _check_honoured(config: ServeConfig, engine: Any, name: str) -> None:
-    """Refuses defaults the engine does not honour: every request would be refused."""
-    honoured = sampling_fields(engine)
-    unhonoured = sorted(set(config.sampling) - honoured)
-    if unhonoured:
-        raise ConfigError(
-            f"generation_config={ {k: config.sampling[k] for k in unhonoured} }: --engine "
-            f"{name} does not honour these; --generation-config sart, or "
-            "--override-generation-config giving them null, serves without them"
-        )
 
 
 def log_config(level: str) -> dict[str, Any]:
