@@ -11,11 +11,11 @@ from typing import Any
 
 import attrs
 
-from sart.engines.base import sampling_fields
+from sart.engines.base import unhonoured_sampling
 from sart.errors import ConfigError
 from sart.generation_config import AUTO, OWN, generation_defaults
 from sart.serve.config import ServeConfig
-from sart.types import EXTRA_SAMPLING
+from sart.types import EXTRA_SAMPLING, SamplingSettings
 
 
 def within(max_tokens: int, limit: int | None) -> int:
@@ -59,13 +59,12 @@ def with_model_defaults(config: ServeConfig, args: argparse.Namespace) -> ServeC
 
 def check_honoured(config: ServeConfig, engine: Any, name: str) -> None:
     """Refuses defaults the engine does not honour: every request would be refused."""
-    honoured = sampling_fields(engine)
-    unhonoured = sorted(set(config.sampling) - honoured)
+    unhonoured = unhonoured_sampling(engine, SamplingSettings(**config.sampling))
     if unhonoured:
         raise ConfigError(
-            f"generation_config={ {k: config.sampling[k] for k in unhonoured} }: --engine "
-            f"{name} does not honour these; --generation-config sart, or "
-            "--override-generation-config giving them null, serves without them"
+            f"generation_config={unhonoured}: --engine {name} does not honour these; "
+            "--generation-config sart, or --override-generation-config giving them null, "
+            "serves without them"
         )
 
 
