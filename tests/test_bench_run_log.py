@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import pytest
 
+from sart.bench.inputs import sha256
 from sart.bench.run_log import RunLog, resumable_runs
 from sart.bench.runner import BenchConfig, run_bench
 from sart.cli import main
@@ -257,3 +258,45 @@ def test_an_interrupted_benchmark_is_not_started_afresh_without_resume(
     (tmp_path / "runs.jsonl").unlink()
     assert main([*BENCH, "--methods", "sc", "sart", *out]) == 0
     assert main([*BENCH, "--methods", "sc", *out]) == 0
+
+
+@pytest.mark.parametrize("flag", ["--trace", "--workload"])
+def test_resume_refuses_a_trace_file_changed_under_the_same_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    # results.json held the trace's path only: a trace recorded again under that name was
+    # resumed as the same benchmark, mixing runs of other requests in one report.
+    trace = tmp_path / "t.jsonl"
+    record = ["trace", "record", str(trace), "--requests", "6", "--n", "4", "--interval", "50"]
+    assert main([*record, "--seed", "1"]) == 0
+    out = tmp_path / "out"
+    bench = ["bench", "--n", "2", "--no-plots", flag, str(trace), "--out", str(out)]
+    if flag == "--workload":
+        bench += ["--requests", "6", "--rate", "2"]
+    assert main([*bench, "--methods", "sc"]) == 0
+    inputs = document(out)["inputs"]
+    assert inputs == {flag: {"path": str(trace), "sha256": sha256(trace)}}
+    # The same file: resumed, the kept run not served again.
+    assert main([*bench, "--methods", "sc", "vanilla", "--resume"]) == 0
+    rate = document(out)["runs"][0]["rate"]
+    assert document(out)["resumed"] == [{"rate": rate, "method": "sc", "n": 2}]
+    capsys.readouterr()
+    assert main([*record, "--seed", "2"]) == 0  # recorded again, same name
+    before = (out / "runs.jsonl").read_text()
+    with pytest.raises(SystemExit) as exit_info:
+        main([*bench, "--methods", "sc", "vanilla", "--resume"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {trace}: the file changed since (sha256 " in err
+    assert (out / "runs.jsonl").read_text() == before  # nothing lost
+
+
+def test_resume_keeps_the_runs_of_a_report_written_before_inputs_were_recorded(
+    tmp_path: Path,
+) -> None:
+    assert main([*BENCH, "--methods", "sc", "--out", str(tmp_path)]) == 0
+    report = document(tmp_path)
+    assert report["inputs"] == {}  # a workload preset reads no file
+    del report["inputs"]
+    (tmp_path / "results.json").write_text(json.dumps(report))
+    assert len(resumable_runs(tmp_path, report["config"], None, {"--trace": {}})) == 1

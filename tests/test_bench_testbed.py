@@ -210,3 +210,24 @@ def test_a_real_benchmark_resumes_with_its_serving_compared(
     (out / "results.json").write_text(json.dumps(document))
     with pytest.raises(SystemExit):
         main(bench_argv("hf", out, "--methods", "sc", "sart", "--resume"))
+
+
+def test_resuming_refuses_a_prompt_file_that_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # results.json did not hold the --prompts file at all: edited, its runs were kept.
+    from sart.testbed import testbed
+
+    prompts = tmp_path / "prompts.jsonl"
+    questions = testbed("testbed").questions(0, 6)
+    lines = [json.dumps({"prompt": q.prompt, "answer": q.answer}) for q in questions]
+    prompts.write_text("\n".join(lines[:4]) + "\n")
+    argv = bench_argv("hf", tmp_path / "out", "--methods", "sc", "--prompts", str(prompts))
+    argv = [a for i, a in enumerate(argv) if "--requests" not in argv[i - 1 : i + 1]]
+    assert main(argv) == 0
+    assert main([*argv, "--resume"]) == 0  # the same file: kept
+    prompts.write_text("\n".join(lines[2:]) + "\n")
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--resume"])
+    assert f"--prompts {prompts}: the file changed since (sha256 " in capsys.readouterr().err

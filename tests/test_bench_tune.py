@@ -322,3 +322,37 @@ def test_the_verdict_on_the_paper_defaults_winning_says_whether_they_meet_the_fl
     line = verdict(result)
     assert "the paper's defaults at N=4 are already best on the tuning trace" in line
     assert f"held out {said} accuracy floor: P97 100," in line
+
+
+def test_resuming_a_tune_refuses_a_resampled_trace_that_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # tune.json held the --workload trace's path only: recorded again under that name,
+    # its runs were kept as if the requests were the same.
+    from sart.bench import tune as tuning
+    from sart.bench.inputs import sha256
+    from sart.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    record = ["trace", "record", str(trace), "--requests", "20", "--n", "4", "--interval", "200"]
+    assert main([*record, "--seed", "1"]) == 0
+    real_run = tuning._run
+
+    def interrupted_on_the_third(*args: Any) -> Any:
+        if len((out / "tune-runs.jsonl").read_text().splitlines()) == 2:
+            raise KeyboardInterrupt
+        return real_run(*args)
+
+    monkeypatch.setattr(tuning, "_run", interrupted_on_the_third)
+    out = tmp_path / "out"
+    argv = [*TUNE, "--workload", str(trace), "--jobs", "1", "--out", str(out)]
+    assert main(argv) == 130
+    document = json.loads((out / "tune.json").read_text())
+    assert document["inputs"] == {"--workload": {"path": str(trace), "sha256": sha256(trace)}}
+    assert main([*record, "--seed", "2"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv, "--resume"])
+    err = capsys.readouterr().err
+    assert f"holds another tune (--workload {trace}: the file changed since (sha256 " in err
+    assert len((out / "tune-runs.jsonl").read_text().splitlines()) == 2

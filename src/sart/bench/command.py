@@ -9,6 +9,7 @@ every command shares); ``--mix`` lives in ``sart.bench.mix_command``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -107,15 +108,18 @@ def _bench(args: argparse.Namespace) -> int:
         from sart.bench.mix_command import bench_mix
 
         return bench_mix(args, config)
+    from sart.bench.inputs import input_digests
     from sart.bench.report import bench_header, report_view, run_json
 
+    # Read once, before any run: what --resume checks a kept run's requests against.
+    inputs = input_digests(config.trace, config.workload, getattr(args, "prompts", None))
     console, progress = progress_console("sart bench", to_stderr=args.json)
     out = Path(args.out)
     # Refuses an unwritable --out before any run.
     sink = ResultsFile(
         out,
         config,
-        bench_header,
+        functools.partial(bench_header, inputs=inputs),
         lambda record, gold: run_json(record, gold, config.slo),
         retain=report_view(config, plots=not args.no_plots),
         resume=args.resume,

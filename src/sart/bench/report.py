@@ -84,14 +84,16 @@ def bench_json(
     gold: dict[float | None, dict[str, str]],
     wall_seconds: float,
     serving: dict[str, Any] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The whole benchmark as one JSON document (``results.json``); ``serving``
-    (real engines: model, PRM, sampling settings) is recorded as given.
+    (real engines: model, PRM, sampling settings) and ``inputs`` (the files requests
+    came from, ``sart.bench.inputs``) are recorded as given.
 
     ``sart bench`` writes the same document piecewise (``ResultsFile``): this header,
     then each run's ``run_json``, made once as the run finishes."""
     runs = [run_json(r, gold.get(r.rate), config.slo) for r in records]
-    return bench_header(config, records, wall_seconds, serving) | {"runs": runs}
+    return bench_header(config, records, wall_seconds, serving, inputs) | {"runs": runs}
 
 
 def bench_header(
@@ -99,6 +101,7 @@ def bench_header(
     records: Sequence[RunRecord],
     wall_seconds: float,
     serving: dict[str, Any] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``bench_json`` up to its ``runs``: what the benchmark was, and the ratios of
     ``records``' summaries (which is all of them it reads)."""
@@ -106,6 +109,7 @@ def bench_header(
         "schema": SCHEMA,
         "config": config_json(config),
         "serving": serving,
+        "inputs": inputs or {},
         "percentiles": "nearest-rank: the P-th percentile is the ceil(P/100 * n)-th smallest value",
         "time_unit": (
             "seconds (wall clock)"

@@ -195,8 +195,9 @@ class ResultsFile:
         self._order = {key: i for i, key in enumerate(keys)}
         found: dict[RunKey, Any] = {}
         if self.resume:
-            config = self._header(self.config, [], 0.0, serving)["config"]
-            found = {run_key(r): r for r in resumable_runs(self.out, config, serving)}
+            header = self._header(self.config, [], 0.0, serving)
+            runs = resumable_runs(self.out, header["config"], serving, header.get("inputs"))
+            found = {run_key(r): r for r in runs}
         self.log.start(found.values())
         kept = [found[key] for key in keys if key in found]
         del found  # every run of the log, whole: what it keeps is added below

@@ -8,9 +8,10 @@ benchmark finished and serve only the rest: a 200-request comparison on a CPU
 takes hours, longer than a machine may be lent.
 
 A resumed run is kept only when the benchmark that made it was the same one:
-the same ``results.json`` configuration and serving (model, PRM, sampling), the
-methods, ``N`` values and rates aside (those say which runs there are, not how
-each ran). The log keeps all of them, those the resuming command does not name too.
+the same ``results.json`` configuration, serving (model, PRM, sampling) and input
+files (their contents, ``sart.bench.inputs``), the methods, ``N`` values and rates
+aside (those say which runs there are, not how each ran). The log keeps all of
+them, those the resuming command does not name too.
 
 ``sart tune --resume`` keeps a tune's runs the same way (``Resumable`` names each
 command's files and words); every option of a tune says how its runs ran, so none
@@ -27,6 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import attrs
 
+from sart.bench.inputs import input_differences
 from sart.bench.runner import RunRecord
 from sart.errors import ConfigError, needs_extra
 from sart.flags import FLAGS
@@ -190,11 +192,17 @@ def _report_document(report: Path, of: Resumable) -> dict[str, Any]:
 
 
 def resumable(
-    log: RecordLog[Record], config: dict[str, Any], serving: dict[str, Any] | None = None
+    log: RecordLog[Record],
+    config: dict[str, Any],
+    serving: dict[str, Any] | None = None,
+    inputs: dict[str, Any] | None = None,
 ) -> list[Record]:
     """The runs of ``log`` that a run of ``config`` (its report's form) serving
-    ``serving`` may keep: ``ConfigError`` saying what differs when they were another
-    one's; nothing when ``out`` has none."""
+    ``serving`` on ``inputs`` (``sart.bench.inputs``) may keep: ``ConfigError`` saying
+    what differs when they were another one's; nothing when ``out`` has none.
+
+    A report written before sart recorded its inputs has none to compare: its runs
+    are kept, as they were before."""
     of, out = log.of, log.path.parent
     report = out / of.report
     if not report.exists():
@@ -211,6 +219,8 @@ def resumable(
     config, serving = json.loads(json.dumps([config, serving]))
     differences = _differences(document.get("config") or {}, config, "config", of.swept)
     differences += _differences(document.get("serving") or {}, serving or {}, "serving")
+    if "inputs" in document:
+        differences += input_differences(document["inputs"] or {}, inputs or {})
     if differences:
         raise ConfigError(
             f"--resume: {out} holds another {of.what} (" + "; ".join(differences) + "); "
@@ -221,12 +231,15 @@ def resumable(
 
 
 def resumable_runs(
-    out: Path, config: dict[str, Any], serving: dict[str, Any] | None
+    out: Path,
+    config: dict[str, Any],
+    serving: dict[str, Any] | None,
+    inputs: dict[str, Any] | None = None,
 ) -> list[RunRecord]:
     """The runs of the benchmark in ``out`` that a benchmark of ``config`` (its
-    ``results.json`` form) serving ``serving`` may keep: ``ConfigError`` saying what
-    differs when it was another benchmark; nothing when ``out`` has none."""
-    return resumable(RunLog(out), config, serving)
+    ``results.json`` form) serving ``serving`` on ``inputs`` may keep: ``ConfigError``
+    saying what differs when it was another benchmark; nothing when ``out`` has none."""
+    return resumable(RunLog(out), config, serving, inputs)
 
 
 __all__ = [

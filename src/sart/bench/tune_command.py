@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sart.bench.config import DEFAULT_COST_MODEL
+from sart.bench.inputs import input_digests
 from sart.bench.report import config_json
 from sart.bench.results_file import check_not_interrupted, check_writable, write_json
 from sart.bench.run_log import TUNE, RecordLog, resumable
@@ -143,7 +144,8 @@ def _tune(args: argparse.Namespace) -> int:
         check_not_interrupted(out, TUNE)
     log = RecordLog(out, Trial, TUNE)
     cfg = tune_config(config, args)
-    kept = resumable(log, cfg) if args.resume else []
+    inputs = input_digests(None, config.workload)  # a recorded trace, resampled
+    kept = resumable(log, cfg, None, inputs) if args.resume else []
     log.start(kept)
     finished = len(kept)
 
@@ -153,7 +155,7 @@ def _tune(args: argparse.Namespace) -> int:
             # Written before the first run is logged, not before the tune starts: a tune
             # refused (a bad --interval) leaves the tune.json it found; one stopped from
             # here on, even by SIGKILL, leaves the options its logged runs belong to.
-            write_json(path, {"schema": SCHEMA, "complete": False, "config": cfg})
+            write_json(path, {"schema": SCHEMA, "complete": False, "config": cfg, "inputs": inputs})
         log.append(trial)
         finished += 1
 
@@ -182,7 +184,13 @@ def _tune(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - wall
     render(console, result, len(result.tuning) + len(result.tuning_sc) + len(result.held_out))
     flags = json.loads(json.dumps(vars(args) | {"func": None}, default=str))
-    data = {"schema": SCHEMA, "complete": True, "config": cfg, **result_json(result)}
+    data = {
+        "schema": SCHEMA,
+        "complete": True,
+        "config": cfg,
+        "inputs": inputs,
+        **result_json(result),
+    }
     write_json(path, data | {"wall_seconds": wall, "flags": flags})
     written = [path]
     if not args.no_plots:
