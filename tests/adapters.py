@@ -339,16 +339,22 @@ def check_logprobs(delta: BranchDelta, k: int | None) -> None:
     """What a delta of a request with ``SamplingSettings.logprobs=k`` carries: nothing
     for ``None``, else one entry per new token with the ``k`` highest values, highest
     first, none above the sampled token's ceiling (``top[0]``) or above 0."""
+    import pytest
+
     if k is None:
         assert delta.logprobs == ()
         return
     assert len(delta.logprobs) == delta.new_tokens
-    for lp in delta.logprobs:
-        assert len(lp.top) == k
+    for i, lp in enumerate(delta.logprobs):
+        assert len(lp.top) == len(lp.top_ids) == k
         assert list(lp.top) == sorted(lp.top, reverse=True)
         assert lp.logprob <= 0 and all(v <= 0 for v in lp.top)
         if k:
             assert lp.logprob <= lp.top[0] + 1e-4
+        if delta.token_ids:
+            assert lp.token_id == delta.token_ids[i]
+        if lp.token_id in lp.top_ids:  # the sampled token among the likeliest: its value
+            assert lp.top[lp.top_ids.index(lp.token_id)] == pytest.approx(lp.logprob, abs=1e-4)
 
 
 def greedy_fork_logprobs(e: Any) -> tuple[BranchDelta, dict[int, list[Any]]]:
@@ -373,6 +379,7 @@ def greedy_fork_logprobs(e: Any) -> tuple[BranchDelta, dict[int, list[Any]]]:
     for ours, parents in zip(logprobs[1], logprobs[0]):
         assert ours.logprob == pytest.approx(parents.logprob, abs=1e-4)
         assert ours.top == pytest.approx(parents.top, abs=1e-4)
+        assert ours.token_id == parents.token_id == parents.top_ids[0]  # greedy
     return head, logprobs
 
 

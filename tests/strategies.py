@@ -317,7 +317,12 @@ def workloads(draw: st.DrawFn, max_requests: int = 6) -> Workload:
         # Mostly the workload's T; sometimes a request with its own interval.
         parts = draw(request_parts(draw(st.just(interval) | intervals)))
         prompt = draw(st.sampled_from(("what is 6 * 7?", (1, 2, 3), "p")))
-        requests.append(sart.Request(rid, prompt, parts.policy, parts.sampling, draw(arrivals)))
+        sampling, keep = parts.sampling, draw(st.booleans())  # keep_logprobs
+        if keep and sampling.logprobs is None:
+            sampling = attrs.evolve(sampling, logprobs=draw(st.integers(0, 2)))
+        requests.append(
+            sart.Request(rid, prompt, parts.policy, sampling, draw(arrivals), keep_logprobs=keep)
+        )
         scripts[rid] = parts.scripts
         injected[rid] = draw(faults(parts.policy.n))
     scoring = draw(st.sampled_from(sart.Scoring))

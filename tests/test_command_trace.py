@@ -70,7 +70,8 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
     # Function reprs carry addresses, which differ from run to run. Fields added to
     # the values after the recording are left out of their reprs at their defaults
     # (the runs never set them): vLLM's extra sampling fields, RequestResult.refused and
-    # refused_field, Policy.admit, Policy.rebranch, BranchOutcome.stop_reason; and the fork
+    # refused_field, Policy.admit, Policy.rebranch, BranchOutcome.stop_reason,
+    # Request.keep_logprobs, RequestResult.logprobs; and the fork
     # fields of BranchOutcome (parent, inherited), which Rebase's children set: new outcome
     # fields, not new commands.
     defaults = ", ".join(f"{k}={v!r}" for k, v in EXTRA_SAMPLING.items())
@@ -82,6 +83,7 @@ def test_the_simulators_command_trace_is_unchanged(monkeypatch: pytest.MonkeyPat
         .replace(" refused_field=None,", "")
         .replace(", admit=AdmitRule()", "")
         .replace(", stop_reason=None", "")
-        for line in log
+        .replace(", keep_logprobs=False", "")
+        for line in (re.sub(r"(prm_wait_seconds=[^,)]*), logprobs=None\)", r"\1)", x) for x in log)
     )
     assert (len(log), hashlib.sha256(text.encode()).hexdigest()) == (COMMANDS, DIGEST)

@@ -7,7 +7,7 @@ import re
 import pytest
 
 import sart
-from sart.engines.base import BranchSpec
+from sart.engines.base import BranchSpec, TokenLogprobs
 from sart.testing import BranchScript, EngineMisuse, FakeEngine, check_engine, random_scripts
 from sart.types import BranchId, FinishReason
 
@@ -182,7 +182,7 @@ def test_no_logprobs_unless_the_request_asks() -> None:
 def test_unscripted_logprobs_default_to_zero() -> None:
     engine = with_logprobs({"a": [BranchScript(length=5)]}, k=2)
     delta = engine.step(10).deltas[BranchId("a", 0)]
-    assert delta.logprobs == ((0.0, (0.0, 0.0)),) * 5
+    assert delta.logprobs == (TokenLogprobs(0.0, (0.0, 0.0)),) * 5
 
 
 def test_logprobs_stop_with_the_branch_at_max_tokens() -> None:

@@ -102,8 +102,12 @@ def _check_against_reference(
     assert len(reported) == len(generated) - skip > 0
     for row, token, lp in zip(ref, generated[skip:], reported):
         assert lp.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert lp.token_id == token
         top = row.topk(k).values.tolist() if k else []
         assert list(lp.top) == pytest.approx(top, abs=1e-4)
+        # Which tokens: each id's reference value is the value reported beside it.
+        assert len(lp.top_ids) == k
+        assert [float(row[t]) for t in lp.top_ids] == pytest.approx(list(lp.top), abs=1e-4)
 
 
 def _prefill(e: HFEngine, request_id: str, sampling: sart.SamplingSettings) -> list[int]:

@@ -223,12 +223,17 @@ def one_branch(*servers: StandInServer, **kwargs: Any) -> list[Any]:
     return asyncio.run(scenario())
 
 
-def expected_logprobs(prompt: str, seed: int, k: int) -> list[TokenLogprobs]:
-    """The stand-in's log-probabilities of its continuation of ``prompt`` under ``seed``."""
+def expected_logprobs(prompt: str, seed: int, k: int, ids: bool = True) -> list[TokenLogprobs]:
+    """The stand-in's log-probabilities of its continuation of ``prompt`` under ``seed``
+    (``ids``: with the tokens' ids, which a server keying them by text does not say)."""
     out = []
     for token in StandInServer.tokens(prompt, seed):
         sampled, top = StandInServer.logprobs(token, k)
-        out.append(TokenLogprobs(sampled, tuple(v for _, v in top)))
+        values = tuple(v for _, v in top)
+        if ids:
+            out.append(TokenLogprobs(sampled, values, token, tuple(t for t, _ in top)))
+        else:
+            out.append(TokenLogprobs(sampled, values))
     return out
 
 
@@ -265,7 +270,8 @@ def test_logprobs_come_one_per_token_as_asked(mode: str, top: int | None) -> Non
             continue
         assert all(len(d.logprobs) == d.new_tokens for d in got)
         # The sampled token's own entry in top_logprobs (the lowest here) is cut off.
-        assert [lp for d in got for lp in d.logprobs] == expected_logprobs("p q", seed, top)
+        expected = expected_logprobs("p q", seed, top, ids=mode == "ids")
+        assert [lp for d in got for lp in d.logprobs] == expected
 
 
 def test_a_fork_asks_for_logprobs_and_reports_its_own(server: StandInServer) -> None:

@@ -198,10 +198,13 @@ def test_vllm_logprobs_parse_to_every_value_highest_first() -> None:
     (delta,) = parse_stream([VLLM_IDS])
     assert isinstance(delta, Delta) and delta.token_ids == (187,)
     top = (-5.65717887878418, -5.665900230407715, -5.6989288330078125, -6.214146614074707)
-    assert delta.logprobs == (TokenLogprobs(-6.214146614074707, top),)
+    ids = (262, 247, 21, 187)
+    assert delta.logprobs == (TokenLogprobs(-6.214146614074707, top, 187, ids),)
     # Tally keeps the k highest: the sampled token's own entry (rank 4 here) drops out.
-    assert Tally(top_k=3).chunk(delta).logprobs == (TokenLogprobs(-6.214146614074707, top[:3]),)
-    assert Tally(top_k=0).chunk(delta).logprobs == (TokenLogprobs(-6.214146614074707),)
+    assert Tally(top_k=3).chunk(delta).logprobs == (
+        TokenLogprobs(-6.214146614074707, top[:3], 187, ids[:3]),
+    )
+    assert Tally(top_k=0).chunk(delta).logprobs == (TokenLogprobs(-6.214146614074707, (), 187),)
     assert Tally().chunk(delta).logprobs == ()  # not asked for: ignored
 
 

@@ -342,8 +342,14 @@ def test_logprobs_come_one_per_token_in_both_chunk_formats(
             continue
         assert all(len(d.logprobs) == d.new_tokens for d in deltas)
         got = [lp for d in deltas for lp in d.logprobs]
+        # The likeliest tokens' ids are the stand-in's 100 and up.
         assert got == [
-            TokenLogprobs(standin.logprobs(t, top)[0], tuple(standin.logprobs(t, top)[1]))
+            TokenLogprobs(
+                standin.logprobs(t, top)[0],
+                tuple(standin.logprobs(t, top)[1]),
+                t,
+                tuple(range(100, 100 + top)),
+            )
             for t in ids
         ]
     bridge.release_prefix("a")

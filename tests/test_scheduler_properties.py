@@ -228,6 +228,10 @@ def check_completed(workload: Workload, request: sart.Request, result: RequestRe
     assert chosen.status.is_completed
     text = branch_text(scripts[result.chosen], request.sampling)
     assert result.text == text
+    # One log-probability per token of the chosen branch, where the request keeps them.
+    kept = result.logprobs
+    assert (kept is not None) == request.keep_logprobs
+    assert kept is None or len(kept) == chosen.num_tokens
     assert result.answer == sart.extract_answer(text) == chosen.answer
     for b in result.branches:
         if b.status.is_completed:

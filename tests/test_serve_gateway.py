@@ -281,3 +281,42 @@ def test_health_is_503_when_every_upstream_refuses_the_key_or_the_model(upstream
     )
     assert reply.choices[0].text
     assert rekeyed.completions() == []  # passed over: its probe failed
+
+
+class WordTokenizer:
+    """The stand-in's tokens as text: id ``t`` is `` w{t}``, 0 its EOS (no text)."""
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return "".join("" if t == 0 else f" w{t}" for t in ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(word[1:]) for word in text.split()] or [1]
+
+
+def test_logprobs_through_the_gateway_name_the_upstreams_token_ids(upstreams, gateway) -> None:
+    from openai_standin import StandInServer
+
+    servers = upstreams(1, token_ids=True)
+    served = gateway(servers, tokenizer=WordTokenizer())
+    reply = served.openai().completions.create(
+        model=MODEL, prompt="w5 w6", logprobs=2, seed=3, extra_body={"method": "vanilla"}
+    )
+    (body,) = [r["body"] for r in servers[0].requests]
+    assert body["return_tokens_as_token_ids"] is True and body["logprobs"] == 2
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None
+    tokens = StandInServer.tokens(servers[0].requests[0]["body"]["prompt"], body["seed"])
+    assert logprobs.tokens == [WordTokenizer().decode([t]) for t in tokens]
+    assert "".join(logprobs.tokens) == reply.choices[0].text
+    for token, value, top in zip(tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        sampled, likeliest = StandInServer.logprobs(token, 2)
+        assert value == sampled
+        named = {WordTokenizer().decode([t]): v for t, v in likeliest}
+        assert top == {WordTokenizer().decode([token]): sampled, **named}
+
+
+def test_logprobs_need_the_gateways_tokenizer(upstreams, gateway) -> None:
+    served = gateway(upstreams(1, token_ids=True))
+    with pytest.raises(openai.BadRequestError, match="logprobs need a tokenizer") as caught:
+        served.openai().completions.create(model=MODEL, prompt="w5", logprobs=1)
+    assert caught.value.body["param"] == "logprobs"  # type: ignore[index]

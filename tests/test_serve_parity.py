@@ -202,7 +202,7 @@ def test_model_cards_are_vllms(server: Server) -> None:
     config = json.loads((tb.POLICY_PATH / "config.json").read_text())
     assert card.max_model_len == config["max_position_embeddings"]
     (permission,) = card.permission
-    assert permission["object"] == "model_permission" and permission["allow_logprobs"] is False
+    assert permission["object"] == "model_permission" and permission["allow_logprobs"] is True
 
 
 # ------------------------------------------------------------------ scripted engines

@@ -445,10 +445,10 @@ BAD_INPUTS = [
     ),
     (
         "unsupported field",
-        {"model": "testbed", "prompt": "x", "logprobs": 2},
+        {"model": "testbed", "prompt": "x", "logit_bias": {"5": 1.0}},
         None,
         400,
-        "logprobs",
+        "logit_bias",
         "not supported",
     ),
     (

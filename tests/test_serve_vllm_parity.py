@@ -9,9 +9,10 @@ Both sart servers run the ``vanilla`` method (one branch, seeded with the reques
 field vLLM sends but those listed in ``VLLM_ONLY`` (left out, and typed optional in
 the ``openai`` client) with the same JSON types; ``finish_reason``, ``stop_reason``,
 ``usage``; the endpoints; the error status codes, their ``{"error": {message, type,
-param, code}}`` bodies and the exception the ``openai`` client raises. What differs
-by design (``n`` > 1, log-probabilities, ``/version``'s number, the ``sart`` field,
-``sart:`` metrics) is asserted as documented in ``docs/reference/api.md``.
+param, code}}`` bodies and the exception the ``openai`` client raises; the
+``logprobs`` of the answer. What differs by design (``n`` > 1, the prompt's
+log-probabilities, ``/version``'s number, the ``sart`` field, ``sart:`` metrics) is
+asserted as documented in ``docs/reference/api.md``.
 
 Runs where vLLM is installed (CI's vLLM stage); module-scoped servers.
 """
@@ -333,12 +334,59 @@ def test_errors_match_vllm_serve(
                 create(**{"max_tokens": 4, **body, "stream": True})
 
 
+def _close(got: Any, want: Any, where: str) -> None:
+    """``got`` equals ``want`` but for floats, within 1e-5 (the same engine's values,
+    through JSON or not); ``where`` names the place in a failure."""
+    if isinstance(want, float):
+        assert got == pytest.approx(want, abs=1e-5), where
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for key in want:
+            _close(got[key], want[key], f"{where}.{key}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _close(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 0},
+        {"prompt": PROMPT, "max_tokens": 10, "temperature": 0, "logprobs": 3},
+        {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 5, "logprobs": 4},
+        {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True},
+        {
+            "messages": MESSAGES,
+            "max_tokens": 8,
+            "temperature": 1.0,
+            "seed": 5,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ],
+    ids=["completions-0", "completions-3", "completions-seed", "chat-0", "chat-seed-3"],
+)
+def test_logprobs_match_vllm_serve(servers: dict, body: dict) -> None:
+    # The chosen branch's tokens, named and ordered as vLLM names and orders them (the
+    # sampled token first in each token's list): tokens, values, bytes, offsets.
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    answers = {k: r.json() for k, r in each(servers, path, {"model": "demo", **body}).items()}
+    same_shape(answers)
+    want = answers["vllm"]["choices"][0]["logprobs"]
+    assert want is not None
+    for name, got in answers.items():
+        _close(got["choices"][0]["logprobs"], want, name)
+
+
 def test_what_sart_refuses_by_design_is_a_clear_400(servers: dict) -> None:
-    # vllm serve answers these; sart serve returns one chosen branch and keeps no
-    # per-token log-probabilities of it: a 400 naming the field (docs/reference/api.md).
+    # vllm serve answers these; sart serve returns one chosen branch, and keeps no
+    # log-probabilities of the prompt: a 400 naming the field (docs/reference/api.md).
     refused = [
         ({"prompt": PROMPT, "n": 2}, "n"),
-        ({"prompt": PROMPT, "logprobs": 2}, "logprobs"),
+        ({"prompt": PROMPT, "logprobs": 2, "echo": True}, "echo"),
     ]
     for body, field in refused:
         answers = each(servers, "/v1/completions", {"model": "demo", "max_tokens": 4, **body})

@@ -45,9 +45,13 @@ class TokenLogprobs(NamedTuple):
     top: tuple[float, ...] = ()
     """The ``k`` most likely tokens', highest first (``k`` = ``SamplingSettings.logprobs``;
     empty for ``logprobs=0``; fewer than ``k`` where a server keys them by token text
-    and two tokens share one, see ``sart.engines.openai``). Only the values: no signal
-    needs the token ids, and a branch keeps none of them (``sart.confidence.signals``
-    folds them into running sums)."""
+    and two tokens share one, see ``sart.engines.openai``)."""
+    token_id: int | None = None
+    """The sampled token's id (``None``: an engine that does not say)."""
+    top_ids: tuple[int, ...] = ()
+    """The ids of ``top``'s tokens, in its order (empty: an engine that does not say).
+    Confidence signals read only the values; a server answering a request's
+    ``logprobs`` needs the ids to say which tokens they are (``Request.keep_logprobs``)."""
 
 
 @attrs.frozen

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from sart.messages import TokenLogprobs
 from sart.types import BranchStatus, Phase, RequestStatus
 
 
@@ -97,6 +98,10 @@ class RequestResult:
     """Time this request's running branches could not decode because the driver
     was waiting for the PRM (blocking checks wait for every check; overlapped
     ones only when nothing else can run)."""
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    """The chosen branch's tokens' log-probabilities, one per token of ``text`` (a
+    fork's first ones its parent's), each with ``sampling.logprobs`` most likely
+    tokens: where the request kept them (``Request.keep_logprobs``)."""
 
     @property
     def ok(self) -> bool:

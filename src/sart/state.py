@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import attrs
 
+from sart.messages import TokenLogprobs
 from sart.policies.base import Policy
 from sart.request import Request
 from sart.results import BranchOutcome, Timings
@@ -41,6 +42,7 @@ class BranchState:
         "ended_in",
         "id",
         "inherited",
+        "logprobs",
         "num_tokens",
         "parent",
         "paused",
@@ -51,7 +53,7 @@ class BranchState:
         "stop_reason",
     )
 
-    def __init__(self, branch_id: BranchId, seed: int) -> None:
+    def __init__(self, branch_id: BranchId, seed: int, keep_logprobs: bool = False) -> None:
         self.id = branch_id
         self.seed = seed
         self.status = BranchStatus.WAITING
@@ -74,11 +76,15 @@ class BranchState:
         self.answer: str | None = None
         # What stopped it (a stop string or stop token id), as the engine said.
         self.stop_reason: str | int | None = None
+        # Its tokens' log-probabilities, where the request keeps them (keep_logprobs).
+        self.logprobs: list[TokenLogprobs] | None = [] if keep_logprobs else None
 
     @classmethod
     def forked(cls, branch_id: BranchId, seed: int, parent: BranchState) -> BranchState:
         """A child of ``parent`` that starts where it is: its tokens, text and reward."""
-        child = cls(branch_id, seed)
+        child = cls(branch_id, seed, parent.logprobs is not None)
+        if parent.logprobs:
+            child.logprobs = list(parent.logprobs)  # its text's tokens, as its text
         child.parent = parent.index
         child.num_tokens = child.inherited = parent.num_tokens
         child.chunks = [parent.text] if parent.num_tokens else []
@@ -150,7 +156,8 @@ class RequestState:
         self.policy: Policy = request.policy
         n = self.policy.n
         seed = request.seed
-        self.branches = [BranchState(BranchId(request.id, j), seed + j) for j in range(n)]
+        keep = request.keep_logprobs
+        self.branches = [BranchState(BranchId(request.id, j), seed + j, keep) for j in range(n)]
         self.phase = Phase.EXPLORE
         self.limits = Limits(threshold=None, max_num_pruned=n - 1)
         self.num_completed = 0

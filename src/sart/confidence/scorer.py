@@ -81,6 +81,11 @@ class ConfidenceScorer:
                     state = branches[bid.index] = self.signal.track()
                 try:
                     for token in delta.logprobs:
+                        # The engine may return more than this source asked for (a
+                        # request that keeps its own logprobs asked for more):
+                        # the signal reads its own top-k.
+                        if len(token.top) > self.top_k:
+                            token = token._replace(top=token.top[: self.top_k])
                         state.push(token)
                 except PRMError as exc:
                     self._errors[bid] = str(exc)

@@ -161,10 +161,11 @@ def _penalised(logits: torch.Tensor, rows: Sequence[Row], stop_ids: frozenset[in
 def logprobs(
     logits: torch.Tensor, rows: Sequence[Row], tokens: torch.Tensor
 ) -> tuple[list[int], torch.Tensor | None]:
-    """The rows whose request asked for log-probabilities, and for them ``[rows, 1 + k]``
+    """The rows whose request asked for log-probabilities, and for them ``[rows, 1 + 2k]``
     of the raw ``log_softmax`` of ``logits`` (before penalties and temperature, as
-    vLLM's default): column 0 the sampled token's, then the ``k`` likeliest (``k`` the
-    largest asked; each row keeps its own first ``k`` in ``read_back``)."""
+    vLLM's default): column 0 the sampled token's, then the ``k`` likeliest, then their
+    token ids (``k`` the largest asked; each row keeps its own first ``k`` in
+    ``read_back``)."""
     asking = [i for i, r in enumerate(rows) if r.sampling.logprobs is not None]
     if not asking:
         return [], None
@@ -174,7 +175,8 @@ def logprobs(
     values = logp.gather(1, tokens.index_select(0, index)[:, None])
     widest = max(min(rows[i].sampling.logprobs or 0, vocab) for i in asking)
     if widest > 0:
-        values = torch.cat([values, logp.topk(widest, dim=-1).values], dim=1)
+        top = logp.topk(widest, dim=-1)
+        values = torch.cat([values, top.values, top.indices.to(values.dtype)], dim=1)
     return asking, values
 
 
@@ -191,10 +193,14 @@ def read_back(
     packed[torch.tensor(asking, device=tokens.device), 1:] = values.double()
     table = packed.tolist()
     out: list[TokenLogprobs | None] = [None] * batch
-    vocab_k = width - 1
+    widest = (width - 1) // 2
     for i in asking:
-        k = min(rows[i].sampling.logprobs or 0, vocab_k)
-        out[i] = TokenLogprobs(table[i][1], tuple(table[i][2 : 2 + k]))
+        row = table[i]
+        k = min(rows[i].sampling.logprobs or 0, widest)
+        ids = row[2 + widest : 2 + widest + k]
+        out[i] = TokenLogprobs(
+            row[1], tuple(row[2 : 2 + k]), int(row[0]), tuple(int(t) for t in ids)
+        )
     return [int(row[0]) for row in table], out
 
 

@@ -49,6 +49,7 @@ engine's decision, not this module's.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from collections.abc import Iterable
@@ -216,15 +217,35 @@ def _choice_logprobs(raw: Any) -> tuple[TokenLogprobs, ...] | None:
         return None
     sampled = raw["token_logprobs"] or []
     tops = raw.get("top_logprobs") or []
+    tokens = raw.get("tokens") or []
     out = []
     for i, value in enumerate(sampled):
         top = tops[i] if i < len(tops) else None
-        values = [float(v) for v in (top or {}).values()]
         own = float(value)
-        if own not in values:  # its entry lost to a token of the same text, or not sent
-            values.append(own)
-        out.append(TokenLogprobs(own, tuple(sorted(values, reverse=True))))
+        own_id = _token_id(tokens[i]) if i < len(tokens) else None
+        ranked = [(float(v), _token_id(key)) for key, v in (top or {}).items()]
+        if own not in (v for v, _ in ranked):  # lost to a token of the same text, or not sent
+            ranked.append((own, own_id))
+        ranked.sort(key=lambda item: -item[0])
+        ids = tuple(t for _, t in ranked if t is not None)
+        out.append(
+            TokenLogprobs(
+                own,
+                tuple(v for v, _ in ranked),
+                own_id,
+                ids if len(ids) == len(ranked) else (),  # ids of all, or of none
+            )
+        )
     return tuple(out)
+
+
+def _token_id(token: Any) -> int | None:
+    """The id in a token vLLM writes as ``token_id:N`` (``return_tokens_as_token_ids``);
+    ``None`` for a token's text."""
+    if isinstance(token, str) and token.startswith("token_id:"):
+        with contextlib.suppress(ValueError):
+            return int(token.removeprefix("token_id:"))
+    return None
 
 
 @attrs.define
@@ -310,7 +331,9 @@ class Tally:
         if self.top_k is None:
             return ()
         k = self.top_k
-        return tuple(TokenLogprobs(lp.logprob, lp.top[:k]) for lp in delta.logprobs or ())
+        return tuple(
+            lp._replace(top=lp.top[:k], top_ids=lp.top_ids[:k]) for lp in delta.logprobs or ()
+        )
 
     def _check(self, tokens: int, logprobs: tuple[TokenLogprobs, ...]) -> None:
         if self.top_k is not None and len(logprobs) != tokens:

@@ -128,6 +128,13 @@ def token_logprobs(
             raise SGLangRequestError(
                 f"SGLang sent a token of branch {branch} without its log-probabilities"
             )
-        values = sorted((float(t[0]) for t in top), reverse=True)[:top_k]
-        out.append(TokenLogprobs(float(entry[0]), tuple(values)))
+        ranked = sorted(((float(t[0]), int(t[1])) for t in top), key=lambda t: -t[0])[:top_k]
+        out.append(
+            TokenLogprobs(
+                float(entry[0]),
+                tuple(value for value, _ in ranked),
+                int(entry[1]),
+                tuple(token for _, token in ranked),
+            )
+        )
     return tuple(out)

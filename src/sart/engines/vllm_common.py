@@ -132,12 +132,12 @@ def token_logprobs(
     new token, ``{token_id: Logprob(logprob, rank, decoded_token)}``, holding the
     ``k`` most likely tokens and the sampled one (``k + 1`` entries when the sampled
     token is not among them). ``logprob`` is the sampled token's entry; ``top``
-    the ``k`` highest values, highest first. Those are exactly the values of the
-    ``k`` entries ranked 1..k: a sampled token outside the top ``k`` has a value
-    no higher than theirs (vLLM ranks it by counting the tokens ``>=`` it, so its
-    rank is above ``k``), and at a tie it has the same value, so it can never
-    displace one. Sorting values needs no trust in ``rank`` (``Optional`` in
-    vLLM's type) and gives the same ``top``.
+    the ``k`` highest values, highest first, and ``top_ids`` their tokens: the
+    ``k`` entries ranked 1..k. A sampled token outside the top ``k`` has a value no
+    higher than theirs (vLLM ranks it by counting the tokens ``>=`` it, so its rank
+    is above ``k``); at a tie its value is the same, so sorting by value gives the
+    same ``top``, but not the same ids: those go by ``rank`` where vLLM gives every
+    entry one (``Optional`` in its type), by value otherwise.
     """
     if k is None:
         return ()
@@ -145,8 +145,21 @@ def token_logprobs(
         raise ValueError(f"vLLM returned no logprobs for {len(token_ids)} tokens (k={k})")
     out = []
     for token, entry in zip(token_ids, entries, strict=True):  # DELTA: one per new token
-        values = sorted((p.logprob for p in entry.values()), reverse=True)
-        out.append(TokenLogprobs(logprob=entry[token].logprob, top=tuple(values[:k])))
+        # Highest first; at a tie, in vLLM's order (the sampled token, then by rank).
+        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
+        ranks = [p.rank for p in entry.values()]
+        if all(isinstance(r, int) for r in ranks) and len(entry) > k:
+            # The sampled token outside the top k (rank > k) may tie the k-th: by rank.
+            ranked = [item for item in ranked if item[1].rank <= k]
+        ranked = ranked[:k]
+        out.append(
+            TokenLogprobs(
+                logprob=entry[token].logprob,
+                top=tuple(p.logprob for _, p in ranked),
+                token_id=int(token),
+                top_ids=tuple(int(t) for t, _ in ranked),
+            )
+        )
     return tuple(out)
 
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from sart.commands import Refusal
+from sart.messages import TokenLogprobs
 from sart.results import RequestResult
 from sart.scheduler.hooks import PolicyFailure, call, checked_limits, choose_running, whole
 from sart.state import BranchState, RequestState
@@ -215,6 +216,19 @@ def completed_result(
         timings=req.timings(now),
         policy=req.policy.name,
         prm_items=req.prm_items,
+        logprobs=kept_logprobs(req, chosen),
+    )
+
+
+def kept_logprobs(req: RequestState, chosen: BranchState) -> tuple[TokenLogprobs, ...] | None:
+    """The chosen branch's log-probabilities, as many most likely tokens each as the
+    request asked for (a confidence reward source may have asked the engine for more)."""
+    if chosen.logprobs is None:
+        return None
+    k = req.request.sampling.logprobs or 0
+    return tuple(
+        lp if len(lp.top) <= k else lp._replace(top=lp.top[:k], top_ids=lp.top_ids[:k])
+        for lp in chosen.logprobs
     )
 
 

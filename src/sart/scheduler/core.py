@@ -412,6 +412,8 @@ class Scheduler:
             branch.num_tokens += delta.new_tokens
             if delta.text:
                 branch.chunks.append(delta.text)
+            if branch.logprobs is not None:
+                branch.logprobs.extend(delta.logprobs)
             if delta.finish is not None:
                 req = self._active[bid.request_id]
                 status = BranchStatus.FINISHED

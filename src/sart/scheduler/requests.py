@@ -134,6 +134,8 @@ class RequestTable:
     ) -> None:
         """End a running branch of ``req`` at ``step`` (default: now) and free its slot."""
         self._slots.end(req, branch, status, self.step if step is None else step)
+        if not status.is_completed:
+            branch.logprobs = None  # never chosen: what it kept goes with its KV
 
     def _close(self, req: RequestState, result: RequestResult, now: float) -> None:
         req.ended = True

@@ -76,7 +76,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
 import sart
-from sart.errors import ConfigError
+from sart.errors import ConfigError, EngineError
 from sart.request import Request
 from sart.serve import events, protocol, responses, tokenize
 from sart.serve.config import Backend, ServeConfig
@@ -236,6 +236,13 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     shape = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
     request = protocol.parse(shape, body)
     plan = protocol.plan(request, config)
+    names = service.engine.token_names
+    if plan.request_kwargs["keep_logprobs"] and names is None:
+        raise Refused(
+            "logprobs need a tokenizer to name the tokens, and this server has none (a "
+            "gateway needs --tokenizer DIR)",
+            "top_logprobs" if chat else "logprobs",
+        )
     prompt = _chat_prompt(service, request) if chat else protocol.completion_prompt(request)
     given = http.headers.get("x-request-id") or request.request_id or uuid.uuid4().hex
     answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{given}"
@@ -252,7 +259,10 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     except ServiceStopped as exc:
         raise Refused(str(exc), None, 503) from None
     echo = protocol.chat_echo(request) if chat else _completion_echo(service, request)
-    reply = events.Reply(answer_id, rid, int(time.time()), request.model, plan.method, chat, echo)
+    k = plan.request_kwargs["sampling"].logprobs
+    reply = events.Reply(
+        answer_id, rid, int(time.time()), request.model, plan.method, chat, echo, k, names
+    )
     headers = {"X-Request-Id": given}
     if plan.stream:
         # The stream opens once the engine has taken the prompt (or at the first
@@ -281,7 +291,11 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
         return Response(status_code=499)
     if not outcome.result.ok:
         return _failed(outcome, headers)
-    return JSONResponse(reply.body(outcome), headers=headers)
+    try:
+        answer = reply.body(outcome)
+    except EngineError as exc:  # logprobs the engine could not name
+        return JSONResponse(responses.error_body(str(exc), 500), 500, headers=headers)
+    return JSONResponse(answer, headers=headers)
 
 
 async def _opened(service: Service, rid: str, keepalive: float | None) -> bool:

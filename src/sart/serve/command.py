@@ -187,6 +187,10 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--max-n", type=int, default=max_n, help=f"the most branches per request ({max_n})"
     )
+    most = _serve_default("max_logprobs")
+    g.add_argument(
+        "--max-logprobs", type=int, default=most, help=f"the most top_logprobs per token ({most})"
+    )
     g.add_argument(
         "--interval",
         type=int,
@@ -331,6 +335,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         method=method,
         n=args.n,
         max_n=args.max_n,
+        max_logprobs=args.max_logprobs,
         interval=args.interval or (bed.interval if bed else _serve_default("interval")),
         # A limit given alone lowers the default to it (16384 past a limit of 4096 was
         # refused as max_tokens > max_tokens_limit).

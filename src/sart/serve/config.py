@@ -93,6 +93,9 @@ class ServeConfig:
     """Branches of requests that do not say (methods with one branch ignore it)."""
     max_n: int = attrs.field(default=32, validator=_positive_int)
     """The most branches one request may ask for."""
+    max_logprobs: int = attrs.field(default=20, validator=int_at_least(0, rule="an int >= 0"))
+    """The most likely tokens' log-probabilities a request may ask for with each token
+    (vLLM's ``--max-logprobs``, its default)."""
     interval: int = attrs.field(default=400, validator=_positive_int)
     """``T``, decode steps between checks, for requests that do not say."""
     max_tokens: int = attrs.field(default=16384, validator=_positive_int)

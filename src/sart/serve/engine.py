@@ -65,6 +65,7 @@ from sart.engines.base import (
 )
 from sart.engines.sync_bridge import SyncBridge
 from sart.errors import EngineError
+from sart.serve.logprobs import TokenNames
 from sart.types import BranchId, Prompt, SamplingSettings
 
 CANCELLED = "the client disconnected"
@@ -92,6 +93,8 @@ class ServingEngine:
         self.bridged_name = engine_name(engine)
         self.tokenizer = getattr(engine, "tokenizer", None)
         """The engine's tokenizer, if it has one (the chat template comes from it)."""
+        self.token_names = None if self.tokenizer is None else TokenNames(self.tokenizer)
+        """Its tokens' texts, as a response's ``logprobs`` name them."""
         self.prompt_tokens: dict[str, int] = {}
         """Prompt length of each request prefilled and not yet forgotten."""
         self._on_prefill = on_prefill

@@ -38,7 +38,9 @@ from typing import Any
 import attrs
 from fastapi.responses import StreamingResponse
 
+from sart.errors import EngineError
 from sart.serve import responses
+from sart.serve.logprobs import TokenNames, chat_logprobs, completion_logprobs, has_ids
 from sart.serve.service import Outcome, Service
 from sart.types import RequestStatus
 
@@ -83,11 +85,34 @@ class Reply:
     chat: bool
     echo: str = ""
     """What ``echo`` puts before the answer (``""``: nothing)."""
+    logprobs: int | None = None
+    """The most likely tokens to name with each token of the answer (``None``: no
+    ``logprobs``)."""
+    names: TokenNames | None = None
+    """The engine's tokens' texts (with ``logprobs``)."""
 
     def body(self, outcome: Outcome) -> dict[str, Any]:
         return responses.completion_body(
-            self.id, self.created, self.model, self.method, outcome, chat=self.chat, echo=self.echo
+            self.id,
+            self.created,
+            self.model,
+            self.method,
+            outcome,
+            chat=self.chat,
+            echo=self.echo,
+            logprobs=self.choice_logprobs(outcome),
         )
+
+    def choice_logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
+        """The answer's ``logprobs`` object (``None`` where the request asked none)."""
+        tokens = outcome.result.logprobs
+        if self.logprobs is None or self.names is None or tokens is None:
+            return None
+        if not has_ids(tokens):
+            raise EngineError("the engine returned log-probabilities without token ids")
+        if self.chat:
+            return chat_logprobs(self.names, tokens, self.logprobs)
+        return completion_logprobs(self.names, tokens, self.logprobs)
 
     def chunk(self, **fields: Any) -> bytes:
         return sse(responses.chunk(self.id, self.created, self.model, chat=self.chat, **fields))
@@ -136,7 +161,14 @@ async def events(
             yield DONE
             return
         usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
-        yield reply.chunk(text=reply.echo + (outcome.result.text or ""), extra=usage or None)
+        text = reply.echo + (outcome.result.text or "")
+        try:
+            logprobs = reply.choice_logprobs(outcome)
+        except EngineError as exc:
+            yield sse(responses.error_body(str(exc), 500))
+            yield DONE
+            return
+        yield reply.chunk(text=text, extra=usage or None, logprobs=logprobs)
         sart_field = {"sart": responses.extension(reply.method, outcome), **usage}
         yield reply.chunk(
             finish=responses.finish_reason(outcome),

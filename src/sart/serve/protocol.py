@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sart.errors import ConfigError
 from sart.serve.config import ServeConfig
+from sart.serve.logprobs import requested
 from sart.serve.methods import PolicyFields, build_policy
 from sart.types import EXTRA_SAMPLING, Prompt, SamplingSettings
 
@@ -183,8 +184,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": (None,),
     "prompt_logprobs": (None,),
     "bad_words": (None, []),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none", "auto"),
@@ -409,6 +408,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
         raise Refused(f"{name}={fields.n} must be <= {config.max_n} (the server's --max-n)", name)
     stop = request.stop
     try:
+        logprobs = requested(request, config.max_logprobs)
         method, policy = build_policy(
             fields,
             method=config.method,
@@ -424,6 +424,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             max_tokens=max_tokens,
             seed=request.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            logprobs=logprobs,
             **{
                 **config.sampling,  # the model's defaults (its generation_config.json)
                 **{
@@ -445,6 +446,7 @@ def plan(request: _Body, config: ServeConfig) -> Plan:
             "sampling": sampling,
             "priority": request.priority or 0,
             "timeout": request.timeout,
+            "keep_logprobs": logprobs is not None,
         },
         stream=bool(request.stream),
         include_usage=bool(options is not None and options.include_usage),

@@ -12,7 +12,8 @@ sum over branches of ``tokens - inherited``: a fork's prefix is counted once.
 The shapes are ``vllm serve``'s (0.32), field for field, so that a client written
 for it reads them unchanged: each choice has vLLM's ``stop_reason`` (the stop
 string or stop token id that ended the chosen branch, ``null`` for EOS or a length
-cut) and its fields that sart never fills (``token_ids``, ``prompt_logprobs``,
+cut), its ``logprobs`` where the request asked (``sart.serve.logprobs``), and its
+fields that sart never fills (``token_ids``, ``prompt_logprobs``,
 ``prompt_token_ids``: the features that fill them are refused, see
 ``sart.serve.protocol.NEUTRAL``) as ``null``; ``/v1/models``' cards have vLLM's
 ``root``, ``parent``, ``max_model_len`` and ``permission``.
@@ -99,15 +100,17 @@ def completion_body(
     *,
     chat: bool,
     echo: str = "",
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The answer (``echo``: what ``echo=true`` puts before the chosen text, as vLLM:
-    the prompt's text; for chat, the last message's, if it is the assistant's)."""
+    the prompt's text; for chat, the last message's, if it is the assistant's;
+    ``logprobs``: the choice's, ``sart.serve.logprobs``)."""
     text = echo + (outcome.result.text or "")
     if chat:
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": text, "reasoning": None},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(outcome),
             "stop_reason": stop_reason(outcome),
             "token_ids": None,
@@ -116,7 +119,7 @@ def completion_body(
         choice = {
             "index": 0,
             "text": text,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason(outcome),
             "stop_reason": stop_reason(outcome),
             "token_ids": None,
@@ -145,9 +148,11 @@ def chunk(
     finish: str | None = None,
     stop: str | int | None = None,
     extra: dict[str, Any] | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk with one choice; ``stop``: the ``stop_reason`` of the chunk
-    with ``finish`` (``extra``: more top-level fields, e.g. ``usage``)."""
+    with ``finish`` (``extra``: more top-level fields, e.g. ``usage``; ``logprobs``:
+    those of the chunk's text)."""
     if chat:
         delta: dict[str, Any] = {}
         if role:
@@ -157,7 +162,7 @@ def chunk(
         choice: dict[str, Any] = {
             "index": 0,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         if finish is not None:  # vLLM's chat chunks carry it on the last one only
@@ -166,7 +171,7 @@ def chunk(
         choice = {
             "index": 0,
             "text": text or "",
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
             "stop_reason": stop,
         }
@@ -264,7 +269,7 @@ def _permission(created: int) -> dict[str, Any]:
         "created": created,
         "allow_create_engine": False,
         "allow_sampling": True,
-        "allow_logprobs": False,  # sart serve refuses logprobs (protocol.NEUTRAL)
+        "allow_logprobs": True,
         "allow_search_indices": False,
         "allow_view": True,
         "allow_fine_tuning": False,
