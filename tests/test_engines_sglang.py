@@ -750,6 +750,12 @@ def test_real_logprobs_come_one_per_token_scaled_by_the_temperature(real: Any) -
                 assert len(lp.top) == 3 and list(lp.top) == sorted(lp.top, reverse=True)
                 assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
     assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
+    # Which tokens (a server names them from the ids): greedy samples the likeliest.
+    tokens = [t for d in seen[BranchId("greedy", 0)] for t in d.token_ids]
+    assert [lp.token_id for lp in logprobs("greedy")] == tokens
+    assert all(
+        lp.token_id == lp.top_ids[0] and len(set(lp.top_ids)) == 3 for lp in logprobs("greedy")
+    )
     assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))
     greedy, cool = logprobs("greedy")[0].top, logprobs("cool")[0].top
     for a, b in ((0, 1), (1, 2)):
@@ -865,6 +871,8 @@ def test_real_logprobs_through_sglangs_server(sglang_server: str) -> None:
             assert 1 <= len(lp.top) <= 3 and list(lp.top) == sorted(lp.top, reverse=True)
             assert lp.top[0] <= 0.0 and lp.logprob <= lp.top[0] + 1e-4
     assert all(lp.logprob == lp.top[0] for lp in logprobs("greedy"))
+    # Keyed by text: no ids (sart serve cannot name them, docs/how-to/gateway.md).
+    assert all(lp.token_id is None and lp.top_ids == () for lp in logprobs("greedy"))
     assert all(lp.top == () and lp.logprob <= 0.0 for lp in logprobs("sampled-only"))
 
 

@@ -144,12 +144,17 @@ def test_logprobs_become_sarts_sampled_value_and_top_k() -> None:
     outside = {9: Logprob(-4.0, 11), **top3}  # vLLM puts the sampled token first
     tied = {9: Logprob(-2.0, 4), **top3}  # ties the 3rd, outside the top 3 (ranked by >=)
     entries = [outside, top3, tied]
+    top = (-0.5, -1.5, -2.0)
     assert token_logprobs([9, 6, 9], entries, 3) == (
-        TokenLogprobs(-4.0, (-0.5, -1.5, -2.0)),
-        TokenLogprobs(-1.5, (-0.5, -1.5, -2.0)),
-        TokenLogprobs(-2.0, (-0.5, -1.5, -2.0)),
+        TokenLogprobs(-4.0, top, 9, (5, 6, 7)),
+        TokenLogprobs(-1.5, top, 6, (5, 6, 7)),
+        # The tie goes by rank: token 7 is the 3rd, the sampled token the 4th.
+        TokenLogprobs(-2.0, top, 9, (5, 6, 7)),
     )
-    assert token_logprobs([9], [{9: Logprob(-4.0, 11)}], 0) == (TokenLogprobs(-4.0, ()),)
+    # Without ranks (Optional in vLLM's type), by value: the tie in vLLM's order.
+    unranked = {9: Logprob(-2.0, None), **top3}
+    assert token_logprobs([9], [unranked], 3) == (TokenLogprobs(-2.0, top, 9, (5, 6, 9)),)
+    assert token_logprobs([9], [{9: Logprob(-4.0, 11)}], 0) == (TokenLogprobs(-4.0, (), 9),)
     assert token_logprobs([9], None, None) == ()
 
 
