@@ -1,5 +1,6 @@
-"""``logprobs`` from ``sart serve``: the chosen branch's tokens in ``vllm serve``'s shapes,
-on the testbed served as a user starts it, read with the official ``openai`` client."""
+"""``logprobs`` from ``sart serve``: tokens named as vLLM names them
+(``sart.serve.logprobs``), and the chosen branch's tokens in ``vllm serve``'s shapes, on
+the testbed served as a user starts it, read with the official ``openai`` client."""
 
 from __future__ import annotations
 
@@ -15,10 +16,84 @@ import httpx
 import openai
 
 from sart import testbed as tb
+from sart.messages import TokenLogprobs
+from sart.serve.logprobs import TokenNames, chat_logprobs, completion_logprobs
 from serving import KEY, Server
 
 QUESTION = tb.testbed("testbed").questions(3, 1)[0].prompt
 MESSAGES = [{"role": "user", "content": QUESTION}]
+
+
+# ------------------------------------------------------------------- naming tokens
+
+
+def byte_tokenizer() -> Any:
+    """A byte-level tokenizer of single bytes: "é" is two tokens, each half a character."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def test_half_a_character_is_named_where_the_character_completes() -> None:
+    # As vLLM: the first byte of "é" is "", the second the whole character.
+    tokenizer = byte_tokenizer()
+    ids = tokenizer("é!").input_ids
+    assert [tokenizer.decode([i]) for i in ids] == ["\ufffd", "\ufffd", "!"]
+    names = TokenNames(tokenizer)
+    assert [names.at(t, ids[:j]) for j, t in enumerate(ids)] == ["", "é", "!"]
+    assert names.with_bytes(ids[1], ids[:1]) == ("é", list("é".encode()))
+
+
+def test_a_sentencepiece_tokens_leading_space_is_kept() -> None:
+    # decode() strips a Metaspace tokenizer's leading "▁" from a lone token.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"▁hello": 0, "▁world": 1, "x": 2, "[UNK]": 3}
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Metaspace()
+    words.decoder = decoders.Metaspace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    assert tokenizer.decode([1]) == "world"
+    names = TokenNames(tokenizer)
+    assert [names.alone(t) for t in (0, 1, 2)] == [" hello", " world", "x"]
+
+
+class Words:
+    """Token ``t`` is `` w{t}``."""
+
+    def decode(self, ids: list[int], **_: object) -> str:
+        return "".join(f" w{t}" for t in ids)
+
+
+def test_vllms_order_the_sampled_token_first_each_token_once() -> None:
+    names = TokenNames(Words())
+    outside = TokenLogprobs(-3.0, (-0.5, -1.0), 9, (4, 5))  # sampled outside the top 2
+    inside = TokenLogprobs(-1.0, (-0.5, -1.0), 5, (4, 5))  # sampled the 2nd likeliest
+    floor = TokenLogprobs(float("-inf"), (-0.1,), 7, (4,))
+    chat = chat_logprobs(names, [outside, inside, floor], 2)["content"]
+    assert [[t["token"] for t in c["top_logprobs"]] for c in chat] == [
+        [" w9", " w4"],  # chat: the first k of vLLM's list
+        [" w5", " w4"],
+        [" w7", " w4"],
+    ]
+    assert chat[2]["logprob"] == -9999.0 and chat[0]["bytes"] == list(b" w9")
+    assert list(chat[0]) == ["token", "logprob", "bytes", "top_logprobs"]
+    completion = completion_logprobs(names, [outside, inside], 2)
+    assert completion["top_logprobs"] == [
+        {" w9": -3.0, " w4": -0.5, " w5": -1.0},  # the sampled token and the k likeliest
+        {" w5": -1.0, " w4": -0.5},
+    ]
+    assert completion["tokens"] == [" w9", " w5"] and completion["text_offset"] == [0, 3]
+    assert completion["token_logprobs"] == [-3.0, -1.0]
+
+
+# ------------------------------------------------------------------- served
 
 
 @pytest.fixture(scope="module")

@@ -292,7 +292,10 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     if not outcome.result.ok:
         return _failed(outcome, headers)
     try:
-        answer = reply.body(outcome)
+        if reply.logprobs is None:
+            answer = reply.body(outcome)
+        else:  # naming 16k tokens' logprobs takes a second: not on the event loop
+            answer = await asyncio.to_thread(reply.body, outcome)
     except EngineError as exc:  # logprobs the engine could not name
         return JSONResponse(responses.error_body(str(exc), 500), 500, headers=headers)
     return JSONResponse(answer, headers=headers)

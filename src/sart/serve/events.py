@@ -163,7 +163,9 @@ async def events(
         usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
         text = reply.echo + (outcome.result.text or "")
         try:
-            logprobs = reply.choice_logprobs(outcome)
+            logprobs = None
+            if reply.logprobs is not None:  # a second for 16k tokens: not on the event loop
+                logprobs = await asyncio.to_thread(reply.choice_logprobs, outcome)
         except EngineError as exc:
             yield sse(responses.error_body(str(exc), 500))
             yield DONE

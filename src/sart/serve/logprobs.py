@@ -44,6 +44,7 @@ class TokenNames:
         self.tokenizer = tokenizer
         self._marker = _leading_space_marker(tokenizer)
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def alone(self, token_id: int) -> str:
         """The token's text decoded alone (``REPLACEMENT`` at its end: half a character)."""
@@ -57,6 +58,18 @@ class TokenNames:
                 text = " " * max(missing, 0) + text
             self._cache[token_id] = text
         return text
+
+    def with_bytes(self, token_id: int, context: Sequence[int]) -> tuple[str, list[int]]:
+        """``at``, and its UTF-8 bytes (as a chat entry's ``bytes``: one list per id,
+        shared by the entries that name it alone)."""
+        utf8 = self._bytes.get(token_id)
+        if utf8 is not None:
+            return self._cache[token_id], utf8
+        text = self.at(token_id, context)
+        utf8 = list(text.encode("utf-8", errors="replace"))
+        if text == self.alone(token_id):
+            self._bytes[token_id] = utf8
+        return text, utf8
 
     def at(self, token_id: int, context: Sequence[int]) -> str:
         """The token's text after the sampled tokens ``context`` (oldest first)."""
@@ -112,12 +125,8 @@ def _entries(token: TokenLogprobs) -> list[tuple[int, float]]:
 
 def _named(names: TokenNames, context: Sequence[int], token_id: int, value: float) -> dict:
     """One token as a chat ``logprobs`` entry names it (vLLM's key order)."""
-    text = names.at(token_id, context)
-    return {
-        "token": text,
-        "logprob": _value(value),
-        "bytes": list(text.encode("utf-8", errors="replace")),
-    }
+    text, utf8 = names.with_bytes(token_id, context)
+    return {"token": text, "logprob": _value(value), "bytes": utf8}
 
 
 def chat_logprobs(
