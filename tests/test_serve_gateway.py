@@ -320,3 +320,12 @@ def test_logprobs_need_the_gateways_tokenizer(upstreams, gateway) -> None:
     with pytest.raises(openai.BadRequestError, match="logprobs need a tokenizer") as caught:
         served.openai().completions.create(model=MODEL, prompt="w5", logprobs=1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+
+
+def test_logprobs_an_upstream_keys_by_text_fail_saying_so(upstreams, gateway) -> None:
+    # SGLang's server keys them by text (it ignores return_tokens_as_token_ids).
+    served = gateway(upstreams(1, token_ids=False), tokenizer=WordTokenizer())
+    with pytest.raises(openai.InternalServerError, match="without token ids"):
+        served.openai().completions.create(model=MODEL, prompt="w5", logprobs=1)
+    # The same request without logprobs is served.
+    assert served.openai().completions.create(model=MODEL, prompt="w5").choices[0].text

@@ -108,6 +108,13 @@ class Reply:
         tokens = outcome.result.logprobs
         if self.logprobs is None or self.names is None or tokens is None:
             return None
+        result = outcome.result
+        made = result.branches[result.chosen].num_tokens if result.chosen is not None else 0
+        if len(tokens) != made:  # an engine that ignores SamplingSettings.logprobs
+            raise EngineError(
+                f"the engine returned log-probabilities for {len(tokens)} of the answer's "
+                f"{made} tokens"
+            )
         if not has_ids(tokens):
             raise EngineError("the engine returned log-probabilities without token ids")
         if self.chat:
