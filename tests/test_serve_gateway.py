@@ -320,6 +320,12 @@ def test_logprobs_need_the_gateways_tokenizer(upstreams, gateway) -> None:
     with pytest.raises(openai.BadRequestError, match="logprobs need a tokenizer") as caught:
         served.openai().completions.create(model=MODEL, prompt="w5", logprobs=1)
     assert caught.value.body["param"] == "logprobs"  # type: ignore[index]
+    # Named by their ids, as vLLM's return_tokens_as_token_ids names them: no tokenizer.
+    reply = served.openai().completions.create(
+        model=MODEL, prompt="w5", logprobs=1, extra_body={"return_tokens_as_token_ids": True}
+    )
+    tokens = reply.choices[0].logprobs.tokens  # type: ignore[union-attr]
+    assert tokens and all(t.startswith("token_id:") for t in tokens)
 
 
 def test_logprobs_an_upstream_keys_by_text_fail_saying_so(upstreams, gateway) -> None:

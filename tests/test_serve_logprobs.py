@@ -93,6 +93,21 @@ def test_vllms_order_the_sampled_token_first_each_token_once() -> None:
     assert completion["token_logprobs"] == [-3.0, -1.0]
 
 
+def test_return_tokens_as_token_ids_names_them_as_vllm_does() -> None:
+    names = TokenNames(Words())
+    outside = TokenLogprobs(-3.0, (-0.5, -1.0), 9, (4, 5))
+    (chat,) = chat_logprobs(names, [outside], 2, as_ids=True)["content"]
+    # vLLM's: the sampled token's bytes are still its text's; its list's, their names'.
+    assert (chat["token"], chat["bytes"]) == ("token_id:9", list(b" w9"))
+    assert [(t["token"], t["bytes"]) for t in chat["top_logprobs"]] == [
+        ("token_id:9", list(b"token_id:9")),
+        ("token_id:4", list(b"token_id:4")),
+    ]
+    completion = completion_logprobs(None, [outside, outside], 1, as_ids=True)
+    assert completion["tokens"] == ["token_id:9"] * 2 and completion["text_offset"] == [0, 10]
+    assert completion["top_logprobs"][0] == {"token_id:9": -3.0, "token_id:4": -0.5}
+
+
 # ------------------------------------------------------------------- served
 
 

@@ -47,7 +47,6 @@ MEANINGFUL: dict[str, Any] = {
     "reasoning_effort": "low",
     "include_reasoning": False,
     "logprob_token_ids": [5],
-    "return_tokens_as_token_ids": True,
     "return_token_ids": True,
     "return_token_offsets": True,
     "prompt_embeds": "AAAA",

@@ -366,8 +366,31 @@ def _close(got: Any, want: Any, where: str) -> None:
             "logprobs": True,
             "top_logprobs": 3,
         },
+        {
+            "prompt": PROMPT,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
+        {
+            "messages": MESSAGES,
+            "max_tokens": 6,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
     ],
-    ids=["completions-0", "completions-3", "completions-seed", "chat-0", "chat-seed-3"],
+    ids=[
+        "completions-0",
+        "completions-3",
+        "completions-seed",
+        "chat-0",
+        "chat-seed-3",
+        "completions-ids",
+        "chat-ids",
+    ],
 )
 def test_logprobs_match_vllm_serve(servers: dict, body: dict) -> None:
     # The chosen branch's tokens, named and ordered as vLLM names and orders them (the

@@ -237,10 +237,11 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     request = protocol.parse(shape, body)
     plan = protocol.plan(request, config)
     names = service.engine.token_names
-    if plan.request_kwargs["keep_logprobs"] and names is None:
+    as_ids = bool(request.return_tokens_as_token_ids)
+    if plan.request_kwargs["keep_logprobs"] and names is None and (chat or not as_ids):
         raise Refused(
             "logprobs need a tokenizer to name the tokens, and this server has none (a "
-            "gateway needs --tokenizer DIR)",
+            "gateway needs --tokenizer DIR; or ask return_tokens_as_token_ids=true)",
             "top_logprobs" if chat else "logprobs",
         )
     prompt = _chat_prompt(service, request) if chat else protocol.completion_prompt(request)
@@ -261,7 +262,7 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     echo = protocol.chat_echo(request) if chat else _completion_echo(service, request)
     k = plan.request_kwargs["sampling"].logprobs
     reply = events.Reply(
-        answer_id, rid, int(time.time()), request.model, plan.method, chat, echo, k, names
+        answer_id, rid, int(time.time()), request.model, plan.method, chat, echo, k, names, as_ids
     )
     headers = {"X-Request-Id": given}
     if plan.stream:

@@ -90,6 +90,8 @@ class Reply:
     ``logprobs``)."""
     names: TokenNames | None = None
     """The engine's tokens' texts (with ``logprobs``)."""
+    as_ids: bool = False
+    """``logprobs`` name tokens ``token_id:N`` (``return_tokens_as_token_ids``)."""
 
     def body(self, outcome: Outcome) -> dict[str, Any]:
         return responses.completion_body(
@@ -106,7 +108,7 @@ class Reply:
     def choice_logprobs(self, outcome: Outcome) -> dict[str, Any] | None:
         """The answer's ``logprobs`` object (``None`` where the request asked none)."""
         tokens = outcome.result.logprobs
-        if self.logprobs is None or self.names is None or tokens is None:
+        if self.logprobs is None or tokens is None:
             return None
         result = outcome.result
         made = result.branches[result.chosen].num_tokens if result.chosen is not None else 0
@@ -118,8 +120,9 @@ class Reply:
         if not has_ids(tokens):
             raise EngineError("the engine returned log-probabilities without token ids")
         if self.chat:
-            return chat_logprobs(self.names, tokens, self.logprobs)
-        return completion_logprobs(self.names, tokens, self.logprobs)
+            assert self.names is not None  # a chat server has a tokenizer
+            return chat_logprobs(self.names, tokens, self.logprobs, self.as_ids)
+        return completion_logprobs(self.names, tokens, self.logprobs, as_ids=self.as_ids)
 
     def chunk(self, **fields: Any) -> bytes:
         return sse(responses.chunk(self.id, self.created, self.model, chat=self.chat, **fields))

@@ -12,6 +12,9 @@ runs (``Request.keep_logprobs``) and is answered with the chosen branch's
   ``top_logprobs`` a ``{text: logprob}`` object of the sampled token and the ``k``
   most likely (two tokens of one text share a key, as in vLLM's).
 
+vLLM's ``return_tokens_as_token_ids: true`` names every token ``token_id:N`` instead
+(no two share a key); a completion's then needs no tokenizer.
+
 A token's text is the tokenizer's ``decode`` of its id alone, as vLLM names it:
 with the leading spaces a SentencePiece (``Metaspace``) tokenizer's ``decode``
 strips put back, and a token that ends in half a UTF-8 character (byte fallback)
@@ -123,46 +126,74 @@ def _entries(token: TokenLogprobs) -> list[tuple[int, float]]:
     return list(entries.items())
 
 
-def _named(names: TokenNames, context: Sequence[int], token_id: int, value: float) -> dict:
-    """One token as a chat ``logprobs`` entry names it (vLLM's key order)."""
+def placeholder(token_id: int) -> str:
+    """A token as ``return_tokens_as_token_ids`` names it: ``token_id:N``, vLLM's."""
+    return f"token_id:{token_id}"
+
+
+def _named(
+    names: TokenNames, context: Sequence[int], token_id: int, value: float, as_ids: bool
+) -> dict:
+    """One of a token's ``top_logprobs`` as chat names it (vLLM's key order)."""
+    if as_ids:
+        text = placeholder(token_id)
+        return {"token": text, "logprob": _value(value), "bytes": list(text.encode())}
     text, utf8 = names.with_bytes(token_id, context)
     return {"token": text, "logprob": _value(value), "bytes": utf8}
 
 
 def chat_logprobs(
-    names: TokenNames, tokens: Sequence[TokenLogprobs], k: int
+    names: TokenNames, tokens: Sequence[TokenLogprobs], k: int, as_ids: bool = False
 ) -> dict[str, list[dict[str, Any]]]:
-    """A chat choice's ``logprobs``: each token, and the first ``k`` of its list."""
+    """A chat choice's ``logprobs``: each token, and the first ``k`` of its list
+    (``as_ids``: tokens named ``token_id:N``; a sampled token's ``bytes`` are still its
+    text's, as vLLM sends them)."""
     content: list[dict[str, Any]] = []
     context: list[int] = []
     for token in tokens:
         entries = _entries(token)
-        sampled = _named(names, context, *entries[0])
-        top = [_named(names, context, tid, value) for tid, value in entries[:k]]
-        content.append({**sampled, "top_logprobs": top})
-        context.append(entries[0][0])
+        sampled, value = entries[0]
+        text, utf8 = names.with_bytes(sampled, context)
+        top = [_named(names, context, tid, v, as_ids) for tid, v in entries[:k]]
+        name = placeholder(sampled) if as_ids else text
+        content.append(
+            {"token": name, "logprob": _value(value), "bytes": utf8, "top_logprobs": top}
+        )
+        context.append(sampled)
     return {"content": content}
 
 
 def completion_logprobs(
-    names: TokenNames, tokens: Sequence[TokenLogprobs], k: int, offset: int = 0
+    names: TokenNames | None,
+    tokens: Sequence[TokenLogprobs],
+    k: int,
+    offset: int = 0,
+    as_ids: bool = False,
 ) -> dict[str, list[Any]]:
     """A completion choice's ``logprobs``: the tokens' texts and values, each token's
     ``{text: logprob}`` of itself and the ``k`` most likely, and where each token's text
-    starts in the choice's text (from ``offset``)."""
+    starts in the choice's text (from ``offset``); ``as_ids``: each token named
+    ``token_id:N`` (then ``names`` may be ``None``), its offsets counted in those, as
+    vLLM counts them."""
     texts: list[str] = []
     values: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
     context: list[int] = []
+
+    def name(token_id: int) -> str:
+        if as_ids or names is None:
+            return placeholder(token_id)
+        return names.at(token_id, context)
+
     for token in tokens:
         entries = _entries(token)
-        text = names.at(entries[0][0], context)
+        text = name(entries[0][0])
         offsets.append(offset)
         offset += len(text)
         texts.append(text)
         values.append(_value(token.logprob))
-        tops.append({names.at(tid, context): _value(value) for tid, value in entries[: k + 1]})
+        tops.append({name(tid): _value(value) for tid, value in entries[: k + 1]})
         context.append(entries[0][0])
     return {"text_offset": offsets, "token_logprobs": values, "tokens": texts, "top_logprobs": tops}
 
@@ -200,4 +231,11 @@ def has_ids(tokens: Sequence[TokenLogprobs]) -> bool:
     return all(t.token_id is not None and len(t.top_ids) == len(t.top) for t in tokens)
 
 
-__all__ = ["TokenNames", "chat_logprobs", "completion_logprobs", "has_ids", "requested"]
+__all__ = [
+    "TokenNames",
+    "chat_logprobs",
+    "completion_logprobs",
+    "has_ids",
+    "placeholder",
+    "requested",
+]

@@ -124,6 +124,8 @@ class _Body(_Strict):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
+    return_tokens_as_token_ids: bool | None = None
+    """vLLM's: ``logprobs`` name each token ``token_id:N``, not by its text."""
 
 
 class CompletionRequest(_Body):
@@ -203,7 +205,6 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (None,),
     "include_reasoning": (None, True),
     "logprob_token_ids": (None, []),
-    "return_tokens_as_token_ids": (None, False),
     "return_token_ids": (None, False),
     "return_token_offsets": (None, False),
     "prompt_embeds": (None,),
