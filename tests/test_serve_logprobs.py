@@ -140,19 +140,24 @@ def _chosen_tokens(reply: Any) -> int:
     return int(extension["branches"][extension["chosen"]]["tokens"])
 
 
+def _chat(server: Server, top_logprobs: int, **sampling: Any) -> Any:
+    """The testbed's answer to the question, with ``top_logprobs``."""
+    return server.client().chat.completions.create(
+        model="testbed",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        logprobs=True,
+        top_logprobs=top_logprobs,
+        **sampling,
+    )
+
+
 @pytest.mark.parametrize("method", ["vanilla", "sart", "rebase"])
 def test_chat_logprobs_name_the_chosen_branchs_tokens(
     server: Server, names: Any, method: str
 ) -> None:
     # rebase: the chosen branch may be a fork, whose first tokens its parent made.
-    reply = server.client().chat.completions.create(
-        model="testbed",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        logprobs=True,
-        top_logprobs=3,
-        seed=7,
-        extra_body={"method": method, "n": 1 if method == "vanilla" else 4},
-    )
+    n = 1 if method == "vanilla" else 4
+    reply = _chat(server, 3, seed=7, extra_body={"method": method, "n": n})
     choice = reply.choices[0]
     assert choice.logprobs is not None and choice.logprobs.content is not None
     content = choice.logprobs.content
@@ -170,14 +175,7 @@ def test_chat_logprobs_name_the_chosen_branchs_tokens(
 
 
 def test_greedy_tokens_are_the_likeliest(server: Server) -> None:
-    reply = server.client().chat.completions.create(
-        model="testbed",
-        messages=MESSAGES,  # type: ignore[arg-type]
-        logprobs=True,
-        top_logprobs=2,
-        temperature=0.0,
-        extra_body={"method": "vanilla"},
-    )
+    reply = _chat(server, 2, temperature=0.0, extra_body={"method": "vanilla"})
     content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content
     for token in content:

@@ -53,6 +53,12 @@ class TokenLogprobs(NamedTuple):
     Confidence signals read only the values; a server answering a request's
     ``logprobs`` needs the ids to say which tokens they are (``Request.keep_logprobs``)."""
 
+    def cut(self, k: int) -> TokenLogprobs:
+        """These with only the ``k`` most likely tokens (itself where it has no more)."""
+        if len(self.top) <= k:
+            return self
+        return self._replace(top=self.top[:k], top_ids=self.top_ids[:k])
+
 
 @attrs.frozen
 class BranchDelta:

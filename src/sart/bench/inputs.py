@@ -22,6 +22,7 @@ BLOCK = 1 << 20
 
 
 def sha256(path: Path) -> str:
+    """The file's sha256, hex (also what a testbed's manifest holds of its weights)."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while block := f.read(BLOCK):

@@ -84,9 +84,7 @@ class ConfidenceScorer:
                         # The engine may return more than this source asked for (a
                         # request that keeps its own logprobs asked for more):
                         # the signal reads its own top-k.
-                        if len(token.top) > self.top_k:
-                            token = token._replace(top=token.top[: self.top_k])
-                        state.push(token)
+                        state.push(token.cut(self.top_k))
                 except PRMError as exc:
                     self._errors[bid] = str(exc)
 

@@ -331,9 +331,7 @@ class Tally:
         if self.top_k is None:
             return ()
         k = self.top_k
-        return tuple(
-            lp._replace(top=lp.top[:k], top_ids=lp.top_ids[:k]) for lp in delta.logprobs or ()
-        )
+        return tuple(lp.cut(k) for lp in delta.logprobs or ())
 
     def _check(self, tokens: int, logprobs: tuple[TokenLogprobs, ...]) -> None:
         if self.top_k is not None and len(logprobs) != tokens:

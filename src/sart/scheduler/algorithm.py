@@ -226,10 +226,7 @@ def kept_logprobs(req: RequestState, chosen: BranchState) -> tuple[TokenLogprobs
     if chosen.logprobs is None:
         return None
     k = req.request.sampling.logprobs or 0
-    return tuple(
-        lp if len(lp.top) <= k else lp._replace(top=lp.top[:k], top_ids=lp.top_ids[:k])
-        for lp in chosen.logprobs
-    )
+    return tuple(lp.cut(k) for lp in chosen.logprobs)
 
 
 def unfinished_result(

@@ -25,7 +25,6 @@ Needs the ``[hf]`` extra.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 
+from sart.bench.inputs import sha256
 from sart.testbed.first_stage import load_first_stage, save_first_stage
 from sart.testbed.recipe import (
     TrainConfig,
@@ -237,14 +237,6 @@ def _accumulate(
 
 
 # --------------------------------------------------------------------------- the whole run
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 #: The model directories of a trained run, which its manifest hashes.
