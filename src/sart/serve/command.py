@@ -26,7 +26,6 @@ the same flags: ``sart.flags``, ``sart.model_flags``); ``--engine`` picks the ad
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import signal
 import sys
@@ -467,7 +466,7 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
         f"{config.max_tokens} (--generation-config {args.generation_config})",
         flush=True,
     )
-    from sart.serve.http_server import DrainingServer
+    from sart.serve.http_server import DrainingServer, log_config
 
     server = DrainingServer(
         uvicorn.Config(
@@ -495,23 +494,6 @@ def _serve(args: argparse.Namespace, spec: LoadSpec, config: ServeConfig) -> int
     finally:
         signal.signal(signal.SIGTERM, previous)
     return 0
-
-
-def log_config(level: str) -> dict[str, Any]:
-    """uvicorn's logging config, with sart's loggers (``sart.serve``: a request that
-    failed, timed out or was cancelled; ``sart.prm``: the PRM's process restarted) on
-    its stderr handler at ``level`` (``--log-level``). Without them, sart's lines went
-    to Python's last-resort handler: without a level, unlike uvicorn's lines around
-    them, and at WARNING whatever ``--log-level`` said."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["sart"] = {
-        "handlers": ["default"],
-        "level": level.upper(),
-        "propagate": False,
-    }
-    return config
 
 
 def _stopped(signum: int, frame: Any) -> None:

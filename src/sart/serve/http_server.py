@@ -1,4 +1,5 @@
-"""``DrainingServer``: uvicorn's server, which lets sart's requests end before it closes.
+"""``DrainingServer``: uvicorn's server, which lets sart's requests end before it closes;
+``log_config``: uvicorn's logging, with sart's loggers beside its own.
 
 uvicorn alone, told to stop (SIGTERM, Ctrl-C), waits its grace period for the
 handlers in flight, then cancels those still running: their clients got a bare
@@ -17,6 +18,7 @@ is known to be there.
 from __future__ import annotations
 
 import asyncio
+import copy
 import socket
 from typing import Any
 
@@ -42,3 +44,20 @@ class DrainingServer(uvicorn.Server):
             if not drain.done():
                 drain.cancel()
         await super().shutdown(sockets)
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging config, with sart's loggers (``sart.serve``: a request that
+    failed, timed out or was cancelled; ``sart.prm``: the PRM's process restarted) on
+    its stderr handler at ``level`` (``--log-level``). Without them, sart's lines went
+    to Python's last-resort handler: without a level, unlike uvicorn's lines around
+    them, and at WARNING whatever ``--log-level`` said."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["sart"] = {
+        "handlers": ["default"],
+        "level": level.upper(),
+        "propagate": False,
+    }
+    return config
