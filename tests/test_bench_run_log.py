@@ -10,10 +10,10 @@ from typing import Any
 import attrs
 import pytest
 
-from sart.bench.inputs import sha256
 from sart.bench.run_log import RunLog, resumable_runs
 from sart.bench.runner import BenchConfig, run_bench
 from sart.cli import main
+from sart.digests import sha256
 from sart.errors import ConfigError
 
 BENCH = ["bench", "--requests", "12", "--rate", "2", "--n", "2", "--no-plots"]

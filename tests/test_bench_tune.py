@@ -330,8 +330,8 @@ def test_resuming_a_tune_refuses_a_resampled_trace_that_changed(
     # tune.json held the --workload trace's path only: recorded again under that name,
     # its runs were kept as if the requests were the same.
     from sart.bench import tune as tuning
-    from sart.bench.inputs import sha256
     from sart.cli import main
+    from sart.digests import sha256
 
     trace = tmp_path / "t.jsonl"
     record = ["trace", "record", str(trace), "--requests", "20", "--n", "4", "--interval", "200"]

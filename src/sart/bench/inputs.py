@@ -10,24 +10,12 @@ object, and ``--resume`` compares it (``sart.bench.run_log.resumable``).
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from sart.bench.traces import is_trace_file
 from sart.bench.workloads import WORKLOADS
-
-#: A file is read in blocks of this size: a trace can be larger than memory allows twice.
-BLOCK = 1 << 20
-
-
-def sha256(path: Path) -> str:
-    """The file's sha256, hex (also what a testbed's manifest holds of its weights)."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(BLOCK):
-            digest.update(block)
-    return digest.hexdigest()
+from sart.digests import sha256
 
 
 def input_files(
@@ -71,4 +59,4 @@ def input_differences(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return differences
 
 
-__all__ = ["input_differences", "input_digests", "input_files", "sha256"]
+__all__ = ["input_differences", "input_digests", "input_files"]

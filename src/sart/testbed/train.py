@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from sart.bench.inputs import sha256
+from sart.digests import sha256
 from sart.testbed.first_stage import load_first_stage, save_first_stage
 from sart.testbed.recipe import (
     TrainConfig,
