@@ -93,6 +93,7 @@ def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
 
     from sart import model_flags
     from sart.launch import Gateway, LoadSpec
+    from sart.serve import http_flags
     from sart.serve.config import ServeConfig
 
     @attrs.frozen
@@ -101,6 +102,7 @@ def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
         batch_size: int = 48
         shutdown_grace: float = 2.5
         max_body_bytes: int = 1 << 21
+        stream_interval: int = 4
 
     @attrs.frozen
     class MovedGateway(Gateway):
@@ -112,6 +114,7 @@ def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
         prm_timeout: float = 7.5
 
     monkeypatch.setattr(command, "ServeConfig", MovedServe)
+    monkeypatch.setattr(http_flags, "ServeConfig", MovedServe)
     monkeypatch.setattr(command, "Gateway", MovedGateway)
     monkeypatch.setattr(model_flags, "LoadSpec", MovedSpec)
     with pytest.raises(SystemExit):
@@ -123,6 +126,7 @@ def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
         "answered 503 (2.5)",
         "largest request body (default 2 MiB;",
         "stream_interval; default 3: every token",
+        "as vLLM's (default 4; 1: every token)",
         "before it fails (default 120):",
         "check before the check fails (default 7.5)",
     ):
@@ -132,6 +136,7 @@ def test_flags_left_out_take_and_show_the_defaults_of_the_config_classes(
     args.upstream = ["http://127.0.0.1:9"]
     config = command.serve_config(args, has_prm=False)
     assert (config.max_n, config.batch_size, config.shutdown_grace) == (31, 48, 2.5)
+    assert config.stream_interval == 4
     # A spec without a PRM refuses a PRM setting other than LoadSpec's own default.
     monkeypatch.setattr(model_flags, "LoadSpec", LoadSpec)
     gateway = command.load_spec_of(args).gateway

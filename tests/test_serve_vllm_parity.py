@@ -199,8 +199,11 @@ def test_chat_completions_match_vllm_serve(servers: dict) -> None:
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_streams_match_vllm_serve(servers: dict, chat: bool) -> None:
-    # sart streams the chosen answer when the request ends (docs/tutorials/serve.md):
-    # fewer chunks, each of vLLM's shape, with the same text, end and usage.
+    # A vanilla request's one branch is its answer: sart streams it as it is made, as
+    # vLLM does (docs/tutorials/serve.md), in chunks of vLLM's shape, with the same
+    # text, end and usage; on vLLM's engine in process, token by token as vllm serve's
+    # pieces (a gateway sends what its upstream sent since its last report: the same
+    # pieces, or several in one chunk where the upstream outran it).
     ask = {"messages": MESSAGES} if chat else {"prompt": PROMPT, "stop": [" 48"]}
     body = {
         "model": "demo",
@@ -232,6 +235,8 @@ def test_streams_match_vllm_serve(servers: dict, chat: bool) -> None:
             for c in want[:-1]
         )
         assert text == want_text, name
+        if name == "sart":
+            assert pieces(chunks, chat) == pieces(want, chat)
         last = answer[-1]["choices"][0]
         assert (last["finish_reason"], last["stop_reason"]) == (
             want[-2]["choices"][0]["finish_reason"],
@@ -239,6 +244,16 @@ def test_streams_match_vllm_serve(servers: dict, chat: bool) -> None:
         ), name
         if chat:
             assert answer[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def pieces(chunks: list[dict], chat: bool) -> list[str]:
+    """The texts of a stream's chunks that carry some."""
+    texts = [
+        (c["choices"][0]["delta"].get("content") if chat else c["choices"][0]["text"])
+        for c in chunks
+        if c["choices"]
+    ]
+    return [t for t in texts if t]
 
 
 def test_the_openai_client_reads_each_the_same(servers: dict) -> None:

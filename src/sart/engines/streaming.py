@@ -22,7 +22,9 @@ same scheduler and policies run on them:
   branch ends (``sart.engines.lockstep`` has the rules), or when ``interrupt()`` asks. Streams are
   independent on the server, so a new request, still in its prefill, no longer
   holds back every other request's reports and ends, and arrivals start
-  without waiting for the batch in flight;
+  without waiting for the batch in flight; a request in ``report_every`` is also
+  reported as soon as it has made that many tokens (a server streaming them to
+  its client);
 - ``abort`` cancels the streams at once (the server frees their KV);
 - ``pause`` cancels them too but keeps their reported token ids, and a
   ``BranchSpec(resume=True)`` start opens a new stream for prompt + those ids
@@ -139,6 +141,10 @@ class StreamingEngine(abc.ABC):
     def __init__(self) -> None:
         self.per_request_steps = False
         """Lockstep within each request only, not across requests (module docstring)."""
+        self.report_every: dict[str, int] = {}
+        """With ``per_request_steps``: requests whose steps are reported as soon as they
+        have made this many (or ended), not only at their chunk's end; a server that
+        streams a request's tokens to its client as they come sets it."""
         self._interrupted = False
         self._ledger: PrefixLedger[HeldPrompt, BranchStream] = PrefixLedger()
         # Set by every stream's pump on news (a token, an end, a failure): ``step``
@@ -363,6 +369,9 @@ class StreamingEngine(abc.ABC):
                 for rid, group in groups.items()
             }
             if self._interrupted or not reach or any(done for _, done in reach.values()):
+                return groups, {rid: steps for rid, (steps, _) in reach.items()}
+            every = self.report_every
+            if any(rid in every and steps >= every[rid] for rid, (steps, _) in reach.items()):
                 return groups, {rid: steps for rid, (steps, _) in reach.items()}
             return None
 

@@ -54,7 +54,8 @@ event when streaming) before the connections close (``Service.drain``, called
 by ``sart serve``'s uvicorn server).
 
 **Streaming** (``stream=true``): the answer as server-sent events, once it is
-known (``sart.serve.events``, whose docstring says why and in what order).
+known, or as it is made where a request's one branch is its answer
+(``sart.serve.events``, whose docstring says why and in what order).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import attrs
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -76,6 +78,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as HTTPRequest
 
 import sart
+from sart.engines.base import BranchDelta
 from sart.errors import ConfigError, EngineError
 from sart.request import Request
 from sart.serve import events, protocol, responses, tokenize
@@ -250,8 +253,15 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     # A client that retries under its id while the first try still runs gets a
     # server-side id of its own for the second; both answers carry the client's.
     rid = answer_id if not service.is_open(answer_id) else f"{answer_id}-{uuid.uuid4().hex[:8]}"
+    kwargs = plan.request_kwargs
+    live = plan.stream and events.streams_live(kwargs["policy"])
+    if live and not service.engine.reports_early and not kwargs["policy"].scores_running:
+        # An engine that steps reports tokens at the end of each decode chunk, which
+        # the request's interval bounds; its checks read no rewards, so they cost nothing.
+        interval = min(kwargs["policy"].interval, config.stream_interval)
+        kwargs = {**kwargs, "policy": attrs.evolve(kwargs["policy"], interval=interval)}
     try:
-        job = Request(rid, prompt, **plan.request_kwargs)
+        job = Request(rid, prompt, **kwargs)
         service.submit(job, protocol.question(request) if chat else _prompt_text(service, prompt))
     except ConfigError as exc:
         raise Refused(str(exc), protocol.field_of(str(exc))) from None
@@ -265,6 +275,10 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
         answer_id, rid, int(time.time()), request.model, plan.method, chat, echo, k, names, as_ids
     )
     headers = {"X-Request-Id": given}
+    news: asyncio.Queue[BranchDelta] | None = None
+    if live:  # before any await: the driver reports nothing before this handler yields
+        news = asyncio.Queue()
+        service.engine.listen(rid, news.put_nowait, config.stream_interval)
     if plan.stream:
         # The stream opens once the engine has taken the prompt (or at the first
         # keep-alive tick): a prompt it refuses gets vLLM's HTTP 400, which the
@@ -279,7 +293,7 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
             return _failed(ended, headers)
         return events.EventStream(
             events.events(
-                service, reply, config.keepalive, plan.include_usage, plan.continuous_usage
+                service, reply, config.keepalive, plan.include_usage, plan.continuous_usage, news
             ),
             on_close=lambda: service.cancel(rid),
             headers=headers,

@@ -59,6 +59,7 @@ from sart.methods import method_names
 from sart.model_flags import add_model_flags, load_spec
 from sart.registry import loadable_engines
 from sart.serve.config import Backend, ServeConfig
+from sart.serve.http_flags import API_KEY_ENV, add_http_flags
 from sart.serve.model_defaults import (
     check_honoured,
     check_named,
@@ -73,18 +74,12 @@ REAL_TEMPERATURE: float = default_of(ServeConfig, "temperature")
 """Temperature of requests that do not say, for a model other than the testbed."""
 MAX_TOKENS: int = default_of(ServeConfig, "max_tokens")
 """Tokens per branch of requests that do not say, for a model other than the testbed."""
-DEFAULT_PORT = 8000
-API_KEY_ENV = "SART_API_KEY"
 LOOP_BOUND = frozenset({"vllm-async"})
 """Engines built on the server's event loop, when it starts."""
 
 
 def _serve_default(name: str) -> Any:
     return default_of(ServeConfig, name)
-
-
-def _size(count: int) -> str:
-    return f"{count >> 20} MiB" if count % (1 << 20) == 0 else f"{count:,} bytes"
 
 
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -269,53 +264,7 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         f"({_serve_default('max_queue')})",
     )
 
-    g = p.add_argument_group("HTTP")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any)"
-    )
-    g.add_argument(
-        "--api-key",
-        default=None,
-        help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV} "
-        "if set, else open); /health and /metrics stay open, as vLLM's",
-    )
-    g.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=_serve_default("max_body_bytes"),
-        help=f"largest request body (default {_size(_serve_default('max_body_bytes'))}; "
-        "413 past it)",
-    )
-    g.add_argument(
-        "--keepalive",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="send an SSE keep-alive comment every SECONDS while a stream is undecided, "
-        "for proxies that close idle connections (default: none, as vLLM; vLLM's "
-        "'vllm bench serve' client mishandles comments)",
-    )
-    g.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=_serve_default("shutdown_grace"),
-        metavar="SECONDS",
-        help="on SIGTERM or Ctrl-C, how long requests in flight get to finish; those "
-        f"still running then are cancelled and answered 503 "
-        f"({_serve_default('shutdown_grace'):g})",
-    )
-    g.add_argument(
-        "--no-access-log",
-        action="store_true",
-        help="do not log each HTTP request (uvicorn's access log)",
-    )
-    g.add_argument(
-        "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
-        help="the log level of uvicorn and of sart's own lines (info)",
-    )
+    add_http_flags(p)
     p.set_defaults(func=run_serve_command)
 
 
@@ -349,6 +298,7 @@ def serve_config(args: argparse.Namespace, *, has_prm: bool) -> ServeConfig:
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         keepalive=args.keepalive,
+        stream_interval=args.stream_interval,
         shutdown_grace=args.shutdown_grace,
         aging=args.priority_aging or None,
         equivalence=equivalence_of(args.equivalence),

@@ -55,6 +55,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from sart.engines.base import (
+    BranchDelta,
     BranchSpec,
     EngineStats,
     StepOutput,
@@ -116,6 +117,10 @@ class ServingEngine:
         self._interrupt = getattr(engine, "interrupt", None) if not self._sync else None
         if self._interrupt is not None:
             engine.per_request_steps = True
+        self.reports_early = self._interrupt is not None and hasattr(engine, "report_every")
+        """Whether the engine reports a request's tokens as soon as it has made a few
+        (``listen``'s ``every``); where not, a step reports them, every decode chunk."""
+        self._listeners: dict[str, Callable[[BranchDelta], None]] = {}
 
     # ------------------------------------------------------------- arrivals
 
@@ -141,8 +146,20 @@ class ServingEngine:
     def cancelled(self, request_id: str) -> bool:
         return request_id in self._cancelled
 
+    def listen(self, request_id: str, on_delta: Callable[[BranchDelta], None], every: int) -> None:
+        """Call ``on_delta`` with each of ``request_id``'s branches' news as the engine
+        reports it, before the driver applies it (a server streaming the tokens of a
+        request whose one branch is its answer); an engine that ``reports_early`` reports
+        the request whenever it has made ``every`` tokens."""
+        self._listeners[request_id] = on_delta
+        if self.reports_early:
+            self.inner.report_every[request_id] = every
+
     def forget(self, request_id: str) -> None:
         """Drop what is kept of a finished request."""
+        self._listeners.pop(request_id, None)
+        if self.reports_early:
+            self.inner.report_every.pop(request_id, None)
         self._cancelled.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
         self._live.pop(request_id, None)
@@ -183,6 +200,9 @@ class ServingEngine:
         for bid, delta in output.deltas.items():
             if delta.finish is not None:
                 self._ended(bid)
+            listener = self._listeners.get(bid.request_id)
+            if listener is not None and (delta.new_tokens or delta.finish is not None):
+                listener(delta)
         return output
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:

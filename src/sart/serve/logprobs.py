@@ -143,13 +143,18 @@ def _named(
 
 
 def chat_logprobs(
-    names: TokenNames, tokens: Sequence[TokenLogprobs], k: int, as_ids: bool = False
+    names: TokenNames,
+    tokens: Sequence[TokenLogprobs],
+    k: int,
+    as_ids: bool = False,
+    before: Sequence[int] = (),
 ) -> dict[str, list[dict[str, Any]]]:
     """A chat choice's ``logprobs``: each token, and the first ``k`` of its list
     (``as_ids``: tokens named ``token_id:N``; a sampled token's ``bytes`` are still its
-    text's, as vLLM sends them)."""
+    text's, as vLLM sends them; ``before``: the ids of the answer's tokens before these,
+    a stream's earlier chunks')."""
     content: list[dict[str, Any]] = []
-    context: list[int] = []
+    context: list[int] = list(before)
     for token in tokens:
         entries = _entries(token)
         sampled, value = entries[0]
@@ -169,17 +174,18 @@ def completion_logprobs(
     k: int,
     offset: int = 0,
     as_ids: bool = False,
+    before: Sequence[int] = (),
 ) -> dict[str, list[Any]]:
     """A completion choice's ``logprobs``: the tokens' texts and values, each token's
     ``{text: logprob}`` of itself and the ``k`` most likely, and where each token's text
     starts in the choice's text (from ``offset``); ``as_ids``: each token named
     ``token_id:N`` (then ``names`` may be ``None``), its offsets counted in those, as
-    vLLM counts them."""
+    vLLM counts them; ``before``: as ``chat_logprobs``'."""
     texts: list[str] = []
     values: list[float] = []
     tops: list[dict[str, float]] = []
     offsets: list[int] = []
-    context: list[int] = []
+    context: list[int] = list(before)
 
     def name(token_id: int) -> str:
         if as_ids or names is None:

@@ -267,9 +267,13 @@ class Service:
         the request has ended (refused, failed, cancelled), or ``timeout`` seconds. A
         stream opens then, so that a prompt the engine refuses is answered with an
         HTTP error, as ``vllm serve`` answers it, not with an event in a 200 stream."""
-        waits = [f for f in (self._took.get(request_id), self._futures.get(request_id)) if f]
-        if waits and not any(f.done() for f in waits):
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        took, future = self._took.get(request_id), self._futures.get(request_id)
+        # No ``took`` left: the prompt was taken (or the request cancelled) already,
+        # perhaps before the caller got here (an engine that prefills at once).
+        if took is None or future is None or took.done() or future.done():
+            return
+        waits: list[asyncio.Future[Any]] = [took, future]
+        await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
 
     def ended(self, request_id: str) -> Outcome | None:
         """An accepted request's outcome if it has ended and is not yet taken (by
