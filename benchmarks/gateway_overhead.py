@@ -9,7 +9,9 @@ prompts of ``--input-len`` tokens at ``--concurrency`` in flight, each asking
 for exactly ``--output-len`` tokens (``ignore_eos``). With ``vanilla`` every
 request is one completion upstream, so the difference is the gateway's own
 cost (HTTP in and out, the scheduler, the driver). Reported per target:
-requests and output tokens per second, and P50/P99 end-to-end latency; then
+requests and output tokens per second, the median time to the first token
+(the gateway streams a vanilla request as it is made), and P50/P99 end-to-end
+latency; then
 the throughput ratio (gateway / direct) and the latency it adds, from the
 medians over the repeats. ``--stream-interval`` is passed to ``vllm serve``:
 tokens per streamed chunk, which the gateway parses one by one.
@@ -68,6 +70,7 @@ def bench(
     return {
         "req/s": result["request_throughput"],
         "out tok/s": result["output_throughput"],
+        "TTFT ms": 1000 * statistics.median(result["ttfts"]),
         "P50 ms": statistics.median(latencies),
         "P99 ms": latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)],
         "duration s": result["duration"],
@@ -224,7 +227,10 @@ def main() -> None:
             (work / "gateway.log").write_text(log)
         if code != 0:
             raise SystemExit(f"the gateway exited {code}:\n{log[-2000:]}")
-    keys = ("req/s", "out tok/s", "P50 ms", "P99 ms", "gateway cpu", "vllm serve cpu", "busy")
+    keys = (
+        *("req/s", "out tok/s", "TTFT ms", "P50 ms", "P99 ms"),
+        *("gateway cpu", "vllm serve cpu", "busy"),
+    )
     median = {
         run: {k: statistics.median(r[k] for r in rows) for k in keys} for run, rows in runs.items()
     }
@@ -237,16 +243,17 @@ def main() -> None:
             + (f"; vllm serve on CPU {cpus[0]}, the rest on {cpus[1:]}" if args.pin else "")
         )
         print(
-            f"{'':>14}" + "".join(f"{k:>12}" for k in keys[:4]) + "  CPU ms/request: gateway, vllm"
+            f"{'':>14}" + "".join(f"{k:>12}" for k in keys[:5]) + "  CPU ms/request: gateway, vllm"
         )
         for name in ("direct", "through sart"):
             row = median[level, name]
-            cpu = f"  {row[keys[4]]:8.1f} {row[keys[5]]:8.1f}"
-            print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys[:4]) + cpu)
+            cpu = f"  {row[keys[5]]:8.1f} {row[keys[6]]:8.1f}"
+            print(f"{name:>14}" + "".join(f"{row[k]:>12,.1f}" for k in keys[:5]) + cpu)
         direct, gate = median[level, "direct"], median[level, "through sart"]
         print(
             f"gateway / direct throughput {gate['req/s'] / direct['req/s']:.2f}; added latency "
-            f"P50 {gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
+            f"TTFT {gate['TTFT ms'] - direct['TTFT ms']:+,.1f} ms, P50 "
+            f"{gate['P50 ms'] - direct['P50 ms']:+,.1f} ms, P99 "
             f"{gate['P99 ms'] - direct['P99 ms']:+,.1f} ms"
         )
         if args.pin:

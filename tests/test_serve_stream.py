@@ -118,8 +118,8 @@ def test_the_stream_interval_bounds_the_tokens_of_a_chunk(serve, kind: str) -> N
     assert sum(steps) == LENGTH and len(steps) > 1
     if kind == "stepping":  # a step engine reports exactly the decode chunks it was given
         assert steps == [8] * (LENGTH // 8)
-    else:  # a streaming engine reports once 8 are made, or at the end
-        assert min(steps[:-1]) >= 8
+    else:  # a streaming engine reports the first at once, then once 8 are made, and the end
+        assert min(steps[1:-1]) >= 8
 
 
 def test_a_request_of_several_branches_still_sends_its_chosen_answer_in_one_chunk(
@@ -195,14 +195,16 @@ def test_a_listened_request_is_reported_as_soon_as_it_has_made_its_tokens() -> N
         engine = ServingEngine(inner)
         assert engine.reports_early
         heard: list[sart.BranchDelta] = []
-        engine.listen("a", heard.append, every=1)
+        engine.listen("a", heard.append, every=8)
         sampling = sart.SamplingSettings(max_tokens=100)
         await engine.prefill("a", "a", sampling)
         await engine.start_branches("a", [sart.BranchSpec(0, 0)])
-        # No arrival interrupts it: the one token is reported because "a" is listened to.
+        # No arrival interrupts it: the first token is reported at once because "a" is
+        # listened to (as vLLM's stream_interval), the next ones 8 at a time.
         output = await asyncio.wait_for(engine.step(50), 5)
         assert output.request_steps == {"a": 1}
         assert [(d.new_tokens, d.text) for d in heard] == [(1, "x")]
+        assert inner.report_every == {"a": 8}
         engine.forget("a")
         assert not inner.report_every
         await engine.abort([sart.BranchId("a", 0)])

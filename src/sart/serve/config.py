@@ -139,8 +139,8 @@ class ServeConfig:
     that arrives alone (it strips each read, comment terminator included)."""
     stream_interval: int = attrs.field(default=1, validator=_positive_int)
     """Tokens per streamed chunk of a request whose one branch is its answer
-    (``vanilla``), as vLLM's ``--stream-interval``; other streams send the chosen
-    answer in one chunk (``sart.serve.events``)."""
+    (``vanilla``), after its first token, as vLLM's ``--stream-interval``; other
+    streams send the chosen answer in one chunk (``sart.serve.events``)."""
     shutdown_grace: float = attrs.field(default=5.0, validator=_check_shutdown_grace)
     """Seconds the requests in flight when the server is told to stop (SIGTERM, Ctrl-C)
     get to finish; those still running then are cancelled and answered 503 (an error

@@ -121,6 +121,7 @@ class ServingEngine:
         """Whether the engine reports a request's tokens as soon as it has made a few
         (``listen``'s ``every``); where not, a step reports them, every decode chunk."""
         self._listeners: dict[str, Callable[[BranchDelta], None]] = {}
+        self._every: dict[str, int] = {}  # listened to, first token not yet reported
 
     # ------------------------------------------------------------- arrivals
 
@@ -150,14 +151,17 @@ class ServingEngine:
         """Call ``on_delta`` with each of ``request_id``'s branches' news as the engine
         reports it, before the driver applies it (a server streaming the tokens of a
         request whose one branch is its answer); an engine that ``reports_early`` reports
-        the request whenever it has made ``every`` tokens."""
+        the request's first token at once and then whenever it has made ``every`` more,
+        as vLLM's ``stream_interval``."""
         self._listeners[request_id] = on_delta
         if self.reports_early:
-            self.inner.report_every[request_id] = every
+            self._every[request_id] = every
+            self.inner.report_every[request_id] = 1
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept of a finished request."""
         self._listeners.pop(request_id, None)
+        self._every.pop(request_id, None)
         if self.reports_early:
             self.inner.report_every.pop(request_id, None)
         self._cancelled.pop(request_id, None)
@@ -203,6 +207,8 @@ class ServingEngine:
             listener = self._listeners.get(bid.request_id)
             if listener is not None and (delta.new_tokens or delta.finish is not None):
                 listener(delta)
+                if delta.new_tokens and bid.request_id in self._every:
+                    self.inner.report_every[bid.request_id] = self._every.pop(bid.request_id)
         return output
 
     async def abort(self, branch_ids: Sequence[BranchId]) -> None:

@@ -15,9 +15,10 @@ streamed as it is made instead, as ``vllm serve`` streams it:
    serve`` answers it, and the ``openai`` client raises from ``create()``.
 2. For chat, a first chunk carrying the assistant role.
 3. A one-branch request: a chunk with each piece of its text as the engine
-   reports it (every ``--stream-interval`` tokens, or every decode chunk on an
-   engine that steps: ``app`` shortens such a request's chunks to the
-   interval), with those tokens' ``logprobs`` if asked.
+   reports it (the first token at once, then every ``--stream-interval``
+   tokens, as vLLM's; on an engine that steps, every decode chunk: ``app``
+   shortens such a request's chunks to the interval), with those tokens'
+   ``logprobs`` if asked.
 4. While the request is undecided, an SSE comment (``: keep-alive``) every
    ``keepalive`` seconds without an event, if set: proxies and load balancers
    then see a live connection. The default is none, as vLLM's server sends
@@ -150,8 +151,9 @@ class Reply:
 class Sent:
     """What a live stream (``streams_live``) has sent of its answer so far."""
 
-    text: str = ""
-    """The answer's text sent (not what ``echo`` put before it)."""
+    pieces: list[str] = attrs.Factory(list)
+    """The answer's text sent, piece by piece (not what ``echo`` put before it)."""
+    chars: int = 0
     tokens: int = 0
     opened: bool = False
     """Whether a chunk of the answer went out (the first carries ``echo``)."""
@@ -165,7 +167,8 @@ class Sent:
     ) -> None:
         """Count a piece sent: its text, its number of tokens, their log-probabilities
         and the ``logprobs`` object that named them (``None``: none asked)."""
-        self.text += text
+        self.pieces.append(text)
+        self.chars += len(text)
         self.tokens += count
         if named is None:
             return
@@ -247,9 +250,9 @@ async def events(
             return
         usage = {"usage": responses.usage(outcome)} if continuous_usage else {}
         answer = outcome.result.text or ""
-        if not answer.startswith(sent.text):  # the engine's news is the answer's text
+        if answer[: sent.chars] != "".join(sent.pieces):  # the engine's news is the answer
             _log.error("%s: the streamed text is not the answer's start", reply.key)
-        rest = ("" if sent.opened else reply.echo) + answer[len(sent.text) :]
+        rest = ("" if sent.opened else reply.echo) + answer[sent.chars :]
         try:
             logprobs = None
             if reply.logprobs is not None:  # a second for 16k tokens: not on the event loop

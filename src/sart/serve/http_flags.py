@@ -55,9 +55,10 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=_serve_default("stream_interval"),
         metavar="TOKENS",
-        help="tokens per streamed chunk of a request whose one branch is its answer "
-        f"(vanilla), as vLLM's (default {_serve_default('stream_interval')}; 1: every "
-        "token); a stream of several branches sends the chosen answer in one chunk",
+        help="tokens per streamed chunk, after the first token, of a request whose one "
+        f"branch is its answer (vanilla), as vLLM's (default "
+        f"{_serve_default('stream_interval')}; 1: every token); a stream of several branches "
+        "sends the chosen answer in one chunk",
     )
     g.add_argument(
         "--shutdown-grace",
