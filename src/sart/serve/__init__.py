@@ -17,8 +17,10 @@ One module per job:
 - ``service``: ``Service``, the driver with admission, cancellation, results;
 - ``metrics``: the ``sart:`` Prometheus metrics;
 - ``app``: the FastAPI app (``create_app``), access, disconnects, streaming;
+- ``events``: a streamed answer's server-sent events (a one-branch request's
+  as it is made);
 - ``http_server``: uvicorn's server, draining requests before it closes;
-- ``command``: the ``sart serve`` command line.
+- ``command``: the ``sart serve`` command line (``http_flags``: its HTTP flags).
 
 ``import sart.serve`` needs nothing beyond sart itself (plugins register
 methods with it); ``create_app`` needs the ``[serve]`` extra (FastAPI,
