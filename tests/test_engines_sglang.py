@@ -694,7 +694,13 @@ def test_real_an_abort_by_sglang_fails_only_its_request(real: Any) -> None:
     bridge.start_branches("a", [BranchSpec(0, 1), BranchSpec(1, 2)])
     bridge.start_branches("b", [BranchSpec(0, 1)])
     bridge.step(2)
-    real.tokenizer_manager.abort_request(rid=adapter.rid(BranchId("a", 1)))
+
+    async def abort() -> None:
+        # On SGLang's loop, where its sockets live: called outside it, the abort looked
+        # for the main thread's current loop, which earlier tests may or may not leave.
+        real.tokenizer_manager.abort_request(rid=adapter.rid(BranchId("a", 1)))
+
+    bridge.loop.run_until_complete(abort())
     with pytest.raises(sart.EngineError, match="finish_reason 'abort'") as info:
         for _ in range(100):
             bridge.step(2)
