@@ -224,8 +224,14 @@ async def events(
             done, _ = await asyncio.wait(
                 waits, timeout=keepalive, return_when=asyncio.FIRST_COMPLETED
             )
+            deltas = []
             if news is not None and news in done:
-                delta, news = news.result(), None
+                deltas.append(news.result())
+                news = None
+            if live is not None and job in done:  # each piece reported, in a chunk of its own
+                while not live.empty():
+                    deltas.append(live.get_nowait())
+            for delta in deltas:
                 try:
                     piece = _piece(reply, delta, sent, prompt if continuous_usage else None)
                 except EngineError as exc:  # logprobs the engine could not name
