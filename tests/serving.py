@@ -6,6 +6,7 @@ as a user runs it. Both with the clients the tests call them with: the official
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import signal
@@ -14,7 +15,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,30 @@ class Served:
         while not check():
             assert time.monotonic() < deadline, "timed out"
             time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def scripted_apps(model: str) -> Iterator[Callable[..., Served]]:
+    """``start(engine, **settings)``: the real app on ``engine`` in this process, serving
+    ``model`` with API key ``key``, a ``ScriptedPRM`` and the other ``ServeConfig``
+    ``settings``; every app started is stopped when the block ends."""
+    from sart.serve import Backend, ServeConfig, create_app
+    from sart.testing import BranchScript, ScriptedPRM
+
+    started: list[Served] = []
+
+    def start(engine: Any, **settings: Any) -> Served:
+        config = ServeConfig(models=(model,), api_key="key", **settings)
+        prm = ScriptedPRM(lambda branch: BranchScript(rewards=(0.9,)), every=4)
+        served = Served(create_app(config, Backend(engine, prm)), engine).__enter__()
+        started.append(served)
+        return served
+
+    try:
+        yield start
+    finally:
+        for served in started:
+            served.__exit__()
 
 
 KEY = "sk-test-key"

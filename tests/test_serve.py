@@ -38,10 +38,9 @@ from sart.testing import (  # noqa: E402
     BranchScript,
     FakeEngine,
     FakeStreamingEngine,
-    ScriptedPRM,
     check_engine,
 )
-from serving import Served  # noqa: E402
+from serving import Served, scripted_apps  # noqa: E402
 
 MODEL = "fake"
 
@@ -82,19 +81,12 @@ class SlowEngine(FakeEngine):
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Served]]:
-    started: list[Served] = []
+    with scripted_apps(MODEL) as start:
 
-    def start(engine: SlowEngine | None = None, **settings: object) -> Served:
-        engine = engine or SlowEngine()
-        config = ServeConfig(models=(MODEL,), api_key="key", **settings)  # type: ignore[arg-type]
-        prm = ScriptedPRM(lambda branch: BranchScript(rewards=(0.9,)), every=4)
-        served = Served(create_app(config, Backend(engine, prm)), engine).__enter__()
-        started.append(served)
-        return served
+        def slow(engine: SlowEngine | None = None, **settings: object) -> Served:
+            return start(engine or SlowEngine(), **settings)
 
-    yield start
-    for served in started:
-        served.__exit__()
+        yield slow
 
 
 def body(prompt: str = "short", **fields: object) -> dict[str, object]:

@@ -25,10 +25,9 @@ import httpx  # noqa: E402
 
 import sart  # noqa: E402
 from sart.engines.streaming import Chunk, StreamingEngine  # noqa: E402
-from sart.serve import Backend, ServeConfig, create_app  # noqa: E402
 from sart.serve.engine import ServingEngine  # noqa: E402
-from sart.testing import BranchScript, FakeEngine, FakeStreamingEngine, ScriptedPRM  # noqa: E402
-from serving import Served  # noqa: E402
+from sart.testing import BranchScript, FakeEngine, FakeStreamingEngine  # noqa: E402
+from serving import Served, scripted_apps  # noqa: E402
 
 MODEL = "fake"
 LENGTH = 40
@@ -40,18 +39,8 @@ def script(branch: sart.BranchId) -> BranchScript:
 
 @pytest.fixture
 def serve() -> Iterator[Callable[..., Served]]:
-    started: list[Served] = []
-
-    def start(engine: Any, **settings: object) -> Served:
-        config = ServeConfig(models=(MODEL,), api_key="key", **settings)  # type: ignore[arg-type]
-        prm = ScriptedPRM(lambda branch: BranchScript(rewards=(0.9,)), every=4)
-        served = Served(create_app(config, Backend(engine, prm)), engine).__enter__()
-        started.append(served)
-        return served
-
-    yield start
-    for served in started:
-        served.__exit__()
+    with scripted_apps(MODEL) as start:
+        yield start
 
 
 def streamed(served: Served, **body: Any) -> list[dict[str, Any]]:

@@ -368,10 +368,12 @@ class StreamingEngine(abc.ABC):
                 rid: request_reach(group.values(), max_steps, until_first_end)
                 for rid, group in groups.items()
             }
-            if self._interrupted or not reach or any(done for _, done in reach.values()):
-                return groups, {rid: steps for rid, (steps, _) in reach.items()}
             every = self.report_every
-            if any(rid in every and steps >= every[rid] for rid, (steps, _) in reach.items()):
+            due = any(
+                done or (rid in every and steps >= every[rid])
+                for rid, (steps, done) in reach.items()
+            )
+            if self._interrupted or not reach or due:
                 return groups, {rid: steps for rid, (steps, _) in reach.items()}
             return None
 
