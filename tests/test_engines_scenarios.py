@@ -54,6 +54,11 @@ TOKEN_PROMPT_CONTEXT = "context limit on token prompts"
 VOCABULARY = "vocabulary"
 SEEDS = "reproducible seeds"
 SAMPLING = "vLLM's sampling fields"
+STEP_HOOKS = "a step engine's interrupt and watchers"
+BRIDGED = (
+    "an async engine, here behind a SyncBridge: a server awaits it on its own loop, where "
+    "its step returns early itself (report_every, interrupt: test_engines_streaming.py)"
+)
 
 
 class Adapter:
@@ -213,6 +218,7 @@ class VLLM(Adapter):
 
 class VLLMAsync(Adapter):
     runs_ahead = True
+    lacks: ClassVar[Mapping[str, str]] = {STEP_HOOKS: BRIDGED}
     context_len = VLLM_ENGINE_ARGS["max_model_len"]
 
     def __init__(self, bridge: Any, demo_models: dict[str, Path]) -> None:
@@ -260,6 +266,7 @@ class VLLMAsync(Adapter):
 
 class OpenAI(Adapter):
     runs_ahead = True
+    lacks: ClassVar[Mapping[str, str]] = {STEP_HOOKS: BRIDGED}
     context_len = VLLM_SERVER_MAX_MODEL_LEN
 
     def __init__(self, url: str, demo_models: dict[str, Path]) -> None:
@@ -316,6 +323,7 @@ class SGLangOnTheStandIn(Adapter):
         SAMPLING: "the stand-in has no model to sample from: it takes the fields and "
         "changes nothing",
         VOCABULARY: "the stand-in has no vocabulary",
+        STEP_HOOKS: BRIDGED,
     }
 
     def __init__(self, module: Any) -> None:
@@ -350,6 +358,7 @@ class SGLang(Adapter):
         SEEDS: "SGLang honours sampling_seed only with enable_deterministic_inference, "
         "which needs a GPU attention backend (fa3, flashinfer, triton...): SGLang's CPU "
         "path (torch_native) refuses it, so seeded branches are not reproducible there",
+        STEP_HOOKS: BRIDGED,
     }
 
     def __init__(self, engine: Any, demo_models: dict[str, Path]) -> None:
@@ -414,7 +423,7 @@ class OpenAIOnSGLang(OpenAI):
     its scheduler), and with the tokenizer the engine refuses them first."""
 
     context_len = SGLANG_CONTEXT_LEN
-    lacks: ClassVar[Mapping[str, str]] = {SEEDS: SGLang.lacks[SEEDS]}
+    lacks: ClassVar[Mapping[str, str]] = {SEEDS: SGLang.lacks[SEEDS], STEP_HOOKS: BRIDGED}
 
     def __init__(self, url: str, demo_models: dict[str, Path]) -> None:
         from transformers import AutoTokenizer
@@ -571,6 +580,59 @@ def test_abort_frees_the_branch_in_the_backend(adapter: Adapter) -> None:
     e.release_prefix("a")  # aborts the other two
     assert e.stats() == sart.EngineStats(0, 0, capacity)
     adapter.backend_runs(0)
+
+
+def test_an_interrupt_ends_the_step_after_its_decode_step(adapter: Adapter) -> None:
+    adapter.require(STEP_HOOKS)
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=40, seed=3, ignore_eos=True)
+
+    def tokens(interrupt_at: list[int]) -> list[int]:
+        e = adapter.fresh()
+        e.prefill("a", PROMPTS[1], sampling)
+        e.start_branches("a", [BranchSpec(0, 0)])
+        made: list[int] = []
+        for limit in (10, 10, 10):
+            if interrupt_at and len(made) == interrupt_at[0]:
+                interrupt_at.pop(0)
+                e.interrupt()  # before the step: it returns after one decode step
+                out = e.step(limit)
+                assert out.steps == 1 and out.deltas[BranchId("a", 0)].new_tokens == 1
+            else:
+                out = e.step(limit)
+            made += out.deltas[BranchId("a", 0)].token_ids
+        e.release_prefix("a")
+        return made
+
+    # Taken once: the next step runs its whole chunk; the tokens are those of an
+    # uninterrupted run, in shorter steps.
+    interrupted = tokens([0, 11])
+    assert len(interrupted) == 1 + 10 + 1
+    assert interrupted == tokens([])[: len(interrupted)]
+
+
+def test_watchers_get_each_decode_steps_tokens(adapter: Adapter) -> None:
+    adapter.require(STEP_HOOKS)
+    e = adapter.fresh()
+    sampling = sart.SamplingSettings(temperature=1.0, max_tokens=20, seed=3, ignore_eos=True)
+    pieces: list[tuple[BranchId, sart.BranchDelta]] = []
+    e.watchers["a"] = lambda bid, piece: pieces.append((bid, piece))
+    for rid in ("a", "b"):
+        e.prefill(rid, PROMPTS[1], sampling)
+        e.start_branches(rid, [BranchSpec(0, 0), BranchSpec(1, 1)])
+    outs = [e.step(6), e.step(20)]  # the second runs to the end (max_tokens)
+    for index in (0, 1):  # only the watched request's, a piece per step, as the step says
+        bid = BranchId("a", index)
+        mine = [piece for b, piece in pieces if b == bid]
+        assert [p.new_tokens for p in mine] == [1] * 20 + [0]
+        made = tuple(t for out in outs for t in out.deltas[bid].token_ids)
+        assert tuple(t for p in mine for t in p.token_ids) == made
+        assert "".join(p.text for p in mine) == "".join(out.deltas[bid].text for out in outs)
+        end, last = mine[-1], outs[-1].deltas[bid]  # then its end, as the step reports it
+        assert (end.finish, end.end_offset) == (last.finish, last.end_offset)
+        assert end.finish is FinishReason.LENGTH
+    assert {b.request_id for b, _ in pieces} == {"a"}
+    e.release_prefix("a")
+    e.release_prefix("b")
 
 
 def test_max_tokens_truncates(adapter: Adapter) -> None:

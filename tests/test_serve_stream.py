@@ -1,7 +1,8 @@
 """Streams of requests whose one branch is their answer (``vanilla``): sent as the engine
 makes them, as ``vllm serve`` streams (``sart.serve.events``), on a streaming engine (the
-server's early reports, ``StreamingEngine.report_every``) and on an engine that steps
-(the request's decode chunks shortened to ``--stream-interval``).
+server's early reports, ``StreamingEngine.report_every``), on a step engine that hands
+over each decode step's tokens (``watchers``, as the transformers and vLLM engines do),
+and on one that does not (the request's decode chunks shortened to ``--stream-interval``).
 
 Servers run in this process on 127.0.0.1 (uvicorn, the real app) on sart's public
 scripted engines; clients are the official ``openai`` client and ``httpx``. The testbed
@@ -75,14 +76,21 @@ class PacedStreamingEngine(FakeStreamingEngine):
             await asyncio.sleep(self.pace)
 
 
-ENGINES = {"streaming": PacedStreamingEngine, "stepping": FakeEngine}
+def watching_fake(script: Any) -> FakeEngine:
+    return FakeEngine(script, watch=True)
+
+
+ENGINES = {"streaming": PacedStreamingEngine, "stepping": FakeEngine, "watching": watching_fake}
 
 
 @pytest.mark.parametrize("kind", ENGINES)
 def test_a_one_branch_request_streams_its_tokens_as_they_are_made(serve, kind: str) -> None:
-    served = serve(ENGINES[kind](script), interval=400)
+    engine = ENGINES[kind](script)
+    served = serve(engine, interval=400)
     whole = served.post("/v1/completions", {"model": MODEL, "prompt": "q", "method": "vanilla"})
     answer = whole.json()["choices"][0]["text"]
+    log = getattr(engine, "log", [])
+    log.clear()
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = streamed(served, method="vanilla", stream_options=options)
     pieces = texts(chunks)
@@ -90,8 +98,12 @@ def test_a_one_branch_request_streams_its_tokens_as_they_are_made(serve, kind: s
     assert "".join(pieces) == answer and len(pieces) > 1
     made = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert made == sorted(made) and made[-1] == LENGTH
-    if kind == "stepping":  # every token in a chunk of its own (--stream-interval 1)
+    if kind != "streaming":  # every token in a chunk of its own (--stream-interval 1)
         assert len(pieces) == LENGTH and made[:LENGTH] == list(range(1, LENGTH + 1))
+    if kind == "watching":  # in decode chunks of T: the engine hands each step's token over
+        assert {call[1] for call in log if call[0] == "step"} == {400}
+    elif kind == "stepping":  # in decode chunks of one token
+        assert {call[1] for call in log if call[0] == "step"} == {1}
     finish = chunks[-2]["choices"][0]
     assert (finish["text"], finish["finish_reason"]) == ("", "stop")
     assert chunks[-1]["usage"]["completion_tokens"] == LENGTH
@@ -107,6 +119,8 @@ def test_the_stream_interval_bounds_the_tokens_of_a_chunk(serve, kind: str) -> N
     assert sum(steps) == LENGTH and len(steps) > 1
     if kind == "stepping":  # a step engine reports exactly the decode chunks it was given
         assert steps == [8] * (LENGTH // 8)
+    elif kind == "watching":  # the first token at once, then 8 at a time, as vLLM does
+        assert steps == [1, 8, 8, 8, 8, 7]
     else:  # a streaming engine reports the first at once, then once 8 are made, and the end
         assert min(steps[1:-1]) >= 8
 
@@ -182,7 +196,7 @@ def test_a_listened_request_is_reported_as_soon_as_it_has_made_its_tokens() -> N
     async def main() -> None:
         inner = StallingEngine()
         engine = ServingEngine(inner)
-        assert engine.reports_early
+        assert engine.streams_tokens
         heard: list[sart.BranchDelta] = []
         engine.listen("a", heard.append, every=8)
         sampling = sart.SamplingSettings(max_tokens=100)
@@ -215,3 +229,59 @@ def test_a_stream_opens_once_prefilled_on_an_engine_that_prefills_at_once(serve)
     ) as reply:
         assert reply.status_code == 200
         assert served.metric("sart:num_requests_running") == 1  # still undecided
+
+
+def test_a_watched_step_engine_reports_the_first_token_then_every_k_across_steps() -> None:
+    async def main() -> None:
+        inner = FakeEngine(lambda branch: BranchScript(length=12), watch=True)
+        engine = ServingEngine(inner)
+        assert engine.streams_tokens
+        heard: list[sart.BranchDelta] = []
+        engine.listen("a", heard.append, every=3)
+        await engine.prefill("a", "a", sart.SamplingSettings(max_tokens=100))
+        await engine.start_branches("a", [sart.BranchSpec(0, 0)])
+        outputs = [await engine.step(5) for _ in range(3)]
+        # What is held at a step's end waits for the next (tokens 5, then 11-12 with the end).
+        assert [d.new_tokens for d in heard] == [1, 3, 3, 3, 2]
+        assert [d.finish for d in heard] == [None] * 4 + [sart.FinishReason.STOP]
+        whole = "".join(o.deltas[sart.BranchId("a", 0)].text for o in outputs)
+        assert "".join(d.text for d in heard) == whole
+        engine.forget("a")
+        assert inner.watchers == {}
+        await engine.release_prefix("a")
+
+    asyncio.run(main())
+
+
+def test_a_step_engine_without_watchers_is_not_watched() -> None:
+    assert not ServingEngine(FakeEngine()).streams_tokens
+    assert ServingEngine(FakeEngine(watch=True)).streams_tokens
+
+
+def test_a_listened_request_that_ends_ends_a_step_engines_decode_chunk(demo_models) -> None:
+    """Its answer goes out then, not when the rest of the batch's decode chunk is done."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from sart.engines.hf import HFEngine
+
+    async def main() -> None:
+        inner = HFEngine.from_pretrained(str(demo_models["policy"]), dtype=torch.float32)
+        engine = ServingEngine(inner)
+        heard: list[sart.BranchDelta] = []
+        engine.listen("short", heard.append, every=1)
+        for rid, tokens in (("short", 3), ("long", 50)):
+            sampling = sart.SamplingSettings(max_tokens=tokens, ignore_eos=True)
+            await engine.prefill(rid, "a", sampling)
+            await engine.start_branches(rid, [sart.BranchSpec(0, 0)])
+        output = await engine.step(40)
+        assert output.steps == 3  # the short one's last decode step
+        assert output.deltas[sart.BranchId("short", 0)].finish is sart.FinishReason.LENGTH
+        assert [d.new_tokens for d in heard] == [1, 1, 1, 0]
+        assert heard[-1].finish is sart.FinishReason.LENGTH
+        assert (await engine.step(40)).steps == 40  # the long one alone: its whole chunk
+        engine.forget("short")
+        await engine.release_prefix("short")
+        await engine.release_prefix("long")
+        engine.close()
+
+    asyncio.run(main())

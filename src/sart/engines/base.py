@@ -25,6 +25,12 @@ their KV, but keep their generated tokens) and accepts
 ``BranchSpec(resume=True)`` for a paused branch (it goes on from those tokens,
 their KV recomputed: the prefix cache serves the prompt); the scheduler pauses
 less urgent requests' branches for more urgent ones (``Request.priority``).
+A step engine with a ``watchers`` mapping (``watches_steps``) hands each decode
+step's tokens of a watched request to its callback as it makes them, during
+``step`` (a server streams them without cutting the batch's decode chunks); one
+with an ``interrupt()`` (``StepInterrupt``), called from another thread, ends
+the ``step`` in flight after its current decode step (a server starts a request
+that arrived for a free slot without waiting for the decode chunk to end).
 
 Failures: raising ``EngineError(request_ids=...)`` says the call failed only
 for those requests and changed nothing else; the driver fails them and goes
@@ -33,7 +39,8 @@ on. Any other exception fails every request the call involved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -42,12 +49,47 @@ from sart.clock import Clock
 from sart.messages import BranchDelta, BranchSpec, StepOutput, TokenLogprobs
 from sart.types import EXTRA_SAMPLING, BranchId, FinishReason, Prompt, SamplingSettings
 
+Watcher = Callable[[BranchId, BranchDelta], None]
+"""Called, on the thread running ``step``, with a branch and what one decode step made
+of it (tokens, text, logprobs), then, if it ended, a piece of no tokens that says how
+(``finish``, ``end_offset``, ``stop_reason``: as the step's output says it)."""
+
+
+class StepInterrupt:
+    """A step engine's ``interrupt``: ``interrupt(steps)``, called from any thread, makes
+    the ``step`` in flight (or else the next one) return within ``steps`` more decode
+    steps (1: after the one it is in; the soonest asked wins). The engine's loop asks
+    ``taken()`` after each decode step."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # asked on the loop's thread, taken on the engine's
+        self._left: int | None = None
+
+    def __call__(self, steps: int = 1) -> None:
+        with self._lock:
+            self._left = steps if self._left is None else min(self._left, steps)
+
+    def taken(self) -> bool:
+        """Whether the step must return now (one decode step done since the last call)."""
+        if self._left is None:  # the common case, without the lock
+            return False
+        with self._lock:
+            if self._left is None:
+                return False
+            if self._left > 1:
+                self._left -= 1
+                return False
+            self._left = None
+            return True
+
 
 class StepDeltas:
     """Accumulates what each branch did over the decode steps of one ``step`` call,
-    for adapters that decode step by step (transformers, vLLM)."""
+    for adapters that decode step by step (transformers, vLLM); hands each step's
+    piece of a watched request to its ``watchers`` callback as it is added."""
 
-    def __init__(self) -> None:
+    def __init__(self, watchers: Mapping[str, Watcher] | None = None) -> None:
+        self._watchers = watchers
         self._tokens: dict[BranchId, list[int]] = {}
         self._texts: dict[BranchId, list[str]] = {}
         self._ends: dict[BranchId, tuple[FinishReason, int]] = {}
@@ -66,6 +108,10 @@ class StepDeltas:
         self._texts.setdefault(branch, []).append(text)
         if logprobs:
             self._logprobs.setdefault(branch, []).extend(logprobs)
+        watcher = self._watchers.get(branch.request_id) if self._watchers else None
+        if watcher is not None:
+            piece = BranchDelta(len(token_ids), text, token_ids=tuple(token_ids))
+            watcher(branch, attrs.evolve(piece, logprobs=tuple(logprobs)) if logprobs else piece)
 
     def end(
         self,
@@ -79,6 +125,9 @@ class StepDeltas:
         self._ends[branch] = (reason, step)
         if stop_reason is not None:
             self._stop_reasons[branch] = stop_reason
+        watcher = self._watchers.get(branch.request_id) if self._watchers else None
+        if watcher is not None:
+            watcher(branch, BranchDelta(0, "", reason, step, stop_reason=stop_reason))
 
     def output(self, steps: int) -> StepOutput:
         deltas = {}
@@ -212,6 +261,12 @@ def supports_pause(engine: object) -> bool:
 def supports_fork(engine: object) -> bool:
     """Whether the engine can start a branch from a live branch's state."""
     return bool(getattr(engine, "supports_fork", False))
+
+
+def watches_steps(engine: object) -> bool:
+    """Whether the step engine hands a request's tokens to a callback as each decode step
+    makes them (its ``watchers``: request id to ``Watcher``)."""
+    return isinstance(getattr(engine, "watchers", None), dict)
 
 
 def sampling_fields(engine: object) -> frozenset[str]:

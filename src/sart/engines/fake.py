@@ -17,6 +17,10 @@ Log-probabilities: a request whose ``SamplingSettings.logprobs`` is ``k``
 scripted sampled-token logprob and ``k`` top values whose negative mean is the
 scripted confidence; not a real distribution). A request that did not ask
 costs nothing more.
+
+With ``watch=True`` it has ``watchers`` (``sart.engines.base.watches_steps``), as
+the transformers and vLLM engines do: a watched request's tokens go to its
+callback one step at a time, during ``step``.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 import attrs
 
 from sart.clock import VirtualClock
-from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput
+from sart.engines.base import BranchDelta, BranchSpec, EngineStats, StepOutput, Watcher
 from sart.engines.ledger import Prefix, PrefixLedger
 from sart.engines.scripts import BranchScript, ScriptLike, as_script
 from sart.errors import EngineError, EngineMisuse
@@ -75,6 +79,7 @@ class FakeEngine:
         fail_start: Collection[str] = (),
         fail_step: Mapping[BranchId, int] | None = None,
         fail_pause: Collection[str] = (),
+        watch: bool = False,
     ) -> None:
         self.script = as_script(script)
         self.max_branches = max_branches
@@ -89,6 +94,8 @@ class FakeEngine:
         """Every call, as ``(operation, args...)``, for tests to inspect."""
         self.peak_live = 0
         self.steps = 0
+        self.watchers: dict[str, Watcher] | None = {} if watch else None
+        """With ``watch``: requests whose tokens go to a callback step by step."""
         # Strict: misuse raises EngineMisuse, and releasing a prefix with live branches too.
         self._ledger: PrefixLedger[None, _Live] = PrefixLedger(strict=True)
 
@@ -164,17 +171,34 @@ class FakeEngine:
                 if live.logprobs is None
                 else live.script.logprobs_span(live.pos, live.pos + n, live.logprobs)
             )
+            watcher = self.watchers.get(bid.request_id) if self.watchers else None
+            if watcher is not None:
+                self._tell(watcher, bid, live, n)
             live.pos += n
             if live.pos == live.end:
                 deltas[bid] = BranchDelta(
                     new_tokens=n, text=text, finish=live.reason, end_offset=n, logprobs=logprobs
                 )
+                if watcher is not None:
+                    watcher(bid, BranchDelta(0, "", live.reason, n))
                 self._ledger.end(bid)
             else:
                 deltas[bid] = BranchDelta(new_tokens=n, text=text, logprobs=logprobs)
         self.steps += horizon
         self.clock.advance(cost)
         return StepOutput(steps=horizon, deltas=deltas)
+
+    @staticmethod
+    def _tell(watcher: Watcher, bid: BranchId, live: _Live, n: int) -> None:
+        """Hand the branch's next ``n`` tokens to ``watcher``, one step each (``step``
+        then tells it of the branch's end, if it ended)."""
+        for pos in range(live.pos, live.pos + n):
+            logprobs = (
+                ()
+                if live.logprobs is None
+                else live.script.logprobs_span(pos, pos + 1, live.logprobs)
+            )
+            watcher(bid, BranchDelta(1, live.script.text_span(pos, pos + 1), logprobs=logprobs))
 
     def abort(self, branch_ids: Sequence[BranchId]) -> None:
         self.log.append(("abort", tuple(branch_ids)))

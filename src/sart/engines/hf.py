@@ -76,7 +76,9 @@ from sart.engines.base import (
     BranchSpec,
     EngineStats,
     StepDeltas,
+    StepInterrupt,
     StepOutput,
+    Watcher,
 )
 from sart.engines.hf_branch import Branch, PromptKV
 from sart.engines.hf_kv import InPlaceCache, Span, StepBatch, StepBatches
@@ -138,6 +140,12 @@ class HFEngine:
         Off by default until measured faster on a GPU (``scripts/gpu_check.py``)."""
         self.graphs_failed: str | None = None
         """Why ``static`` was turned off mid-run (a capture failed), if it was."""
+        self.interrupt = StepInterrupt()
+        """Ends the ``step`` in flight within the decode steps asked, from any thread
+        (``StepInterrupt``; a server's arrivals and streams' ends)."""
+        self.watchers: dict[str, Watcher] = {}
+        """Requests whose tokens go to a callback as each decode step makes them
+        (``sart.engines.base.watches_steps``; a server streaming them)."""
 
     @classmethod
     def from_pretrained(
@@ -207,12 +215,12 @@ class HFEngine:
             self._recompute(branch)
 
     def step(self, max_steps: int, until_first_end: bool = False) -> StepOutput:
-        deltas = StepDeltas()
+        deltas = StepDeltas(self.watchers)
         steps = 0
         while steps < max_steps and self._ledger.branches:
             steps += 1
             ended = self._decode_one(steps, deltas)
-            if ended and until_first_end:
+            if (ended and until_first_end) or self.interrupt.taken():
                 break
         return deltas.output(steps)
 

@@ -120,7 +120,14 @@ from sart.engines.vllm_common import (  # isort: skip
 from vllm.engine.arg_utils import EngineArgs  # isort: skip
 from vllm.v1.engine.llm_engine import LLMEngine  # isort: skip
 
-from sart.engines.base import BranchSpec, EngineStats, StepDeltas, StepOutput
+from sart.engines.base import (
+    BranchSpec,
+    EngineStats,
+    StepDeltas,
+    StepInterrupt,
+    StepOutput,
+    Watcher,
+)
 from sart.engines.ledger import PrefixLedger, cap_max_tokens
 from sart.errors import EngineError
 from sart.types import BranchId, Prompt, SamplingSettings
@@ -155,6 +162,12 @@ class VLLMEngine(VLLMInputs):
         self._ledger: PrefixLedger[_PromptIds, list[int]] = PrefixLedger()
         self._errors: dict[str, str] = {}  # request id -> why vLLM ended a branch of it
         self._warned = False
+        self.interrupt = StepInterrupt()
+        """Ends the ``step`` in flight within the decode steps asked, from any thread
+        (``StepInterrupt``; a server's arrivals and streams' ends)."""
+        self.watchers: dict[str, Watcher] = {}
+        """Requests whose tokens go to a callback as each decode step makes them
+        (``sart.engines.base.watches_steps``; a server streaming them)."""
 
     # ------------------------------------------------------------- contract
 
@@ -210,7 +223,7 @@ class VLLMEngine(VLLMInputs):
         if self._errors:
             errors, self._errors = self._errors, {}
             raise EngineError("; ".join(why for _, why in sorted(errors.items())), errors)
-        deltas = StepDeltas()
+        deltas = StepDeltas(self.watchers)
         lost: set[BranchId] = set()  # vLLM ended them itself: reported as failures, not here
         steps = 0
         while steps < max_steps and self._ledger.branches:
@@ -243,7 +256,7 @@ class VLLMEngine(VLLMInputs):
                 for bid in list(self._ledger.branches):  # vLLM holds none of them any more
                     self._lose(bid, f"vLLM lost branch {bid}")
                 break
-            if ended and until_first_end:
+            if (ended and until_first_end) or (produced and self.interrupt.taken()):
                 break
         output = deltas.output(steps)
         if not lost:

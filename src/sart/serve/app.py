@@ -255,9 +255,9 @@ async def _complete(http: HTTPRequest, *, chat: bool) -> Response:
     rid = answer_id if not service.is_open(answer_id) else f"{answer_id}-{uuid.uuid4().hex[:8]}"
     kwargs = plan.request_kwargs
     live = plan.stream and events.streams_live(kwargs["policy"])
-    if live and not service.engine.reports_early and not kwargs["policy"].scores_running:
-        # An engine that steps reports tokens at the end of each decode chunk, which
-        # the request's interval bounds; its checks read no rewards, so they cost nothing.
+    if live and not service.engine.streams_tokens and not kwargs["policy"].scores_running:
+        # A step engine without watchers reports tokens at the end of each decode chunk,
+        # which the request's interval bounds; its checks read no rewards: they cost nothing.
         interval = min(kwargs["policy"].interval, config.stream_interval)
         kwargs = {**kwargs, "policy": attrs.evolve(kwargs["policy"], interval=interval)}
     try:

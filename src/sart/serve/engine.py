@@ -39,6 +39,13 @@ answers HTTP. Two things stand between that driver and an engine:
   within each request, as its checks need) and, when a request arrives while a
   slot is free (``arrived``), interrupts the step in flight so that it starts
   at once.
+- **A step engine's decode chunk is long** (up to ``T`` steps: a vanilla
+  request's is 400). Where the engine can be interrupted (``StepInterrupt``:
+  the transformers and vLLM engines), an arrival for a free slot ends the
+  chunk in flight after its current decode step, as on a streaming engine; and
+  a streamed one-branch request's tokens reach its stream step by step
+  (``listen``, through the engine's ``watchers``), not at the chunk's end, and
+  its end ends the chunk within ``--stream-interval`` steps.
 
 It also keeps what the HTTP layer needs from the engine without touching it
 while it runs on the worker thread: each request's prompt length
@@ -54,6 +61,8 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
+
 from sart.engines.base import (
     BranchDelta,
     BranchSpec,
@@ -63,6 +72,7 @@ from sart.engines.base import (
     sampling_fields,
     supports_fork,
     supports_pause,
+    watches_steps,
 )
 from sart.engines.sync_bridge import SyncBridge
 from sart.errors import EngineError
@@ -113,15 +123,24 @@ class ServingEngine:
         self._cancelled: dict[str, str] = {}  # request id -> why (its calls' refusal)
         self._aborted: set[BranchId] = set()  # by a cancel, before the driver's abort
         self._cancel_wake = asyncio.Event()
-        # Only an engine on this loop can be interrupted from it (not a SyncBridge's).
-        self._interrupt = getattr(engine, "interrupt", None) if not self._sync else None
-        if self._interrupt is not None:
+        # A streaming engine on this loop, or a step engine on the worker thread, can be
+        # interrupted from the loop (a SyncBridge, on a loop of its own, has no interrupt).
+        self._interrupt = getattr(engine, "interrupt", None)
+        if self._interrupt is not None and not self._sync:
             engine.per_request_steps = True
-        self.reports_early = self._interrupt is not None and hasattr(engine, "report_every")
-        """Whether the engine reports a request's tokens as soon as it has made a few
-        (``listen``'s ``every``); where not, a step reports them, every decode chunk."""
+        reports_early = (
+            not self._sync and self._interrupt is not None and hasattr(engine, "report_every")
+        )
+        self._watch = self._sync and watches_steps(engine)
+        self.streams_tokens = reports_early or self._watch
+        """Whether a listened request's tokens reach its listener as the engine makes
+        them, whatever the driver's decode chunks: a streaming engine's step returns early
+        for them (``report_every``), a step engine hands each decode step's tokens over
+        (``watchers``). Where not, a step reports them, every decode chunk."""
+        self._early = reports_early
         self._listeners: dict[str, Callable[[BranchDelta], None]] = {}
         self._every: dict[str, int] = {}  # listened to, first token not yet reported
+        self._held: dict[str, _Held] = {}  # watched: pieces not yet reported
 
     # ------------------------------------------------------------- arrivals
 
@@ -131,8 +150,9 @@ class ServingEngine:
 
     def arrived(self) -> None:
         """A request arrived for a free slot: a streaming engine's step in flight
-        returns now (each request reporting what all its branches have made), so that
-        the driver prefills and starts it without waiting for a branch to end."""
+        returns now (each request reporting what all its branches have made), a step
+        engine's after its current decode step, so that the driver prefills and starts
+        it without waiting for a branch, or the decode chunk, to end."""
         if self._interrupt is not None:
             self._interrupt()
 
@@ -154,16 +174,35 @@ class ServingEngine:
         the request's first token at once and then whenever it has made ``every`` more,
         as vLLM's ``stream_interval``."""
         self._listeners[request_id] = on_delta
-        if self.reports_early:
+        if self._early:
             self._every[request_id] = every
             self.inner.report_every[request_id] = 1
+        elif self._watch:
+            self._held[request_id] = _Held(every)
+            post = asyncio.get_running_loop().call_soon_threadsafe
+            interrupt = self._interrupt
+
+            def watcher(bid: BranchId, piece: BranchDelta) -> None:
+                # On the worker thread, mid-step. Its branch's end ends the step within
+                # ``every`` decode steps (the request's answer is then sent, not held until
+                # the decode chunk ends; ends close together share one short step); the
+                # piece is handled on the loop, before the step's own return is (both go
+                # through the loop's queue, in order).
+                if piece.finish is not None and interrupt is not None:
+                    interrupt(every)
+                post(self._watched, bid, piece)
+
+            self.inner.watchers[request_id] = watcher
 
     def forget(self, request_id: str) -> None:
         """Drop what is kept of a finished request."""
         self._listeners.pop(request_id, None)
         self._every.pop(request_id, None)
-        if self.reports_early:
+        if self._early:
             self.inner.report_every.pop(request_id, None)
+        elif self._watch:
+            self.inner.watchers.pop(request_id, None)
+            self._held.pop(request_id, None)
         self._cancelled.pop(request_id, None)
         self.prompt_tokens.pop(request_id, None)
         self._live.pop(request_id, None)
@@ -204,6 +243,8 @@ class ServingEngine:
         for bid, delta in output.deltas.items():
             if delta.finish is not None:
                 self._ended(bid)
+            if bid.request_id in self._held:  # watched: its news came piece by piece
+                continue
             listener = self._listeners.get(bid.request_id)
             if listener is not None and (delta.new_tokens or delta.finish is not None):
                 listener(delta)
@@ -269,6 +310,21 @@ class ServingEngine:
             if not step.done():  # this call itself was cancelled
                 step.cancel()
 
+    def _watched(self, bid: BranchId, piece: BranchDelta) -> None:
+        """A watched step engine's piece of a listened request: reported once the first
+        token, then ``every`` more, are held, or with what is held at its branch's end."""
+        held = self._held.get(bid.request_id)
+        listener = self._listeners.get(bid.request_id)
+        if held is None or listener is None:  # forgotten meanwhile
+            return
+        if piece.finish is not None:
+            listener(held.take(piece))
+            return
+        held.pieces.append(piece)
+        held.tokens += piece.new_tokens
+        if held.tokens >= held.due:
+            listener(held.take())
+
     def _ended(self, bid: BranchId) -> None:
         live = self._live.get(bid.request_id)
         if live is not None:
@@ -287,3 +343,30 @@ class ServingEngine:
             return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
         finally:
             self._busy = False
+
+
+@attrs.define
+class _Held:
+    """A watched request's pieces not yet reported to its listener."""
+
+    every: int
+    due: int = 1  # tokens to hold before reporting: the first at once, then ``every``
+    pieces: list[BranchDelta] = attrs.Factory(list)
+    tokens: int = 0
+
+    def take(self, end: BranchDelta | None = None) -> BranchDelta:
+        """The held pieces as one delta (with ``end``'s ``finish``, its branch's end),
+        emptied."""
+        pieces, self.pieces = self.pieces, []
+        self.tokens, self.due = 0, self.every
+        joined = BranchDelta(
+            sum(p.new_tokens for p in pieces),
+            "".join(p.text for p in pieces),
+            token_ids=tuple(t for p in pieces for t in p.token_ids),
+            logprobs=tuple(lp for p in pieces for lp in p.logprobs),
+        )
+        if end is None:
+            return joined
+        return attrs.evolve(
+            joined, finish=end.finish, end_offset=end.end_offset, stop_reason=end.stop_reason
+        )

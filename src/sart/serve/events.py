@@ -16,9 +16,10 @@ streamed as it is made instead, as ``vllm serve`` streams it:
 2. For chat, a first chunk carrying the assistant role.
 3. A one-branch request: a chunk with each piece of its text as the engine
    reports it (the first token at once, then every ``--stream-interval``
-   tokens, as vLLM's; on an engine that steps, every decode chunk: ``app``
-   shortens such a request's chunks to the interval), with those tokens'
-   ``logprobs`` if asked.
+   tokens, as vLLM's: a streaming engine's step returns early for it, a step
+   engine with ``watchers`` hands over each decode step's tokens; on a step
+   engine without, every decode chunk: ``app`` shortens such a request's
+   chunks to the interval), with those tokens' ``logprobs`` if asked.
 4. While the request is undecided, an SSE comment (``: keep-alive``) every
    ``keepalive`` seconds without an event, if set: proxies and load balancers
    then see a live connection. The default is none, as vLLM's server sends
