@@ -3,8 +3,6 @@ watchers (the engines' own use of them is in ``test_engines_scenarios.py``)."""
 
 from __future__ import annotations
 
-import threading
-
 import sart
 from sart.engines.base import StepDeltas, StepInterrupt, watches_steps
 from sart.testing import FakeEngine
@@ -34,14 +32,6 @@ def test_an_interrupt_within_k_steps_is_taken_after_k_and_the_soonest_wins() -> 
     interrupt(3)  # sooner
     interrupt(8)  # later: changes nothing
     assert decode_steps_until_taken(interrupt) == 3
-
-
-def test_interrupts_from_another_thread_are_not_lost() -> None:
-    interrupt = StepInterrupt()
-    asked = threading.Thread(target=lambda: [interrupt() for _ in range(10_000)])
-    asked.start()
-    asked.join()
-    assert interrupt.taken() and not interrupt.taken()
 
 
 def test_step_deltas_hand_a_watched_requests_pieces_and_end_to_its_watcher() -> None:
