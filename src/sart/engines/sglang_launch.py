@@ -70,10 +70,18 @@ def start_engine(sglang: Any, model_path: str, server_args: dict[str, Any]) -> A
 
 
 def _failed_start(before: set[Any], main: bool, previous: Any) -> None:
-    """After a start that failed: its children killed, SIGQUIT's handler as it was."""
-    _kill(_children() - before)
+    """After a start that failed: its children killed, SIGQUIT's handler as it was.
+
+    Another failing child may send its SIGQUIT meanwhile: ignored while they are
+    killed (raised in the middle of the cleanup, it escaped as a bare traceback: seen
+    once in CI, ``--sglang-arg tp_size=2``)."""
     if main:
-        signal.signal(signal.SIGQUIT, previous)
+        signal.signal(signal.SIGQUIT, signal.SIG_IGN)
+    try:
+        _kill(_children() - before)
+    finally:
+        if main:
+            signal.signal(signal.SIGQUIT, previous)
 
 
 def _raise_child_failed(signum: int, frame: FrameType | None) -> None:
