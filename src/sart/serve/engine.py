@@ -128,16 +128,15 @@ class ServingEngine:
         self._interrupt = getattr(engine, "interrupt", None)
         if self._interrupt is not None and not self._sync:
             engine.per_request_steps = True
-        reports_early = (
+        self._early = (  # a streaming engine reports a listened request's tokens early
             not self._sync and self._interrupt is not None and hasattr(engine, "report_every")
         )
         self._watch = self._sync and watches_steps(engine)
-        self.streams_tokens = reports_early or self._watch
+        self.streams_tokens = self._early or self._watch
         """Whether a listened request's tokens reach its listener as the engine makes
         them, whatever the driver's decode chunks: a streaming engine's step returns early
         for them (``report_every``), a step engine hands each decode step's tokens over
         (``watchers``). Where not, a step reports them, every decode chunk."""
-        self._early = reports_early
         self._listeners: dict[str, Callable[[BranchDelta], None]] = {}
         self._every: dict[str, int] = {}  # listened to, first token not yet reported
         self._held: dict[str, _Held] = {}  # watched: pieces not yet reported
